@@ -1,0 +1,1 @@
+"""gpipe-repro: GPipe pipeline-parallel training for PyTorch."""
