@@ -1,7 +1,18 @@
-"""The `gpipe-repro` command line."""
+"""The `gpipe-repro` command line: every module in `gpipe_repro.commands` adds its commands."""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+import gpipe_repro.commands as _commands
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="GPipe pipeline-parallel training and the GPipe paper's experiments.")
+
+for _info in sorted(pkgutil.iter_modules(_commands.__path__), key=lambda i: i.name):
+    importlib.import_module(f"{_commands.__name__}.{_info.name}").register(app)
 
 
 def main() -> None:

@@ -1,0 +1,97 @@
+"""What may cross a cell boundary, and how it crosses.
+
+A boundary value is a tensor, or a tuple (nested tuples allowed) of tensors and plain values
+(None, bool, int, float, str). Floating tensors carry a gradient back across a cell boundary; integer
+and bool tensors (token ids, masks) and plain values travel forward only. This is the rule of
+`torch.utils.checkpoint`, and for the same reason: a checkpointed forward runs under `no_grad`, where
+nothing requires grad, so "does this output require grad" cannot be known until the recompute. The
+producer drops a gradient that arrives for an output it did not differentiate (a float mask, say),
+so the rule costs at most a little wasted work, never a wrong gradient. Dicts and arbitrary objects are refused with an error
+naming the fix, because the distributed runtime must be able to describe every value by shape and
+dtype (tensors) or by value (plain leaves).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+PLAIN = (type(None), bool, int, float, str)
+
+
+def check(value: Any, where: str) -> None:
+    """Raise a TypeError naming `where` unless `value` is a supported boundary value."""
+    if isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, tuple):
+        for item in value:
+            _check_leaf(item, where)
+        return
+    raise TypeError(f"{where} produced a {type(value).__name__}; a value crossing layers must be a "
+                    "tensor or a tuple of tensors and plain values (None/bool/int/float/str). "
+                    "Return a tuple instead.")
+
+
+def _check_leaf(item: Any, where: str) -> None:
+    if isinstance(item, (torch.Tensor, *PLAIN)):
+        return
+    if isinstance(item, tuple):
+        for sub in item:
+            _check_leaf(sub, where)
+        return
+    raise TypeError(f"{where} produced a tuple holding a {type(item).__name__}; tuple items must be "
+                    "tensors, nested tuples or plain values (None/bool/int/float/str). Convert it "
+                    "(a list to a tuple, a dict to a tuple of its values).")
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    """Tensor leaves of `value` in a fixed depth-first order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors(v)]
+    return []
+
+
+def map_tensors(value: Any, fn: Any) -> Any:
+    """Apply `fn` to every tensor leaf, keeping the structure."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    return value
+
+
+def carries_grad(t: torch.Tensor) -> bool:
+    """Whether a tensor crossing a cell boundary carries a gradient back (see the module docstring)."""
+    return t.is_floating_point()
+
+
+def detach(value: Any) -> Any:
+    """Cut the autograd graph at the boundary; the receiver re-attaches with :func:`attach`."""
+    return map_tensors(value, lambda t: t.detach())
+
+
+def attach(value: Any, device: torch.device) -> Any:
+    """Move to `device` as a new autograd leaf; floating tensors will collect a gradient."""
+    return map_tensors(value, lambda t: t.detach().to(device, non_blocking=True)
+                       .requires_grad_(carries_grad(t)))
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """Move a mini-batch input or target to `device` (no gradient)."""
+    return map_tensors(value, lambda t: t.to(device, non_blocking=True))
+
+
+def grad_pairs(outputs: Any, grads: list[torch.Tensor | None]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(output tensors, incoming gradients) for outputs that carry one and were differentiated."""
+    outs = [t for t in tensors(outputs) if carries_grad(t)]
+    if len(outs) != len(grads):
+        raise RuntimeError(f"{len(grads)} gradients arrived for {len(outs)} floating outputs")
+    keep = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    return [o for o, _ in keep], [g for _, g in keep]
+
+
+def input_grads(inputs: Any) -> list[torch.Tensor | None]:
+    """Gradients of the floating inputs after backward (None where nothing flowed)."""
+    return [t.grad for t in tensors(inputs) if carries_grad(t)]

@@ -1,0 +1,1 @@
+"""One module per `gpipe-repro` command group; each defines `register(app)`."""

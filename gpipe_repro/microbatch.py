@@ -1,0 +1,69 @@
+"""Splitting a mini-batch into micro-batches and joining outputs back.
+
+`torch.tensor_split` semantics, not `chunk`: a batch of N >= M examples always gives exactly M
+micro-batches whose sizes differ by at most one (N=10, M=4 -> 3,3,2,2). `chunk` would silently give
+fewer pieces (N=10, M=4 -> 3,3,3,1 is fine, but N=6, M=4 -> 2,2,2: three), and every later decision
+(which micro-batch is last, when BatchNorm commits, how losses are weighted) would then be wrong.
+
+A value is a tensor or a (possibly nested) tuple/list of tensors and plain values. Tensors with a
+batch dimension are split along dim 0; 0-dim tensors and non-tensor values are given whole to every
+micro-batch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def batch_size(value: Any) -> int:
+    """The size of dim 0 shared by every batched tensor in `value`."""
+    sizes = {t.shape[0] for t in _tensors(value) if t.dim() > 0}
+    if not sizes:
+        raise ValueError("the batch holds no tensor with a batch dimension (dim 0) to split")
+    if len(sizes) > 1:
+        raise ValueError(f"tensors in one batch disagree on the batch size (dim 0): {sorted(sizes)}; "
+                         "every batched tensor of an input or a target must have the same dim 0")
+    return sizes.pop()
+
+
+def split_sizes(n: int, m: int) -> list[int]:
+    """Sizes of M micro-batches of a batch of N, as `torch.tensor_split` cuts them."""
+    if m < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {m}")
+    if n < m:
+        raise ValueError(f"micro_batches={m} is larger than the batch size {n}: "
+                         f"use micro_batches <= {n} or a larger batch")
+    return [n // m + (1 if i < n % m else 0) for i in range(m)]
+
+
+def split(value: Any, m: int) -> list[Any]:
+    """Cut `value` into `m` micro-batches along dim 0."""
+    split_sizes(batch_size(value), m)  # validates
+    return [_select(value, m, i) for i in range(m)]
+
+
+def _select(value: Any, m: int, i: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tensor_split(m)[i] if value.dim() > 0 else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_select(v, m, i) for v in value)
+    return value
+
+
+def join(values: list[Any]) -> Any:
+    """Concatenate micro-batch outputs back into one batch (inverse of :func:`split`)."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(values) if first.dim() > 0 else first
+    if isinstance(first, (tuple, list)):
+        return type(first)(join([v[j] for v in values]) for j in range(len(first)))
+    return first
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []

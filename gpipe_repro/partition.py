@@ -1,0 +1,211 @@
+"""Cutting L layer costs into K contiguous, non-empty cells.
+
+A pipeline's steady-state throughput is set by its slowest cell, so the objective that matters is the
+**bottleneck**: minimize the largest cell cost. We solve it exactly: the smallest feasible cap is
+found by bisection over a greedy feasibility test (packing layers left to right is optimal for
+"contiguous cells, each under a cap": any feasible partition can be shifted to the greedy one without
+raising a cell), and among partitions that attain it we prefer the most even one (least sum of
+squares, by dynamic programming when the problem is small enough).
+
+Also here, for comparison and for the paper's own words:
+
+- ``variance``: the paper says it minimizes the variance of cell costs. Exact DP, O(K L^2).
+- ``greedy``: lingvo's heuristic (the paper's public code): cut where the cumulative cost share
+  crosses k/K.
+- ``equal``: equal layer counts, ignoring costs.
+
+A per-device memory cap (each cell's summed ``memory`` must stay under ``memory_cap``) is honoured by
+``bottleneck`` and ``variance``; when no K-cell partition can satisfy it, the error says how much the
+biggest layer or the whole model needs.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+OBJECTIVES = ("bottleneck", "variance", "greedy", "equal")
+_DP_LIMIT = 4_000_000  # K * L^2 above which the exact DP tie-breaker is skipped
+
+
+def cell_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
+    """Summed cost of each cell of a balance."""
+    out, i = [], 0
+    for n in balance:
+        out.append(float(sum(costs[i:i + n])))
+        i += n
+    return out
+
+
+def check_balance(balance: Sequence[int], num_layers: int, partitions: int | None = None) -> None:
+    """Raise ValueError naming the fix unless `balance` cuts `num_layers` into non-empty cells."""
+    if partitions is not None and len(balance) != partitions:
+        raise ValueError(f"balance has {len(balance)} cells but partitions={partitions}: give one "
+                         "layer count per partition")
+    if any(int(n) != n or n < 1 for n in balance):
+        raise ValueError(f"balance {list(balance)} has an empty or non-integer cell: every cell needs "
+                         ">= 1 layer")
+    if sum(balance) != num_layers:
+        raise ValueError(f"balance {list(balance)} sums to {sum(balance)} but the model has "
+                         f"{num_layers} layers: the counts must add up to {num_layers}")
+
+
+def partition(costs: Sequence[float], partitions: int, objective: str = "bottleneck",
+              memory: Sequence[float] | None = None, memory_cap: float | None = None) -> list[int]:
+    """Return a balance (layers per cell) of `costs` into `partitions` cells under `objective`."""
+    n = len(costs)
+    if partitions < 1:
+        raise ValueError(f"partitions must be >= 1, got {partitions}")
+    if partitions > n:
+        raise ValueError(f"partitions={partitions} is larger than the number of layers ({n}): use "
+                         f"partitions <= {n}, or split the model into more, smaller layers")
+    if any(c < 0 for c in costs):
+        raise ValueError("layer costs must be >= 0")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if (memory is None) != (memory_cap is None):
+        raise ValueError("give both memory (per-layer bytes) and memory_cap, or neither")
+    if memory is not None:
+        if len(memory) != n:
+            raise ValueError(f"{len(memory)} memory entries for {n} layers")
+        _check_memory_fits(memory, partitions, memory_cap)
+        if objective in ("greedy", "equal"):
+            raise ValueError(f"objective {objective!r} ignores costs and cannot honour a memory cap; "
+                             "use 'bottleneck' or 'variance'")
+    costs = [float(c) for c in costs]
+    if objective == "equal":
+        return [n // partitions + (1 if i < n % partitions else 0) for i in range(partitions)]
+    if objective == "greedy":
+        return _greedy_share(costs, partitions)
+    if objective == "variance":
+        balance = _min_squares(costs, partitions, cap=None, memory=memory, memory_cap=memory_cap)
+        if balance is None:
+            raise ValueError("no partition satisfies the memory cap")  # unreachable after the check
+        return balance
+    return _min_bottleneck(costs, partitions, memory, memory_cap)
+
+
+def _check_memory_fits(memory: Sequence[float], k: int, cap: float | None) -> None:
+    assert cap is not None
+    if max(memory) > cap:
+        i = max(range(len(memory)), key=lambda j: memory[j])
+        raise ValueError(f"layer {i} alone needs {memory[i]:.4g} but the cap per device is {cap:.4g}: "
+                         "no partition fits; use devices with more memory or split that layer")
+    if _greedy_count(memory, cap, [0.0] * len(memory), float("inf")) > k:
+        raise ValueError(f"the model needs {sum(memory):.4g} in all, which does not fit in {k} cells of "
+                         f"{cap:.4g}: use more partitions, devices with more memory, or more "
+                         "micro-batches / re-materialization to shrink activations")
+
+
+def _greedy_count(costs: Sequence[float], cap: float, memory: Sequence[float], mem_cap: float) -> int:
+    """Cells that left-to-right packing needs with every cell's cost <= cap and memory <= mem_cap."""
+    cells, acc, mem = 1, 0.0, 0.0
+    for c, b in zip(costs, memory):
+        if c > cap or b > mem_cap:
+            return len(costs) + 1
+        if acc + c > cap or mem + b > mem_cap:
+            cells, acc, mem = cells + 1, c, b
+        else:
+            acc, mem = acc + c, mem + b
+    return cells
+
+
+def _greedy_cuts(costs: Sequence[float], cap: float, memory: Sequence[float], mem_cap: float,
+                 k: int) -> list[int]:
+    """Left-to-right packing into exactly k non-empty cells (splitting the last ones if fewer)."""
+    balance, acc, mem = [0], 0.0, 0.0
+    for c, b in zip(costs, memory):
+        if balance[-1] and (acc + c > cap or mem + b > mem_cap):
+            balance.append(0)
+            acc = mem = 0.0
+        balance[-1] += 1
+        acc, mem = acc + c, mem + b
+    # Fewer cells than k: peel single layers off the largest cells (never raises a cell's cost).
+    while len(balance) < k:
+        i = max(range(len(balance)), key=lambda j: balance[j])
+        balance[i:i + 1] = [balance[i] - 1, 1]
+    return balance
+
+
+def _min_bottleneck(costs: list[float], k: int, memory: Sequence[float] | None,
+                    memory_cap: float | None) -> list[int]:
+    mem = list(memory) if memory is not None else [0.0] * len(costs)
+    mcap = memory_cap if memory_cap is not None else float("inf")
+    lo, hi = max(costs), sum(costs)
+    if _greedy_count(costs, lo, mem, mcap) <= k:
+        hi = lo
+    for _ in range(200):
+        if hi - lo <= 1e-12 * max(hi, 1e-300):
+            break
+        mid = (lo + hi) / 2
+        if _greedy_count(costs, mid, mem, mcap) <= k:
+            hi = mid
+        else:
+            lo = mid
+    best = _greedy_cuts(costs, hi, mem, mcap, k)
+    bottleneck = max(cell_costs(costs, best))
+    if k * len(costs) ** 2 <= _DP_LIMIT:
+        even = _min_squares(costs, k, cap=bottleneck * (1 + 1e-12), memory=memory, memory_cap=memory_cap)
+        if even is not None:
+            return even
+    return best
+
+
+def _min_squares(costs: list[float], k: int, cap: float | None, memory: Sequence[float] | None,
+                 memory_cap: float | None) -> list[int] | None:
+    """Exact DP: minimize the sum of squared cell costs (= variance, the total being fixed),
+    optionally with every cell's cost <= cap and memory <= memory_cap. None if infeasible."""
+    n = len(costs)
+    pre = [0.0]
+    for c in costs:
+        pre.append(pre[-1] + c)
+    mpre = [0.0]
+    for b in (memory or [0.0] * n):
+        mpre.append(mpre[-1] + b)
+    inf = float("inf")
+    # best[j][i]: min sum of squares of the first i layers in j cells; arg for the last cut.
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    arg = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for j in range(1, k + 1):
+        for i in range(j, n - (k - j) + 1):
+            row_best, row_arg = inf, 0
+            for t in range(j - 1, i):
+                if best[j - 1][t] == inf:
+                    continue
+                c = pre[i] - pre[t]
+                if cap is not None and c > cap:
+                    continue
+                if memory_cap is not None and mpre[i] - mpre[t] > memory_cap:
+                    continue
+                v = best[j - 1][t] + c * c
+                if v < row_best:
+                    row_best, row_arg = v, t
+            best[j][i], arg[j][i] = row_best, row_arg
+    if best[k][n] == inf:
+        return None
+    balance, i = [], n
+    for j in range(k, 0, -1):
+        t = arg[j][i]
+        balance.append(i - t)
+        i = t
+    return balance[::-1]
+
+
+def _greedy_share(costs: list[float], k: int) -> list[int]:
+    """lingvo's cut: layer i goes to the cell whose share of the total its cumulative cost falls in."""
+    total = sum(costs) or 1.0
+    n = len(costs)
+    cuts, acc = [], 0.0
+    for i, c in enumerate(costs):
+        acc += c
+        cell = min(int(acc / total * k - 1e-12), k - 1)
+        cuts.append(cell)
+    balance = [cuts.count(j) for j in range(k)]
+    # The share rule can leave a cell empty (one heavy layer spans several shares): borrow a layer
+    # from a neighbour so every cell is non-empty, as a runtime needs.
+    for j in range(k):
+        if balance[j] == 0:
+            donor = max(range(k), key=lambda d: balance[d])
+            balance[donor] -= 1
+            balance[j] += 1
+    assert sum(balance) == n
+    return balance

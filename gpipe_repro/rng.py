@@ -1,0 +1,61 @@
+"""Randomness as a function of (seed, step, layer, micro-batch).
+
+Why: a pipeline runs the same layers in a different order than a plain model (and in different
+processes in the distributed runtime). If dropout drew from one shared stream, its masks would depend
+on K, on the partition and on the interleaving of actions. Seeding the default generators before
+each layer runs on each micro-batch makes masks a pure function of *which* computation is running:
+
+- re-materialization replays exactly the masks of the original forward (same four numbers);
+- K=1 and K=8, local and distributed, give the same numbers;
+- a plain reference loop can reproduce the engine by calling :func:`seed_layer` itself.
+
+The caller's own RNG stream is left as it was: :func:`preserved_rng` wraps each step.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def layer_seed(seed: int, step: int, layer: int, microbatch: int) -> int:
+    """A 63-bit seed that depends on all four numbers (and nothing else)."""
+    h = _splitmix64(seed & _MASK64)
+    for part in (step, layer, microbatch):
+        h = _splitmix64(h ^ (part & _MASK64))
+    return h & ((1 << 63) - 1)
+
+
+def seed_layer(seed: int, step: int, layer: int, microbatch: int,
+               device: torch.device | None = None) -> None:
+    """Seed the CPU generator, and the CUDA generator of `device` if it is a CUDA device."""
+    s = layer_seed(seed, step, layer, microbatch)
+    torch.default_generator.manual_seed(s)
+    if device is not None and device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.default_generators[index].manual_seed(s)
+
+
+@contextlib.contextmanager
+def preserved_rng(devices: list[torch.device] | None = None) -> Iterator[None]:
+    """Restore the CPU (and given CUDA devices') RNG state on exit."""
+    cpu_state = torch.get_rng_state()
+    cuda = sorted({d.index if d.index is not None else torch.cuda.current_device()
+                   for d in (devices or []) if d.type == "cuda"})
+    cuda_states = [torch.cuda.get_rng_state(i) for i in cuda]
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        for i, state in zip(cuda, cuda_states):
+            torch.cuda.set_rng_state(state, i)
