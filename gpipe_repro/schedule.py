@@ -87,12 +87,12 @@ class Schedule:
             raise ScheduleError(f"{len(self.stages)} action lists for {k} stages")
         for s, actions in enumerate(self.stages):
             _validate_stage(s, k, m_count, actions, self.training)
-        from gpipe_repro.simulate import run_dataflow  # one executor of the dataflow semantics
+        from gpipe_repro.dataflow import run_dataflow  # one executor of the dataflow semantics
         run_dataflow(self, duration=lambda a: 1.0)
 
     def render(self, duration: Callable[[Action], float] | None = None) -> str:
         """ASCII picture: one row per stage, one column per unit of time, compute actions only."""
-        from gpipe_repro.simulate import run_dataflow
+        from gpipe_repro.dataflow import run_dataflow
         events = run_dataflow(self, duration=duration or _unit_compute)
         cols = max(int(round(e.end)) for e in events)
         grid = [["." for _ in range(cols)] for _ in range(self.num_stages)]
