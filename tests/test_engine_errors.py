@@ -1,0 +1,118 @@
+"""Bad input gets a clear error that names the fix, and never corrupts the model."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe_repro import GPipe
+
+
+def layers(n: int = 4) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Linear(4, 4) for _ in range(n)]
+
+
+def make(**kw):
+    kw.setdefault("loss_fn", nn.MSELoss())
+    return GPipe(kw.pop("model", layers()), **kw)
+
+
+def test_more_partitions_than_layers() -> None:
+    with pytest.raises(ValueError, match=r"partitions=5 is larger than the number of layers \(4\).*<= 4"):
+        make(partitions=5)
+
+
+@pytest.mark.parametrize("k", [0, -1])
+def test_partitions_below_one(k: int) -> None:
+    with pytest.raises(ValueError, match="partitions must be an integer >= 1"):
+        make(partitions=k)
+
+
+def test_micro_batches_below_one() -> None:
+    with pytest.raises(ValueError, match="micro_batches must be an integer >= 1"):
+        make(micro_batches=0)
+
+
+def test_micro_batches_larger_than_batch_leaves_weights_untouched() -> None:
+    pipe = make(partitions=2, micro_batches=8, optimizer=lambda p: torch.optim.SGD(p, lr=1.0))
+    before = copy.deepcopy(pipe.state_dict())
+    with pytest.raises(ValueError, match="micro_batches=8 is larger than the batch size 5: use micro_batches <= 5"):
+        pipe.train_step(torch.randn(5, 4), torch.randn(5, 4))
+    for k, v in pipe.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert pipe.step == 0
+
+
+@pytest.mark.parametrize("balance, match", [
+    ([1, 1], "sums to 2 but the model has 4 layers"),
+    ([4, 0], "empty or non-integer cell"),
+    ([1, 1, 2], "3 cells but partitions=2"),
+])
+def test_bad_balance(balance: list[int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make(partitions=2, balance=balance)
+
+
+class ReturnsDict(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"x": x}
+
+
+class ReturnsObject(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple:
+        return (x, object())
+
+
+@pytest.mark.parametrize("bad, match", [(ReturnsDict(), "produced a dict.*Return a tuple"),
+                                        (ReturnsObject(), "tuple holding a object")])
+def test_unsupported_boundary_value(bad: nn.Module, match: str) -> None:
+    pipe = make(model=[nn.Linear(4, 4), bad, nn.Identity()], partitions=2, balance=[1, 2])
+    with pytest.raises(TypeError, match=match):
+        pipe.train_step(torch.randn(4, 4), torch.randn(4, 4))
+
+
+def test_devices_list_must_match_partitions() -> None:
+    with pytest.raises(ValueError, match="3 devices given for partitions=2: give one device per partition"):
+        make(partitions=2, devices=["cpu", "cpu", "cpu"])
+
+
+def test_module_reused_twice() -> None:
+    lin = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="layers 0 and 2 are the same module object"):
+        make(model=[lin, nn.ReLU(), lin])
+
+
+def test_tied_weights_across_cells() -> None:
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    with pytest.raises(ValueError, match="shared with cell 0.*keeps the tied layers together"):
+        make(model=[a, nn.ReLU(), b], partitions=2, balance=[2, 1])
+
+
+def test_not_a_sequence() -> None:
+    with pytest.raises(TypeError, match="nn.Sequential or a list of nn.Module"):
+        GPipe(nn.Linear(4, 4))
+
+
+def test_bad_checkpoint_mode() -> None:
+    with pytest.raises(ValueError, match="checkpoint must be one of"):
+        make(checkpoint="sometimes")
+
+
+def test_non_scalar_loss() -> None:
+    pipe = make(loss_fn=nn.MSELoss(reduction="none"))
+    with pytest.raises(TypeError, match="scalar tensor"):
+        pipe.train_step(torch.randn(4, 4), torch.randn(4, 4))
+
+
+def test_targets_batch_mismatch() -> None:
+    with pytest.raises(ValueError, match="targets have batch size 3 but inputs 4"):
+        make().train_step(torch.randn(4, 4), torch.randn(3, 4))
+
+
+def test_cost_needing_a_sample() -> None:
+    with pytest.raises(ValueError, match="needs a sample input batch"):
+        make(partitions=2, cost="flops")
