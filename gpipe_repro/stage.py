@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from gpipe_repro import boundary
-from gpipe_repro.batchnorm import commit_all
+from gpipe_repro.batchnorm import DeferredBatchNorm
 from gpipe_repro.recompute import recomputing
-from gpipe_repro.rng import seed_layer
+from gpipe_repro.rng import seed_layer, step_key
 from gpipe_repro.schedule import Action, ActionKind, Schedule
 from gpipe_repro.timeline import Event
 
@@ -54,6 +54,7 @@ class StageExecutor:
         self.clock = clock           # set to record a timeline of executed actions
         self.events: list[Event] = []
         self.is_last = stage == num_stages - 1
+        self.batchnorms = [m for m in cell.modules() if isinstance(m, DeferredBatchNorm)]
         self._reset()
 
     # -- step lifecycle ---------------------------------------------------------------------------
@@ -71,6 +72,7 @@ class StageExecutor:
         and the loss weights (n_m/N for a mean loss, 1 for a sum)."""
         self._reset()
         self.step = step
+        self.step_key = step_key(self.seed, step)
         self.checkpointed = schedule.checkpointed(self.stage)
         self.training = schedule.training
         self.microbatches = list(microbatches) if microbatches is not None else None
@@ -149,7 +151,8 @@ class StageExecutor:
         self.transport.send_gradient(self.stage, m, self.outbox.pop((ActionKind.SEND_GRAD, m)))
 
     def _optimizer_step(self, m: None) -> None:
-        commit_all(self.cell)
+        for bn in self.batchnorms:
+            bn.commit()
         if self.optimizer is not None:
             self.optimizer.step()
 
@@ -157,7 +160,7 @@ class StageExecutor:
     def _run(self, x: Any, m: int) -> Any:
         """The cell's forward on micro-batch m, seeding each layer; the last stage adds the loss."""
         for i, layer in enumerate(self.cell):
-            seed_layer(self.seed, self.step, self.first_layer + i, m, self.device)
+            seed_layer(self.seed, self.step, self.first_layer + i, m, self.device, self.step_key)
             x = layer(x)
             boundary.check(x, f"layer {self.first_layer + i} ({type(layer).__name__})")
         if self.is_last and self.training and torch.is_grad_enabled():
