@@ -1,0 +1,148 @@
+"""`gpipe-repro corpus build|info`: the many-to-English corpus and its shared vocabulary.
+
+`build` writes `<data-dir>/<name>/` (see `gpipe_repro.data.translation` for the layout) and, unless
+`--vocab-size 0`, trains the sentencepiece vocabulary into `<data-dir>/<name>/spm<vocab>/`; both
+print a table of languages, sizes, resource group and sampling probability.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+if TYPE_CHECKING:
+    from gpipe_repro.data.translation import Manifest
+
+
+def _split_list(value: str | None) -> tuple[str, ...] | None:
+    if value is None or not value.strip():
+        return None
+    return tuple(sorted({item.strip() for item in value.split(",") if item.strip()}))
+
+
+def print_summary(manifest: Manifest, temperature: float, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from gpipe_repro.data.language_sampling import temperature_probabilities
+
+    sizes = manifest.sizes("train")
+    probs = temperature_probabilities(sizes, temperature)
+    origins: dict[str, int] = {}
+    for origin in manifest.origins:
+        if origin.get("pairs", 0) and "language" in origin:
+            origins[origin["language"]] = origins.get(origin["language"], 0) + 1
+    table = Table(title=title)
+    for column in ("language", "train", "valid", "test", "resource", f"p (T={temperature:g})",
+                   "origins"):
+        table.add_column(column, justify="left" if column in ("language", "resource") else "right")
+    for lang in sorted(sizes, key=lambda code: (-sizes[code], code)):
+        info = manifest.languages[lang]
+        table.add_row(lang, f"{info['train']:,}", f"{info['valid']:,}", f"{info['test']:,}",
+                      info["resource"], f"{probs[lang]:.4f}", str(origins.get(lang, "")))
+    console = Console()
+    console.print(table)
+    high = [lang for lang, info in manifest.languages.items() if info["resource"] == "high"]
+    totals = {split: sum(info[split] for info in manifest.languages.values())
+              for split in ("train", "valid", "test")}
+    used = sum(1 for origin in manifest.origins if origin.get("pairs"))
+    console.print(f"{len(sizes)} languages -> English: {len(high)} high-resource (>= "
+                  f"{min(sizes[lang] for lang in high):,} training pairs), {len(sizes) - len(high)} "
+                  f"low-resource; pairs: train {totals['train']:,}, valid {totals['valid']:,}, "
+                  f"test {totals['test']:,}; from {used} origins")
+
+
+def register(app: typer.Typer) -> None:
+    corpus = typer.Typer(help="Multilingual many-to-English translation corpus and vocabulary.",
+                         no_args_is_help=True)
+    app.add_typer(corpus, name="corpus")
+
+    @corpus.command("build")
+    def build(
+        source: str = typer.Option("gettext", help="gettext (offline, this machine's catalogs) | "
+                                   "opus100 (Helsinki-NLP/opus-100, needs network) | local (--files)"),
+        data_dir: Path | None = typer.Option(None, help="where corpora live "
+                                                "[default: $GPIPE_REPRO_DATA_DIR or data/translation/]"),
+        name: str | None = typer.Option(None, help="corpus directory name [default: the source]"),
+        languages: str | None = typer.Option(None, help="comma-separated source languages "
+                                                "[default: all]"),
+        gettext_sources: str = typer.Option("system,python", help="gettext catalogs from: system "
+                                            "locale dirs, python packages (e.g. Django)"),
+        locale_dir: list[Path] | None = typer.Option(None, help="locale dir(s) to scan instead "
+                                                        "of the system's (repeatable)"),
+        files: list[Path] | None = typer.Option(None, help="--source local: json/jsonl/parquet/"
+                                                   "csv with columns language, source, target"),
+        valid_fraction: float = typer.Option(0.05, help="held-out fraction for validation"),
+        test_fraction: float = typer.Option(0.05, help="held-out fraction for test"),
+        min_pairs: int = typer.Option(100, help="leave out languages with fewer pairs"),
+        max_chars: int = typer.Option(256, help="gettext: leave out longer messages"),
+        revision: str | None = typer.Option(None, help="opus100: hub revision to pin"),
+        vocab_size: int = typer.Option(8000, help="sentencepiece vocabulary size (0: no tokenizer)"),
+        temperature: float = typer.Option(5.0, help="language sampling temperature T"),
+    ) -> None:
+        """Build a corpus (deduplicated, hash split, manifest) and its shared vocabulary."""
+        from gpipe_repro.data import translation as tr
+
+        config = tr.BuildConfig(valid_fraction=valid_fraction, test_fraction=test_fraction,
+                                min_pairs=min_pairs, max_chars=max_chars,
+                                languages=_split_list(languages))
+        corpus_dir = tr.corpus_dir_for(name or source, data_dir)
+        try:
+            if source == "gettext":
+                manifest = tr.build_gettext_corpus(
+                    corpus_dir, config, sources=_split_list(gettext_sources) or (),
+                    locale_dirs=[str(d) for d in locale_dir] if locale_dir else None)
+            elif source == "opus100":
+                manifest = tr.build_opus100_corpus(corpus_dir, config, revision=revision,
+                                                   cache_dir=corpus_dir.parent / ".hf-cache")
+            elif source == "local":
+                manifest = tr.build_local_corpus(corpus_dir, files or [], config,
+                                                 name=name or "local",
+                                                 cache_dir=corpus_dir.parent / ".hf-cache")
+            else:
+                raise ValueError(f"unknown --source {source!r}: use gettext, opus100 or local")
+        except (tr.HubUnavailableError, ValueError, FileNotFoundError) as error:
+            typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=2) from error
+        print_summary(manifest, temperature, f"corpus {manifest.name} -> {corpus_dir}")
+        if vocab_size > 0:
+            from gpipe_repro.data.tokenizer import train_tokenizer
+
+            try:
+                tokenizer = train_tokenizer(corpus_dir, vocab_size, temperature=temperature)
+            except ValueError as error:
+                typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
+                raise typer.Exit(code=2) from error
+            typer.echo(f"tokenizer: {tokenizer.model_file} ({tokenizer.vocab_size} pieces, "
+                       f"{len(tokenizer.languages)} language tags)")
+
+    @corpus.command("info")
+    def info(
+        name: str = typer.Argument("gettext", help="corpus directory name"),
+        data_dir: Path | None = typer.Option(None, help="where corpora live"),
+        temperature: float = typer.Option(5.0, help="language sampling temperature T"),
+    ) -> None:
+        """Show a built corpus: languages, split sizes, resource groups, sampling probabilities."""
+        import json
+
+        from gpipe_repro.data import translation as tr
+
+        corpus_dir = tr.corpus_dir_for(name, data_dir)
+        try:
+            manifest = tr.Manifest.load(corpus_dir)
+        except FileNotFoundError as error:
+            typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=2) from error
+        print_summary(manifest, temperature, f"corpus {manifest.name} ({corpus_dir})")
+        from gpipe_repro.data.tokenizer import manifest_digest
+
+        current = manifest_digest(corpus_dir)
+        for meta_path in sorted(corpus_dir.glob("spm*/tokenizer.json")):
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            stale = "" if meta.get("corpus_manifest_sha256") == current else (
+                " STALE: trained on an earlier build of this corpus, rebuild it")
+            typer.echo(f"tokenizer {meta_path.parent.name}: {meta['model_type']}, "
+                       f"{meta['vocab_size_requested']} pieces requested, "
+                       f"{len(meta['languages'])} language tags, sha256 "
+                       f"{meta['model_sha256'][:12]}{stale}")

@@ -1,0 +1,447 @@
+"""The multilingual translation data: gettext corpus, splits, local files, hub errors, tokenizer, batches."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import struct
+import time
+import unicodedata
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from gpipe_repro.commands import corpus as corpus_command
+from gpipe_repro.data import gettext_corpus as gc
+from gpipe_repro.data import translation as tr
+from gpipe_repro.data.language_sampling import (
+    TokenizedLanguage,
+    collate,
+    cut_batches,
+    eval_batches,
+    resource_groups,
+    temperature_probabilities,
+    train_batches,
+)
+from gpipe_repro.data.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    TranslationTokenizer,
+    encode_split,
+    train_tokenizer,
+)
+
+SMALL_LANGUAGES = ("cy", "ga", "is")   # present in the system catalogs and in Django
+
+
+def all_files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def records(corpus_dir: Path, split: str) -> list[dict]:
+    return list(tr.iter_records(corpus_dir, split))
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("small") / "gettext"
+    tr.build_gettext_corpus(out, tr.BuildConfig(languages=SMALL_LANGUAGES))
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> TranslationTokenizer:
+    return train_tokenizer(small_corpus, 1000, max_sentences=20_000,
+                           out_dir=tmp_path_factory.mktemp("spm"))
+
+
+# ---------------------------------------------------------------------------------- .mo catalogs
+
+def write_mo(path: Path, messages: dict[bytes, bytes]) -> None:
+    """A minimal GNU .mo writer (the layout msgfmt produces, without the hash table)."""
+    keys = sorted(messages)
+    ids = strs = b""
+    offsets = []
+    for key in keys:
+        offsets.append((len(ids), len(key), len(strs), len(messages[key])))
+        ids += key + b"\0"
+        strs += messages[key] + b"\0"
+    count = len(keys)
+    originals_at = 28
+    translations_at = originals_at + 8 * count
+    ids_at = translations_at + 8 * count
+    strs_at = ids_at + len(ids)
+    table_o = b"".join(struct.pack("<2I", length, ids_at + o) for o, length, _, _ in offsets)
+    table_t = b"".join(struct.pack("<2I", length, strs_at + o) for _, _, o, length in offsets)
+    header = struct.pack("<7I", 0x950412DE, 0, count, originals_at, translations_at, 0, strs_at)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(header + table_o + table_t + ids + strs)
+
+
+def test_mo_reader_handles_charset_context_plurals_and_filters(tmp_path: Path) -> None:
+    path = tmp_path / "xx" / "LC_MESSAGES" / "demo.mo"
+    write_mo(path, {
+        b"": b"Content-Type: text/plain; charset=ISO-8859-1\nLast-Translator: Jos\xe9\n"
+             b"Plural-Forms: nplurals=3; plural=(n==0 ? 0 : n==1 ? 1 : 2);\n",
+        b"Coffee": b"Caf\xe9",                                     # Latin-1 text
+        b"menu\x04Open": b"Ouvrir",                                # msgctxt dropped
+        b"%d file\x00%d files": b"aucun\x00%d fichier\x00%d fichiers",   # form 0 is for n=0 here
+        b"Same": b"Same",                                          # untranslated copy: skipped
+        b"%s: %s": b"%s : %s",                                     # placeholders only: skipped
+        b"Empty": b"",                                             # untranslated: skipped
+        b"Wrapped\nhelp  text": b"Aide\n  enroul\xe9e",            # whitespace collapsed
+        b"\aAlarm": b"\aAlarme",                                   # control character dropped
+        b"x" * 300: b"y" * 300,                                    # longer than max_chars
+    })
+    pairs = gc.catalog_pairs(path, max_chars=256)
+    assert sorted(pairs) == sorted([
+        ("Coffee", "Café"), ("Open", "Ouvrir"),
+        ("%d file", "%d fichier"), ("%d files", "%d fichiers"),
+        ("Wrapped help text", "Aide enroulée"), ("Alarm", "Alarme")])
+    with pytest.raises(ValueError, match="magic"):
+        bad = tmp_path / "bad.mo"
+        bad.write_bytes(b"\0" * 40)
+        gc.read_mo(bad)
+
+
+@pytest.mark.parametrize("locale, language", [
+    ("fr", "fr"), ("pt_BR", "pt"), ("de_CH", "de"), ("zh_CN", "zh"), ("zh_TW", "zh_Hant"),
+    ("zh_TW.Big5", "zh_Hant"), ("sr@latin", "sr_Latn"), ("sr", "sr"), ("ca@valencia", "ca"),
+    ("nb_NO", "nb"), ("no", "nb"), ("en_GB", None), ("en@quot", None), ("C", None)])
+def test_normalize_language(locale: str, language: str | None) -> None:
+    assert gc.normalize_language(locale) == language
+
+
+# ---------------------------------------------------------------------------------- corpus builds
+
+def test_offline_corpus_builds_byte_identical_twice(small_corpus: Path, tmp_path: Path) -> None:
+    again = tmp_path / "gettext"
+    tr.build_gettext_corpus(again, tr.BuildConfig(languages=SMALL_LANGUAGES))
+    first, second = all_files(small_corpus), all_files(again)
+    first = {k: v for k, v in first.items() if k.endswith((".jsonl", "manifest.json"))}
+    assert set(first) == set(second)
+    assert first == second
+    manifest = tr.Manifest.load(small_corpus)
+    assert set(manifest.languages) == set(SMALL_LANGUAGES)
+    for relative, digest in manifest.files.items():
+        assert hashlib.sha256((small_corpus / relative).read_bytes()).hexdigest() == digest
+
+
+def test_offline_corpus_is_deduplicated_many_to_english_with_provenance(small_corpus: Path) -> None:
+    manifest = tr.Manifest.load(small_corpus)
+    seen: set[tuple[str, str, str]] = set()
+    for split in tr.SPLITS:
+        for record in records(small_corpus, split):
+            key = (record["language"], record["source"], record["target"])
+            assert key not in seen
+            seen.add(key)
+            assert record["source"] != record["target"]
+            for origin_id in record["origins"]:
+                origin = manifest.origins[origin_id]
+                assert origin["language"] == record["language"]
+                assert Path(origin["path"]).is_file() and origin["path"].endswith(".mo")
+                assert origin["package"] and (origin["version"] or origin["kind"] == "system")
+    # Direction: the target is the English msgid, the source the translation.
+    origin = next(o for o in manifest.origins if o["pairs"] > 0)
+    english = {e for e, _ in gc.catalog_pairs(origin["path"])}
+    targets = {r["target"] for s in tr.SPLITS for r in records(small_corpus, s)
+               if origin["id"] in r["origins"]}
+    assert targets and targets <= english
+    assert sum(info["train"] for info in manifest.languages.values()) == sum(
+        1 for _ in records(small_corpus, "train"))
+
+
+def test_split_is_a_fixed_function_of_the_english_sentence(small_corpus: Path,
+                                                           tmp_path: Path) -> None:
+    config = tr.BuildConfig(languages=SMALL_LANGUAGES)
+    split_of_target: dict[str, str] = {}
+    for split in tr.SPLITS:
+        for record in records(small_corpus, split):
+            assert tr.split_of(record["target"], config.valid_fraction, config.test_fraction) == split
+            assert split_of_target.setdefault(record["target"], split) == split  # one split per English
+    counts = Counter(split_of_target.values())
+    total = sum(counts.values())
+    for split, fraction in (("test", config.test_fraction), ("valid", config.valid_fraction)):
+        sigma = math.sqrt(fraction * (1 - fraction) / total)
+        assert abs(counts[split] / total - fraction) < 4 * sigma
+    # Building a different set of languages moves no pair of a shared language between splits.
+    alone = tmp_path / "alone"
+    tr.build_gettext_corpus(alone, tr.BuildConfig(languages=("cy",)))
+    def welsh(corpus_dir: Path, split: str) -> set[tuple[str, str]]:
+        return {(r["source"], r["target"]) for r in records(corpus_dir, split) if r["language"] == "cy"}
+
+    for split in tr.SPLITS:
+        assert welsh(alone, split) == welsh(small_corpus, split)
+
+
+@pytest.mark.slow   # the whole offline build: ~15 s of CPU
+def test_full_offline_corpus_spans_high_and_low_resource_languages(tmp_path: Path) -> None:
+    start = time.perf_counter()
+    manifest = tr.build_gettext_corpus(tmp_path / "gettext")
+    elapsed = time.perf_counter() - start
+    sizes = manifest.sizes("train")
+    assert len(sizes) >= 20, f"only {len(sizes)} languages: {sorted(sizes)}"
+    assert max(sizes.values()) >= 50 * min(sizes.values())      # a natural long tail
+    groups = Counter(info["resource"] for info in manifest.languages.values())
+    assert groups["high"] >= 10 and groups["low"] >= 10
+    assert all(manifest.languages[lang]["resource"] == "high"
+               for lang in sorted(sizes, key=sizes.get)[-5:])
+    assert all(info["test"] > 0 for lang, info in manifest.languages.items() if sizes[lang] > 1000)
+    print(f"full offline build: {len(sizes)} languages, {sum(sizes.values())} train pairs, "
+          f"{elapsed:.1f} s")
+
+
+def test_local_json_and_csv_files(tmp_path: Path) -> None:
+    rows = [{"language": "xx", "source": f"xx sentence {i}", "target": f"english {i}"}
+            for i in range(150)]
+    rows += [rows[0], {"language": "xx", "source": "same", "target": "same"}]  # duplicate, copy
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    csv = tmp_path / "more.csv"
+    csv.write_text("language,source,target,split\n" + "".join(
+        f"yy,yy phrase {i},english {i},{'test' if i < 20 else 'train'}\n" for i in range(120)),
+        encoding="utf-8")
+    corpus_dir = tmp_path / "local"
+    manifest = tr.build_local_corpus(corpus_dir, [jsonl, csv], tr.BuildConfig(),
+                                     cache_dir=tmp_path / "hf")
+    assert set(manifest.languages) == {"xx", "yy"}
+    assert sum(manifest.languages["xx"][s] for s in tr.SPLITS) == 150   # deduplicated, copy dropped
+    assert manifest.languages["yy"]["test"] == 20 and manifest.languages["yy"]["train"] == 100
+    for record in records(corpus_dir, "train"):
+        if record["language"] == "xx":
+            assert tr.split_of(record["target"], 0.05, 0.05) == "train"
+    versions = {Path(o["path"]).name: o["version"] for o in manifest.origins}
+    assert versions["more.csv"] == "sha256:" + hashlib.sha256(csv.read_bytes()).hexdigest()
+    dataset = tr.as_hf_dataset(corpus_dir, "test", ["yy"], cache_dir=tmp_path / "hf")
+    assert dataset.num_rows == 20 and set(dataset["language"]) == {"yy"}
+    bad = tmp_path / "bad.csv"
+    bad.write_text("lang,src,tgt\nxx,a,b\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="lacks column"):
+        tr.build_local_corpus(tmp_path / "bad", [bad], cache_dir=tmp_path / "hf")
+
+
+def test_hub_corpus_fails_fast_and_names_the_offline_alternative(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+    def no_network(*args: object, **kwargs: object) -> bool:
+        raise AssertionError("the offline check must not touch the network")
+
+    monkeypatch.setattr(tr, "_hub_reachable", no_network)
+    start = time.perf_counter()
+    with pytest.raises(tr.HubUnavailableError, match="corpus build --source gettext"):
+        tr.build_opus100_corpus(tmp_path / "opus", tr.BuildConfig(languages=("de", "fr")))
+    assert time.perf_counter() - start < 1.0
+    assert not (tmp_path / "opus").exists()
+    assert tr.opus100_config("de") == "de-en" and tr.opus100_config("fr") == "en-fr"
+    with pytest.raises(ValueError, match="OPUS-100 has no"):
+        tr.build_opus100_corpus(tmp_path / "opus", tr.BuildConfig(languages=("tlh",)))
+
+
+def test_opus100_rows_become_the_corpus_layout(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    """The hub path's conversion, with `datasets.load_dataset` replaced by local rows (no network)."""
+    import datasets
+
+    for flag in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(flag, raising=False)
+    monkeypatch.setattr(tr, "_hub_reachable", lambda *args, **kwargs: True)
+    calls = []
+
+    def hub_stand_in(path: str, name: str, revision: str | None = None,
+                     cache_dir: str | None = None) -> datasets.DatasetDict:
+        calls.append((path, name, revision))
+        lang = next(code for code in name.split("-") if code != "en")
+        def rows(split: str, n: int) -> datasets.Dataset:
+            return datasets.Dataset.from_dict({"translation": [
+                {lang: f"{lang} {split}  {i}", "en": f"{split} {i}"} for i in range(n)]})
+
+        return datasets.DatasetDict({"train": rows("train", 120), "validation": rows("valid", 5),
+                                     "test": rows("test", 7)})
+
+    monkeypatch.setattr(datasets, "load_dataset", hub_stand_in)
+    corpus_dir = tmp_path / "opus100"
+    manifest = tr.build_opus100_corpus(corpus_dir, tr.BuildConfig(languages=("fr", "de")),
+                                       revision="v1")
+    assert calls == [(tr.OPUS100_DATASET, "de-en", "v1"), (tr.OPUS100_DATASET, "en-fr", "v1")]
+    for lang in ("de", "fr"):
+        assert {s: manifest.languages[lang][s] for s in tr.SPLITS} == {"train": 120, "valid": 5,
+                                                                       "test": 7}
+    first = records(corpus_dir, "valid")[0]
+    assert first["source"] == "de valid 0" and first["target"] == "valid 0"   # whitespace collapsed
+    assert manifest.origins[first["origins"][0]]["path"].endswith("opus-100/de-en/validation")
+
+
+def test_corpus_command_build_info_and_offline_error(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    app = typer.Typer()
+    corpus_command.register(app)
+    runner = CliRunner()
+    result = runner.invoke(app, ["corpus", "build", "--data-dir", str(tmp_path), "--languages",
+                                 "cy,ga", "--vocab-size", "0"])
+    assert result.exit_code == 0, result.output
+    assert "cy" in result.output and "high" in result.output and "low" in result.output
+    assert (tmp_path / "gettext" / "manifest.json").is_file()
+    info = runner.invoke(app, ["corpus", "info", "gettext", "--data-dir", str(tmp_path)])
+    assert info.exit_code == 0 and "2 languages" in info.output
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    offline = runner.invoke(app, ["corpus", "build", "--source", "opus100", "--data-dir",
+                                  str(tmp_path), "--vocab-size", "0"])
+    assert offline.exit_code == 2 and "gettext" in offline.output
+
+
+# ---------------------------------------------------------------------------------- tokenizer
+
+def test_tokenizer_is_deterministic_with_fixed_ids_and_round_trips(
+        small_corpus: Path, small_tokenizer: TranslationTokenizer, tmp_path: Path) -> None:
+    again = train_tokenizer(small_corpus, 1000, max_sentences=20_000, out_dir=tmp_path)
+    assert again.model_file.read_bytes() == small_tokenizer.model_file.read_bytes()
+    tok = small_tokenizer
+    assert tok.vocab_size == 1000
+    assert [tok.sp.id_to_piece(i) for i in (PAD_ID, UNK_ID, BOS_ID, EOS_ID)] == [
+        "<pad>", "<unk>", "<s>", "</s>"]
+    assert [tok.language_id(lang) for lang in sorted(SMALL_LANGUAGES)] == [4, 5, 6]
+    pairs = tr.read_split(small_corpus, "test", ["ga"])["ga"]
+    stable = [(s, t) for s, t in pairs
+              if unicodedata.normalize("NFKC", s) == s and unicodedata.normalize("NFKC", t) == t]
+    assert len(stable) > 100
+    sources = tok.encode_source([s for s, _ in stable], "ga")
+    targets = tok.encode_target([t for _, t in stable])
+    for (source, target), src_ids, tgt_ids in zip(stable, sources, targets):
+        assert src_ids[0] == tok.language_id("ga") and src_ids[-1] == EOS_ID
+        assert tgt_ids[-1] == EOS_ID and BOS_ID not in tgt_ids and UNK_ID not in src_ids
+        assert tok.decode(src_ids) == source and tok.decode(tgt_ids) == target
+    assert tok.encode_source(["Dia duit"], "ga", add_tag=False)[0][0] != tok.language_id("ga")
+    with pytest.raises(KeyError, match="no tag"):
+        tok.language_id("fr")
+    with pytest.raises(ValueError, match="too small"):
+        train_tokenizer(small_corpus, 200, out_dir=tmp_path / "tiny")
+
+
+def test_default_data_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    monkeypatch.setenv("GPIPE_REPRO_DATA_DIR", str(tmp_path))
+    assert tr.corpus_dir_for("gettext") == tmp_path / "gettext"
+    monkeypatch.delenv("GPIPE_REPRO_DATA_DIR")
+    assert tr.default_data_dir().parts[-2:] == ("data", "translation")
+
+
+def test_encode_split_feeds_the_batcher(small_corpus: Path,
+                                        small_tokenizer: TranslationTokenizer) -> None:
+    data = encode_split(small_corpus, small_tokenizer, "valid", max_len=32)
+    assert set(data) == set(SMALL_LANGUAGES)
+    for table in data.values():
+        assert len(table) > 0 and table.src_lengths.max() <= 32 and table.tgt_lengths.max() <= 32
+    batch = next(train_batches(data, max_tokens=512, seed=0))
+    languages = sorted(data)
+    for row in range(len(batch)):
+        lang = languages[int(batch.src_lang[row])]
+        assert int(batch.src_ids[row, 0]) == small_tokenizer.language_id(lang)
+
+
+# ---------------------------------------------------------------------------------- sampling
+
+def synthetic(sizes: dict[str, int], seed: int = 0) -> dict[str, TokenizedLanguage]:
+    rng = np.random.default_rng(seed)
+    data = {}
+    for lang, n in sizes.items():
+        src = [list(rng.integers(10, 100, size=rng.integers(2, 60))) + [EOS_ID] for _ in range(n)]
+        tgt = [list(rng.integers(10, 100, size=rng.integers(1, 60))) + [EOS_ID] for _ in range(n)]
+        data[lang] = TokenizedLanguage.from_lists(src, tgt)
+    return data
+
+
+def test_temperature_probabilities_follow_the_formula() -> None:
+    sizes = {"hi": 1_000_000, "mid": 10_000, "lo": 100}
+    total = sum(sizes.values())
+    for temperature in (1.0, 2.0, 5.0, 100.0):
+        p = temperature_probabilities(sizes, temperature)
+        weights = {k: (n / total) ** (1 / temperature) for k, n in sizes.items()}
+        assert math.isclose(sum(p.values()), 1.0)
+        for lang in sizes:
+            assert math.isclose(p[lang], weights[lang] / sum(weights.values()))
+    assert math.isclose(temperature_probabilities(sizes, 1.0)["lo"], 100 / total)
+    p5 = temperature_probabilities(sizes, 5.0)
+    assert p5["hi"] > p5["mid"] > p5["lo"] > 100 / total       # flattened, order kept
+    assert resource_groups(sizes) == {"hi": "high", "mid": "high", "lo": "low"}
+    with pytest.raises(ValueError):
+        temperature_probabilities(sizes, 0.0)
+
+
+def test_sampled_language_frequencies_match_temperature_formula() -> None:
+    sizes = {"a": 4000, "b": 400, "c": 40}
+    data = synthetic(sizes)
+    expected = temperature_probabilities(sizes, 5.0)
+    counts: Counter[str] = Counter()
+    languages = sorted(data)
+    for batch in itertools.islice(train_batches(data, max_tokens=2000, seed=3, pool_size=4096), 500):
+        counts.update(languages[i] for i in batch.src_lang.tolist())
+    n = sum(counts.values())
+    assert n > 15_000
+    for lang, p in expected.items():
+        assert abs(counts[lang] / n - p) < 4 * math.sqrt(p * (1 - p) / n), (lang, counts[lang] / n, p)
+    # Deterministic given the seed, different across seeds.
+    first = [b.src_ids for b in itertools.islice(train_batches(data, max_tokens=2000, seed=3), 5)]
+    again = [b.src_ids for b in itertools.islice(train_batches(data, max_tokens=2000, seed=3), 5)]
+    other = [b.src_ids for b in itertools.islice(train_batches(data, max_tokens=2000, seed=4), 5)]
+    assert all(torch.equal(x, y) for x, y in zip(first, again))
+    assert not all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(first, other))
+
+
+def test_bucketing_groups_similar_lengths_within_budgets() -> None:
+    data = synthetic({"a": 3000, "b": 300})
+    spreads, padding = [], []
+    for batch in itertools.islice(train_batches(data, max_tokens=1500, max_sentences=64, seed=0), 100):
+        src_len = (~batch.src_pad_mask).sum(1)
+        tgt_len = (~batch.tgt_pad_mask).sum(1)
+        cost = torch.maximum(src_len, tgt_len)
+        assert len(batch) <= 64
+        assert len(batch) == 1 or len(batch) * int(cost.max()) <= 1500
+        spreads.append(int(cost.max() - cost.min()))
+        padding.append(float(batch.src_pad_mask.float().mean()))
+    lengths = np.maximum(data["a"].src_lengths, data["a"].tgt_lengths)
+    random_spread = np.mean([np.ptp(np.random.default_rng(i).choice(lengths, 30)) for i in range(100)])
+    assert np.mean(spreads) < 0.2 * random_spread
+    assert np.mean(padding) < 0.25
+    assert cut_batches([1, 2, 3, 10, 10], max_tokens=20, max_sentences=None) == [(0, 3), (3, 5)]
+    assert cut_batches([5, 5, 5], max_tokens=None, max_sentences=2) == [(0, 2), (2, 3)]
+    assert cut_batches([50], max_tokens=10, max_sentences=None) == [(0, 1)]
+
+
+def test_collate_shifts_targets_and_masks_padding() -> None:
+    data = {0: TokenizedLanguage.from_lists([[7, 8, 9, EOS_ID], [7, EOS_ID]],
+                                            [[11, 12, EOS_ID], [13, EOS_ID]])}
+    batch = collate(data, [(0, 0), (0, 1)], pad_id=PAD_ID, bos_id=BOS_ID)
+    assert batch.src_ids.tolist() == [[7, 8, 9, EOS_ID], [7, EOS_ID, PAD_ID, PAD_ID]]
+    assert batch.tgt_in.tolist() == [[BOS_ID, 11, 12], [BOS_ID, 13, PAD_ID]]
+    assert batch.tgt_out.tolist() == [[11, 12, EOS_ID], [13, EOS_ID, PAD_ID]]
+    assert batch.src_pad_mask.tolist() == [[False] * 4, [False, False, True, True]]
+    assert batch.num_target_tokens == 5
+    assert batch.src_ids.dtype == batch.tgt_in.dtype == batch.src_lang.dtype == torch.long
+    src, tgt_in, tgt_out, lang = batch.as_tuple()
+    assert src is batch.src_ids and tgt_in is batch.tgt_in and tgt_out is batch.tgt_out
+    assert lang.tolist() == [0, 0] and batch.index.tolist() == [0, 1]
+
+
+def test_eval_batches_cover_each_pair_once_in_length_order() -> None:
+    table = synthetic({"a": 777})["a"]
+    seen: list[int] = []
+    longest = []
+    for batch in eval_batches(table, 2, max_tokens=800, max_sentences=50):
+        assert set(batch.src_lang.tolist()) == {2}
+        seen += batch.index.tolist()
+        cost = torch.maximum((~batch.src_pad_mask).sum(1), (~batch.tgt_pad_mask).sum(1))
+        longest.append(int(cost.max()))
+        for row, i in enumerate(batch.index.tolist()):
+            assert batch.src_ids[row, :len(table.source(i))].tolist() == table.source(i).tolist()
+    assert sorted(seen) == list(range(777))
+    assert longest == sorted(longest)
