@@ -11,6 +11,12 @@ costs), convert BatchNorm to :class:`~gpipe_repro.batchnorm.DeferredBatchNorm`, 
 per cell, and for each mini-batch split it into M micro-batches, run the schedule's actions through
 one :class:`~gpipe_repro.stage.StageExecutor` per cell, and return the mini-batch loss. Every input is
 checked up front, and errors say what to change; a failed step raises before any optimizer update.
+
+``runtime="distributed"``: one process per cell (``torchrun --nproc-per-node K script.py``, or
+:func:`gpipe_repro.distributed.launch_local`). Every process builds the same model and calls
+``train_step`` with the same inputs and targets; each keeps only its own cell (``cells[rank]``; the
+others are empty placeholders, so ``state_dict()`` holds this rank's weights), runs its stage of the
+schedule, and returns the same loss. See :mod:`gpipe_repro.distributed.runtime`.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from gpipe_repro.stage import LossFn, StageExecutor, wall_clock
 from gpipe_repro.timeline import Timeline
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+RUNTIMES = ("local", "distributed")
 
 
 def as_layers(layers: nn.Sequential | Sequence[nn.Module]) -> list[nn.Module]:
@@ -85,7 +92,7 @@ class GPipe(nn.Module):
                  devices: Sequence[torch.device | str] | None = None, loss_fn: LossFn | None = None,
                  loss_reduction: str = "mean", optimizer: OptimizerFactory | None = None,
                  schedule: str = "gpipe", recompute_ahead: bool = False, seed: int = 0,
-                 deferred_batchnorm: bool = True) -> None:
+                 deferred_batchnorm: bool = True, runtime: str = "local") -> None:
         super().__init__()
         layer_list = as_layers(layers)
         if not isinstance(partitions, int) or partitions < 1:
@@ -102,20 +109,39 @@ class GPipe(nn.Module):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         if devices is not None and len(devices) != partitions:
             raise ValueError(f"{len(devices)} devices given for partitions={partitions}: give one device "
                              "per partition")
+        context = None
+        if runtime == "distributed":
+            from gpipe_repro.distributed.process_group import broadcast_object, init_distributed
+            context = init_distributed()
+            if context.world_size != partitions:
+                raise ValueError(f"partitions={partitions} but the job has {context.world_size} "
+                                 f"processes: start one process per partition (torchrun "
+                                 f"--nproc-per-node {partitions}, or launch_local(fn, {partitions}))")
         if balance is None:
             balance = ([len(layer_list)] if partitions == 1 else
                        partition(layer_costs(layer_list, cost, sample), partitions, objective))
+            if context is not None:  # measured costs differ between processes: rank 0's cut wins
+                balance = broadcast_object(balance)
         check_balance(balance, len(layer_list), partitions)
 
         if deferred_batchnorm:
             layer_list = [DeferredBatchNorm.convert(layer) for layer in layer_list]
         cells = split_cells(layer_list, balance)
         _check_shared_parameters(cells)
+        self.rank: int | None = None   # this process's stage with runtime="distributed"
+        if context is not None:
+            self.rank = context.rank
+            if devices is None:
+                devices = [context.device] * partitions
+            # This process runs only its own cell; the others' layers are not kept.
+            cells = [c if s == self.rank else nn.Sequential() for s, c in enumerate(cells)]
         if devices is None:
             devices = [next(iter(c.parameters()), torch.empty(0)).device for c in cells]
         self.devices = [torch.device(d) for d in devices]
@@ -133,10 +159,15 @@ class GPipe(nn.Module):
         self.last_timeline: Timeline | None = None
         self._transport = LocalTransport(self.devices)
         firsts = [sum(balance[:i]) for i in range(partitions)]
+        stages = range(partitions) if self.rank is None else [self.rank]
         self.executors = [
-            StageExecutor(cell, s, partitions, firsts[s], self.devices[s], self._transport, loss_fn,
-                          self.optimizers[s], self.seed)
-            for s, cell in enumerate(self.cells)]
+            StageExecutor(self.cells[s], s, partitions, firsts[s], self.devices[s], self._transport,
+                          loss_fn, self.optimizers[s], self.seed)
+            for s in stages]
+        self.stage_process = None  # runtime="distributed": this rank's StageProcess
+        if runtime == "distributed":
+            from gpipe_repro.distributed.runtime import StageProcess
+            self.stage_process = StageProcess(self.executors[0], context)
 
     # -- training ---------------------------------------------------------------------------------
     def make_schedule(self) -> Schedule:
@@ -152,6 +183,12 @@ class GPipe(nn.Module):
         n = sum(sizes)
         weights = [s / n for s in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
         schedule = self.make_schedule()
+        if self.stage_process is not None:
+            self.stage_process.record = self.record_timeline
+            loss = self.stage_process.train_step(schedule, self.step, mbs, tgts, weights)
+            self.last_timeline = self.stage_process.last_timeline
+            self.step += 1
+            return loss
         self._run(schedule, mbs, tgts, weights)
         self.step += 1
         loss = self.executors[-1].end_step()
@@ -162,14 +199,19 @@ class GPipe(nn.Module):
 
     @torch.no_grad()
     def forward(self, inputs: Any) -> Any:
-        """Pipelined inference: the whole batch's output (on the last cell's device), no gradient.
-        Use :meth:`train_step` to train."""
+        """Pipelined inference: the whole batch's output (on the last cell's device; with
+        runtime="distributed", on every rank), no gradient. Use :meth:`train_step` to train."""
         n = microbatch.batch_size(inputs)
         m = min(self.micro_batches, n)
         schedule = gpipe_schedule(self.partitions, m, training=False)
-        self._run(schedule, microbatch.split(inputs, m), None, None)
-        last = self.executors[-1]
-        out = microbatch.join([last.outputs[i] for i in range(m)])
+        if self.stage_process is not None:
+            self.stage_process.record = self.record_timeline
+            out = self.stage_process.forward(schedule, self.step, microbatch.split(inputs, m))
+            self.last_timeline = self.stage_process.last_timeline
+        else:
+            self._run(schedule, microbatch.split(inputs, m), None, None)
+            last = self.executors[-1]
+            out = microbatch.join([last.outputs[i] for i in range(m)])
         if self.training:
             from gpipe_repro.batchnorm import commit_all
             for cell in self.cells:
@@ -203,7 +245,8 @@ class GPipe(nn.Module):
 
     # -- state ------------------------------------------------------------------------------------
     def unpartitioned(self) -> nn.Sequential:
-        """The layers as one nn.Sequential (the same module objects, not copies)."""
+        """The layers as one nn.Sequential (the same module objects, not copies); with
+        runtime="distributed", only this rank's layers."""
         return nn.Sequential(*[layer for cell in self.cells for layer in cell])
 
     def training_state(self) -> dict[str, Any]:

@@ -1,0 +1,152 @@
+"""`gpipe-repro pipeline`: one process per stage, training a synthetic wide MLP; prints the losses and
+step times, and writes the merged timeline (JSON) and its Gantt chart (PNG) if asked.
+
+    gpipe-repro pipeline --partitions 2 --micro-batches 8 --gantt results/runtime/gantt.png
+    torchrun --nproc-per-node 2 .venv/bin/gpipe-repro pipeline --launcher torchrun
+    gpipe-repro pipeline --fail-mode kill --fail-rank 1 --timeout 5    # watch a failure end the job
+
+It is the smallest end-to-end check of the distributed runtime on a machine: processes, transport,
+timeline and failure handling. Every rank builds the same model and data (seeded), which is how a
+torchrun script feeds a pipeline. Files are written by rank 0 only after every step succeeded, and
+atomically; a failed job exits non-zero with the failing rank and its cause on stderr.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+LAUNCHERS = ("local", "torchrun")
+
+
+def synthetic_mlp(width: int, blocks: int, classes: int = 10, seed: int = 0) -> list[Any]:
+    """`blocks` x (Linear(width, width), ReLU) as one layer each, the classifier on the last one.
+
+    The first block starts with a LayerNorm (cheap) so that its Linear computes an input gradient
+    like every other: otherwise the first cell's backward is lighter by one matmul and equal layer
+    counts would not be balanced cells."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    layers: list[Any] = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(blocks)]
+    layers[0].insert(0, nn.LayerNorm(width))
+    layers[-1].append(nn.Linear(width, classes))
+    return layers
+
+
+def train_rank(options: dict[str, Any]) -> dict[str, Any]:
+    """One stage process: build, train `steps` steps, return losses, step times and the timeline."""
+    import torch
+    from torch import nn
+
+    from gpipe_repro import GPipe
+    from gpipe_repro.distributed.faults import InjectedFault
+
+    k, blocks = options["partitions"], options["blocks"]
+    layers = synthetic_mlp(options["width"], blocks)
+    balance = [blocks // k + (1 if s < blocks % k else 0) for s in range(k)]
+    if options["fail_mode"]:
+        at = sum(balance[:options["fail_rank"]])
+        layers.insert(at, InjectedFault(options["fail_mode"], options["fail_call"]))
+        balance[options["fail_rank"]] += 1
+    pipe = GPipe(layers, partitions=k, micro_batches=options["micro_batches"], balance=balance,
+                 checkpoint=options["checkpoint"], recompute_ahead=options["recompute_ahead"],
+                 loss_fn=nn.CrossEntropyLoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
+                 runtime="distributed")
+    assert pipe.stage_process is not None
+    pipe.record_timeline = True
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(options["batch"], options["width"], generator=g)
+    y = torch.randint(0, 10, (options["batch"],), generator=g)
+    losses, times = [], []
+    for _ in range(options["steps"]):
+        losses.append(pipe.train_step(x, y))
+        times.append(pipe.stage_process.last_step_time)
+    out = {"rank": pipe.rank, "losses": losses, "step_times": times,
+           "timeline": pipe.last_timeline if pipe.rank == 0 else None}
+    if options["launcher"] == "torchrun" and pipe.rank == 0:
+        report(out, options)
+    return out
+
+
+def report(rank0: dict[str, Any], options: dict[str, Any]) -> None:
+    """Print the run and write the requested files (rank 0, after success)."""
+    import statistics
+
+    from gpipe_repro.gantt import render_gantt
+    from gpipe_repro.results import write_json
+
+    times = rank0["step_times"]
+    print(f"K={options['partitions']} M={options['micro_batches']} checkpoint={options['checkpoint']} "
+          f"recompute_ahead={options['recompute_ahead']}: losses "
+          + " ".join(f"{v:.4f}" for v in rank0["losses"]))
+    print("step times (s): " + " ".join(f"{t:.4f}" for t in times)
+          + (f"; median after the first: {statistics.median(times[1:]):.4f}" if len(times) > 1 else ""))
+    timeline = rank0["timeline"]
+    print("breakdown of the last step: " + ", ".join(f"{k} {v:.1%}" for k, v in
+                                                     timeline.breakdown().items()))
+    if options["timeline"]:
+        write_json(options["timeline"], {"method": "measured", "options": options,
+                                         "timeline": timeline.to_json()})
+        print(f"timeline: {options['timeline']}")
+    if options["gantt"]:
+        render_gantt(timeline, options["gantt"],
+                     title=f"measured: K={options['partitions']} M={options['micro_batches']} "
+                           f"checkpoint={options['checkpoint']}")
+        print(f"Gantt chart: {options['gantt']}")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("pipeline")
+    def pipeline(
+        partitions: int = typer.Option(2, help="K: stage processes"),
+        micro_batches: int = typer.Option(8, help="M"),
+        checkpoint: str = typer.Option("never", help="always | except_last | never"),
+        recompute_ahead: bool = typer.Option(False, help="recompute before waiting for the gradient"),
+        batch: int = typer.Option(512, help="mini-batch size"),
+        width: int = typer.Option(512, help="width of each Linear layer"),
+        blocks: int = typer.Option(8, help="number of Linear+ReLU layers"),
+        steps: int = typer.Option(5, help="training steps"),
+        launcher: str = typer.Option("local", help="local (spawn K processes here) | torchrun"),
+        timeout: float = typer.Option(30.0, help="seconds before a silent peer counts as failed"),
+        threads: int = typer.Option(1, help="intra-op threads per stage process"),
+        timeline: Optional[Path] = typer.Option(None, help="write the last step's timeline (JSON)"),
+        gantt: Optional[Path] = typer.Option(None, help="write the last step's Gantt chart (PNG)"),
+        fail_mode: Optional[str] = typer.Option(None, help="inject a failure: raise | kill | exit | hang"),
+        fail_rank: int = typer.Option(0, help="rank that fails (with --fail-mode)"),
+        fail_call: int = typer.Option(1, help="fail at this call of the faulty layer (1-based)"),
+    ) -> None:
+        """Train a synthetic MLP with one process per stage; print losses, step times, breakdown."""
+        from gpipe_repro.distributed.faults import FAULT_MODES
+
+        if launcher not in LAUNCHERS:
+            raise typer.BadParameter(f"--launcher must be one of {LAUNCHERS}")
+        if fail_mode is not None and fail_mode not in FAULT_MODES:
+            raise typer.BadParameter(f"--fail-mode must be one of {FAULT_MODES}")
+        if not 0 <= fail_rank < partitions:
+            raise typer.BadParameter(f"--fail-rank must be in 0..{partitions - 1}")
+        if blocks < partitions:
+            raise typer.BadParameter(f"--blocks must be >= --partitions ({partitions})")
+        options = {"partitions": partitions, "micro_batches": micro_batches, "checkpoint": checkpoint,
+                   "recompute_ahead": recompute_ahead, "batch": batch, "width": width,
+                   "blocks": blocks, "steps": steps, "launcher": launcher, "fail_mode": fail_mode,
+                   "fail_rank": fail_rank, "fail_call": fail_call,
+                   "timeline": str(timeline) if timeline else None,
+                   "gantt": str(gantt) if gantt else None}
+        if launcher == "torchrun":
+            import os
+
+            from gpipe_repro.distributed.settings import THREADS_ENV, TIMEOUT_ENV
+            from gpipe_repro.distributed.watchdog import stage_main
+            os.environ.setdefault(TIMEOUT_ENV, str(timeout))
+            os.environ.setdefault(THREADS_ENV, str(threads))
+            stage_main(train_rank, options)
+            return
+        from gpipe_repro.distributed.launcher import JobFailed, launch_local
+        try:
+            results = launch_local(train_rank, partitions, options, timeout=timeout, threads=threads)
+        except JobFailed:
+            raise typer.Exit(1)   # the launcher already printed the failing rank and its cause
+        report(results[0], options)

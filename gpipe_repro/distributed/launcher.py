@@ -1,0 +1,206 @@
+"""The local launcher: K stage processes on this host, without torchrun.
+
+::
+
+    from gpipe_repro.distributed import launch_local
+
+    def train(steps: int) -> float:          # runs in every stage process, rank = stage
+        pipe = GPipe(layers(), partitions=2, micro_batches=8, runtime="distributed", ...)
+        return [pipe.train_step(x, y) for _ in range(steps)][-1]
+
+    losses = launch_local(train, 2, 10, timeout=30)   # [loss of rank 0, loss of rank 1]
+
+What it does: picks a free port, starts `nprocs` processes with torch's ``env://`` variables set
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT), runs ``fn(*args)`` in each under
+:func:`~gpipe_repro.distributed.watchdog.stage_main`, and returns the per-rank results (pickled back
+through files), in rank order. `fn` and `args` must be picklable: a module-level function.
+
+Why not ``torch.multiprocessing.spawn``: it does not bound the time to end a job after a failure nor
+report the root cause when several ranks die. Here the parent watches every child: when one dies it
+gives the others `grace` seconds to exit on their own (their communication fails at once when a peer
+dies), then kills them, and raises :class:`JobFailed` naming the rank where the failure started (an
+exception, a signal, or, if every failure is a lost peer, the rank they lost) with its cause; the same
+line goes to stderr. `timeout` is the communication timeout inside the job (a rank that stops
+answering is declared lost after it), so a job with a failed or stuck rank ends within about
+``timeout + grace`` seconds. `job_timeout` optionally bounds the whole run.
+
+Processes start from a fork server that has imported torch once (``start_method="forkserver"``), so
+a second launch in the same program starts in well under a second instead of re-importing torch; use
+``"spawn"`` for the most isolated start.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gpipe_repro.distributed.settings import (DEFAULT_TIMEOUT_S, ERROR_FILE_ENV, THREADS_ENV,
+                                              TIMEOUT_ENV)
+from gpipe_repro.distributed.watchdog import ErrorRecord, stage_main
+# torch._dynamo: the first optimizer a process builds imports it (seconds); pay that once, here.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "gpipe_repro.gpipe",
+            "gpipe_repro.distributed.runtime"]
+
+
+class JobFailed(RuntimeError):
+    """A stage process failed; `rank` is where the failure started, `cause` what happened."""
+
+    def __init__(self, rank: int, cause: str, details: str = "") -> None:
+        super().__init__(f"rank {rank} failed: {cause}" + (f"\n{details}" if details else ""))
+        self.rank, self.cause = rank, cause
+
+
+@dataclass
+class _Exit:
+    rank: int
+    code: int
+    seen: float
+    record: ErrorRecord | None
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the rendezvous port of rank 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
+                 grace: float = 2.0, job_timeout: float | None = None, threads: int = 1,
+                 start_method: str = "forkserver", env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(*args)`` in `nprocs` stage processes on this host; return their results by rank.
+
+    `timeout`: communication timeout inside the job (seconds; see the module docstring). `grace`:
+    seconds the others get to exit after the first failure before they are killed. `job_timeout`:
+    kill everything and fail after this many seconds (None: no limit). `threads`: intra-op threads per
+    process on CPU. `env`: extra environment variables for the children. Raises :class:`JobFailed`.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="gpipe-launch-") as tmp:
+        procs = []
+        for rank in range(nprocs):
+            child_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
+                         "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": str(port), TIMEOUT_ENV: str(timeout), THREADS_ENV: str(threads),
+                         ERROR_FILE_ENV: os.path.join(tmp, f"error{rank}.json"), **(env or {})}
+            p = ctx.Process(target=_child, args=(child_env, os.path.join(tmp, f"result{rank}.pkl"),
+                                                fn, args), name=f"gpipe-stage-{rank}", daemon=True)
+            p.start()
+            procs.append(p)
+        try:
+            failure = _watch(procs, tmp, grace, job_timeout)
+        except BaseException:  # Ctrl-C or an error here: leave no stage process behind
+            for p in procs:
+                _kill(p)
+            raise
+        if failure is not None:
+            print(f"[gpipe-repro] job failed: {failure}", file=sys.stderr, flush=True)
+            raise failure
+        results = []
+        for rank in range(nprocs):
+            with open(os.path.join(tmp, f"result{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+def _child(env: dict[str, str], result_path: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(env)
+    stage_main(_run_and_save, result_path, fn, args)
+
+
+def _run_and_save(result_path: str, fn: Callable[..., Any], args: tuple) -> None:
+    result = fn(*args)
+    tmp = f"{result_path}.tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(result, f)   # an unpicklable result is this rank's failure, reported as such
+    os.replace(tmp, result_path)
+
+
+def _watch(procs: list[Any], tmp: str, grace: float, job_timeout: float | None) -> JobFailed | None:
+    """Wait for every child; on the first failure end the rest. Returns the failure, if any."""
+    start = time.monotonic()
+    exits: dict[int, _Exit] = {}
+    first_failure: float | None = None
+    while len(exits) < len(procs):
+        now = time.monotonic()
+        deadline = None if job_timeout is None else start + job_timeout
+        if first_failure is not None:
+            deadline = first_failure + grace if deadline is None else min(deadline, first_failure + grace)
+        if deadline is not None and now >= deadline:
+            break
+        live = {p.sentinel: r for r, p in enumerate(procs) if r not in exits}
+        wait_s = 0.5 if deadline is None else max(0.0, min(0.5, deadline - now))
+        for sentinel in multiprocessing.connection.wait(list(live), timeout=wait_s):
+            rank = live[sentinel]
+            procs[rank].join()
+            code = procs[rank].exitcode
+            exits[rank] = _Exit(rank, code, time.time(),
+                                ErrorRecord.load(os.path.join(tmp, f"error{rank}.json")))
+            if code != 0 and first_failure is None:
+                first_failure = time.monotonic()
+    timed_out = [r for r in range(len(procs)) if r not in exits]
+    for r in timed_out:
+        _kill(procs[r])
+    failed = [e for e in exits.values() if e.code != 0]
+    if failed:
+        return _root_cause(failed, timed_out)
+    if timed_out:
+        return JobFailed(timed_out[0], f"the job did not finish within job_timeout={job_timeout} s "
+                         f"(ranks {timed_out} were still running and were killed)")
+    return None
+
+
+def _kill(p: Any) -> None:
+    p.terminate()
+    p.join(1.0)
+    if p.is_alive():
+        p.kill()
+        p.join(1.0)
+
+
+def _cause(e: _Exit) -> str:
+    if e.record is not None:
+        return e.record.message
+    if e.code < 0:
+        try:
+            name = signal.Signals(-e.code).name
+        except ValueError:
+            name = str(-e.code)
+        return f"killed by signal {name} (exit code {e.code})"
+    return f"exited with code {e.code} without reporting an error"
+
+
+def _root_cause(failed: list[_Exit], killed: list[int]) -> JobFailed:
+    """The failure where it started: an error or a kill beats a lost peer; then the earliest."""
+    def primary(e: _Exit) -> bool:
+        return e.record is None or e.record.kind != "peer"
+
+    candidates = [e for e in failed if primary(e)]
+    if candidates:
+        first = min(candidates, key=lambda e: e.record.time if e.record else e.seen)
+    else:
+        # Every dead rank only lost a peer: blame the peer they lost (alive but stuck, then killed).
+        first = min(failed, key=lambda e: e.record.time if e.record else e.seen)
+        peer = first.record.peer if first.record else None
+        if peer is not None and all(p.rank != peer for p in failed):
+            others = "; ".join(f"rank {e.rank}: {_cause(e)}" for e in sorted(failed, key=lambda e: e.rank))
+            return JobFailed(peer, "stopped answering (its neighbours timed out waiting for it)",
+                             f"other ranks: {others}")
+    others = [f"rank {e.rank}: {_cause(e).splitlines()[0]}" for e in sorted(failed, key=lambda e: e.rank)
+              if e is not first]
+    others += [f"rank {r}: still running after the failure, killed" for r in killed]
+    return JobFailed(first.rank, _cause(first), ("other ranks: " + "; ".join(others)) if others else "")

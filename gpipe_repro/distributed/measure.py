@@ -1,0 +1,103 @@
+"""Measure one pipeline configuration on K local stage processes: step times and a merged timeline.
+
+This is the ground truth the pipeline simulator is validated against, and what the runtime benchmark
+uses. Nothing is simulated: K processes (one per stage, `threads` intra-op threads each) train the
+given layers with ``GPipe(..., runtime="distributed")`` for `warmup` + `steps` steps; the time of a
+step is the slowest rank's wall time from entering ``train_step`` to having the loss (the step ends
+with a broadcast, so the ranks agree to within microseconds).
+
+::
+
+    from gpipe_repro.distributed.measure import measure_pipeline
+    m = measure_pipeline(layers, balance=[4, 4], micro_batches=8, batch=(x, y), checkpoint="never")
+    m.median_step_time, m.timeline.breakdown()
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe_repro.timeline import Timeline
+
+LayersArg = Sequence[nn.Module] | Callable[[], Sequence[nn.Module]]
+
+
+@dataclass
+class PipelineMeasurement:
+    """What :func:`measure_pipeline` measured (seconds)."""
+    step_times: list[float]          # every measured step, after warm-up
+    median_step_time: float
+    timeline: Timeline               # the measured step whose time is closest to the median
+    losses: list[float]              # every step's loss, warm-up included
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    """The default optimizer (a module-level function, so it can be sent to the stage processes)."""
+    return torch.optim.SGD(params, lr=0.01)
+
+
+def measure_pipeline(layers: LayersArg, balance: Sequence[int], micro_batches: int,
+                     batch: tuple[Any, Any], *, checkpoint: str = "never",
+                     recompute_ahead: bool = False, schedule: str = "gpipe",
+                     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                     optimizer: Callable[[Any], torch.optim.Optimizer] = sgd, steps: int = 5,
+                     warmup: int = 2, threads: int = 1, timeout: float = 60.0,
+                     prepost: bool = True) -> PipelineMeasurement:
+    """Train `layers` cut as `balance` (K = len(balance) processes) on `batch` = (inputs, targets)
+    with M = `micro_batches`; return the measured step times and the median step's timeline.
+
+    `layers`: the modules, or a picklable zero-argument function building them (cheaper to send).
+    `loss_fn` defaults to cross-entropy. Everything passed must be picklable (module-level functions).
+    """
+    from gpipe_repro.distributed.launcher import launch_local
+
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    config = {"balance": list(balance), "partitions": len(balance), "micro_batches": micro_batches,
+              "checkpoint": checkpoint, "recompute_ahead": recompute_ahead, "schedule": schedule,
+              "steps": steps, "warmup": warmup, "threads": threads, "prepost": prepost,
+              "batch_size": _batch_size(batch[0])}
+    per_rank = launch_local(_measure_rank, len(balance), layers, config, batch,
+                            loss_fn or nn.CrossEntropyLoss(), optimizer, timeout=timeout,
+                            threads=threads)
+    times = [max(rank[0][i] for rank in per_rank) for i in range(steps)]
+    median = statistics.median(times)
+    closest = min(range(steps), key=lambda i: abs(times[i] - median))
+    timeline = per_rank[0][1][closest]
+    timeline.meta.update({"step_time_s": times[closest], **config})
+    return PipelineMeasurement(times, median, timeline, per_rank[0][2], config)
+
+
+def _measure_rank(layers: LayersArg, config: dict[str, Any], batch: tuple[Any, Any],
+                  loss_fn: Callable[[Any, Any], torch.Tensor],
+                  optimizer: Callable[[Any], torch.optim.Optimizer]
+                  ) -> tuple[list[float], list[Timeline], list[float]]:
+    from gpipe_repro.gpipe import GPipe
+
+    built = layers() if callable(layers) else layers
+    pipe = GPipe(built, partitions=config["partitions"], micro_batches=config["micro_batches"],
+                 checkpoint=config["checkpoint"], balance=config["balance"], loss_fn=loss_fn,
+                 optimizer=optimizer, schedule=config["schedule"],
+                 recompute_ahead=config["recompute_ahead"], runtime="distributed")
+    assert pipe.stage_process is not None
+    pipe.stage_process.transport.prepost = config["prepost"] and pipe.stage_process.transport.prepost
+    pipe.record_timeline = True
+    inputs, targets = batch
+    times, timelines, losses = [], [], []
+    for i in range(config["warmup"] + config["steps"]):
+        losses.append(pipe.train_step(inputs, targets))
+        if i >= config["warmup"]:
+            times.append(pipe.stage_process.last_step_time)
+            timelines.append(pipe.last_timeline)
+    return times, timelines, losses
+
+
+def _batch_size(inputs: Any) -> int:
+    from gpipe_repro.microbatch import batch_size
+    return batch_size(inputs)

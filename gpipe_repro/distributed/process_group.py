@@ -1,0 +1,118 @@
+"""Joining the job: one process per pipeline stage, rank = stage.
+
+Why a helper and not a bare ``init_process_group``: every stage process must agree on three things
+that torch leaves to the caller, and getting any of them wrong shows up much later as a hang or a
+slow run, not an error:
+
+- the backend and device: NCCL with ``cuda:LOCAL_RANK`` when CUDA is available, gloo on CPU otherwise;
+- a timeout on every communication op (gloo's default is 30 minutes; a pipeline whose neighbour died
+  should fail in seconds), taken from ``GPIPE_REPRO_TIMEOUT_S`` when the launcher set it;
+- on CPU, the number of intra-op threads (``GPIPE_REPRO_THREADS``, default 1): K stage processes on one
+  host each spawning one thread per core would oversubscribe the cores and measure nothing useful.
+
+Rendezvous is torch's own ``env://`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so
+``torchrun --nproc-per-node K script.py``, ``torchrun --nnodes N ...`` and
+:func:`gpipe_repro.distributed.launcher.launch_local` all work unchanged.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpipe_repro.distributed.settings import DEFAULT_TIMEOUT_S, THREADS_ENV, TIMEOUT_ENV
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """Where this process sits in the job."""
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    timeout_s: float
+
+
+_context: StageContext | None = None
+_gloo: dist.ProcessGroup | None = None   # CPU group for control messages when the backend is NCCL
+
+
+def init_distributed(backend: str | None = None, timeout_s: float | None = None,
+                     threads: int | None = None) -> StageContext:
+    """Join (or describe the already joined) default process group. Idempotent.
+
+    `backend`: "gloo" or "nccl"; default NCCL if CUDA is available, else gloo. `timeout_s`: seconds
+    before a communication op with a silent peer fails (default $GPIPE_REPRO_TIMEOUT_S, else 30).
+    `threads`: intra-op threads on CPU (default $GPIPE_REPRO_THREADS, else 1; 0 leaves torch's
+    default).
+    """
+    global _context
+    if timeout_s is None:
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+    if threads is None:
+        threads = int(os.environ.get(THREADS_ENV, 1))
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed; install a build with it")
+    if dist.is_initialized():
+        backend = str(dist.get_backend())
+    else:
+        for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            if var not in os.environ:
+                raise RuntimeError(
+                    f"${var} is not set: start the stage processes with "
+                    "`torchrun --nproc-per-node K script.py` or "
+                    "gpipe_repro.distributed.launch_local(fn, K), or initialize torch.distributed "
+                    "yourself before building the pipeline")
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        if threads > 0:
+            torch.set_num_threads(threads)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                **({"device_id": device} if backend == "nccl" else {}))
+    _context = StageContext(dist.get_rank(), dist.get_world_size(), local_rank, backend, device,
+                            timeout_s)
+    return _context
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (a collective: every rank calls it)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=control_group())
+    return box[0]
+
+
+def control_group() -> dist.ProcessGroup | None:
+    """The group for small control messages (objects, the loss, clock pings): the default group on
+    gloo; on NCCL a gloo group over the same ranks, created once (collectively) on first use."""
+    global _gloo
+    if dist.get_backend() == "gloo":
+        return None
+    if _gloo is None:
+        _gloo = dist.new_group(backend="gloo")
+    return _gloo
+
+
+def current_context() -> StageContext | None:
+    """The context of the last :func:`init_distributed` in this process, if any."""
+    return _context if dist.is_available() and dist.is_initialized() else None
+
+
+def shutdown() -> None:
+    """Leave the process group (at the end of a stage process)."""
+    global _context, _gloo
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _context, _gloo = None, None

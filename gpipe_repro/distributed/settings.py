@@ -1,0 +1,11 @@
+"""Environment variables through which a launcher configures its stage processes.
+
+They live apart from the modules that read them so that a launcher (the CLI's parent process) can
+name them without importing torch.
+"""
+from __future__ import annotations
+
+TIMEOUT_ENV = "GPIPE_REPRO_TIMEOUT_S"     # seconds before a silent peer counts as failed
+THREADS_ENV = "GPIPE_REPRO_THREADS"       # intra-op threads per stage process on CPU
+ERROR_FILE_ENV = "GPIPE_REPRO_ERROR_FILE"  # where a failing stage process leaves its ErrorRecord
+DEFAULT_TIMEOUT_S = 30.0

@@ -1,0 +1,257 @@
+"""Boundary values between stage processes over torch.distributed point-to-point.
+
+A receiver must allocate a buffer before it can receive a tensor, so it must know every shape and
+dtype in advance. Sending that description with every message would double the number of messages
+(and pickle on the hot path), so it is agreed ONCE per *input signature*:
+
+- the signature of a step is the structure, shapes and dtypes (and plain values) of its micro-batch
+  inputs, plus whether it trains. Every rank is given the same inputs and targets in ``train_step``
+  (a torchrun script with deterministic data, or the same tensors handed to each process), so every
+  rank computes the same signature without talking;
+- the first step with a new signature sends, before each boundary value, a small pickled header:
+  the sender's signature (so a rank that was given different inputs is caught with a clear error)
+  and the value's *spec* (tuple structure, tensor shapes and dtypes, plain values). Both sides cache it;
+- every later step with that signature sends the raw tensors only. The sender checks locally that
+  the value still matches the agreed spec (free), and says what changed if it does not.
+
+Floating tensors come back with gradients; integer/bool tensors and plain values travel forward only
+(:mod:`gpipe_repro.boundary`). Gradient lists may hold ``None`` (nothing flowed): that is part of the
+spec too.
+
+Sends are non-blocking (``isend``): the step waits for them at its end (:meth:`finish_step`), and
+before each compute action for those issued before the previous one (:meth:`release_sent`), so a sent
+activation is not kept alive for the rest of the step. Receives block when their action runs. On gloo,
+once the specs are known, every receive of the step is posted at the step's start (``prepost``): the
+bytes then move as soon as the sender sends, while the receiver is still computing, instead of when it
+reaches the RECV action (and a gloo send cannot complete before its receive is posted). NCCL would
+queue a posted receive in front of later sends on the same pair's stream, so there it receives at the
+action.
+
+Every wait has a timeout, and a failed or timed-out operation raises :class:`PeerFailure` naming the
+peer rank and the message, so a dead neighbour ends this process within the timeout instead of
+hanging it.
+"""
+from __future__ import annotations
+
+import datetime
+import pickle
+from collections.abc import Hashable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpipe_repro import boundary
+from gpipe_repro.distributed.process_group import StageContext
+from gpipe_repro.distributed.watchdog import PeerFailure
+from gpipe_repro.schedule import Action, ActionKind
+
+Spec = tuple  # ("tensor", shape, dtype) | ("seq", "tuple" | "list", (Spec, ...)) | ("value", plain)
+
+ACTIVATION, GRADIENT = 0, 1
+_SIZE_LEAF, _HEADER_LEAF = 1022, 1023   # tag slots of the header's size and bytes
+MAX_LEAVES = 1022                        # tensor leaves use tag slots 0..1021
+_KIND_NAMES = {ACTIVATION: "activation", GRADIENT: "gradient"}
+
+
+# -- specs ------------------------------------------------------------------------------------------
+def describe(value: Any) -> Spec:
+    """The spec of a boundary value (or of a micro-batch input): hashable, picklable, comparable."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, (tuple, list)):
+        return ("seq", type(value).__name__, tuple(describe(v) for v in value))
+    if isinstance(value, boundary.PLAIN):
+        return ("value", value)
+    raise TypeError(f"a {type(value).__name__} cannot cross between stage processes; use tensors, "
+                    "tuples and plain values (None/bool/int/float/str)")
+
+
+def allocate(spec: Spec, device: torch.device) -> list[torch.Tensor]:
+    """Empty receive buffers for the tensor leaves of `spec`, in leaf order."""
+    if spec[0] == "tensor":
+        return [torch.empty(spec[1], dtype=spec[2], device=device)]
+    if spec[0] == "seq":
+        return [t for s in spec[2] for t in allocate(s, device)]
+    return []
+
+
+def rebuild(spec: Spec, leaves: Iterator[torch.Tensor]) -> Any:
+    """The value described by `spec`, taking its tensors from `leaves` in order."""
+    if spec[0] == "tensor":
+        return next(leaves)
+    if spec[0] == "seq":
+        items = [rebuild(s, leaves) for s in spec[2]]
+        return tuple(items) if spec[1] == "tuple" else items
+    return spec[1]
+
+
+def signature(microbatches: list[Any], training: bool) -> Hashable:
+    """The key under which boundary specs are agreed: every rank computes it from its own inputs."""
+    return (training, tuple(describe(mb) for mb in microbatches))
+
+
+def _tag(kind: int, microbatch: int, leaf: int) -> int:
+    return ((microbatch * 2 + kind) << 10) | leaf
+
+
+# -- transport --------------------------------------------------------------------------------------
+class ProcessGroupTransport:
+    """The :class:`~gpipe_repro.stage.Transport` between stage processes (see module docstring)."""
+
+    def __init__(self, context: StageContext, prepost: bool = True,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.rank, self.device, self.group = context.rank, context.device, group
+        self.timeout = datetime.timedelta(seconds=context.timeout_s)
+        self.prepost = prepost and context.backend == "gloo"
+        self.specs: dict[Hashable, dict[tuple[int, int, int], Spec]] = {}
+        self._known: dict[tuple[int, int, int], Spec] = {}
+        self._learning = True
+        self._key: Hashable = None
+        # in-flight sends: (work, tensors kept alive, generation, destination rank)
+        self._sends: list[tuple[dist.Work, list[torch.Tensor], int, int]] = []
+        self._generation = 0
+        self._posted: dict[tuple[int, int], tuple[Spec, list[torch.Tensor], list[dist.Work]]] = {}
+
+    # -- step lifecycle -----------------------------------------------------------------------------
+    def begin_step(self, key: Hashable, actions: Iterable[Action]) -> None:
+        """Start a step with input signature `key`; post its receives early when specs are known."""
+        if self._posted or self._sends:
+            raise RuntimeError("the previous step left messages in flight; call finish_step()")
+        self._key = key
+        self._learning = key not in self.specs
+        self._known = self.specs.setdefault(key, {})
+        if self.prepost and not self._learning:
+            for a in actions:
+                if a.kind is ActionKind.RECV_ACT:
+                    self._post(ACTIVATION, a.stage - 1, a.microbatch)
+                elif a.kind is ActionKind.RECV_GRAD:
+                    self._post(GRADIENT, a.stage + 1, a.microbatch)
+
+    def finish_step(self) -> None:
+        """Wait for every send of the step (a receiver that never receives fails here, by timeout)."""
+        sends, self._sends = self._sends, []
+        for work, _, _, dst in sends:
+            self._wait(work, f"sending to rank {dst}", dst)
+        if self._posted:
+            left = sorted(self._posted)
+            self._posted.clear()
+            raise RuntimeError(f"rank {self.rank}: receives posted but never used: {left}")
+
+    # -- the Transport protocol ---------------------------------------------------------------------
+    def send_activation(self, stage: int, microbatch: int, value: Any) -> None:
+        self._send(ACTIVATION, stage, stage + 1, microbatch, value)
+
+    def recv_activation(self, stage: int, microbatch: int) -> Any:
+        return boundary.attach(self._recv(ACTIVATION, stage - 1, microbatch), self.device)
+
+    def send_gradient(self, stage: int, microbatch: int, grads: list[torch.Tensor | None]) -> None:
+        self._send(GRADIENT, stage, stage - 1, microbatch, tuple(grads))
+
+    def recv_gradient(self, stage: int, microbatch: int) -> list[torch.Tensor | None]:
+        return list(self._recv(GRADIENT, stage + 1, microbatch))
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _send(self, kind: int, src: int, dst: int, microbatch: int, value: Any) -> None:
+        spec = describe(value)
+        slot = (kind, src, microbatch)
+        if self._learning:
+            self._known[slot] = spec
+            header = torch.frombuffer(bytearray(pickle.dumps((self._key, spec))), dtype=torch.uint8)
+            size = torch.tensor([header.numel()], dtype=torch.int64)
+            for leaf, t in ((_SIZE_LEAF, size), (_HEADER_LEAF, header)):
+                t = t.to(self.device)
+                tag = _tag(kind, microbatch, leaf)
+                work = dist.isend(t, dst, group=self.group, tag=tag)
+                self._sends.append((work, [t], self._generation, dst))
+        elif self._known.get(slot) != spec:
+            raise RuntimeError(
+                f"stage {src}: the {_KIND_NAMES[kind]} of micro-batch {microbatch} for stage {dst} is "
+                f"{_show(spec)}, but it was {_show(self._known.get(slot))} when the stages agreed on "
+                "boundary shapes for these input shapes. Boundary shapes, dtypes and plain values must "
+                "be a function of the input shapes (the same on every step with the same inputs' "
+                "shapes); return a tensor instead of a changing plain value")
+        leaves = boundary.tensors(value)
+        if len(leaves) > MAX_LEAVES:
+            raise ValueError(f"stage {src}: a boundary value holds {len(leaves)} tensors; at most "
+                             f"{MAX_LEAVES} can cross between stages: concatenate some of them")
+        for i, t in enumerate(leaves):
+            if t.numel() == 0:
+                continue
+            t = t.contiguous()
+            work = dist.isend(t, dst, group=self.group, tag=_tag(kind, microbatch, i))
+            self._sends.append((work, [t], self._generation, dst))
+
+    def _recv(self, kind: int, src: int, microbatch: int) -> Any:
+        what = f"the {_KIND_NAMES[kind]} of micro-batch {microbatch} from rank {src}"
+        posted = self._posted.pop((kind, microbatch), None)
+        if posted is None:
+            slot = (kind, src, microbatch)
+            if self._learning:
+                self._known[slot] = self._recv_header(kind, src, microbatch, what)
+            posted = self._post(kind, src, microbatch, keep=False)
+        spec, buffers, works = posted
+        for work in works:
+            self._wait(work, f"receiving {what}", src)
+        return rebuild(spec, iter(buffers))
+
+    def _post(self, kind: int, src: int, microbatch: int, keep: bool = True
+              ) -> tuple[Spec, list[torch.Tensor], list[dist.Work]]:
+        slot = (kind, src, microbatch)
+        if slot not in self._known:
+            raise RuntimeError(f"rank {self.rank}: no agreed spec for {_KIND_NAMES[kind]} of "
+                               f"micro-batch {microbatch} from rank {src}; the schedule changed "
+                               "between steps with the same inputs")
+        spec = self._known[slot]
+        buffers = allocate(spec, self.device)
+        works = [dist.irecv(t, src, group=self.group, tag=_tag(kind, microbatch, i))
+                 for i, t in enumerate(buffers) if t.numel() > 0]
+        posted = (spec, buffers, works)
+        if keep:
+            self._posted[(kind, microbatch)] = posted
+        return posted
+
+    def _recv_header(self, kind: int, src: int, microbatch: int, what: str) -> Spec:
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        self._wait(dist.irecv(size, src, group=self.group, tag=_tag(kind, microbatch, _SIZE_LEAF)),
+                   f"receiving {what}", src)
+        header = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self._wait(dist.irecv(header, src, group=self.group, tag=_tag(kind, microbatch, _HEADER_LEAF)),
+                   f"receiving {what}", src)
+        key, spec = pickle.loads(header.cpu().numpy().tobytes())
+        if key != self._key:
+            raise RuntimeError(
+                f"rank {self.rank} and rank {src} were given different inputs: every rank must call "
+                "train_step/forward with the same inputs and targets (same shapes and dtypes; ranks "
+                "other than the first only read their shapes). "
+                f"rank {src}: {_show(key)}; rank {self.rank}: {_show(self._key)}")
+        return spec
+
+    def _wait(self, work: dist.Work, doing: str, peer: int) -> None:
+        try:
+            work.wait(self.timeout)
+        except Exception as e:  # gloo raises RuntimeError/DistBackendError with the socket's story
+            raise PeerFailure(
+                f"rank {self.rank} lost rank {peer} while {doing} (it died, failed or did not answer "
+                f"within {self.timeout.total_seconds():g} s): {e}", peer) from e
+
+    def release_sent(self) -> None:
+        """Called before each compute action: wait for sends older than the previous compute action,
+        so their buffers are freed during the step rather than at its end.
+
+        Only when this step's receives were posted at its start (every receiver posts all of them
+        before it blocks on anything, so these waits cannot deadlock, and by now they are done).
+        Otherwise (first step of a signature, NCCL) only sends already known complete are dropped."""
+        self._generation += 1
+        if self.prepost and not self._learning:
+            for work, _, g, dst in self._sends:
+                if g < self._generation - 1:
+                    self._wait(work, f"sending to rank {dst}", dst)
+            self._sends = [s for s in self._sends if s[2] >= self._generation - 1]
+        elif self.device.type == "cuda":  # NCCL works know when they are done; gloo's only on wait
+            self._sends = [s for s in self._sends if not s[0].is_completed()]
+
+
+def _show(spec: Any) -> str:
+    text = repr(spec)
+    return text if len(text) < 300 else text[:300] + "..."

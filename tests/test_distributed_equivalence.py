@@ -1,0 +1,139 @@
+"""The distributed runtime trains exactly like the local runtime and like plain PyTorch.
+
+2 and 3 stage processes (gloo, CPU, launched locally), uneven micro-batches, dropout, tuple
+boundaries with integer and bool tensors, deferred BatchNorm, every checkpoint mode, recompute-ahead
+and 1F1B. Each rank compares ITS cell's loss, gradients and updated weights, after two steps (the
+first agrees on boundary specs, the second runs on the agreed specs with receives posted early),
+with a local GPipe and with `reference_step` computed in the same process. Many configurations run
+in one launch to keep the test fast; each rank returns what it checked so a vacuous pass is caught.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from gpipe_repro import GPipe
+from gpipe_repro.distributed import JobFailed, launch_local
+from tests.equivalence import ATOL, RTOL, reference_step
+from tests.test_engine_equivalence import MODELS, data
+
+# (model, micro-batches, checkpoint, recompute_ahead, schedule); batches have 11 examples.
+CONFIGS = {
+    2: [("mlp", 1, "never", False, "gpipe"), ("mlp", 3, "always", False, "gpipe"),
+        ("mlp", 4, "except_last", False, "gpipe"), ("mlp", 4, "always", True, "gpipe"),
+        ("mlp", 11, "never", False, "gpipe"), ("transformer", 3, "except_last", False, "gpipe"),
+        ("transformer", 2, "never", False, "gpipe"), ("conv", 3, "always", True, "gpipe")],
+    3: [("mlp", 4, "always", True, "gpipe"), ("mlp", 3, "never", False, "gpipe"),
+        ("transformer", 3, "always", False, "gpipe"), ("conv", 4, "except_last", False, "gpipe"),
+        ("mlp", 4, "never", False, "1f1b")],
+}
+STEPS = 2
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def check_configs(k: int) -> list[str]:
+    """Runs in every stage process: train each configuration three ways and compare this rank's
+    cell. Returns the names of the configurations checked."""
+    checked = []
+    for kind, m, mode, ahead, schedule in CONFIGS[k]:
+        build, loss_fn = MODELS[kind]
+        x, y = data(kind)
+        where = f"{kind} K={k} M={m} checkpoint={mode} ahead={ahead} {schedule}"
+        kwargs = dict(partitions=k, micro_batches=m, checkpoint=mode, recompute_ahead=ahead,
+                      schedule=schedule, loss_fn=loss_fn, cost="params",
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        pipe = GPipe(build(), runtime="distributed", **kwargs)
+        local = GPipe(build(), **kwargs)
+        ref = build()
+        rank = pipe.rank
+        assert rank is not None and pipe.balance == local.balance
+        first = sum(pipe.balance[:rank])
+        mine = list(pipe.cells[rank])
+        theirs = ref[first:first + len(mine)]
+        assert len(mine) == pipe.balance[rank] and all(len(c) == 0 for s, c in enumerate(pipe.cells)
+                                                       if s != rank), "only this rank's cell is kept"
+        for step in range(STEPS):
+            loss = pipe.train_step(x, y)
+            _close(torch.tensor(loss), torch.tensor(local.train_step(x, y)), f"{where}: loss vs local")
+            ref_loss = reference_step(ref, x, y, loss_fn, m, step=step)
+            _close(torch.tensor(loss), torch.tensor(ref_loss), f"{where}: loss vs reference")
+            for (name, p), q, r in zip(nn.Sequential(*mine).named_parameters(),
+                                       local.cells[rank].parameters(),
+                                       nn.Sequential(*theirs).parameters()):
+                assert (p.grad is None) == (r.grad is None), f"{where}: grad presence of {name}"
+                if p.grad is not None:
+                    _close(p.grad, q.grad, f"{where} step {step}: grad of {name} vs local")
+                    _close(p.grad, r.grad, f"{where} step {step}: grad of {name} vs reference")
+                _close(p.detach(), q.detach(), f"{where} step {step}: {name} vs local")
+                _close(p.detach(), r.detach(), f"{where} step {step}: {name} vs reference")
+        for buf, local_buf in zip(pipe.cells[rank].buffers(), local.cells[rank].buffers()):
+            _close(buf.float(), local_buf.float(), f"{where}: BatchNorm buffers vs local")
+        pipe.eval(), local.eval()
+        _close(pipe.forward(x), local.forward(x), f"{where}: inference output vs local")
+        checked.append(where)
+    return checked
+
+
+def test_two_stage_processes_train_like_local_and_plain() -> None:
+    results = launch_local(check_configs, 2, 2, timeout=20)
+    assert len(results) == 2 and all(len(r) == len(CONFIGS[2]) for r in results)
+
+
+def test_three_stage_processes_train_like_local_and_plain() -> None:
+    results = launch_local(check_configs, 3, 3, timeout=20)
+    assert len(results) == 3 and all(len(r) == len(CONFIGS[3]) for r in results)
+
+
+def train_with_rank_dependent_batch() -> float:
+    build, loss_fn = MODELS["mlp"]
+    x, y = data("mlp", n=11 + int(os.environ["RANK"]))  # wrong on purpose: ranks must get the same inputs
+    pipe = GPipe(build(), partitions=2, micro_batches=2, loss_fn=loss_fn, runtime="distributed")
+    return pipe.train_step(x, y)
+
+
+def test_ranks_given_different_inputs_fail_with_a_clear_error() -> None:
+    try:
+        launch_local(train_with_rank_dependent_batch, 2, timeout=10)
+    except JobFailed as e:
+        assert e.rank == 1 and "were given different inputs" in str(e)
+    else:
+        raise AssertionError("ranks with different input shapes were not detected")
+
+
+class StepCounter(nn.Module):
+    """Passes a plain int that changes every step across the boundary: not a function of shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        self.calls += 1
+        return x, self.calls
+
+
+class TakeFirst(nn.Module):
+    def forward(self, x: tuple[torch.Tensor, int]) -> torch.Tensor:
+        return x[0]
+
+
+def train_with_changing_plain_value() -> float:
+    layers = [nn.Linear(6, 6), StepCounter(), TakeFirst(), nn.Linear(6, 3)]
+    x, y = data("mlp")
+    pipe = GPipe(layers, partitions=2, balance=[2, 2], micro_batches=1,
+                 loss_fn=nn.CrossEntropyLoss(), runtime="distributed")
+    return [pipe.train_step(x, y) for _ in range(2)][-1]
+
+
+def test_boundary_value_that_changes_between_steps_is_refused() -> None:
+    try:
+        launch_local(train_with_changing_plain_value, 2, timeout=10)
+    except JobFailed as e:
+        assert e.rank == 0 and "must be a function of the input shapes" in str(e)
+    else:
+        raise AssertionError("a plain boundary value that changed between steps was not detected")

@@ -1,0 +1,95 @@
+"""A failing stage process ends the whole job within the bound, naming the rank and the cause.
+
+Each test injects a failure in the middle of a training step (the second step, second micro-batch,
+while the neighbours are blocked on messages) and measures from the moment of the failure (written
+by the failing layer just before it fails) to the moment the launcher returns. The bound is the
+communication timeout (5 s here) plus the launcher's grace period plus scheduling slack.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe_repro import GPipe
+from gpipe_repro.distributed import JobFailed, launch_local
+from gpipe_repro.distributed.faults import InjectedFault
+
+TIMEOUT, GRACE = 5.0, 1.0
+BOUND = TIMEOUT + GRACE + 4.0      # 4 s of slack for a loaded 2-core machine
+M = 4
+AT_CALL = M + 2                    # checkpoint="never": one call per micro-batch forward
+
+
+class StampedFault(InjectedFault):
+    """Writes the wall time to `stamp` just before failing."""
+
+    def __init__(self, mode: str, at_call: int, stamp: str) -> None:
+        super().__init__(mode, at_call)
+        self.stamp = stamp
+
+    def forward(self, x: Any) -> Any:
+        if self.calls + 1 == self.at_call:
+            Path(self.stamp).write_text(repr(time.time()))
+        return super().forward(x)
+
+
+def train_with_fault(mode: str, fail_rank: int, k: int, stamp: str) -> float:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(k)]
+    layers.insert(fail_rank, StampedFault(mode, AT_CALL, stamp))
+    balance = [1] * k
+    balance[fail_rank] += 1
+    pipe = GPipe(layers, partitions=k, balance=balance, micro_batches=M, checkpoint="never",
+                 loss_fn=nn.MSELoss(), runtime="distributed")
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    return [pipe.train_step(x, y) for _ in range(3)][-1]
+
+
+def run_failing_job(mode: str, fail_rank: int, k: int) -> tuple[JobFailed, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        stamp = os.path.join(tmp, "failed_at")
+        with pytest.raises(JobFailed) as info:
+            launch_local(train_with_fault, k, mode, fail_rank, k, stamp, timeout=TIMEOUT, grace=GRACE)
+        ended = time.time()
+        failed_at = float(Path(stamp).read_text())
+    return info.value, ended - failed_at
+
+
+def test_killed_stage_process_ends_the_job_naming_the_rank() -> None:
+    error, took = run_failing_job("kill", fail_rank=1, k=3)
+    assert error.rank == 1 and "SIGKILL" in error.cause, str(error)
+    assert took < BOUND, f"the job took {took:.1f} s to end after the kill (bound {BOUND} s)"
+
+
+def test_exception_in_a_stage_ends_the_job_with_its_cause() -> None:
+    error, took = run_failing_job("raise", fail_rank=2, k=3)
+    assert error.rank == 2 and "RuntimeError: injected failure" in error.cause, str(error)
+    assert took < BOUND, f"the job took {took:.1f} s to end after the exception (bound {BOUND} s)"
+
+
+def test_stuck_stage_is_declared_lost_after_the_timeout() -> None:
+    error, took = run_failing_job("hang", fail_rank=0, k=2)
+    assert error.rank == 0 and "stopped answering" in error.cause, str(error)
+    assert TIMEOUT - 1 < took < BOUND, f"the job took {took:.1f} s to end (timeout {TIMEOUT} s)"
+
+
+def test_cli_exits_nonzero_names_the_rank_and_writes_no_results(tmp_path: Path) -> None:
+    timeline = tmp_path / "timeline.json"
+    cmd = [sys.executable, "-c", "from gpipe_repro.cli import main; main()", "pipeline",
+           "--partitions", "2", "--steps", "3", "--batch", "64", "--width", "32", "--blocks", "2",
+           "--fail-mode", "exit", "--fail-rank", "1", "--fail-call", "12", "--timeout", str(TIMEOUT),
+           "--timeline", str(timeline)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode != 0
+    assert "job failed: rank 1 failed: exited with code 3" in done.stderr, done.stderr[-2000:]
+    assert not timeline.exists() and not list(tmp_path.iterdir()), "a failed job left a results file"
