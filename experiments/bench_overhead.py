@@ -55,8 +55,11 @@ def main() -> None:
                             loss_fn=loss_fn, optimizer=opt_factory) for mode in ("never", "always")}
     times: dict[str, list[float]] = {"plain": [], **{m: [] for m in variants}}
     steps = {"plain": plain_step, **{m: (lambda p=p: p.train_step(x, y)) for m, p in variants.items()}}
+    names = list(steps)
     for i in range(args.warmup + args.steps):
-        for name, fn in steps.items():
+        # Rotate the order every step so no variant always runs first (warm caches, allocator state).
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            fn = steps[name]
             t0 = time.perf_counter()
             fn()
             if i >= args.warmup:
