@@ -1,0 +1,197 @@
+"""`gpipe-repro fit` and `gpipe-repro plan`: per-device memory, before buying the devices.
+
+    gpipe-repro fit transformer-lm --L 1663 -K 128 -M 8 --memory 16      # 84B parameters: fits?
+    gpipe-repro fit amoebanet-d --L 18 --F 416 -K 1 -M 8 --memory 8 --batch 128
+    gpipe-repro plan transformer-lm --L 48 --devices 8 --memory 16 --link nvlink
+
+``fit`` answers "does this model fit on K devices of X GiB with M micro-batches, and what is each
+device's peak?", and when it does not, says why and what would fit (re-materialization, more
+micro-batches, more devices). ``plan`` chooses K, M and the memory-capped partition that maximize
+simulated throughput under the budget. Model options are those of ``gpipe-repro models`` (any
+builder keyword, e.g. ``--L 24 --d-model 1024``), plus ``--seq-len`` (language models) and
+``--image-size`` (AmoebaNet). Models are built on the meta device and measured on fake tensors:
+nothing is allocated, whatever the size. All numbers are simulated by the memory planner.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _planner(family: str, batch: Optional[int], extra: list[str], attention: str) -> tuple[Any, Any]:
+    from gpipe_repro.commands.models import parse_options
+    from gpipe_repro.memory.planner import MemoryPlanner
+    from gpipe_repro.memory.profile import rmsprop_foreach
+    from gpipe_repro.memory.workloads import workload
+    try:
+        work = workload(family, batch, **parse_options(extra))
+    except (ValueError, TypeError) as e:
+        raise typer.BadParameter(str(e)) from e
+    planner = MemoryPlanner(work.layers, work.sample, work.target, work.loss_fn,
+                            optimizer=rmsprop_foreach, attention=attention, optimizer_foreach=True)
+    return work, planner
+
+
+def _device_rows(plan: Any) -> list[tuple[str, Any, int]]:
+    """Consecutive devices with equal peaks and layer counts shown as one row."""
+    rows: list[tuple[str, Any, int]] = []
+    start = 0
+    stages = plan.stages
+    for i in range(1, len(stages) + 1):
+        if i == len(stages) or (stages[i].peak, plan.balance[i]) != (stages[start].peak, plan.balance[start]):
+            name = str(start) if i - start == 1 else f"{start}..{i - 1}"
+            rows.append((name, stages[start], plan.balance[start]))
+            start = i
+    return rows
+
+
+def _print_plan(plan: Any, budget: float, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from gpipe_repro.memory.planner import GiB
+    cats = {"params": "param", "grads": "grad", "optimizer": "optim", "stash": "stash",
+            "activations": "activ", "data": "data"}
+    table = Table("device", "layers", "peak", *cats.values(), "when", "fits",
+                  title=title, caption="GiB; 'when': the action at the device's peak")
+    for name, s, layers in _device_rows(plan):
+        table.add_row(name, str(layers), f"{s.peak / GiB:.2f}",
+                      *[f"{s.parts.get(c, 0) / GiB:.2f}" for c in cats], s.peak_at,
+                      "yes" if s.peak <= budget else "NO")
+    Console().print(table)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(context_settings=_CONTEXT)
+    def fit(ctx: typer.Context,
+            family: str = typer.Argument(..., help="model family (gpipe-repro models lists them)"),
+            partitions: int = typer.Option(1, "--partitions", "-K", help="devices (cells) K"),
+            micro_batches: int = typer.Option(8, "--micro-batches", "-M", help="micro-batches M"),
+            memory: float = typer.Option(16.0, "--memory", help="memory per device, GiB"),
+            batch: Optional[int] = typer.Option(None, "--batch", help="mini-batch size N "
+                                                "(default: the paper's for the family)"),
+            checkpoint: str = typer.Option("except_last", "--checkpoint",
+                                           help="re-materialization: except_last | always | never"),
+            attention: str = typer.Option("fused", "--attention", help="fused | math (materialized)"),
+            balance: Optional[str] = typer.Option(None, "--balance", help="layers per device, "
+                                                  "e.g. 3,4,4,3 (default: memory-balanced)"),
+            engine: bool = typer.Option(False, "--engine", help="also run the engine's own train_step "
+                                        "on fake tensors and show its per-device peaks (slow: every "
+                                        "layer of every micro-batch runs)"),
+            json_out: Optional[Path] = typer.Option(None, "--json", help="also write the plan here"),
+            ) -> None:
+        """Does the model fit on K devices of --memory GiB with M micro-batches? Each device's peak."""
+        from rich.console import Console
+
+        from gpipe_repro.memory.advice import what_would_fit, why
+        from gpipe_repro.memory.planner import GiB
+        work, planner = _planner(family, batch, list(ctx.args), attention)
+        cuts = [int(x) for x in balance.split(",")] if balance else None
+        try:
+            plan = planner.plan(partitions, micro_batches, checkpoint, balance=cuts)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from e
+        budget = memory * GiB
+        console = Console()
+        console.print(f"{work.describe()}: {planner.parameters:,} parameters, "
+                      f"{planner.num_layers} layers", soft_wrap=True)
+        _print_plan(plan, budget, f"K={partitions}, M={micro_batches}, checkpoint={checkpoint}, "
+                                  f"{memory:g} GiB per device (simulated)")
+        if engine:
+            from gpipe_repro.memory.trace import trace_step
+            traced = trace_step(work.layers, work.sample, work.target, work.loss_fn, partitions,
+                                micro_batches, checkpoint, balance=plan.balance,
+                                optimizer=planner.optimizer, fake=True, attention=attention)
+            data = [s.parts.get("data", 0) for s in plan.stages]
+            console.print("engine on fake tensors, peak GiB per device (data excluded): "
+                          + ", ".join(f"{t.peak / GiB:.4f} (planner {(s.peak - d) / GiB:.4f})"
+                                      for t, s, d in zip(traced.stages, plan.stages, data)),
+                          soft_wrap=True)
+        advice: list[str] = []
+        if plan.fits(budget):
+            console.print(f"[green]fits[/green]: largest device peak {plan.max_peak / GiB:.2f} GiB "
+                          f"of {memory:g} GiB")
+        else:
+            console.print(f"[red]does not fit[/red]: {why(plan, budget)}")
+            advice = what_would_fit(planner, plan, budget)
+            for line in advice:
+                console.print(f"  - {line}")
+        if json_out:
+            json_out.write_text(json.dumps({"model": work.describe(), "budget_gib": memory,
+                                            "fits": plan.fits(budget), "plan": plan.to_dict(),
+                                            "advice": advice, "method": "simulated"}, indent=2))
+
+    @app.command(context_settings=_CONTEXT)
+    def plan(ctx: typer.Context,
+             family: str = typer.Argument(..., help="model family (gpipe-repro models lists them)"),
+             devices: int = typer.Option(8, "--devices", help="devices available (K is at most this)"),
+             memory: float = typer.Option(16.0, "--memory", help="memory per device, GiB"),
+             batch: Optional[int] = typer.Option(None, "--batch", help="mini-batch size N"),
+             link: str = typer.Option("nvlink", "--link", help="link model: ideal, pcie, nvlink, "
+                                      "tpu-ici, gloo-loopback"),
+             tflops: float = typer.Option(100.0, "--tflops", help="device compute rate, TFLOP/s"),
+             micro_batches: Optional[str] = typer.Option(None, "--micro-batches", "-M",
+                                                         help="candidates, e.g. 4,8,32 (default: "
+                                                              "powers of two up to the batch)"),
+             attention: str = typer.Option("fused", "--attention", help="fused | math"),
+             top: int = typer.Option(8, "--top", help="candidates to show"),
+             json_out: Optional[Path] = typer.Option(None, "--json", help="also write the choice here"),
+             ) -> None:
+        """Choose K, M and the partition that maximize simulated throughput within --memory GiB."""
+        from rich.console import Console
+        from rich.table import Table
+
+        from gpipe_repro.links import get_link
+        from gpipe_repro.memory.advice import what_would_fit, why
+        from gpipe_repro.memory.autoplan import search
+        from gpipe_repro.memory.planner import GiB
+        work, planner = _planner(family, batch, list(ctx.args), attention)
+        ms = [int(x) for x in micro_batches.split(",")] if micro_batches else None
+        budget = memory * GiB
+        cands = search(planner, devices, budget, get_link(link), tflops * 1e12, ms)
+        console = Console()
+        console.print(f"{work.describe()}: {planner.parameters:,} parameters, "
+                      f"{planner.num_layers} layers; {devices} devices of {memory:g} GiB, "
+                      f"{tflops:g} TFLOP/s, link {link} (simulated)", soft_wrap=True)
+        table = Table("K", "M", "checkpoint", "fits", "peak GiB", "samples/s", "bubble", "balance",
+                      title="fastest configurations that fit")
+        for c in cands[:top]:
+            cuts = ",".join(map(str, c.balance)) if len(c.balance) <= 8 else f"{len(c.balance)} cells"
+            table.add_row(str(c.partitions), str(c.micro_batches), c.checkpoint,
+                          "yes" if c.fits else "no", f"{c.max_peak / GiB:.2f}" if c.max_peak else "-",
+                          f"{c.throughput:.1f}" if c.fits else "-",
+                          f"{c.bubble:.2f}" if c.fits else "-", cuts)
+        console.print(table)
+        best = cands[0] if cands and cands[0].fits else None
+        if best is not None:
+            console.print(f"[green]choose[/green] K={best.partitions}, M={best.micro_batches}, "
+                          f"checkpoint={best.checkpoint}, balance={best.balance}: "
+                          f"{best.throughput:.1f} samples/s, largest device peak "
+                          f"{best.max_peak / GiB:.2f} GiB")
+        else:
+            console.print(f"[red]nothing fits[/red] on up to {devices} devices of {memory:g} GiB.")
+            closest = min((c for c in cands if c.plan is not None), key=lambda c: c.max_peak,
+                          default=None)
+            if closest is not None and closest.plan is not None:
+                console.print(f"closest: K={closest.partitions}, M={closest.micro_batches}, "
+                              f"checkpoint={closest.checkpoint}: {why(closest.plan, budget)}")
+                for line in what_would_fit(planner, closest.plan, budget,
+                                           max_partitions=planner.num_layers):
+                    console.print(f"  - {line}")
+        if json_out:
+            json_out.write_text(json.dumps({
+                "model": work.describe(), "budget_gib": memory, "devices": devices, "link": link,
+                "tflops": tflops, "method": "simulated",
+                "choice": None if best is None else {
+                    "partitions": best.partitions, "micro_batches": best.micro_batches,
+                    "checkpoint": best.checkpoint, "balance": best.balance,
+                    "throughput": best.throughput, "max_peak_bytes": best.max_peak},
+                "candidates": [{"partitions": c.partitions, "micro_batches": c.micro_batches,
+                                "checkpoint": c.checkpoint, "fits": c.fits,
+                                "max_peak_bytes": c.max_peak, "throughput": c.throughput,
+                                "note": c.note} for c in cands]}, indent=2))

@@ -1,0 +1,273 @@
+"""Composing layer profiles along a schedule: one stage's memory over its actions.
+
+A stage's memory is a function of its cell and its action list, nothing else (every stage has its own
+device). :func:`walk_stage` replays the stage's actions from :class:`~gpipe_repro.schedule.Schedule`
+the way :class:`~gpipe_repro.stage.StageExecutor` executes them, with symbolic storages in place of
+tensors: each has a size and a set of holders (the stash ``inputs[m]``, the ``outbox``, the cell's
+output kept in ``graphs[m]``, the graph of layer j for micro-batch m, the gradient buffers, the
+running value of the forward loop). A storage is freed when its last holder lets go, exactly as
+reference counting frees a tensor. Inside a layer, the profile's measured peak is added on top.
+
+So the planner consumes the schedule as data (no copy of its logic) and its answer can be checked
+against the real engine run under a tracker (:mod:`gpipe_repro.memory.trace`).
+
+Categories at the peak: ``params``, ``buffers``, ``grads``, ``optimizer`` (persistent), ``stash``
+(boundary inputs kept for the backward: O(M) per stage), ``activations`` (the working set: graphs
+kept for the backward, temporaries, gradients in flight, BatchNorm statistics).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from gpipe_repro.memory.profile import LayerProfile
+from gpipe_repro.memory.signature import ValueSig
+from gpipe_repro.schedule import ActionKind, Schedule
+
+PARAMS, BUFFERS, GRADS, OPTIMIZER = "params", "buffers", "grads", "optimizer"
+STASH, ACTIVATIONS, DATA = "stash", "activations", "data"
+PERSISTENT = (PARAMS, BUFFERS, GRADS, OPTIMIZER)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One stage's (one device's) memory over a training step."""
+
+    stage: int
+    peak: int
+    parts: dict[str, int]                       # category -> bytes at the peak
+    peak_at: str                                # the action during which the peak happens
+    timeline: list[tuple[str, int, int]] = field(default_factory=list)  # (action, after, peak)
+    activation_high: int | None = None          # the largest activation bytes at any moment
+
+    @property
+    def persistent(self) -> int:
+        return sum(self.parts.get(c, 0) for c in PERSISTENT)
+
+    @property
+    def activation_peak(self) -> int:
+        """The most activation memory (stash + working set) held at any moment: the paper's "peak
+        activation memory". Without a walk's record, the peak minus persistent state and data."""
+        if self.activation_high is not None:
+            return self.activation_high
+        return self.peak - self.persistent - self.parts.get(DATA, 0)
+
+
+class _Store:
+    """Symbolic storages with holders; live bytes by category; the running peak."""
+
+    def __init__(self, base: dict[str, int]) -> None:
+        self.parts: dict[str, int] = defaultdict(int, base)
+        self.live = sum(base.values())
+        self.size: dict[int, int] = {}
+        self.category: dict[int, str] = {}
+        self.holders: dict[int, set[Hashable]] = defaultdict(set)
+        self.held: dict[Hashable, set[int]] = defaultdict(set)
+        self.peak, self.peak_parts, self.peak_at = self.live, dict(self.parts), "start"
+        self.window = self.live
+        self.activation_high = 0
+        self._next = 0
+
+    def new(self, nbytes: int, category: str, holder: Hashable) -> int:
+        sid = self._next
+        self._next += 1
+        self.size[sid], self.category[sid] = nbytes, category
+        self.add(category, nbytes)
+        self.hold(sid, holder)
+        return sid
+
+    def add(self, category: str, nbytes: int) -> None:
+        self.live += nbytes
+        self.parts[category] += nbytes
+        self.touch(0, "")
+
+    def hold(self, sid: int, holder: Hashable) -> None:
+        self.holders[sid].add(holder)
+        self.held[holder].add(sid)
+
+    def release(self, holder: Hashable) -> None:
+        for sid in self.held.pop(holder, ()):
+            hs = self.holders[sid]
+            hs.discard(holder)
+            if not hs:
+                del self.holders[sid]
+                self.live -= self.size[sid]
+                self.parts[self.category[sid]] -= self.size[sid]
+
+    def rename(self, old: Hashable, new: Hashable) -> None:
+        for sid in self.held.pop(old, ()):
+            self.holders[sid].discard(old)
+            self.hold(sid, new)
+
+    def touch(self, transient: int, where: str, category: str = ACTIVATIONS) -> None:
+        """A moment at which `transient` bytes (of `category`) exist on top of the live ones."""
+        now = self.live + transient
+        self.window = max(self.window, now)
+        activations = self.live - sum(self.parts[c] for c in PERSISTENT)
+        if category not in PERSISTENT:
+            activations += transient
+        self.activation_high = max(self.activation_high, activations)
+        if now > self.peak:
+            self.peak, self.peak_at = now, where or self.peak_at
+            self.peak_parts = {k: v for k, v in self.parts.items() if v}
+            if transient:
+                self.peak_parts[category] = self.peak_parts.get(category, 0) + transient
+
+
+def boundary_grad_bytes(sig: ValueSig) -> int:
+    """Bytes of the gradients that come back for a value crossing a cell boundary."""
+    seen: set[int] = set()
+    total = 0
+    for t in sig.tensors:
+        if t.dtype.is_floating_point and t.group not in seen:
+            seen.add(t.group)
+            total += t.nbytes
+    return total
+
+
+def boundary_bytes(sig: ValueSig) -> int:
+    """Bytes a received value occupies (each storage group copied once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in sig.tensors:
+        if t.group not in seen:
+            seen.add(t.group)
+            total += t.nbytes
+    return total
+
+
+def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerProfile]],
+               base: dict[str, int], optimizer_transient: int, timeline: bool = False) -> StageMemory:
+    """Replay `stage`'s actions of `schedule`; `cells[m]` are the cell's layer profiles for
+    micro-batch m (the last stage's end with the loss). `base`: persistent bytes by category
+    (parameters, buffers, optimizer state); gradients are added by the first backward."""
+    st = _Store(base)
+    first, last = stage == 0, stage == schedule.num_stages - 1
+    checkpointed = schedule.checkpointed(stage)
+    inputs: dict[int, list[int]] = {}
+    outputs: dict[int, list[int]] = {}
+    grads_in: dict[int, int] = {}
+    have_grads = have_state = False
+    events: list[tuple[str, int, int]] = []
+    for action in schedule.stages[stage]:
+        m, kind, where = action.microbatch, action.kind, str(action)
+        st.window = st.live
+        if kind is ActionKind.RECV_ACT:
+            sig = cells[m][0].in_sig
+            inputs[m] = [st.new(b, STASH, ("stash", m)) for b in _group_copy_bytes(sig)]
+        elif kind is ActionKind.FORWARD or kind is ActionKind.RECOMPUTE:
+            if first and m not in inputs:   # the caller's mini-batch: data, counted apart
+                inputs[m] = [st.new(0, STASH, ("stash", m)) for _ in cells[m][0].in_sig.group_bytes]
+            keep = kind is ActionKind.RECOMPUTE or (schedule.training and m not in checkpointed)
+            out = _forward(st, cells[m], inputs[m], m, keep, where)
+            if kind is ActionKind.FORWARD and not have_state:
+                st.add(ACTIVATIONS, sum(p.state_bytes for p in cells[m]))  # BatchNorm statistics
+                have_state = True
+            if keep:
+                for sid in out:
+                    st.hold(sid, ("cell", m))
+            if kind is ActionKind.FORWARD and not last:
+                for sid in out:
+                    st.hold(sid, ("outbox", m))
+            outputs[m] = out
+            st.release(("var", m))
+        elif kind is ActionKind.SEND_ACT:
+            st.release(("outbox", m))
+        elif kind is ActionKind.RECV_GRAD:
+            grads_in[m] = st.new(boundary_grad_bytes(cells[m][-1].out_sig), ACTIVATIONS, ("gin", m))
+        elif kind is ActionKind.BACKWARD:
+            _backward(st, cells[m], m, grads_in.get(m), accumulate=have_grads, send=not first,
+                      where=where)
+            have_grads = True
+            for holder in (("cell", m), ("gin", m), ("stash", m), ("var", m)):
+                st.release(holder)
+        elif kind is ActionKind.SEND_GRAD:
+            st.release(("gout", m))
+        elif kind is ActionKind.OPTIMIZER_STEP:
+            st.touch(optimizer_transient, where, OPTIMIZER)
+            if have_state:  # DeferredBatchNorm commits and drops its statistics
+                st.add(ACTIVATIONS, -sum(p.state_bytes for p in cells[-1]))
+        if timeline:
+            events.append((where, st.live, st.window))
+    return StageMemory(stage, st.peak, st.peak_parts, st.peak_at, events, st.activation_high)
+
+
+def _group_copy_bytes(sig: ValueSig) -> list[int]:
+    """Per storage group, what a received copy occupies (a view is copied as its elements)."""
+    sizes: dict[int, int] = {}
+    for t in sig.tensors:
+        sizes.setdefault(t.group, t.nbytes)
+    return [sizes.get(g, b) for g, b in enumerate(sig.group_bytes)]
+
+
+def _forward(st: _Store, layers: Sequence[LayerProfile], x: list[int], m: int, keep: bool,
+             where: str) -> list[int]:
+    cur = list(x)
+    for sid in cur:
+        st.hold(sid, ("var", m))
+    for j, p in enumerate(layers):
+        st.touch(p.fwd_peak if keep else p.nograd_peak, where)
+        out = []
+        for g, origin in enumerate(p.out_origin):
+            if origin is None:
+                out.append(st.new(p.out_sig.group_bytes[g], ACTIVATIONS, ("next", m)))
+            else:
+                st.hold(cur[origin], ("next", m))
+                out.append(cur[origin])
+        if keep:
+            tag = ("graph", m, j)
+            if p.saved_internal:
+                st.new(p.saved_internal, ACTIVATIONS, tag)
+            for g in p.saved_in:
+                st.hold(cur[g], tag)
+            for g in p.saved_out:
+                st.hold(out[g], tag)
+        st.release(("var", m))
+        st.rename(("next", m), ("var", m))
+        cur = out
+    return cur
+
+
+def _backward(st: _Store, layers: Sequence[LayerProfile], m: int, grad_in: int | None,
+              accumulate: bool, send: bool, where: str) -> None:
+    n = len(layers)
+    # Gradients of the current layer's output groups (the cell's: what the next stage sent).
+    out_grads: dict[int, int] = ({g: grad_in for g in range(len(layers[-1].out_origin))}
+                                 if grad_in is not None else {})
+    for j in reversed(range(n)):
+        p = layers[j]
+        st.touch(p.bwd_peak[int(accumulate)][int(j == n - 1)], where)
+        # After the layer's backward (its peak is the profile's): its graph and its output's
+        # gradients are gone, its input's gradients and (first time) its parameters' exist.
+        in_grads: dict[int, int] = {}
+        holder = ("buf", m, j - 1) if j > 0 else ("gout", m)
+        for g, origin in enumerate(p.in_grads):
+            if origin is not None and origin[0] == "out" and origin[1] in out_grads:
+                st.hold(out_grads[origin[1]], holder)       # passed through: the same storage
+                in_grads[g] = out_grads[origin[1]]
+        st.release(("graph", m, j))
+        st.release(("buf", m, j))
+        for g, origin in enumerate(p.in_grads):
+            if origin is not None and origin[0] == "new":
+                in_grads[g] = st.new(origin[1], ACTIVATIONS, holder)
+        if not accumulate:
+            st.add(GRADS, p.grad_bytes)
+        out_grads = in_grads
+    if not send:
+        st.release(("gout", m))
+
+
+def stage_key(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerProfile]]) -> tuple:
+    """Stages with equal keys have equal memory (used to walk identical stages once)."""
+    actions = tuple((a.kind, a.microbatch) for a in schedule.stages[stage])
+    return (actions, stage == 0, tuple(tuple(id(p) for p in cell) for cell in cells))
+
+
+def relabel(memory: StageMemory, stage: int) -> StageMemory:
+    return dataclasses.replace(memory, stage=stage)
+
+
+__all__ = ["StageMemory", "walk_stage", "stage_key", "relabel", "boundary_bytes",
+           "boundary_grad_bytes"]

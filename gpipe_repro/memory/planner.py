@@ -1,0 +1,250 @@
+"""The per-device memory planner: each device's peak for K cells, M micro-batches, a schedule.
+
+    planner = MemoryPlanner(layers, sample, target, loss_fn)      # layers may be on the meta device
+    plan = planner.plan(partitions=8, micro_batches=32)           # a MemoryPlan: a peak per device
+    plan.fits(8 * 2**30), plan.stages[3].parts                     # params, grads, optimizer, stash, ...
+
+How: every distinct (layer, input) is profiled once under fake tensors
+(:mod:`gpipe_repro.memory.profile`), the profiles are chained along the model for each micro-batch
+size, and each stage's action list from the real :class:`~gpipe_repro.schedule.Schedule` is replayed
+over its cell's profiles (:mod:`gpipe_repro.memory.compose`); stages with identical cells and actions
+are replayed once. So a plan for an 84B-parameter Transformer on 128 devices costs four layer
+profiles and a few stage walks, seconds and well under a gigabyte. The planner's numbers are
+*simulated*; :func:`gpipe_repro.memory.trace.trace_step` measures the real engine for comparison.
+
+Conventions: a steady-state step (optimizer state exists; gradients are freed at the step's start
+by the engine and re-created by the first backward); the caller's mini-batch lives on the first
+device and the targets on the last (``data``); parameters are counted once per layer that owns them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from gpipe_repro import microbatch
+from gpipe_repro.memory.compose import (
+    ACTIVATIONS, BUFFERS, DATA, OPTIMIZER, PARAMS, PERSISTENT, StageMemory, relabel, stage_key,
+    walk_stage)
+from gpipe_repro.memory.profile import (
+    LayerProfile, LossLayer, OptimizerFactory, ProfileCache, rmsprop)
+from gpipe_repro.memory.signature import LayerRun, compress, layer_key, microbatch_sig
+from gpipe_repro.partition import check_balance, partition
+from gpipe_repro.schedule import make_schedule
+
+GiB = 2 ** 30
+
+
+def _data_bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value)
+               if isinstance(t, torch.Tensor))
+
+
+def _meta(value: Any) -> Any:
+    """Shapes and dtypes only."""
+    return pytree.tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                           if isinstance(t, torch.Tensor) else t, value)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device peaks of one configuration (all numbers simulated by the planner)."""
+
+    partitions: int
+    micro_batches: int
+    checkpoint: str
+    schedule: str
+    balance: list[int]
+    stages: list[StageMemory]          # peaks include the data parts
+    parameters: int                    # parameter count of the whole model
+    microbatch_sizes: list[int] = field(default_factory=list)
+    state: list[int] = field(default_factory=list)   # per device: params + buffers + grads + optimizer
+
+    @property
+    def max_peak(self) -> int:
+        return max(s.peak for s in self.stages)
+
+    @property
+    def bottleneck_stage(self) -> int:
+        return max(range(len(self.stages)), key=lambda s: self.stages[s].peak)
+
+    def fits(self, budget_bytes: float) -> bool:
+        return self.max_peak <= budget_bytes
+
+    @property
+    def state_memory(self) -> int:
+        """Parameters, buffers, gradients and optimizer state, summed over devices (the paper's
+        "param memory": 12 bytes per parameter with RMSProp)."""
+        return sum(self.state)
+
+    @property
+    def activation_memory(self) -> int:
+        """Sum over devices of each device's peak minus its persistent state and data."""
+        return sum(s.activation_peak for s in self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"partitions": self.partitions, "micro_batches": self.micro_batches,
+                "checkpoint": self.checkpoint, "schedule": self.schedule, "balance": self.balance,
+                "parameters": self.parameters, "microbatch_sizes": self.microbatch_sizes,
+                "max_peak_bytes": self.max_peak, "state_memory_bytes": self.state_memory,
+                "activation_memory_bytes": self.activation_memory,
+                "stages": [{"stage": s.stage, "peak_bytes": s.peak, "peak_at": s.peak_at,
+                            "parts_bytes": dict(s.parts)} for s in self.stages]}
+
+
+class MemoryPlanner:
+    """Plans memory for one model and mini-batch shape (see the module docstring).
+
+    `layers`: an ``nn.Sequential``, a list of modules, or a list of :class:`LayerRun` (a layer and
+    how many identical copies follow each other; lets a search change L without building L layers).
+    `sample` / `target`: the mini-batch (real, fake or meta tensors: only shapes and dtypes matter).
+    `optimizer_foreach`: whether the optimizer step updates a cell's parameters in one multi-tensor
+    pass (CUDA's default: its temporaries span the whole cell) or one tensor at a time (CPU).
+    """
+
+    def __init__(self, layers: nn.Sequential | Sequence[nn.Module] | Sequence[LayerRun], sample: Any,
+                 target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 optimizer: OptimizerFactory | None = rmsprop, attention: str = "fused",
+                 optimizer_foreach: bool = False, cache: ProfileCache | None = None) -> None:
+        items = list(layers)
+        if not items:
+            raise ValueError("the model has no layers")
+        self.runs = items if isinstance(items[0], LayerRun) else compress(items)  # type: ignore[arg-type]
+        if not isinstance(target, torch.Tensor):
+            raise TypeError("the planner needs the target as one tensor (batch first)")
+        self.sample, self.target = _meta(sample), _meta(target)
+        self.loss_fn, self.optimizer, self.attention = loss_fn, optimizer, attention
+        self.optimizer_foreach = optimizer_foreach
+        self.cache = cache if cache is not None else ProfileCache()
+        self.batch = microbatch.batch_size(self.sample)
+        self.num_layers = sum(r.count for r in self.runs)
+        self._profiles: dict[int, list[LayerProfile]] = {}
+        self._keys = [layer_key(r.layer) for r in self.runs]
+        seen: set[int] = set()
+        total = 0
+        for r in self.runs:
+            own = [p for p in r.layer.parameters() if id(p) not in seen]
+            seen.update(id(p) for p in own)
+            total += r.count * sum(p.numel() for p in own)
+        self.parameters = total
+
+    # -- profiles -----------------------------------------------------------------------------------
+    def profiles(self, size: int, flops: bool = False) -> list[LayerProfile]:
+        """Profiles of every layer (then the loss) for a micro-batch of `size` examples."""
+        if size not in self._profiles or (flops and not self._profiles[size][0].has_flops):
+            sig = microbatch_sig(self.sample, size)
+            out: list[LayerProfile] = []
+            for run, key in zip(self.runs, self._keys):
+                left = run.count
+                while left:
+                    p = self.cache.get(run.layer, sig, self.optimizer, self.attention, flops, key)
+                    out.append(p)
+                    left -= 1
+                    if p.out_sig == p.in_sig:     # a fixed point: the remaining copies are equal
+                        out.extend([p] * left)
+                        left = 0
+                    sig = p.out_sig
+            target = torch.empty((size, *self.target.shape[1:]), dtype=self.target.dtype,
+                                 device="meta")
+            out.append(self.cache.get(LossLayer(self.loss_fn, target), sig, self.optimizer,
+                                      self.attention, flops))
+            self._profiles[size] = out
+        return self._profiles[size]
+
+    def sizes(self, micro_batches: int) -> list[int]:
+        return microbatch.split_sizes(self.batch, micro_batches)
+
+    def layer_memory(self, micro_batches: int, checkpoint: str) -> list[float]:
+        """An additive per-layer memory estimate, for the partitioner (the plan itself is exact)."""
+        size = max(self.sizes(micro_batches))
+        profs = self.profiles(size)
+        copies = micro_batches if checkpoint == "never" else 1
+        mem = []
+        for p in profs[:-1]:
+            kept = p.saved_internal + p.out_new_bytes()
+            mem.append(float(p.param_bytes + p.buffer_bytes + p.grad_bytes + p.opt_state_bytes
+                             + copies * kept))
+        loss = profs[-1]
+        mem[-1] += float(copies * (loss.saved_internal + loss.fwd_peak))
+        return mem
+
+    def layer_flops(self, micro_batches: int) -> list[tuple[float, float]]:
+        """(forward, backward) FLOPs of each layer (the loss folded into the last) per micro-batch."""
+        profs = self.profiles(max(self.sizes(micro_batches)), flops=True)
+        flops = [(float(p.fwd_flops), float(p.bwd_flops)) for p in profs[:-1]]
+        f, b = flops[-1]
+        flops[-1] = (f + profs[-1].fwd_flops, b + profs[-1].bwd_flops)
+        return flops
+
+    # -- plans --------------------------------------------------------------------------------------
+    def candidate_balances(self, partitions: int, micro_batches: int, checkpoint: str) -> list[list[int]]:
+        """Cuts worth planning: the exact bottleneck of the per-layer memory estimate, and the cut
+        at equal shares of it (the estimate is additive; the plan is not, so both are planned)."""
+        if partitions == 1:
+            return [[self.num_layers]]
+        memory = self.layer_memory(micro_batches, checkpoint)
+        cuts = [partition(memory, partitions, "bottleneck"), partition(memory, partitions, "greedy")]
+        return [c for i, c in enumerate(cuts) if c not in cuts[:i]]
+
+    def plan(self, partitions: int, micro_batches: int, checkpoint: str = "except_last",
+             balance: Sequence[int] | None = None, schedule: str = "gpipe",
+             timeline: bool = False) -> MemoryPlan:
+        """Each device's peak memory for one training step (see the module docstring). Without a
+        `balance`, the candidate cut with the smallest largest peak (then the most even peaks)."""
+        if partitions > self.num_layers:
+            raise ValueError(f"partitions={partitions} is larger than the number of layers "
+                             f"({self.num_layers})")
+        if balance is not None:
+            return self._plan(partitions, micro_batches, checkpoint, list(balance), schedule, timeline)
+        plans = [self._plan(partitions, micro_batches, checkpoint, cut, schedule, timeline)
+                 for cut in self.candidate_balances(partitions, micro_batches, checkpoint)]
+        return min(plans, key=lambda p: (p.max_peak, sum(float(s.peak) ** 2 for s in p.stages)))
+
+    def _plan(self, partitions: int, micro_batches: int, checkpoint: str, balance: list[int],
+              schedule: str, timeline: bool) -> MemoryPlan:
+        sizes = self.sizes(micro_batches)
+        by_size = {n: self.profiles(n) for n in set(sizes)}
+        check_balance(balance, self.num_layers, partitions)
+        sched = make_schedule(schedule, partitions, micro_batches, checkpoint)
+        walked: dict[tuple, StageMemory] = {}
+        stages: list[StageMemory] = []
+        state: list[int] = []
+        start = 0
+        for s, n_layers in enumerate(balance):
+            last = s == partitions - 1
+            end = start + n_layers
+            cell_of = {n: p[start:end] + ([p[-1]] if last else []) for n, p in by_size.items()}
+            cells = [cell_of[n] for n in sizes]
+            key = stage_key(sched, s, cells)
+            if key not in walked or timeline:
+                one = cell_of[sizes[0]]
+                layers = one[:-1] if last else one
+                base = {PARAMS: sum(p.param_bytes for p in layers),
+                        BUFFERS: sum(p.buffer_bytes for p in layers),
+                        OPTIMIZER: sum(p.opt_state_bytes for p in layers)}
+                peaks = [p.opt_peak for p in layers] or [0]
+                transient = sum(peaks) if self.optimizer_foreach else max(peaks)
+                walked[key] = walk_stage(sched, s, cells, base, transient, timeline)
+            stages.append(self._with_data(relabel(walked[key], s), s, partitions))
+            state.append(sum(p.param_bytes + p.buffer_bytes + p.grad_bytes + p.opt_state_bytes
+                             for p in by_size[sizes[0]][start:end]))
+            start = end
+        return MemoryPlan(partitions, micro_batches, checkpoint, schedule, balance, stages,
+                          self.parameters, sizes, state)
+
+    def _with_data(self, mem: StageMemory, stage: int, partitions: int) -> StageMemory:
+        data = (_data_bytes(self.sample) if stage == 0 else 0) + (
+            _data_bytes(self.target) if stage == partitions - 1 else 0)
+        if not data:
+            return mem
+        parts = dict(mem.parts)
+        parts[DATA] = data
+        return dataclasses.replace(mem, peak=mem.peak + data, parts=parts)
+
+
+__all__ = ["MemoryPlanner", "MemoryPlan", "GiB", "PERSISTENT", "ACTIVATIONS"]

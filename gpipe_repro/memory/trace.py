@@ -1,0 +1,193 @@
+"""Measure one training step of the real engine, per device, on real or fake tensors.
+
+:func:`trace_step` builds a :class:`~gpipe_repro.gpipe.GPipe`, runs ``train_step`` under a
+:class:`~gpipe_repro.memory.tracker.MemoryTracker`, and charges every allocation to the stage whose
+action made it. It is the reference the planner is checked against: the code that runs is the
+engine's own (the schedule's actions executed by ``StageExecutor`` through ``run_local``). What this
+module adds, without editing the engine, is instance-level instrumentation:
+
+- each executor's ``execute`` is wrapped to open a tracker scope (stage, category) and to close a
+  timeline segment per action;
+- the transport is replaced by :class:`TrackingTransport`, which copies a sent value as a transfer
+  between devices does: the receiver owns a new copy, and the sender's storage is freed when nothing
+  on the sender still needs it. (The local runtime on one device would otherwise share one storage
+  between two stages and charge it to one of them.)
+- with fake tensors, the loss is a fake scalar, so the last executor's ``end_step`` returns NaN
+  instead of calling ``float`` on it;
+- with fake tensors, ``GPipe.__init__``'s ``cell.to(device)`` is skipped when the cell is already
+  there (``Module.to`` swaps fake parameters, which fails once anything holds a weak reference).
+
+The step measured is a steady-state step: the optimizers are primed first (their state exists, as
+from the second step on), and ``.grad`` is cleared at the step's start, as the engine does.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from gpipe_repro import boundary
+from gpipe_repro.gpipe import GPipe
+from gpipe_repro.local_runtime import LocalTransport
+from gpipe_repro.memory.compose import ACTIVATIONS, BUFFERS, GRADS, OPTIMIZER, PARAMS, STASH, StageMemory
+from gpipe_repro.memory.fake import fake_layers, fake_value, is_fake
+from gpipe_repro.memory.profile import OptimizerFactory, rmsprop
+from gpipe_repro.memory.tracker import MemoryTracker
+from gpipe_repro.schedule import Action, ActionKind
+from gpipe_repro.stage import StageExecutor
+
+TRANSIT = "transit"
+_CATEGORY = {ActionKind.RECV_ACT: STASH, ActionKind.OPTIMIZER_STEP: OPTIMIZER}
+
+
+class TrackingTransport(LocalTransport):
+    """A LocalTransport whose sends copy, charged to the link until the receiver takes them."""
+
+    def __init__(self, devices: list[torch.device], tracker: MemoryTracker) -> None:
+        super().__init__(devices)
+        self.tracker = tracker
+
+    def _copy(self, value: Any) -> Any:
+        with self.tracker.scope(TRANSIT, TRANSIT):
+            return boundary.map_tensors(value, lambda t: t.detach().clone())
+
+    def send_activation(self, stage: int, microbatch: int, value: Any) -> None:
+        super().send_activation(stage, microbatch, self._copy(value))
+
+    def recv_activation(self, stage: int, microbatch: int) -> Any:
+        value = self.box.pop(Action(ActionKind.RECV_ACT, stage, microbatch))
+        self.tracker.move(value, stage, STASH)
+        return boundary.map_tensors(value, lambda t: t.detach().requires_grad_(boundary.carries_grad(t)))
+
+    def send_gradient(self, stage: int, microbatch: int, grads: list[torch.Tensor | None]) -> None:
+        super().send_gradient(stage, microbatch, [None if g is None else self._copy(g) for g in grads])
+
+    def recv_gradient(self, stage: int, microbatch: int) -> list[torch.Tensor | None]:
+        grads = self.box.pop(Action(ActionKind.RECV_GRAD, stage, microbatch))
+        self.tracker.move(grads, stage, ACTIVATIONS)
+        return grads
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """Per-stage memory of one measured step, and the whole process's peak."""
+
+    stages: list[StageMemory]
+    total_peak: int            # all stages (and transfers) together: one device holding every cell
+    balance: list[int]
+    fake: bool
+
+
+def _instrument(executor: StageExecutor, tracker: MemoryTracker) -> None:
+    run = executor.execute
+    stage = executor.stage
+
+    def execute(action: Action) -> None:
+        tracker.begin(stage, str(action))
+        with tracker.scope(stage, _CATEGORY.get(action.kind, ACTIVATIONS)):
+            run(action)
+        tracker.mark(stage)
+
+    executor.execute = execute  # type: ignore[method-assign]
+    if executor.is_last:
+        end = executor.end_step
+
+        def end_step() -> float | None:
+            if is_fake(executor.loss_sum):
+                executor.loss_sum = None
+                end()
+                return float("nan")
+            return end()
+
+        executor.end_step = end_step  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _skip_same_device_moves() -> Iterator[None]:
+    """``nn.Sequential.to(d)`` returns the module itself when every tensor is already on `d`."""
+    original = nn.Sequential.to
+
+    def to(self: nn.Sequential, *args: Any, **kwargs: Any) -> nn.Sequential:
+        device = args[0] if args and not kwargs else kwargs.get("device")
+        if isinstance(device, (str, torch.device)) and all(
+                t.device == torch.device(device) for t in list(self.parameters()) + list(self.buffers())):
+            return self
+        return original(self, *args, **kwargs)
+
+    nn.Sequential.to = to  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Sequential.to = original  # type: ignore[method-assign]
+
+
+def prime_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
+    """Create the optimizer's state with a zero-gradient step (the weights do not move for RMSProp
+    or SGD without weight decay), then clear the gradients."""
+    if optimizer is None:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for p in params:
+        p.grad = None
+
+
+def trace_step(layers: Sequence[nn.Module], sample: Any, target: Any,
+               loss_fn: Callable[[Any, Any], torch.Tensor], partitions: int, micro_batches: int,
+               checkpoint: str = "except_last", balance: Sequence[int] | None = None,
+               optimizer: OptimizerFactory | None = rmsprop, schedule: str = "gpipe",
+               fake: bool = True, attention: str = "fused", copy_layers: bool = True,
+               round_to: int = 1) -> StepTrace:
+    """Run one steady-state training step of GPipe and measure each stage's memory.
+
+    With ``fake=True`` layers (any device, meta included) and batches are replaced by fake copies
+    and nothing is allocated. With ``fake=False`` the step really runs (on copies of the layers
+    unless ``copy_layers=False``)."""
+    with ExitStack() as stack:
+        if fake:
+            mode = FakeTensorMode()
+            layer_list = fake_layers(list(layers), mode)
+            sample, target = fake_value(sample, mode), fake_value(target, mode)
+            stack.enter_context(mode)
+        else:
+            layer_list = copy.deepcopy(list(layers)) if copy_layers else list(layers)
+        if attention == "math":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        if fake:
+            stack.enter_context(_skip_same_device_moves())
+        pipe = GPipe(layer_list, partitions=partitions, micro_batches=micro_batches,
+                     checkpoint=checkpoint, balance=balance, loss_fn=loss_fn, optimizer=optimizer,
+                     schedule=schedule)
+        tracker = MemoryTracker(round_to=round_to)
+        transport = TrackingTransport(pipe.devices, tracker)
+        pipe._transport = transport          # instrumentation: see the module docstring
+        for s, (executor, cell, opt) in enumerate(zip(pipe.executors, pipe.cells, pipe.optimizers)):
+            executor.transport = transport
+            prime_optimizer(opt)
+            tracker.register(list(cell.parameters()), s, PARAMS)
+            tracker.register(list(cell.buffers()), s, BUFFERS)
+            if opt is not None:
+                tracker.register([v for st in opt.state.values() for v in st.values()
+                                  if isinstance(v, torch.Tensor)], s, OPTIMIZER)
+            for p in cell.parameters():
+                p.register_post_accumulate_grad_hook(lambda p: tracker.recategorize(p.grad, GRADS))
+            _instrument(executor, tracker)
+        tracker.reset_peaks()
+        with tracker:
+            pipe.train_step(sample, target)
+        stages = []
+        for s in range(partitions):
+            d = tracker.devices[s]
+            stages.append(StageMemory(s, d.peak, dict(d.peak_parts), d.peak_at,
+                                      [(mk.label, mk.live, mk.peak) for mk in d.timeline]))
+        return StepTrace(stages, tracker.total_peak, list(pipe.balance), fake)

@@ -1,0 +1,73 @@
+"""`gpipe-repro fit` and `gpipe-repro plan`."""
+from __future__ import annotations
+
+import json
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from gpipe_repro.cli import app
+
+TINY = ["transformer-lm", "--L", "4", "--d-model", "64", "--d-ff", "128", "--num-heads", "4",
+        "--vocab-size", "500", "--seq-len", "32", "--batch", "8"]
+
+
+def test_fit_80b_transformer_is_fast_and_small() -> None:
+    """Transformer-1663 (83.9B parameters, Table 1's Pipeline-128) in a fresh process: < 60 s, < 2 GB."""
+    code = ("import sys; from gpipe_repro.cli import main; sys.argv = ['gpipe-repro'] + sys.argv[1:]; "
+            "main()")
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code, "fit", "transformer-lm", "--L", "1663",
+                          "-K", "128", "-M", "8", "--memory", "16"],
+                         capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - t0
+    rss_bytes = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024   # Linux: KiB
+    assert out.returncode == 0, out.stderr[-2000:]
+    params = int(re.search(r"([\d,]+) parameters", out.stdout).group(1).replace(",", ""))
+    assert params > 80e9
+    assert "fits" in out.stdout and "does not fit" not in out.stdout
+    assert seconds < 60
+    assert rss_bytes < 2 * 2 ** 30
+
+
+def test_fit_says_why_and_what_would_fit(tmp_path: Path) -> None:
+    out = tmp_path / "fit.json"
+    result = CliRunner().invoke(app, ["fit", *TINY, "-K", "1", "-M", "1", "--checkpoint", "never",
+                                      "--memory", "0.004", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "does not fit" in result.output
+    assert "more devices" in result.output and "re-materialization" in result.output
+    data = json.loads(out.read_text())
+    assert data["fits"] is False and data["method"] == "simulated"
+    assert data["plan"]["max_peak_bytes"] > 0.004 * 2 ** 30
+
+
+def test_fit_reports_every_device() -> None:
+    result = CliRunner().invoke(app, ["fit", *TINY, "-K", "3", "-M", "4", "--memory", "1"])
+    assert result.exit_code == 0, result.output
+    assert "fits" in result.output and "does not fit" not in result.output
+
+
+def test_plan_chooses_a_fitting_configuration(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["plan", *TINY, "--devices", "4", "--memory", "0.01",
+                                      "--link", "ideal", "-M", "1,2,8", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    choice = data["choice"]
+    assert choice is not None and choice["max_peak_bytes"] <= 0.01 * 2 ** 30
+    fitting = [c for c in data["candidates"] if c["fits"]]
+    assert choice["throughput"] == max(c["throughput"] for c in fitting)
+    assert all(not c["fits"] for c in data["candidates"] if c["max_peak_bytes"] > 0.01 * 2 ** 30)
+
+
+def test_plan_explains_when_nothing_fits() -> None:
+    result = CliRunner().invoke(app, ["plan", *TINY, "--devices", "2", "--memory", "0.0005",
+                                      "--link", "ideal", "-M", "1,2"])
+    assert result.exit_code == 0, result.output
+    assert "nothing fits" in result.output and "or devices with at least" in result.output
