@@ -71,6 +71,13 @@ def split_cells(layers: list[nn.Module], balance: Sequence[int]) -> list[nn.Sequ
     return cells
 
 
+def _to_device(cell: nn.Module, device: torch.device) -> nn.Module:
+    """Move a cell only if some tensor of it is elsewhere (moving is a no-op otherwise, but tracing
+    tools that run the engine on fake tensors cannot swap storages)."""
+    tensors = [*cell.parameters(), *cell.buffers()]
+    return cell if all(t.device == device for t in tensors) else cell.to(device)
+
+
 def _check_shared_parameters(cells: list[nn.Sequential]) -> None:
     owner: dict[int, int] = {}
     for c, cell in enumerate(cells):
@@ -145,7 +152,7 @@ class GPipe(nn.Module):
         if devices is None:
             devices = [next(iter(c.parameters()), torch.empty(0)).device for c in cells]
         self.devices = [torch.device(d) for d in devices]
-        self.cells = nn.ModuleList(c.to(d) for c, d in zip(cells, self.devices))
+        self.cells = nn.ModuleList(_to_device(c, d) for c, d in zip(cells, self.devices))
         self.balance = list(balance)
         self.partitions, self.micro_batches = partitions, micro_batches
         self.checkpoint, self.schedule_name, self.recompute_ahead = checkpoint, schedule, recompute_ahead

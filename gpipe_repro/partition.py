@@ -20,6 +20,7 @@ biggest layer or the whole model needs.
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 OBJECTIVES = ("bottleneck", "variance", "greedy", "equal")
@@ -146,13 +147,19 @@ def _min_bottleneck(costs: list[float], k: int, memory: Sequence[float] | None,
         even = _min_squares(costs, k, cap=bottleneck * (1 + 1e-12), memory=memory, memory_cap=memory_cap)
         if even is not None:
             return even
-    return best
+    # Too big for the full DP: the same DP with each cut confined to a window around its
+    # equal-share position (exact within the window; greedy packing if the window is infeasible).
+    even = _min_squares(costs, k, cap=bottleneck * (1 + 1e-12), memory=memory, memory_cap=memory_cap,
+                        window=max(4, 3 * len(costs) // k))
+    return even if even is not None else best
 
 
 def _min_squares(costs: list[float], k: int, cap: float | None, memory: Sequence[float] | None,
-                 memory_cap: float | None) -> list[int] | None:
+                 memory_cap: float | None, window: int | None = None) -> list[int] | None:
     """Exact DP: minimize the sum of squared cell costs (= variance, the total being fixed),
-    optionally with every cell's cost <= cap and memory <= memory_cap. None if infeasible."""
+    optionally with every cell's cost <= cap and memory <= memory_cap. None if infeasible.
+    With `window`, the end of cell j is confined to +-window layers of where the cumulative cost
+    crosses j/k of the total (O(k * window^2) instead of O(k * n^2))."""
     n = len(costs)
     pre = [0.0]
     for c in costs:
@@ -165,10 +172,19 @@ def _min_squares(costs: list[float], k: int, cap: float | None, memory: Sequence
     best = [[inf] * (n + 1) for _ in range(k + 1)]
     arg = [[0] * (n + 1) for _ in range(k + 1)]
     best[0][0] = 0.0
+    ranges = [(j, n - (k - j)) for j in range(k + 1)]
+    if window is not None:
+        total = pre[-1] or 1.0
+        for j in range(1, k):
+            ideal = _crossing(pre, total * j / k)
+            lo, hi = ranges[j]
+            ranges[j] = (max(lo, ideal - window), min(hi, ideal + window))
     for j in range(1, k + 1):
-        for i in range(j, n - (k - j) + 1):
+        lo_i, hi_i = ranges[j]
+        for i in range(lo_i, hi_i + 1):
             row_best, row_arg = inf, 0
-            for t in range(j - 1, i):
+            t_lo, t_hi = ranges[j - 1]
+            for t in range(max(j - 1, t_lo), min(i, t_hi + 1)):
                 if best[j - 1][t] == inf:
                     continue
                 c = pre[i] - pre[t]
@@ -188,6 +204,14 @@ def _min_squares(costs: list[float], k: int, cap: float | None, memory: Sequence
         balance.append(i - t)
         i = t
     return balance[::-1]
+
+
+def _crossing(prefix: list[float], target: float) -> int:
+    """Index i whose prefix sum is closest to `target` (prefix is non-decreasing)."""
+    i = bisect.bisect_left(prefix, target)
+    if i >= len(prefix):
+        return len(prefix) - 1
+    return i if i == 0 or prefix[i] - target < target - prefix[i - 1] else i - 1
 
 
 def _greedy_share(costs: list[float], k: int) -> list[int]:

@@ -89,3 +89,13 @@ def test_errors() -> None:
         partition([1, 1], 2, memory=[1, 9], memory_cap=5)
     with pytest.raises(ValueError, match="does not fit in 2 cells"):
         partition([1, 1, 1], 2, memory=[3, 3, 3], memory_cap=4)
+
+
+def test_large_problems_stay_exact_in_the_bottleneck_and_even() -> None:
+    """1665 layers on 128 devices (Transformer-1663): too big for the full DP; the windowed DP must
+    still reach the optimal bottleneck and keep cells even (no [1, 13, 1, 13] front-loading)."""
+    costs = [5.0] + [1.0] * 1663 + [5.0]
+    balance = partition(costs, 128)
+    cells = cell_costs(costs, balance)
+    assert max(cells) == 14.0  # ceil(1673 / 128)
+    assert min(cells) >= 13.0
