@@ -1,0 +1,116 @@
+"""`RunConfig`: how a training run uses the pipeline, independently of what it trains.
+
+Why separate from the task's settings. Everything here (K, M, re-materialization, schedule,
+runtime, steps, evaluation and checkpoint cadence, logging) means the same for AmoebaNet and for a
+Transformer, so the one run loop (`gpipe_repro/train/loop.py`) reads it; what a model is, which data
+it eats and how it is scored belong to the task (`gpipe_repro/train/image_classification.py`, ...).
+
+Naming: `checkpoint` is GPipe's re-materialization mode (as in `GPipe(checkpoint=...)`); saving
+training checkpoints to disk is `save_every` / `keep_checkpoints`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from gpipe_repro.partition import OBJECTIVES
+from gpipe_repro.schedule import CHECKPOINT_MODES, SCHEDULES
+
+RUNTIMES = ("local", "distributed")
+LAUNCHERS = ("local", "torchrun")
+DEVICES = ("cpu", "cuda", "auto")
+WANDB_MODES = ("online", "offline", "disabled")
+PARTITION_COSTS = ("params", "time", "flops", "activations")
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """A training run's pipeline and bookkeeping settings (the task has its own config)."""
+
+    name: str = "run"
+    out_dir: str | None = None          # the run's directory; None -> results/training/<name>
+    # -- the pipeline
+    partitions: int = 4                 # K
+    micro_batches: int = 32             # M
+    batch_size: int = 64                # N, examples per mini-batch (one synchronous update)
+    checkpoint: str = "except_last"     # re-materialization: "always" | "except_last" | "never"
+    schedule: str = "gpipe"             # "gpipe" | "1f1b"
+    balance: list[int] | None = None    # layers per cell; None -> the partitioner
+    partition_cost: str = "params"      # per-layer cost the partitioner balances
+    objective: str = "bottleneck"       # partitioner objective
+    runtime: str = "local"              # "local" (one process) | "distributed" (one process per cell)
+    launcher: str = "local"             # distributed only: "local" (spawn here) | "torchrun"
+    device: str = "cpu"                 # "cpu" | "cuda" (cell k on cuda:k mod #GPUs) | "auto"
+    threads: int | None = None          # torch CPU threads; None: torch's default (one per core)
+    optimizer: str | None = None        # None: the task's recipe; else one of optim.OPTIMIZERS
+    lr: float | None = None             # None: the task's recipe (peak rate, after warm-up)
+    # -- how long, how often
+    seed: int = 0
+    steps: int | None = None            # total optimizer steps; or
+    epochs: float | None = None         # ... epochs of the training set (steps wins if both)
+    eval_every: int = 0                 # 0: evaluate only at the end
+    save_every: int = 0                 # 0: save only at the end (and on Ctrl-C)
+    keep_checkpoints: int = 2
+    log_every: int = 1                  # per-step metrics cadence
+    timeline_every: int = 25            # sample the pipeline's busy/idle timeline every N steps
+    # -- logging and resuming
+    wandb: str | None = None            # "offline" | "online" | "disabled"; None: $WANDB_MODE, else offline
+    project: str = "gpipe-repro"
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        checks = [
+            (isinstance(self.partitions, int) and self.partitions >= 1, f"partitions (K) must be >= 1, got {self.partitions}"),
+            (isinstance(self.micro_batches, int) and self.micro_batches >= 1, f"micro_batches (M) must be >= 1, got {self.micro_batches}"),
+            (self.batch_size >= self.micro_batches, f"batch_size {self.batch_size} < micro_batches {self.micro_batches}: every micro-batch needs an example; raise --batch-size or lower --m"),
+            (self.checkpoint in CHECKPOINT_MODES, f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}"),
+            (self.schedule in SCHEDULES, f"schedule must be one of {sorted(SCHEDULES)}, got {self.schedule!r}"),
+            (self.partition_cost in PARTITION_COSTS, f"partition_cost must be one of {PARTITION_COSTS}, got {self.partition_cost!r}"),
+            (self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}, got {self.objective!r}"),
+            (self.runtime in RUNTIMES, f"runtime must be one of {RUNTIMES}, got {self.runtime!r}"),
+            (self.launcher in LAUNCHERS, f"launcher must be one of {LAUNCHERS}, got {self.launcher!r}"),
+            (self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}"),
+            (self.wandb is None or self.wandb in WANDB_MODES, f"wandb must be one of {WANDB_MODES}, got {self.wandb!r}"),
+            (self.steps is None or self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
+            (self.epochs is None or self.epochs > 0, f"epochs must be > 0, got {self.epochs}"),
+            (self.steps is not None or self.epochs is not None, "give the run a length: steps or epochs"),
+            (min(self.eval_every, self.save_every) >= 0, "eval_every and save_every must be >= 0 (0: only at the end)"),
+            (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}"),
+            (self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}"),
+            (self.log_every >= 1 and self.timeline_every >= 0, "log_every must be >= 1 and timeline_every >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if self.balance is not None and len(self.balance) != self.partitions:
+            raise ValueError(f"balance {self.balance} has {len(self.balance)} cells but partitions={self.partitions}")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) if self.out_dir else Path("results") / "training" / self.name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """`steps`, or `epochs` worth of full batches (at least one step)."""
+        if self.steps is not None:
+            return self.steps
+        assert self.epochs is not None
+        return max(1, round(self.epochs * steps_per_epoch))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with `changes` (None values are ignored: "not given on the command line")."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+# Settings that must match for a checkpoint to be resumed: they change what the run computes.
+# (Cadence, logging, the runtime and the device may change between a run and its resumption.)
+RESUME_MUST_MATCH = ("partitions", "micro_batches", "batch_size", "balance", "partition_cost",
+                     "objective", "seed")

@@ -1,0 +1,143 @@
+"""What the run loop does differently when every cell is its own process (`--runtime distributed`).
+
+The distributed runtime is SPMD: each of the K stage processes runs the whole run loop, builds the
+same model from the same seed, reads the same batches and calls `train_step` with them; GPipe keeps
+only the process's own cell, and every rank gets the same loss and the same evaluation outputs. So
+the loop is unchanged except for four things, all here:
+
+- **One writer.** Rank 0 alone logs (W&B, metrics.jsonl), shows the progress bar and writes files.
+- **One checkpoint file.** Each rank's `GPipe.training_state()` holds only its cell's weights and
+  optimizer; they are gathered to rank 0 and merged into exactly the file a local run writes, so a
+  run can be resumed under either runtime and fine-tuned from with any K. On loading, each rank
+  keeps its own cell's part.
+- **One decision to stop.** Ctrl-C reaches every process of the job (or SIGTERM reaches one): the
+  ranks agree after each step (a max all-reduce of the flag), so they all save and stop at the same
+  step instead of deadlocking.
+- **Memory of every device.** Peak memory is gathered from all ranks and logged per rank.
+
+`launch` starts the job: in this process (local runtime), as K local processes
+(`--launcher local`), or inside processes that torchrun started (`--launcher torchrun`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from gpipe_repro.gpipe import GPipe
+    from gpipe_repro.train.config import RunConfig
+    from gpipe_repro.train.loop import RunSummary, Task
+
+# Seconds a stage process waits for a silent peer. Longer than the runtime's 30 s default: rank 0
+# writes checkpoints and evaluates while the others wait at their next receive.
+TRAINING_TIMEOUT_S = 600.0
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+    return dist
+
+
+def _group() -> Any:
+    from gpipe_repro.distributed.process_group import control_group
+    return control_group()
+
+
+def join(config: RunConfig) -> int | None:
+    """Join the job if this is a distributed run (idempotent); this process's rank, else None."""
+    if config.runtime != "distributed":
+        return None
+    from gpipe_repro.distributed.process_group import init_distributed
+    return init_distributed(threads=config.threads or 1).rank
+
+
+def is_writer(rank: int | None) -> bool:
+    return rank is None or rank == 0
+
+
+def gather_training_state(pipe: GPipe) -> dict[str, Any] | None:
+    """The whole pipeline's `training_state()` on rank 0 (None elsewhere); local runs: as is."""
+    state = pipe.training_state()
+    if pipe.rank is None:
+        return state
+    from gpipe_repro.boundary import map_tensors
+    mine = map_tensors(state, lambda t: t.detach().cpu())
+    parts: list[Any] = [None] * pipe.partitions if pipe.rank == 0 else []
+    _dist().gather_object(mine, parts if pipe.rank == 0 else None, dst=0, group=_group())
+    if pipe.rank != 0:
+        return None
+    merged = dict(parts[0])
+    merged["model"] = {k: v for part in parts for k, v in part["model"].items()}
+    merged["optimizers"] = [parts[s]["optimizers"][s] for s in range(pipe.partitions)]
+    return merged
+
+
+def own_part(state: dict[str, Any], pipe: GPipe) -> dict[str, Any]:
+    """The part of a whole-pipeline training state that this rank's GPipe holds."""
+    if pipe.rank is None:
+        return state
+    keys = set(pipe.state_dict())
+    return {**state, "model": {k: v for k, v in state["model"].items() if k in keys}}
+
+
+def any_rank(flag: bool, rank: int | None) -> bool:
+    """True on every rank if `flag` is true on any (a collective in distributed runs)."""
+    if rank is None:
+        return flag
+    value = torch.tensor([1 if flag else 0])
+    _dist().all_reduce(value, op=_dist().ReduceOp.MAX, group=_group())
+    return bool(value.item())
+
+
+def gather_metrics(metrics: dict[str, float], rank: int | None) -> dict[str, float]:
+    """Every rank's metrics on rank 0, prefixed `rank{r}/` (local runs: as is)."""
+    if rank is None:
+        return metrics
+    world = _dist().get_world_size()
+    parts: list[Any] = [None] * world if rank == 0 else []
+    _dist().gather_object(metrics, parts if rank == 0 else None, dst=0, group=_group())
+    if rank != 0:
+        return {}
+    out: dict[str, float] = {}
+    for r, part in enumerate(parts):
+        for key, value in part.items():
+            section, _, name = key.partition("/")
+            out[f"{section}/rank{r}_{name}"] = value
+    return out
+
+
+def _train_rank(task_factory: Callable[[], Task], config: RunConfig) -> RunSummary:
+    from gpipe_repro.train.loop import train
+    return train(task_factory(), config)
+
+
+def launch(task_factory: Callable[[], Task], config: RunConfig) -> RunSummary:
+    """Run the training job `config` describes and return its summary (rank 0's).
+
+    `task_factory` builds the task in the process that trains; for `--launcher local` it is sent to
+    K new processes, so it must be picklable (a class and its config, e.g.
+    `functools.partial(AmoebaNetTask, settings)`).
+    """
+    from gpipe_repro.checkpointing import graceful_interrupt
+    from gpipe_repro.train.loop import train
+
+    if config.runtime == "local":
+        return train(task_factory(), config)
+    if config.launcher == "torchrun":
+        import os
+        if "RANK" not in os.environ:
+            raise RuntimeError(f"--launcher torchrun: start the job with torchrun, e.g. `torchrun "
+                               f"--nproc-per-node {config.partitions} $(which gpipe-repro) run ... "
+                               "--runtime distributed --launcher torchrun`; or use --launcher local")
+        from gpipe_repro.distributed.watchdog import stage_main
+        return stage_main(_train_rank, task_factory, config)
+    from gpipe_repro.distributed.launcher import launch_local
+
+    # The first Ctrl-C is for the stage processes (they save and stop together); the launcher
+    # keeps watching them instead of dying and taking them down unsaved.
+    with graceful_interrupt():
+        results = launch_local(_train_rank, config.partitions, task_factory, config,
+                               timeout=TRAINING_TIMEOUT_S, threads=config.threads or 1)
+    return results[0]

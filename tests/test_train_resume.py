@@ -1,0 +1,133 @@
+"""A killed or interrupted run, resumed, ends exactly where an uninterrupted run ends.
+
+Three ways to stop a run: an exception after step k (a crash), SIGINT (Ctrl-C: the loop saves and
+exits cleanly) and SIGKILL of a `gpipe-repro run` subprocess (no chance to save anything; only the
+periodic checkpoints survive). In each case the resumed run's every parameter, buffer and optimizer
+slot must equal the uninterrupted run's, bit for bit (CPU, same seed), with dropout, drop-path and
+augmentation all on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gpipe_repro.checkpointing import checkpoint_path, list_checkpoints, load_checkpoint
+from gpipe_repro.train.config import RunConfig
+from gpipe_repro.train.image_classification import AmoebaNetConfig, AmoebaNetTask, preset
+from gpipe_repro.train.loop import train
+from gpipe_repro.wandb_log import read_metrics
+
+STEPS = 8
+
+
+class Crash(Exception):
+    pass
+
+
+def configs(out: Path, **run_changes: Any) -> tuple[RunConfig, AmoebaNetConfig]:
+    """The smoke preset made smaller: AmoebaNet-B (3, 8) on 8x8 digits, K=2, M=2, batch 8."""
+    run, task = preset("smoke")
+    run = dataclasses.replace(run, out_dir=str(out), batch_size=8, micro_batches=2, steps=STEPS,
+                              eval_every=3, save_every=2, timeline_every=3, wandb="disabled",
+                              progress=False, **run_changes)
+    return run, task
+
+
+def final_state(run_dir: Path) -> dict[str, Any]:
+    checkpoint = load_checkpoint(checkpoint_path(run_dir / "checkpoints", STEPS))
+    assert checkpoint["step"] == STEPS
+    return checkpoint["state"]
+
+
+def assert_same_training_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    model_a, model_b = a["pipeline"]["model"], b["pipeline"]["model"]
+    assert model_a.keys() == model_b.keys()
+    for key in model_a:
+        assert torch.equal(model_a[key], model_b[key]), key
+    for opt_a, opt_b in zip(a["pipeline"]["optimizers"], b["pipeline"]["optimizers"]):
+        assert opt_a["state"].keys() == opt_b["state"].keys() and opt_a["state"]
+        for slot in opt_a["state"]:
+            for name, value in opt_a["state"][slot].items():
+                assert torch.equal(value, opt_b["state"][slot][name]), (slot, name)
+    assert a["data"] == b["data"]
+    assert torch.equal(a["augmentation"]["generator"], b["augmentation"]["generator"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
+    """The uninterrupted run."""
+    out = tmp_path_factory.mktemp("reference")
+    run, task = configs(out)
+    summary = train(AmoebaNetTask(task), run)
+    assert summary.status == "finished" and summary.steps == STEPS
+    return out, summary.losses
+
+
+def test_resume_after_a_crash_gives_identical_weights(tmp_path: Path,
+                                                      reference: tuple[Path, list[float]]) -> None:
+    run, task = configs(tmp_path)
+
+    def crash_after_step_4(step: int, loss: float) -> None:
+        if step == 4:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(AmoebaNetTask(task), run, on_step_end=crash_after_step_4)
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")][-1] == "step-00000004.pt"
+    with pytest.raises(FileExistsError, match="--resume"):     # an unfinished run is not overwritten
+        train(AmoebaNetTask(task), run)
+    resumed = train(AmoebaNetTask(task), dataclasses.replace(run, resume=True))
+    assert resumed.status == "finished" and resumed.resumed_from == 4 and resumed.steps == STEPS
+    assert resumed.losses == reference[1][4:]                  # step 4 ran again, identically
+    assert_same_training_state(final_state(tmp_path), final_state(reference[0]))
+    # the metrics log holds each step once, as if the run had never stopped
+    logged = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert logged == list(range(STEPS))
+
+
+def test_ctrl_c_saves_and_exits_cleanly_then_resumes_identically(
+        tmp_path: Path, reference: tuple[Path, list[float]]) -> None:
+    run, task = configs(tmp_path)
+
+    def ctrl_c_during_step_2(step: int, loss: float) -> None:
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    summary = train(AmoebaNetTask(task), run, on_step_end=ctrl_c_during_step_2)
+    assert summary.status == "interrupted" and summary.steps == 3
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")][-1] == "step-00000003.pt"
+    resumed = train(AmoebaNetTask(task), dataclasses.replace(run, resume=True))
+    assert resumed.resumed_from == 3 and resumed.status == "finished"
+    assert_same_training_state(final_state(tmp_path), final_state(reference[0]))
+
+
+def test_sigkilled_subprocess_resumes_identically(tmp_path: Path,
+                                                  reference: tuple[Path, list[float]]) -> None:
+    run, task = configs(tmp_path)
+    command = [sys.executable, "-c", "from gpipe_repro.cli import main; main()", "run", "amoebanet", "--preset", "smoke",
+               "--out", str(tmp_path), "--batch-size", "8", "--m", "2", "--steps", str(STEPS),
+               "--eval-every", "3", "--save-every", "2", "--timeline-every", "3", "--wandb", "disabled",
+               "--no-progress"]
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    first = checkpoint_path(tmp_path / "checkpoints", 2)
+    deadline = time.monotonic() + 60
+    while not first.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    child.send_signal(signal.SIGKILL)
+    output = child.communicate()[0].decode()
+    assert child.returncode == -signal.SIGKILL, output
+    saved = [int(p.stem.split("-")[1]) for p in list_checkpoints(tmp_path / "checkpoints")]
+    assert saved and max(saved) < STEPS, f"the child got to the end before it was killed: {saved}"
+    resumed = train(AmoebaNetTask(task), dataclasses.replace(run, resume=True))
+    assert resumed.resumed_from == max(saved)
+    assert_same_training_state(final_state(tmp_path), final_state(reference[0]))
