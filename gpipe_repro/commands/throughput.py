@@ -1,0 +1,32 @@
+"""`gpipe-repro throughput-table` and `gpipe-repro validate-sim`: the paper's Tables 2/3 and the
+simulator's check against real stage processes.
+
+    gpipe-repro throughput-table                     # same as `make throughput-table`
+    gpipe-repro throughput-table --paper-size --device cuda
+    gpipe-repro validate-sim                         # same as `make validate-sim`
+
+Both pass their options through to the experiment modules (`--help` there lists them), so the
+command line and the Makefile targets can never drift apart.
+"""
+from __future__ import annotations
+
+import typer
+
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("throughput-table", context_settings=_PASS_THROUGH, add_help_option=False)
+    def throughput_table(ctx: typer.Context) -> None:
+        """The paper's Tables 2 and 3: K x M normalized throughput, simulated and measured
+        (options: --paper-size, --device, --link, --policy, --objective, --no-measure; --help)."""
+        from experiments.throughput_table import main
+
+        main(list(ctx.args), prog="gpipe-repro throughput-table")
+
+    @app.command("validate-sim", context_settings=_PASS_THROUGH, add_help_option=False)
+    def validate_sim(ctx: typer.Context) -> None:
+        """Simulated vs measured throughput on real stage processes (K <= usable cores; --help)."""
+        from experiments.validate_simulator import main
+
+        main(list(ctx.args), prog="gpipe-repro validate-sim")

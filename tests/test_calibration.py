@@ -1,0 +1,122 @@
+"""Calibration: identical layers timed once, FLOPs exact and linear in the micro-batch, costs cached
+per micro-batch size, meta models materialized layer by layer."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe_repro import calibration as cal
+from gpipe_repro.calibration import DEVICES, Workload, calibrate, robust_seconds, trace_shapes
+
+TINY_LM = Workload.create("tiny LM", "transformer-lm", "tokens", (8,), 50, L=5, d_model=16,
+                          d_ff=32, num_heads=2, vocab_size=50)
+TINY_AMOEBA = Workload.create("tiny AmoebaNet", "amoebanet-d", "image", (3, 16, 16), 5, L=12, F=8,
+                              num_classes=5, image_size=16, aux_head=False)
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("GPIPE_REPRO_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_identical_layers_form_one_group() -> None:
+    layers = TINY_LM.build("meta")
+    inputs, outputs, groups = trace_shapes(layers, TINY_LM.sample(3)[0])
+    assert len(layers) == 7                       # embed, 5 layers, head
+    assert groups == [0, 1, 1, 1, 1, 1, 2]
+    assert all(t.device.type == "meta" for t in outputs)
+    assert tuple(outputs[3].shape) == (3, 8, 16)
+    # AmoebaNet (4 normal cells per stack): the last two cells of each stack read inputs of the
+    # stack's shape and share a group; the first two after a reduction differ from them.
+    _, _, amoeba_groups = trace_shapes(TINY_AMOEBA.build("meta"), TINY_AMOEBA.sample(2)[0])
+    assert len(amoeba_groups) == 18 and len(set(amoeba_groups)) == 15
+
+
+def test_a_48_layer_model_costs_one_layers_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    timed: list[int] = []
+    real = cal.time_layer_actions
+
+    def counting(layer: nn.Module, x: object, device: object, **kw: object) -> tuple[float, ...]:
+        timed.append(kw["index"])  # type: ignore[arg-type]
+        return real(layer, x, device, repeats=1, warmup=0, **{k: v for k, v in kw.items()
+                                                              if k not in ("repeats",)})
+
+    monkeypatch.setattr(cal, "time_layer_actions", counting)
+    deep = Workload.create("deep", "transformer-lm", "tokens", (4,), 20, L=48, d_model=8, d_ff=16,
+                           num_heads=2, vocab_size=20)
+    calib = calibrate(deep, [2], repeats=1)
+    assert timed == [0, 1, 49]                    # embed, one transformer layer, head
+    costs = calib.at(2)
+    assert len(costs) == 50 and all(c == costs[1] for c in costs[1:49])
+    assert all(c.forward > 0 and c.backward > 0 for c in costs[1:])
+
+
+def test_flops_are_exact_and_linear_in_the_microbatch_size() -> None:
+    lin = Workload.create("lm", "transformer-lm", "tokens", (8,), 50, L=2, d_model=16, d_ff=32,
+                          num_heads=2, vocab_size=50)
+    c = calibrate(lin, [2, 6], method="flops", device_model=DEVICES["nominal"])
+    small, big = c.at(2), c.at(6)
+    for a, b in zip(small, big):
+        assert b.flops == pytest.approx(3 * a.flops, rel=0.02)   # attention is quadratic in T, not N
+        assert b.output_bytes == 3 * a.output_bytes
+    head = small[-1]
+    tokens = 2 * 8
+    assert head.forward_flops == 2 * tokens * 16 * 50             # the vocabulary projection
+    assert head.forward == pytest.approx(head.forward_flops / DEVICES["nominal"].flop_rate)
+    assert c.device == "flops: nominal"
+
+
+def test_calibrations_are_cached_per_size(monkeypatch: pytest.MonkeyPatch,
+                                          private_cache: Path) -> None:
+    first = calibrate(TINY_LM, [2], repeats=1)
+    assert len(list((private_cache / "calibration").glob("*.json"))) == 1
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cached size was measured again")
+
+    monkeypatch.setattr(cal, "_calibrate_size", fail)
+    again = calibrate(TINY_LM, [2], repeats=1)
+    assert again.at(2) == first.at(2) and again.groups == first.groups
+    with pytest.raises(AssertionError, match="measured again"):
+        calibrate(TINY_LM, [3], repeats=1)
+
+
+def test_time_calibration_times_every_action_of_the_schedule() -> None:
+    c = calibrate(TINY_AMOEBA, [2], repeats=2)
+    costs = c.at(2)
+    assert len(costs) == len(c.groups)
+    for layer in costs:
+        assert min(layer.forward, layer.forward_nograd, layer.recompute, layer.backward) > 0
+        assert layer.optimizer >= 0 and layer.output_bytes > 0
+    assert costs[-1].output_bytes == 2 * 5 * 4           # logits
+    assert c.optimizer_call > 0
+    assert c.device.startswith("cpu:") and "1 thread" in c.device
+    parts = c.partition_costs(2, "always")
+    assert parts[3] == pytest.approx(costs[3].forward_nograd + costs[3].recompute + costs[3].backward)
+    assert c.partition_costs(2, "never")[3] == pytest.approx(costs[3].forward + costs[3].backward)
+
+
+def test_materialize_gives_real_finite_layers_from_meta() -> None:
+    with torch.device("meta"):
+        layer = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    real = cal.materialize(layer, "cpu")
+    assert all(p.device.type == "cpu" and torch.isfinite(p).all() for p in real.parameters())
+    assert torch.equal(real[1].running_var, torch.ones(4))
+    assert real(torch.randn(3, 4)).shape == (3, 4)
+
+
+def test_robust_seconds_is_the_mean_without_one_rare_pause() -> None:
+    assert robust_seconds([1.0, 1.2, 0.8, 1.0, 9.0]) == pytest.approx(1.0)
+    assert robust_seconds([1.0, 3.0]) == pytest.approx(2.0)      # too few to call one an outlier
+
+
+def test_unknown_method_and_missing_gpu_say_what_to_do() -> None:
+    with pytest.raises(ValueError, match="method"):
+        calibrate(TINY_LM, [2], method="guess")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device cpu"):
+            calibrate(TINY_LM, [2], device="cuda")

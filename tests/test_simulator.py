@@ -1,0 +1,212 @@
+"""The pipeline simulator against closed forms: fill-drain makespan, bubble, link latency and
+bandwidth, link serialization, recompute-ahead, and the schedule it consumes being the runtimes'."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpipe_repro.calibration import Calibration, LayerCost
+from gpipe_repro.links import PRESETS, LinkModel, fit_alpha_beta, get_link
+from gpipe_repro.schedule import ActionKind, make_schedule
+from gpipe_repro.simulator import (
+    PipelineCosts,
+    replay_costs,
+    simulate,
+    simulate_config,
+    stage_costs,
+    theoretical_bubble,
+)
+
+IDEAL = PRESETS["ideal"]
+
+
+def uniform(k: int, m: int, f: float = 1.0, b: float = 2.0, r: float = 1.0, opt: float = 0.0,
+            nbytes: float = 0.0) -> PipelineCosts:
+    return PipelineCosts(forward=[[f] * m] * k, forward_nograd=[[f] * m] * k,
+                         recompute=[[r] * m] * k, backward=[[b] * m] * k, optimizer=[opt] * k,
+                         boundary_bytes=[[nbytes] * m] * (k - 1), grad_bytes=[[nbytes] * m] * (k - 1))
+
+
+@settings(max_examples=30, deadline=None)
+@given(k=st.integers(1, 6), m=st.integers(1, 12))
+def test_fill_drain_makespan_and_bubble_match_the_paper(k: int, m: int) -> None:
+    sim = simulate(make_schedule("gpipe", k, m, "never"), uniform(k, m), IDEAL, batch_size=m)
+    assert sim.step_time == pytest.approx(3 * (m + k - 1))
+    assert sim.bubble_fraction == pytest.approx(theoretical_bubble(k, m))
+    assert sum(sim.breakdown.values()) == pytest.approx(1.0)
+    assert sim.throughput == pytest.approx(m / (3 * (m + k - 1)))
+    assert sim.utilization == pytest.approx([3 * m / (3 * (m + k - 1))] * k)
+
+
+@pytest.mark.parametrize("k,m", [(2, 1), (3, 4), (4, 8)])
+def test_one_f_one_b_has_the_same_makespan_as_gpipe_with_uniform_costs(k: int, m: int) -> None:
+    costs = uniform(k, m)
+    gpipe = simulate(make_schedule("gpipe", k, m, "never"), costs, IDEAL, m)
+    ofob = simulate(make_schedule("1f1b", k, m, "never"), costs, IDEAL, m)
+    assert ofob.step_time == pytest.approx(gpipe.step_time)
+
+
+@pytest.mark.parametrize("latency", [0.1, 0.5])
+def test_latency_delays_the_fill_and_the_drain_once_per_hop(latency: float) -> None:
+    k, m = 4, 6
+    link = LinkModel("test", latency, float("inf"))
+    sim = simulate(make_schedule("gpipe", k, m, "never"), uniform(k, m), link, m)
+    assert sim.step_time == pytest.approx(3 * (m + k - 1) + 2 * (k - 1) * latency)
+    assert sim.breakdown["communication"] > 0
+
+
+def test_bandwidth_counts_bytes_and_a_slow_link_becomes_the_bottleneck() -> None:
+    k, m = 2, 8
+    fast = simulate(make_schedule("gpipe", k, m, "never"), uniform(k, m, nbytes=100.0),
+                    LinkModel("bw", 0.0, 1000.0), m)   # 0.1 s per transfer: hidden behind compute
+    assert fast.step_time == pytest.approx(3 * (m + k - 1) + 2 * 0.1)
+    slow = simulate(make_schedule("gpipe", k, m, "never"), uniform(k, m, nbytes=5000.0),
+                    LinkModel("bw", 0.0, 1000.0), m)   # 5 s per transfer, one at a time per link
+    # The forward wave is limited by the link: the last activation arrives after m transfers.
+    assert slow.step_time >= m * 5.0 + 1.0 + m * 2.0
+    assert slow.throughput < fast.throughput / 2
+
+
+def test_send_and_receive_overheads_occupy_the_stages() -> None:
+    # K=2, M=3, F=1, B=2, sends 0.25 and receives 0.5 on the stage, instant link. By hand: stage 1
+    # finishes its last send of a gradient at 12.5; stage 0 then receives (0.5) and runs B0 (2).
+    link = LinkModel("cpu", 0.0, float("inf"), send_overhead=0.25, recv_overhead=0.5)
+    sim = simulate(make_schedule("gpipe", 2, 3, "never"), uniform(2, 3), link, 3)
+    assert sim.step_time == pytest.approx(15.5)
+    stage0 = sim.timeline.busy(0)
+    assert stage0["computation"] == pytest.approx(9.0)
+
+
+def test_recompute_ahead_overlaps_the_wait_for_gradients() -> None:
+    k, m = 4, 4
+    costs = uniform(k, m, r=1.0)
+    late = simulate(make_schedule("gpipe", k, m, "always", recompute_ahead=False), costs, IDEAL, m)
+    ahead = simulate(make_schedule("gpipe", k, m, "always", recompute_ahead=True), costs, IDEAL, m)
+    # Without ahead: every micro-batch pays F + R + B = 4 on the critical path.
+    assert late.step_time == pytest.approx(4 * (m + k - 1))
+    assert ahead.step_time < late.step_time
+    # The same recompute work, only placed earlier.
+    assert (late.breakdown["re-computation"] * late.step_time
+            == pytest.approx(ahead.breakdown["re-computation"] * ahead.step_time))
+
+
+def test_the_timeline_follows_the_schedule_the_runtimes_execute() -> None:
+    sched = make_schedule("gpipe", 3, 5, "except_last", recompute_ahead=True)
+    sim = simulate(sched, uniform(3, 5, opt=0.5, nbytes=10.0), LinkModel("l", 0.01, 1e4), 5)
+    for s, actions in enumerate(sched.stages):
+        events = sim.timeline.stage_events(s)
+        assert [(e.kind, e.microbatch) for e in events] == [(a.kind.value, a.microbatch) for a in actions]
+        for a, b in zip(events, events[1:]):
+            assert a.end <= b.start + 1e-12          # one action at a time per stage
+    recvs = [e for e in sim.timeline.events if e.kind in ("recv_act", "recv_grad")]
+    assert all(e.ready is not None and e.ready <= e.end for e in recvs)
+    # A checkpointed micro-batch's forward costs forward_nograd; the last one's, forward.
+    assert sum(e.kind == ActionKind.RECOMPUTE.value for e in sim.timeline.events) == 3 * 4
+
+
+def calibration(per_layer: list[tuple[float, float, float, float]], size: int = 2,
+                out_bytes: int = 64) -> Calibration:
+    costs = [LayerCost(forward=f, forward_nograd=f * 0.9, recompute=r, backward=b, optimizer=o,
+                       forward_flops=1.0, flops=3.0, params=1, output_bytes=out_bytes * (i + 1),
+                       grad_bytes=out_bytes * (i + 1))
+             for i, (f, r, b, o) in enumerate(per_layer)]
+    return Calibration("test", "time", "test", list(range(len(costs))), {size: costs},
+                       optimizer_call=0.01)
+
+
+def test_stage_costs_sum_each_cell_and_take_the_cut_layer_bytes() -> None:
+    cal = calibration([(1.0, 1.0, 2.0, 0.1), (2.0, 2.0, 4.0, 0.2), (3.0, 3.0, 6.0, 0.3)])
+    costs = stage_costs(cal, [1, 2], [2, 2, 2])
+    assert costs.forward == [[1.0] * 3, [5.0] * 3]
+    assert costs.forward_nograd[1] == pytest.approx([4.5] * 3)
+    assert costs.backward == [[2.0] * 3, [10.0] * 3]
+    assert costs.optimizer == pytest.approx([0.11, 0.51])
+    assert costs.boundary_bytes == [[64.0] * 3]
+    with pytest.raises(KeyError, match="micro-batch size 3"):
+        stage_costs(cal, [1, 2], [3, 3])
+    with pytest.raises(ValueError, match="sums to"):
+        stage_costs(cal, [1, 1], [2])
+
+
+def test_simulate_config_splits_the_batch_like_the_runtime() -> None:
+    cal = calibration([(1.0, 1.0, 2.0, 0.0)] * 4)
+    sim = simulate_config(cal, [2, 2], 4, 8, IDEAL, checkpoint="never")
+    assert sim.batch_size == 8
+    assert sim.step_time == pytest.approx(3 * 2 * (4 + 1) + 0.01)   # 2 layers per cell, + opt call
+
+
+def test_alpha_beta_fit_recovers_latency_and_bandwidth() -> None:
+    sizes = [4, 4096, 65536, 1 << 20, 8 << 20]
+    latency, bandwidth = fit_alpha_beta(sizes, [50e-6 + s / 2e9 for s in sizes])
+    assert latency == pytest.approx(50e-6, rel=1e-3)
+    assert bandwidth == pytest.approx(2e9, rel=1e-6)
+
+
+def test_link_presets_and_their_costs() -> None:
+    pcie = get_link("pcie")
+    assert pcie.transfer_time(10e9) == pytest.approx(1.0 + 10e-6)
+    assert IDEAL.transfer_time(1e12) == 0.0
+    assert math.isclose(get_link("nvlink").bandwidth / pcie.bandwidth, 10.0)
+    with pytest.raises(ValueError, match="unknown link"):
+        get_link("carrier-pigeon")
+
+
+def test_replaying_a_timeline_reproduces_its_step() -> None:
+    sched = make_schedule("gpipe", 3, 4, "always", recompute_ahead=False)
+    costs = PipelineCosts(forward=[[1.0, 1.5, 1.0, 2.0]] * 3, forward_nograd=[[0.8, 1.2, 0.8, 1.6]] * 3,
+                          recompute=[[1.0, 1.5, 1.0, 2.0]] * 3, backward=[[2.0, 3.0, 2.0, 4.0]] * 3,
+                          optimizer=[0.3, 0.2, 0.1], boundary_bytes=[[100.0] * 4] * 2,
+                          grad_bytes=[[100.0] * 4] * 2, setup=0.05, teardown=0.07)
+    link = LinkModel("l", 0.01, 1e4, send_overhead=0.002, recv_overhead=0.001)
+    original = simulate(sched, costs, link, 4)
+    replayed = simulate(sched, replay_costs(original.timeline, original.step_time, [100.0, 100.0]),
+                        link, 4)
+    assert replayed.step_time == pytest.approx(original.step_time)
+    assert replayed.breakdown == pytest.approx(original.breakdown)
+
+
+def test_the_throughput_table_end_to_end_on_synthetic_costs(monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path: Path) -> None:
+    """The sweep's orchestration, normalization, labels and outputs, with costs made up (uniform
+    layers) instead of timed, a free link and a fake 'measured' run 10% slower than simulated."""
+    from gpipe_repro import throughput as tp
+
+    def fake_calibrate(workload: Any, sizes: list[int], **kw: Any) -> Calibration:
+        n = 26 if "amoeba" in workload.family else 50
+        per = {b: [LayerCost(forward=1e-3 * b, forward_nograd=1e-3 * b, recompute=1e-3 * b,
+                             backward=2e-3 * b, optimizer=1e-5, forward_flops=1.0, flops=3.0,
+                             params=1, output_bytes=100 * b, grad_bytes=100 * b)] * n for b in sizes}
+        return Calibration(workload.name, "time", "synthetic", [0] * n, per)
+
+    def fake_measure(workload: Any, balance: list[int], m: int, n: int, checkpoint: str) -> dict:
+        cal = fake_calibrate(workload, [n // m])
+        sim = simulate_config(cal, balance, m, n, IDEAL, checkpoint=checkpoint, recompute_ahead=False)
+        return {"step_time_s": sim.step_time * 1.1, "step_times": [sim.step_time * 1.1],
+                "timeline": sim.timeline}
+
+    monkeypatch.setattr(tp, "calibrate", fake_calibrate)
+    monkeypatch.setattr(tp, "usable_cores", lambda: 2)
+    settings = tp.SweepSettings(link="ideal", measure=True)
+    payload = tp.run_throughput_table(settings, measure=fake_measure)
+    t2 = {(r["K"], r["M"]): r for r in payload["table2"]["transformer"]}
+    assert t2[(2, 1)]["simulated"]["normalized"] == 1.0
+    # Normalized = (N / step) over the K=2, M=1 row's; the micro-batch stays 4, so N = 4 M.
+    step = {key: r["simulated"]["step_time_s"] for key, r in t2.items()}
+    assert t2[(8, 32)]["simulated"]["normalized"] == pytest.approx(32 * step[(2, 1)] / step[(8, 32)])
+    assert t2[(8, 32)]["batch"] == 128 and t2[(8, 32)]["microbatch"] == 4
+    assert 5.5 < t2[(8, 32)]["simulated"]["normalized"] < 32 * 8 / (32 + 7) / (32 / 33) * 1.0
+    assert t2[(2, 4)]["measured"]["normalized"] == pytest.approx(t2[(2, 4)]["simulated"]["normalized"])
+    assert t2[(4, 4)]["measured"] is None                      # K=4 > 2 cores: simulated only
+    assert t2[(8, 32)]["paper"] == 6.3 and payload["table2"]["amoebanet"][-1]["torchgpipe"] == 4.953
+    assert {c["model"] for c in payload["claims"]} == {"transformer", "amoebanet"}
+    files = tp.write_outputs(payload, tmp_path, log_wandb=False)
+    names = {f.name for f in files}
+    assert {"throughput_table.json", "throughput_table.md", "speedup.png", "bubble.png"} <= names
+    md = (tmp_path / "throughput_table.md").read_text()
+    assert "measured 1.00" in md and "paper 6.30" in md and "torchgpipe 4.95" in md
+    assert "`bottleneck`" in md and "policy `micro`" in md
