@@ -1,0 +1,116 @@
+"""`gpipe-repro run transformer`: train the multilingual T(L, H, A) translation model.
+
+    gpipe-repro run transformer --preset cpu                       # 16 languages, ~15 min on 2 cores
+    gpipe-repro run transformer --layers 12 --ffn 2048 --heads 8 --k 4 --m 8
+    gpipe-repro run transformer --preset cpu --languages fr,de,cy,ga --steps 200
+    gpipe-repro run transformer --preset paper                     # T(24,8192,16), GPUs
+
+Why its own module: `gpipe_repro/commands/run.py` owns the `run` group and the options every task
+shares; this module adds the `transformer` subcommand to that group (the CLI registers command
+modules in name order, so `run` exists by the time `run_transformer` registers) and reuses its
+`PIPELINE_HELP`, `apply_pipeline_options` and `run_task`, so the pipeline options mean exactly what
+they mean for `run amoebanet`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import typer
+
+from gpipe_repro.commands.run import PIPELINE_HELP, apply_pipeline_options, run_task
+
+
+def _languages(value: str | None) -> tuple[str, ...] | None:
+    if value is None or not value.strip():
+        return None
+    if value.strip() == "all":
+        return ()
+    return tuple(sorted({item.strip() for item in value.split(",") if item.strip()}))
+
+
+def transformer(
+    preset: str = typer.Option("cpu", help="cpu | paper | smoke"),
+    layers: Optional[int] = typer.Option(None, "--layers", "--L", help="L: encoder layers (= decoder layers)"),
+    ffn: Optional[int] = typer.Option(None, "--ffn", "--H", help="H: feed-forward hidden size"),
+    heads: Optional[int] = typer.Option(None, "--heads", "--A", help="A: attention heads"),
+    d_model: Optional[int] = typer.Option(None, help="model dimension (the paper: 1024)"),
+    head_dim: Optional[int] = typer.Option(None, help="channels per attention head (the paper: 64)"),
+    languages: Optional[str] = typer.Option(None, help="comma-separated source languages, or 'all'"),
+    corpus: Optional[str] = typer.Option(None, help="corpus name under the data dir (gettext: "
+                                         "offline, built on first use; others: `gpipe-repro corpus build`)"),
+    data_dir: Optional[str] = typer.Option(None, help="where corpora live [default: "
+                                           "$GPIPE_REPRO_DATA_DIR or data/translation/]"),
+    vocab_size: Optional[int] = typer.Option(None, help="shared sentencepiece vocabulary size"),
+    max_len: Optional[int] = typer.Option(None, help="drop training pairs longer than this (pieces)"),
+    temperature: Optional[float] = typer.Option(None, help="language sampling temperature T"),
+    dropout: Optional[float] = typer.Option(None, help="dropout rate"),
+    label_smoothing: Optional[float] = typer.Option(None, help="label smoothing"),
+    warmup_steps: Optional[int] = typer.Option(None, help="linear warm-up steps before the "
+                                               "inverse-square-root decay"),
+    scale_ff_init: Optional[bool] = typer.Option(None, "--scale-ff-init/--no-scale-ff-init",
+                                                 help="the paper's fix: feed-forward init / L"),
+    logit_clip: Optional[float] = typer.Option(None, help="the paper's fix: clamp logits to [-c, c]"),
+    tie_embeddings: Optional[bool] = typer.Option(None, "--tie-embeddings/--untie-embeddings",
+                                                  help="share embedding and output matrix (K=1 only)"),
+    beam: Optional[int] = typer.Option(None, help="beam size for BLEU (1: greedy)"),
+    eval_sentences: Optional[int] = typer.Option(None, help="test sentences per language scored"),
+    k: Optional[int] = typer.Option(None, "--k", "-k", help=PIPELINE_HELP["k"]),
+    m: Optional[int] = typer.Option(None, "--m", "-m", help=PIPELINE_HELP["m"]),
+    batch_size: Optional[int] = typer.Option(None, help="sentences per mini-batch (one synchronous update)"),
+    steps: Optional[int] = typer.Option(None, help=PIPELINE_HELP["steps"]),
+    epochs: Optional[float] = typer.Option(None, help=PIPELINE_HELP["epochs"]),
+    checkpoint: Optional[str] = typer.Option(None, help=PIPELINE_HELP["checkpoint"]),
+    schedule: Optional[str] = typer.Option(None, help=PIPELINE_HELP["schedule"]),
+    objective: Optional[str] = typer.Option(None, help=PIPELINE_HELP["objective"]),
+    partition_cost: Optional[str] = typer.Option(None, help=PIPELINE_HELP["partition_cost"]),
+    runtime: Optional[str] = typer.Option(None, help=PIPELINE_HELP["runtime"]),
+    launcher: Optional[str] = typer.Option(None, help=PIPELINE_HELP["launcher"]),
+    device: Optional[str] = typer.Option(None, help=PIPELINE_HELP["device"]),
+    threads: Optional[int] = typer.Option(None, help=PIPELINE_HELP["threads"]),
+    optimizer: Optional[str] = typer.Option(None, help=PIPELINE_HELP["optimizer"]),
+    lr: Optional[float] = typer.Option(None, help=PIPELINE_HELP["lr"]),
+    seed: Optional[int] = typer.Option(None, help=PIPELINE_HELP["seed"]),
+    eval_every: Optional[int] = typer.Option(None, help=PIPELINE_HELP["eval_every"]),
+    save_every: Optional[int] = typer.Option(None, help=PIPELINE_HELP["save_every"]),
+    timeline_every: Optional[int] = typer.Option(None, help=PIPELINE_HELP["timeline_every"]),
+    name: Optional[str] = typer.Option(None, help=PIPELINE_HELP["name"]),
+    out: Optional[str] = typer.Option(None, help=PIPELINE_HELP["out"]),
+    wandb: Optional[str] = typer.Option(None, help=PIPELINE_HELP["wandb"]),
+    resume: bool = typer.Option(False, "--resume", help="continue from the run's latest checkpoint"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show the progress bar"),
+) -> None:
+    """Multilingual many-to-English translation with T(L, H, A); presets: cpu, paper, smoke."""
+    options = dict(locals())
+
+    def build() -> tuple[Any, Any]:
+        from gpipe_repro.train.translation_task import TranslationTask
+        from gpipe_repro.train.translation_task import preset as get_preset
+
+        run_config, task_config = get_preset(preset)
+        chosen = _languages(languages)
+        task_config = task_config.replace(
+            L=layers, H=ffn, A=heads, d_model=d_model, head_dim=head_dim, corpus=corpus,
+            data_dir=data_dir, vocab_size=vocab_size, max_len=max_len, temperature=temperature,
+            dropout=dropout, label_smoothing=label_smoothing, warmup_steps=warmup_steps,
+            scale_ff_init=scale_ff_init, logit_clip=logit_clip, tie_embeddings=tie_embeddings,
+            beam=beam, eval_sentences=eval_sentences)
+        if chosen is not None:      # "all" gives (): every language of the corpus
+            task_config = dataclasses.replace(task_config, languages=chosen or None)
+        run_config = apply_pipeline_options(run_config, options)
+        if task_config.tie_embeddings and run_config.partitions > 1:
+            raise ValueError("--tie-embeddings shares one matrix between the first layer and the "
+                             f"last, which land in different cells with --k {run_config.partitions}: "
+                             "use --untie-embeddings, or --k 1")
+        return functools.partial(TranslationTask, task_config), run_config
+
+    run_task(build)
+
+
+def register(app: typer.Typer) -> None:
+    group = next((info.typer_instance for info in app.registered_groups if info.name == "run"), None)
+    if group is None:
+        raise RuntimeError("the `run` command group is not registered yet: gpipe_repro/commands/run.py "
+                           "must register before run_transformer.py (the CLI registers in name order)")
+    group.command("transformer")(transformer)
