@@ -163,6 +163,8 @@ class RunLogger:
     def _write_run_json(self, status: str) -> None:
         write_json(self.dir / "run.json", {
             "project": self.project,
+            # A run's metrics are what happened on this machine: measured, never simulated.
+            "method": "measured",
             "mode": self.mode,
             "status": status,
             "wandb_id": None if self._run is None else self._run.id,
