@@ -214,7 +214,8 @@ def deep_vs_wide_markdown(r: dict[str, Any]) -> str:
         "# Deep vs wide multilingual Transformers (measured, CPU scale)", "",
         f"Paper ({r['citation']}): {r['claim']}", "",
         f"Here: deep {deep['shape']} vs wide {wide['shape']} at d_model {deep['d_model']} "
-        f"({deep['head_dim']}-channel heads), {deep['params']['value']:,} vs {wide['params']['value']:,} parameters; both trained "
+        f"({deep['head_dim']}-channel heads), {deep['params']['value']:,} vs "
+        f"{wide['params']['value']:,} parameters; both trained "
         f"{b['steps']} steps of {b['sentences_per_batch']} sentences (on average "
         f"{b['target_tokens_per_batch']['value']:.0f} target tokens per batch, "
         f"{b['target_tokens_total']['value']:,.0f} in all, {b['sentences_drawn']:,} sentences drawn = "
@@ -250,7 +251,11 @@ def verdict_text(r: dict[str, Any]) -> str:
         return "about equal" if abs(x) < 0.5 else (f"deep ahead by {x:.2f} BLEU" if x > 0
                                                      else f"wide ahead by {-x:.2f} BLEU")
     agrees = gain["low"] > 0 and gain["low"] > gain["high"]
+    loss = {label: m["final_train_loss"]["value"] for label, m in r["models"].items()}
     return (f"high-resource: {describe(gain['high'])}; low-resource: {describe(gain['low'])}. "
+            f"Final training loss (mean of the last 20 steps): deep {loss['deep']:.3f}, wide "
+            f"{loss['wide']:.3f}; test NLL: deep {r['models']['deep']['nll']['value']:.3f}, wide "
+            f"{r['models']['wide']['nll']['value']:.3f}. "
             + ("The direction matches the paper's claim (the deep model's advantage is larger on "
                "low-resource languages)." if agrees else
                "This does not reproduce the paper's claim at this scale.")
@@ -361,9 +366,10 @@ def large_batch(out: Path = OUT, task: TranslationConfig = TASK, run: RunConfig 
         "per batch and saw BLEU and NLL improve with the batch size. Here: "
         f"{shape_name(shape)} at d_model {task.d_model} on the deep-vs-wide languages, K={partitions}, "
         f"{micro} sentences per micro-batch (the same memory per cell), M raised to make "
-        f"the batch 4x larger each time, {steps} steps each (so the larger batches also see more data, "
-        "as in the paper), the same learning-rate schedule. BLEU pooled over all languages (greedy); "
-        "NLL per target token on the same test sentences. Paper values in parentheses, in the row of "
+        f"the batch 4x larger each time, {steps} steps each (so the larger batches also see more data; "
+        "the paper does not say how long its three runs were), the same learning-rate schedule. "
+        "BLEU pooled over all languages (greedy); NLL per target token on the same test sentences. "
+        "Paper values in parentheses, in the row of "
         "the same rank.", "",
         markdown_table(["batch", "BLEU (paper)", "NLL (paper)", "paper batch", "train time (s)"], table,
                        digits=3), "",

@@ -15,7 +15,8 @@ very layer objects the pipeline trains, with a key/value cache (the encoder once
 step; without the cache decoding cost grows with the square of the length and took longer than
 training in our CPU runs). Otherwise (cells on several devices, or one process per cell)
 `PipelineDecoder` runs each step as a pipelined forward of (source, whole prefix): slower, but it
-needs no single device holding the whole model. Teacher-forced NLL, one big batch, always goes through the pipelined forward.
+needs no single device holding the whole model. Teacher-forced NLL, one big batch, always goes
+through the pipelined forward.
 
 References are the corpus's raw English sentences (not the detokenized pieces), scored with
 sacrebleu's default 13a tokenization.
