@@ -26,7 +26,9 @@ from typing import Any
 
 BASELINE = Path(__file__).resolve().parent.parent / "results" / "baselines" / "speedups.json"
 EXACT_TOLERANCE = 1e-9      # relative, for the deterministic FLOP-cost simulation
-NOISE_BAND = 0.15           # relative, for the measured speedup (2 processes on a shared host)
+NOISE_BAND = 0.25           # relative, for the measured speedup (2 processes on a shared host):
+                            # a pipeline that lost its overlap measures ~1.0 against ~1.6, so
+                            # the band still catches it while tolerating a busy neighbour
 FLOP_KS, FLOP_MS = (2, 4, 8), (1, 4, 32)
 MEASURED_M = 4
 

@@ -15,12 +15,14 @@ not depend on the values).
 
 Two sources, as in :mod:`gpipe_repro.cost`:
 
-- ``time``: seconds measured on ``cpu`` or ``cuda`` (mean of repeats, see :func:`robust_seconds`),
-  for each action the schedule runs: FORWARD keeping the graph, checkpointed FORWARD (``no_grad``), RECOMPUTE, BACKWARD, and the
-  optimizer's step on the layer's parameters. Each forward includes the engine's per-layer RNG
+- ``time``: seconds measured on ``cpu`` or ``cuda`` (trimmed mean of repeats, see
+  :func:`robust_seconds`), for each action the schedule runs: FORWARD keeping the graph,
+  checkpointed FORWARD (``no_grad``), RECOMPUTE, BACKWARD, and the OPTIMIZER_STEP (committing the
+  BatchNorm statistics, updating the parameters). Each forward includes the engine's per-layer RNG
   seeding and BatchNorm is the engine's DeferredBatchNorm, so the costs are those of the stage
-  executor. The last layer includes the loss. Measured with the thread count the runtime uses
-  (1 per stage process on a CPU host).
+  executor. The last layer includes the loss. Measured in the conditions of a running pipeline:
+  the thread count the runtime uses (1 per stage process on a CPU host) and, on a CPU, the other
+  cores busy training the same model (:func:`busy_neighbours`).
 - ``flops``: forward and backward FLOPs (``torch.utils.flop_counter`` on meta tensors: deterministic,
   device-free, seconds even for paper-size models), turned into seconds by a :class:`DeviceModel`.
 
@@ -30,13 +32,14 @@ so a rerun of an experiment costs nothing and a change of any of those re-measur
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,14 +49,14 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_repro import boundary
-from gpipe_repro.batchnorm import DeferredBatchNorm
+from gpipe_repro.batchnorm import DeferredBatchNorm, commit_all
 from gpipe_repro.cost import activation_bytes, layer_flops
 from gpipe_repro.recompute import recomputing
 from gpipe_repro.rng import seed_layer
 
 METHODS = ("time", "flops")
 # Bump when what a calibration measures changes, so cached timings are not reused across the change.
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 5
 
 
 def cache_dir() -> Path:
@@ -151,8 +154,9 @@ class LayerCost:
     forward_nograd: float    # FORWARD of a checkpointed micro-batch (no_grad)
     recompute: float         # RECOMPUTE (graph rebuilt, BatchNorm statistics not accumulated)
     backward: float
-    optimizer: float         # the optimizer step's extra seconds for this layer's parameters
-                             # (beyond the fixed cost of the call, Calibration.optimizer_call)
+    optimizer: float         # the OPTIMIZER_STEP's extra seconds for this layer: committing its
+                             # BatchNorm statistics and updating its parameters (beyond the fixed
+                             # cost of the optimizer call, Calibration.optimizer_call)
     forward_flops: float
     flops: float             # forward + backward
     params: int
@@ -277,23 +281,21 @@ def _sync(device: torch.device) -> None:
 
 
 def robust_seconds(samples: Sequence[float]) -> float:
-    """The mean of repeated timings, without the slowest one when there are five or more.
+    """The mean of repeated timings, trimmed of the fastest and slowest fifth.
 
-    The mean because costs add up: a cell's expected time is the sum of its layers' expected times,
-    interference from other processes included (a low quantile of short timings misses the
-    interruptions a long action cannot avoid, and under load underestimates it 1.5-2x). The single
-    slowest sample is dropped so that one rare pause (a page fault, the garbage collector) does not
-    move a cost measured from a handful of repeats. On a quiet machine all of these agree.
+    A mean because costs add up: a cell's expected time is the sum of its layers' expected times,
+    jitter included (a low quantile of short timings misses the interruptions a long action cannot
+    avoid). Trimmed so that a rare pause (a page fault, the garbage collector, a neighbour on the
+    host) does not move a cost measured from a few dozen repeats.
     """
     ordered = sorted(samples)
-    if len(ordered) >= 5:
-        ordered = ordered[:-1]
-    return statistics.fmean(ordered)
+    cut = len(ordered) // 5
+    return statistics.fmean(ordered[cut:len(ordered) - cut] if len(ordered) > 2 * cut else ordered)
 
 
 def time_layer_actions(layer: nn.Module, x: Any, device: torch.device | str, *, index: int = 0,
                        first: bool = False, loss: tuple[Callable[..., torch.Tensor], Any] | None = None,
-                       repeats: int = 7, warmup: int = 2) -> tuple[float, float, float, float, float]:
+                       repeats: int = 20, warmup: int = 2) -> tuple[float, float, float, float, float]:
     """Seconds of (forward, checkpointed forward, recompute, backward, optimizer step) of a copy of
     `layer` as the stage executor runs it (see the module docstring), by :func:`robust_seconds`.
 
@@ -336,6 +338,7 @@ def time_layer_actions(layer: nn.Module, x: Any, device: torch.device | str, *, 
         t3 = stamp()
         backward(y)
         t4 = stamp()
+        commit_all(layer)                 # the OPTIMIZER_STEP commits DeferredBatchNorm statistics
         if opt is not None:
             opt.step()
         t5 = stamp()
@@ -376,14 +379,64 @@ def forward_flops(layer: nn.Module, x: Any) -> int:
     return counter.get_total_flops()
 
 
+# ----------------------------------------------------------------------------- busy neighbours
+
+def _busy_loop(workload: Workload, size: int, stop: Any, ready: Any) -> None:
+    """Train `workload` on micro-batches of `size` until `stop` is set (a pipeline's other stage)."""
+    torch.set_num_threads(1)
+    model = nn.Sequential(*[DeferredBatchNorm.convert(layer) for layer in workload.build("cpu")])
+    x, y = workload.sample(size)
+    loss_fn = workload.loss_fn()
+    first = True
+    while not stop.is_set():
+        loss_fn(model(x), y).backward()
+        model.zero_grad(set_to_none=True)
+        if first:
+            ready.put(True)
+            first = False
+
+
+@contextlib.contextmanager
+def busy_neighbours(workload: Workload, size: int, count: int) -> Iterator[None]:
+    """Keep `count` other cores busy training the same model while the body runs.
+
+    Why: the stages of a pipeline compute at the same time, and cores that share caches, memory
+    bandwidth (or, in a VM, a physical core) slow each other down; a layer timed on an otherwise idle
+    host runs faster than it does inside a running pipeline (5-15% on this project's 2-core host).
+    Timing with the neighbouring cores busy measures the cost in the pipeline's steady state.
+    """
+    if count <= 0:
+        yield
+        return
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    stop, ready = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_busy_loop, args=(workload, size, stop, ready), daemon=True)
+             for _ in range(count)]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            ready.get(timeout=300)
+        yield
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+
+
 # ----------------------------------------------------------------------------- calibrate
 
-def device_description(device: torch.device | str, threads: int) -> str:
+def device_description(device: torch.device | str, threads: int, neighbours: int = 0) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
     from gpipe_repro.environment import cpu_model
-    return f"cpu: {cpu_model()}, {threads} thread{'s' if threads != 1 else ''}"
+    busy = f", {neighbours} busy neighbour core{'s' if neighbours != 1 else ''}" if neighbours else ""
+    return f"cpu: {cpu_model()}, {threads} thread{'s' if threads != 1 else ''}{busy}"
 
 
 def _cache_file(workload: Workload, method: str, device_desc: str, size: int, repeats: int) -> Path:
@@ -395,11 +448,13 @@ def _cache_file(workload: Workload, method: str, device_desc: str, size: int, re
 
 def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
               device: torch.device | str = "cpu", device_model: DeviceModel | None = None,
-              threads: int | None = 1, repeats: int = 7, use_cache: bool = True,
+              threads: int | None = 1, repeats: int = 20, use_cache: bool = True,
+              neighbours: int = 0,
               progress: Callable[[str], None] | None = None) -> Calibration:
     """Per-layer costs of `workload` at each micro-batch size in `sizes` (see the module docstring).
 
-    method="time" measures on `device` with `threads` torch threads (None: leave as is);
+    method="time" measures on `device` with `threads` torch threads (None: leave as is), with
+    `neighbours` other cores busy training the same model (CPU only; see :func:`busy_neighbours`);
     method="flops" counts FLOPs and converts them with `device_model` (default: "nominal").
     """
     if method not in METHODS:
@@ -416,7 +471,8 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
             device_model = device_model or DEVICES["nominal"]
             desc = f"flops: {device_model.name}"
         else:
-            desc = device_description(device, used_threads)
+            neighbours = neighbours if device.type == "cpu" else 0
+            desc = device_description(device, used_threads, neighbours)
         layers = workload.build("meta")
         calib: Calibration | None = None
         for size in sizes:
@@ -431,7 +487,9 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
                                              optimizer_call=cached.optimizer_call)
                 calib.costs[size] = cached.costs[size]
                 continue
-            one = _calibrate_size(workload, layers, size, method, device, device_model, repeats)
+            with busy_neighbours(workload, size, neighbours if method == "time" else 0):
+                one = _calibrate_size(workload, layers, size, method, device, device_model,
+                                      repeats)
             one.device = desc
             _write_cache(path, one)
             calib = calib or Calibration(workload.name, method, desc, one.groups,
