@@ -391,7 +391,8 @@ def log_report(result: dict[str, Any], large: dict[str, Any] | None, out: Path =
                          [[lang, x["group"], x["train_pairs"],
                            result["models"]["deep"]["bleu_by_language"][lang]["value"],
                            result["models"]["wide"]["bleu_by_language"][lang]["value"],
-                           x["bleu_gain_deep_over_wide"]["value"]] for lang, x in result["languages"].items()])
+                           x["bleu_gain_deep_over_wide"]["value"]] for lang, x in result["languages"].items()],
+                         method="measured")
         logger.log_image("bleu_gain_vs_training_size", out / "deep_vs_wide.png")
         summary = {f"{label}/{key}": m[key]["value"] for label, m in result["models"].items()
                    for key in ("bleu_high", "bleu_low", "bleu_all", "nll", "params", "train_time")}
@@ -400,7 +401,7 @@ def log_report(result: dict[str, Any], large: dict[str, Any] | None, out: Path =
             logger.log_table("large_batch", ["M", "sentences", "tokens", "bleu", "nll"],
                              [[x["micro_batches"], x["sentences_per_batch"],
                                x["target_tokens_per_batch"]["value"], x["bleu"]["value"], x["nll"]["value"]]
-                              for x in large["runs"]])
+                              for x in large["runs"]], method="measured")
         logger.summary(summary)
 
 

@@ -100,12 +100,15 @@ class RunLogger:
         if self._run is not None:
             self._run.log(row, step=step)
 
-    def log_table(self, name: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Path:
-        """A table (e.g. one row per configuration): local JSON, and a wandb.Table."""
+    def log_table(self, name: str, headers: Sequence[str], rows: Sequence[Sequence[Any]],
+                  method: str | None = None) -> Path:
+        """A table (e.g. one row per configuration): local JSON, and a wandb.Table. `method`
+        ("measured" / "simulated") is recorded when the whole table is one or the other."""
         headers = [str(h) for h in headers]
         rows = [[_scalar(c, name) for c in row] for row in rows]
         path = write_json(self.dir / "tables" / f"{_safe(name)}.json",
-                          {"name": name, "headers": headers, "rows": rows})
+                          {"name": name, **({"method": method} if method else {}),
+                           "headers": headers, "rows": rows})
         self._tables[name] = str(path.relative_to(self.dir))
         if self._run is not None:
             import wandb
