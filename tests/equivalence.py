@@ -1,7 +1,7 @@
 """The plain-PyTorch reference every pipeline is compared against.
 
 `reference_step` trains the same layers without any engine code: a loop over the micro-batches
-(`tensor_split`), each layer seeded exactly as the engine seeds it (`gpipe_repro.rng.seed_layer`),
+(`tensor_split`), each layer seeded exactly as the engine seeds it (`gpipe_repro.engine.rng.seed_layer`),
 the loss of micro-batch m weighted by n_m / N (mean) or 1 (sum), gradients accumulated, one optimizer
 step. With M = 1 and no dropout it is ordinary full-batch training.
 
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from gpipe_repro import GPipe
-from gpipe_repro.microbatch import split
-from gpipe_repro.rng import seed_layer
+from gpipe_repro.engine.microbatch import split
+from gpipe_repro.engine.rng import seed_layer
 
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_repro import calibration as cal
-from gpipe_repro.calibration import DEVICES, Workload, calibrate, robust_seconds, trace_shapes
+from gpipe_repro.sim import calibration as cal
+from gpipe_repro.sim.calibration import DEVICES, Workload, calibrate, robust_seconds, trace_shapes
 
 TINY_LM = Workload.create("tiny LM", "transformer-lm", "tokens", (8,), 50, L=5, d_model=16,
                           d_ff=32, num_heads=2, vocab_size=50)

@@ -11,12 +11,20 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_repro.checkpointing import (capture_rng_state, checkpoint_path, graceful_interrupt,
-                                       latest_checkpoint, list_checkpoints, load_checkpoint,
-                                       restore_rng_state, restore_training_state, save_checkpoint,
-                                       training_state)
 from gpipe_repro.data.augment import Augmentation
 from gpipe_repro.data.images import BatchIterator, ImageDataset
+from gpipe_repro.train.checkpoints import (
+    capture_rng_state,
+    checkpoint_path,
+    graceful_interrupt,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    restore_rng_state,
+    restore_training_state,
+    save_checkpoint,
+    training_state,
+)
 
 
 def draws() -> tuple[float, float, list[float]]:

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from gpipe_repro.distributed.measure import measure_pipeline
-from gpipe_repro.gantt import render_gantt
-from gpipe_repro.schedule import gpipe_schedule
-from gpipe_repro.timeline import CATEGORIES, Timeline
+from gpipe_repro.engine.schedule import gpipe_schedule
+from gpipe_repro.engine.timeline import CATEGORIES, Timeline
+from gpipe_repro.report.gantt import render_gantt
 
 
 def small_mlp() -> list[nn.Module]:

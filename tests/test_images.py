@@ -8,11 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from gpipe_repro.data.augment import (Augmentation, cutout, default_augmentation, random_crop,
-                                      random_flip)
-from gpipe_repro.data.images import (NORMALIZATION, BatchIterator, DatasetUnavailableError,
-                                     ImageDataset, channel_stats, hub_splits, load_image_dataset,
-                                     load_image_folder, stratified_split)
+from gpipe_repro.data.augment import Augmentation, cutout, default_augmentation, random_crop, random_flip
+from gpipe_repro.data.images import (
+    NORMALIZATION,
+    BatchIterator,
+    DatasetUnavailableError,
+    ImageDataset,
+    channel_stats,
+    hub_splits,
+    load_image_dataset,
+    load_image_folder,
+    stratified_split,
+)
 
 
 @pytest.fixture(scope="module")

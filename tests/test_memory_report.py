@@ -6,10 +6,10 @@ from pathlib import Path
 import torch
 
 from gpipe_repro.memory.planner import MemoryPlanner
-from gpipe_repro.memory.report import plot_activation_grid, plot_max_params, table1_markdown
 from gpipe_repro.memory.scaling import activation_grid, fit_paper_model
 from gpipe_repro.memory.search import Found, Row
-from gpipe_repro.memory.table1 import add_ratios, row_record
+from gpipe_repro.repro.memory_table.report import plot_activation_grid, plot_max_params, table1_markdown
+from gpipe_repro.repro.memory_table.table1 import add_ratios, row_record
 
 
 def _planner() -> MemoryPlanner:

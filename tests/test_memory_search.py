@@ -7,7 +7,13 @@ import torch
 from gpipe_repro.memory.planner import GiB
 from gpipe_repro.memory.profile import ProfileCache
 from gpipe_repro.memory.search import (
-    Row, amoebanet_runs, largest, largest_fitting, search_transformer, transformer_planner)
+    Row,
+    amoebanet_runs,
+    largest,
+    largest_fitting,
+    search_transformer,
+    transformer_planner,
+)
 from gpipe_repro.memory.signature import compress, layer_key
 from gpipe_repro.paper import TABLE1_TRANSFORMER
 

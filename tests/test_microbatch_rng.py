@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from gpipe_repro import GPipe, is_recomputing
-from gpipe_repro.microbatch import batch_size, join, split, split_sizes
-from gpipe_repro.rng import layer_seed, seed_layer
+from gpipe_repro.engine.microbatch import batch_size, join, split, split_sizes
+from gpipe_repro.engine.rng import layer_seed, seed_layer
 
 
 @pytest.mark.parametrize("n, m, sizes", [(10, 4, [3, 3, 2, 2]), (6, 4, [2, 2, 1, 1]), (7, 7, [1] * 7),

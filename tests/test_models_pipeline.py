@@ -2,7 +2,7 @@
 
 For each family at a tiny size, with dropout / drop-path on, uneven micro-batches, K = 2..4 and every
 checkpoint mode, one GPipe step is compared with `tests.equivalence.reference_step` (the layers run
-micro-batch by micro-batch, each seeded with `gpipe_repro.rng.seed_layer` as the engine does, loss
+micro-batch by micro-batch, each seeded with `gpipe_repro.engine.rng.seed_layer` as the engine does, loss
 weighted by n_m / N): same loss, same gradient of every parameter, same weights after the update.
 """
 from __future__ import annotations

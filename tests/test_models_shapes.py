@@ -8,11 +8,17 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_repro import boundary
+from gpipe_repro.engine import boundary
 from gpipe_repro.models.amoebanet import AmoebaCell, DropPath, amoebanet, amoebanet_loss, main_logits
 from gpipe_repro.models.transformer_lm import transformer_lm
-from gpipe_repro.models.translation import (OutputProjection, decode_logits, encode, greedy_decode,
-                                            translation_loss, translation_transformer)
+from gpipe_repro.models.translation import (
+    OutputProjection,
+    decode_logits,
+    encode,
+    greedy_decode,
+    translation_loss,
+    translation_transformer,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpipe_repro.partition import cell_costs, partition
+from gpipe_repro.engine.partition import cell_costs, partition
 
 
 def all_balances(n: int, k: int):

@@ -11,11 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpipe_repro import results
-from gpipe_repro.environment import environment
-from gpipe_repro.results import (Result, atomic_write, format_record, markdown_table, measured,
-                                 read_json, simulated, write_json, write_markdown)
-from gpipe_repro.wandb_log import RunLogger, read_metrics, resolve_mode
+from gpipe_repro.report import records as results
+from gpipe_repro.report.provenance import environment
+from gpipe_repro.report.records import (
+    Result,
+    atomic_write,
+    format_record,
+    markdown_table,
+    measured,
+    read_json,
+    simulated,
+    write_json,
+    write_markdown,
+)
+from gpipe_repro.report.wandb_log import RunLogger, read_metrics, resolve_mode
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,7 +79,7 @@ def test_process_killed_mid_write_never_leaves_a_complete_looking_file(tmp_path:
     write_json(path, {"version": 1})
     script = textwrap.dedent(f"""
         import os
-        from gpipe_repro.results import write_json
+        from gpipe_repro.report.records import write_json
         class Die:
             def tolist(self):
                 os._exit(3)

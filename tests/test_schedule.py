@@ -5,8 +5,15 @@ import dataclasses
 
 import pytest
 
-from gpipe_repro.schedule import (Action, ActionKind, Schedule, ScheduleError, gpipe_schedule,
-                                  make_schedule, one_f_one_b_schedule)
+from gpipe_repro.engine.schedule import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    gpipe_schedule,
+    make_schedule,
+    one_f_one_b_schedule,
+)
 
 A = ActionKind
 
@@ -36,7 +43,7 @@ def test_gpipe_picture_fill_then_drain() -> None:
 
 def test_bubble_matches_theory_with_unit_costs() -> None:
     # With unit forward/backward costs the fill-drain bubble is (K-1)/(M+K-1) of the compute span.
-    from gpipe_repro.dataflow import run_dataflow
+    from gpipe_repro.engine.interpreter import run_dataflow
     k, m = 4, 6
     events = run_dataflow(gpipe_schedule(k, m, "never"),
                           duration=lambda a: 1.0 if a.kind in (A.FORWARD, A.BACKWARD) else 0.0)

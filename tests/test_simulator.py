@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpipe_repro.calibration import Calibration, LayerCost
-from gpipe_repro.links import PRESETS, LinkModel, fit_alpha_beta, get_link
-from gpipe_repro.schedule import ActionKind, make_schedule
-from gpipe_repro.simulator import (
+from gpipe_repro.engine.schedule import ActionKind, make_schedule
+from gpipe_repro.sim.calibration import Calibration, LayerCost
+from gpipe_repro.sim.links import PRESETS, LinkModel, fit_alpha_beta, get_link
+from gpipe_repro.sim.simulator import (
     PipelineCosts,
     replay_costs,
     simulate,
@@ -174,7 +174,7 @@ def test_the_throughput_table_end_to_end_on_synthetic_costs(monkeypatch: pytest.
                                                             tmp_path: Path) -> None:
     """The sweep's orchestration, normalization, labels and outputs, with costs made up (uniform
     layers) instead of timed, a free link and a fake 'measured' run 10% slower than simulated."""
-    from gpipe_repro import throughput as tp
+    from gpipe_repro.repro import throughput as tp
 
     def fake_calibrate(workload: Any, sizes: list[int], **kw: Any) -> Calibration:
         n = 26 if "amoeba" in workload.family else 50

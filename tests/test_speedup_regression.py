@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from experiments import speedup_baseline as sb
-from gpipe_repro.results import read_json
+from gpipe_repro.report.records import read_json
+from gpipe_repro.repro import speedup_baseline as sb
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,24 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from gpipe_repro.checkpointing import checkpoint_path, load_checkpoint, save_checkpoint, training_state
 from gpipe_repro.cli import app
 from gpipe_repro.data.images import DatasetUnavailableError
-from gpipe_repro.gpipe import GPipe
+from gpipe_repro.engine.gpipe import GPipe
 from gpipe_repro.paper import AMOEBANET_RECIPE, IMAGENET
+from gpipe_repro.report.wandb_log import read_metrics
+from gpipe_repro.train.checkpoints import checkpoint_path, load_checkpoint, save_checkpoint, training_state
 from gpipe_repro.train.config import RunConfig
-from gpipe_repro.train.image_classification import AmoebaNetConfig, AmoebaNetTask, preset
 from gpipe_repro.train.loop import PipelineState, train
 from gpipe_repro.train.ranks import launch
-from gpipe_repro.train.transfer import (TransferConfig, classifier_prefixes, layer_state_dict,
-                                        load_pretrained, transfer_runs, write_transfer_report)
-from gpipe_repro.wandb_log import read_metrics
+from gpipe_repro.train.tasks.image_classification import AmoebaNetConfig, AmoebaNetTask, preset
+from gpipe_repro.train.tasks.transfer import (
+    TransferConfig,
+    classifier_prefixes,
+    layer_state_dict,
+    load_pretrained,
+    transfer_runs,
+    write_transfer_report,
+)
 
 
 def tiny(out: Path, **run_changes: Any) -> tuple[RunConfig, AmoebaNetConfig]:

@@ -8,9 +8,16 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_repro.train.optim import (OptimizerConfig, RMSpropTF, ScheduledLR, lr_function,
-                                     optimizer_factory, parameter_groups, smoothed_cross_entropy,
-                                     topk_correct)
+from gpipe_repro.train.optim import (
+    OptimizerConfig,
+    RMSpropTF,
+    ScheduledLR,
+    lr_function,
+    optimizer_factory,
+    parameter_groups,
+    smoothed_cross_entropy,
+    topk_correct,
+)
 
 
 def test_rmsprop_tf_matches_tensorflows_update_written_out_in_numpy() -> None:

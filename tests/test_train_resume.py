@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import torch
 
-from gpipe_repro.checkpointing import checkpoint_path, list_checkpoints, load_checkpoint
+from gpipe_repro.report.wandb_log import read_metrics
+from gpipe_repro.train.checkpoints import checkpoint_path, list_checkpoints, load_checkpoint
 from gpipe_repro.train.config import RunConfig
-from gpipe_repro.train.image_classification import AmoebaNetConfig, AmoebaNetTask, preset
 from gpipe_repro.train.loop import train
-from gpipe_repro.wandb_log import read_metrics
+from gpipe_repro.train.tasks.image_classification import AmoebaNetConfig, AmoebaNetTask, preset
 
 STEPS = 8
 

@@ -19,15 +19,32 @@ from typer.testing import CliRunner
 
 from gpipe_repro import GPipe
 from gpipe_repro.data.translation import CorpusWriter, split_of
-from gpipe_repro.models.translation import (count_non_embedding, decode_logits, encode, greedy_decode,
-                                            translation_transformer)
+from gpipe_repro.models.translation import (
+    count_non_embedding,
+    decode_logits,
+    encode,
+    greedy_decode,
+    translation_transformer,
+)
 from gpipe_repro.train.config import RunConfig
 from gpipe_repro.train.loop import train
-from gpipe_repro.train.translation_task import (TokenNormalizedLoss, TranslationBatches,
-                                                TranslationConfig, TranslationTask, pipeline_batch)
-from gpipe_repro.translation_eval import (EvalLanguage, LayerDecoder, PipelineDecoder,
-                                          beam_search, bleu_by_language_and_group, corpus_bleu,
-                                          evenly_spaced, greedy_search)
+from gpipe_repro.train.tasks.translation import (
+    TokenNormalizedLoss,
+    TranslationBatches,
+    TranslationConfig,
+    TranslationTask,
+    pipeline_batch,
+)
+from gpipe_repro.train.tasks.translation_eval import (
+    EvalLanguage,
+    LayerDecoder,
+    PipelineDecoder,
+    beam_search,
+    bleu_by_language_and_group,
+    corpus_bleu,
+    evenly_spaced,
+    greedy_search,
+)
 from tests.equivalence import assert_same_training
 
 WORDS = ("the cat dog bird sees likes eats finds a red small big old house tree fish man woman "
@@ -273,7 +290,7 @@ def test_run_transformer_command(data_dir: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(app, common + ["--k", "2", "--m", "4", "--steps", "3",
                                                "--out", str(tmp_path / "run")])
     assert result.exit_code == 0, result.output
-    from gpipe_repro.results import read_json
+    from gpipe_repro.report.records import read_json
     summary = read_json(tmp_path / "run" / "summary.json")
     assert summary["status"] == "finished" and summary["steps"] == 3
     assert summary["config"]["task"]["L"] == 1 and summary["config"]["run"]["micro_batches"] == 4
@@ -287,8 +304,8 @@ def test_run_transformer_command(data_dir: Path, tmp_path: Path) -> None:
 
 def test_deep_vs_wide_and_large_batch_experiments_at_toy_size(data_dir: Path, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from experiments import deep_vs_wide as experiment
-    from gpipe_repro.results import read_json
+    from gpipe_repro.report.records import read_json
+    from gpipe_repro.repro import deep_vs_wide as experiment
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     config = toy_config(data_dir, eval_sentences=4)

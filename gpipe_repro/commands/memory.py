@@ -146,10 +146,10 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        from gpipe_repro.links import get_link
         from gpipe_repro.memory.advice import what_would_fit, why
         from gpipe_repro.memory.autoplan import search
         from gpipe_repro.memory.planner import GiB
+        from gpipe_repro.sim.links import get_link
         work, planner = _planner(family, batch, list(ctx.args), attention)
         ms = [int(x) for x in micro_batches.split(",")] if micro_batches else None
         budget = memory * GiB

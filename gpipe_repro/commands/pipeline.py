@@ -20,20 +20,6 @@ import typer
 LAUNCHERS = ("local", "torchrun")
 
 
-def synthetic_mlp(width: int, blocks: int, classes: int = 10, seed: int = 0) -> list[Any]:
-    """`blocks` x (Linear(width, width), ReLU) as one layer each, the classifier on the last one.
-
-    The first block starts with a LayerNorm (cheap) so that its Linear computes an input gradient
-    like every other: otherwise the first cell's backward is lighter by one matmul and equal layer
-    counts would not be balanced cells."""
-    import torch
-    from torch import nn
-
-    torch.manual_seed(seed)
-    layers: list[Any] = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(blocks)]
-    layers[0].insert(0, nn.LayerNorm(width))
-    layers[-1].append(nn.Linear(width, classes))
-    return layers
 
 
 def train_rank(options: dict[str, Any]) -> dict[str, Any]:
@@ -43,6 +29,7 @@ def train_rank(options: dict[str, Any]) -> dict[str, Any]:
 
     from gpipe_repro import GPipe
     from gpipe_repro.distributed.faults import InjectedFault
+    from gpipe_repro.models.mlp import synthetic_mlp
 
     k, blocks = options["partitions"], options["blocks"]
     layers = synthetic_mlp(options["width"], blocks)
@@ -75,8 +62,8 @@ def report(rank0: dict[str, Any], options: dict[str, Any]) -> None:
     """Print the run and write the requested files (rank 0, after success)."""
     import statistics
 
-    from gpipe_repro.gantt import render_gantt
-    from gpipe_repro.results import write_json
+    from gpipe_repro.report.gantt import render_gantt
+    from gpipe_repro.report.records import write_json
 
     times = rank0["step_times"]
     print(f"K={options['partitions']} M={options['micro_batches']} checkpoint={options['checkpoint']} "
@@ -138,7 +125,7 @@ def register(app: typer.Typer) -> None:
         if launcher == "torchrun":
             import os
 
-            from gpipe_repro.distributed.settings import THREADS_ENV, TIMEOUT_ENV
+            from gpipe_repro.distributed.launch_env import THREADS_ENV, TIMEOUT_ENV
             from gpipe_repro.distributed.watchdog import stage_main
             os.environ.setdefault(TIMEOUT_ENV, str(timeout))
             os.environ.setdefault(THREADS_ENV, str(threads))

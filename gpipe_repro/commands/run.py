@@ -137,8 +137,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """AmoebaNet image classification (the paper's Table 4 recipe); presets: cpu, paper, smoke."""
         options = dict(locals())
-        from gpipe_repro.train.image_classification import AmoebaNetTask
-        from gpipe_repro.train.image_classification import preset as get_preset
+        from gpipe_repro.train.tasks.image_classification import AmoebaNetTask
+        from gpipe_repro.train.tasks.image_classification import preset as get_preset
 
         def build() -> tuple[Any, Any]:
             run_config, task_config = get_preset(preset)
@@ -167,7 +167,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """The paper's transfer protocol (Table 4): new classifier, fine-tune all layers, mean over seeds."""
         from gpipe_repro.data.images import DatasetUnavailableError
-        from gpipe_repro.train.transfer import TransferConfig, transfer_runs, write_transfer_report
+        from gpipe_repro.train.tasks.transfer import TransferConfig, transfer_runs, write_transfer_report
 
         config = TransferConfig(source=source, dataset=dataset, seeds=tuple(range(seeds)), steps=steps,
                                 batch_size=batch_size, partitions=k, micro_batches=m, lr_per_32=lr_per_32,

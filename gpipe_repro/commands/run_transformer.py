@@ -85,8 +85,8 @@ def transformer(
     options = dict(locals())
 
     def build() -> tuple[Any, Any]:
-        from gpipe_repro.train.translation_task import TranslationTask
-        from gpipe_repro.train.translation_task import preset as get_preset
+        from gpipe_repro.train.tasks.translation import TranslationTask
+        from gpipe_repro.train.tasks.translation import preset as get_preset
 
         run_config, task_config = get_preset(preset)
         chosen = _languages(languages)

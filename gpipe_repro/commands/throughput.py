@@ -20,13 +20,13 @@ def register(app: typer.Typer) -> None:
     def throughput_table(ctx: typer.Context) -> None:
         """The paper's Tables 2 and 3: K x M normalized throughput, simulated and measured
         (options: --paper-size, --device, --link, --policy, --objective, --no-measure; --help)."""
-        from experiments.throughput_table import main
+        from gpipe_repro.repro.throughput_table import main
 
         main(list(ctx.args), prog="gpipe-repro throughput-table")
 
     @app.command("validate-sim", context_settings=_PASS_THROUGH, add_help_option=False)
     def validate_sim(ctx: typer.Context) -> None:
         """Simulated vs measured throughput on real stage processes (K <= usable cores; --help)."""
-        from experiments.validate_simulator import main
+        from gpipe_repro.repro.validate_simulator import main
 
         main(list(ctx.args), prog="gpipe-repro validate-sim")

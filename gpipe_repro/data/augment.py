@@ -5,7 +5,7 @@ CIFAR recipe adds a random crop from a zero-padded image. All three are here, ve
 batch (one gather / one `where`, no Python loop per image), on any device.
 
 Why an explicit generator. The engine seeds the default generators before every layer on every
-micro-batch (`gpipe_repro/rng.py`); augmentation drawing from the default stream would both disturb
+micro-batch (`gpipe_repro/engine/rng.py`); augmentation drawing from the default stream would both disturb
 that and be disturbed by it. `Augmentation` owns a `torch.Generator` (on the CPU: random parameters are
 drawn there, then moved to the batch's device, so the stream is the same on CPU and GPU) and exposes
 `state_dict()` / `load_state_dict()`, so a checkpoint resumes the augmentation stream exactly.

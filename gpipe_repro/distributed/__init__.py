@@ -6,7 +6,7 @@
 - :mod:`~gpipe_repro.distributed.clock`: one clock for the merged timeline;
 - :mod:`~gpipe_repro.distributed.watchdog` and :mod:`~gpipe_repro.distributed.launcher`: failures end
   the job quickly with the failing rank named; K local processes without torchrun
-  (:mod:`~gpipe_repro.distributed.settings`: the environment variables between them);
+  (:mod:`~gpipe_repro.distributed.launch_env`: the environment variables between them);
 - :mod:`~gpipe_repro.distributed.measure`: step times and a timeline for one configuration;
 - :mod:`~gpipe_repro.distributed.faults`: deliberate failures, to test all of the above.
 

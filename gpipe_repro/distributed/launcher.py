@@ -43,11 +43,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gpipe_repro.distributed.settings import (DEFAULT_TIMEOUT_S, ERROR_FILE_ENV, THREADS_ENV,
-                                              TIMEOUT_ENV)
+from gpipe_repro.distributed.launch_env import DEFAULT_TIMEOUT_S, ERROR_FILE_ENV, THREADS_ENV, TIMEOUT_ENV
 from gpipe_repro.distributed.watchdog import ErrorRecord, stage_main
+
 # torch._dynamo: the first optimizer a process builds imports it (seconds); pay that once, here.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "gpipe_repro.gpipe",
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "gpipe_repro.engine.gpipe",
             "gpipe_repro.distributed.runtime"]
 
 

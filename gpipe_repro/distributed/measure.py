@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_repro.timeline import Timeline
+from gpipe_repro.engine.timeline import Timeline
 
 LayersArg = Sequence[nn.Module] | Callable[[], Sequence[nn.Module]]
 
@@ -78,7 +78,7 @@ def _measure_rank(layers: LayersArg, config: dict[str, Any], batch: tuple[Any, A
                   loss_fn: Callable[[Any, Any], torch.Tensor],
                   optimizer: Callable[[Any], torch.optim.Optimizer]
                   ) -> tuple[list[float], list[Timeline], list[float]]:
-    from gpipe_repro.gpipe import GPipe
+    from gpipe_repro.engine.gpipe import GPipe
 
     built = layers() if callable(layers) else layers
     pipe = GPipe(built, partitions=config["partitions"], micro_batches=config["micro_batches"],
@@ -99,5 +99,5 @@ def _measure_rank(layers: LayersArg, config: dict[str, Any], batch: tuple[Any, A
 
 
 def _batch_size(inputs: Any) -> int:
-    from gpipe_repro.microbatch import batch_size
+    from gpipe_repro.engine.microbatch import batch_size
     return batch_size(inputs)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpipe_repro.distributed.settings import DEFAULT_TIMEOUT_S, THREADS_ENV, TIMEOUT_ENV
+from gpipe_repro.distributed.launch_env import DEFAULT_TIMEOUT_S, THREADS_ENV, TIMEOUT_ENV
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The distributed runtime: this process runs ONE stage of the schedule, the others run theirs.
 
 Rank s executes ``schedule.stages[s]`` in order through the one
-:class:`~gpipe_repro.stage.StageExecutor` (the same code the local runtime uses), with a
+:class:`~gpipe_repro.engine.stage.StageExecutor` (the same code the local runtime uses), with a
 :class:`~gpipe_repro.distributed.transport.ProcessGroupTransport` carrying boundary values: a SEND
 returns at once, a RECV blocks until its value has arrived. Nothing here decides what runs when; with
 ``recompute_ahead`` the schedule itself puts each RECOMPUTE before the RECV_GRAD it used to follow,
@@ -11,7 +11,7 @@ After the last action (the stage's optimizer step) the step waits for its own se
 rank's loss is broadcast so ``train_step`` returns the same loss on every rank; that broadcast is
 also the step's only synchronization point. With ``record`` every action is timestamped on one
 clock (:mod:`gpipe_repro.distributed.clock`) and the ranks' events are merged into one
-:class:`~gpipe_repro.timeline.Timeline` on every rank, receives carrying ``ready`` (when the
+:class:`~gpipe_repro.engine.timeline.Timeline` on every rank, receives carrying ``ready`` (when the
 matching send started) so the breakdown can tell waiting for a producer from moving bytes.
 """
 from __future__ import annotations
@@ -23,14 +23,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpipe_repro import boundary, microbatch
 from gpipe_repro.distributed.clock import clock_offset
-from gpipe_repro.distributed.process_group import StageContext, control_group
+from gpipe_repro.distributed.process_group import (
+    StageContext,
+    broadcast_object,
+    control_group,
+    init_distributed,
+)
 from gpipe_repro.distributed.transport import ProcessGroupTransport, signature
-from gpipe_repro.rng import preserved_rng
-from gpipe_repro.schedule import COMPUTE, RECVS, SENDS, Action, ActionKind, Schedule, ScheduleError
-from gpipe_repro.stage import StageExecutor
-from gpipe_repro.timeline import Event, Timeline
+from gpipe_repro.engine import boundary, microbatch
+from gpipe_repro.engine.rng import preserved_rng
+from gpipe_repro.engine.schedule import COMPUTE, RECVS, SENDS, Action, ActionKind, Schedule, ScheduleError
+from gpipe_repro.engine.stage import StageExecutor
+from gpipe_repro.engine.timeline import Event, Timeline
+
+__all__ = ["StageProcess", "init_distributed", "broadcast_object"]  # what GPipe(runtime=...) loads
 
 
 class StageProcess:

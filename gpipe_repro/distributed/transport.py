@@ -15,7 +15,7 @@ dtype in advance. Sending that description with every message would double the n
   the value still matches the agreed spec (free), and says what changed if it does not.
 
 Floating tensors come back with gradients; integer/bool tensors and plain values travel forward only
-(:mod:`gpipe_repro.boundary`). Gradient lists may hold ``None`` (nothing flowed): that is part of the
+(:mod:`gpipe_repro.engine.boundary`). Gradient lists may hold ``None`` (nothing flowed): that is part of the
 spec too.
 
 Sends are non-blocking (``isend``): the step waits for them at its end (:meth:`finish_step`), and
@@ -41,10 +41,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpipe_repro import boundary
 from gpipe_repro.distributed.process_group import StageContext
 from gpipe_repro.distributed.watchdog import PeerFailure
-from gpipe_repro.schedule import Action, ActionKind
+from gpipe_repro.engine import boundary
+from gpipe_repro.engine.schedule import Action, ActionKind
 
 Spec = tuple  # ("tensor", shape, dtype) | ("seq", "tuple" | "list", (Spec, ...)) | ("value", plain)
 
@@ -97,7 +97,7 @@ def _tag(kind: int, microbatch: int, leaf: int) -> int:
 
 # -- transport --------------------------------------------------------------------------------------
 class ProcessGroupTransport:
-    """The :class:`~gpipe_repro.stage.Transport` between stage processes (see module docstring)."""
+    """The :class:`~gpipe_repro.engine.stage.Transport` between stage processes (see module docstring)."""
 
     def __init__(self, context: StageContext, prepost: bool = True,
                  group: dist.ProcessGroup | None = None) -> None:

@@ -29,8 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gpipe_repro.distributed.settings import ERROR_FILE_ENV
-
+from gpipe_repro.distributed.launch_env import ERROR_FILE_ENV
 
 
 class PeerFailure(RuntimeError):

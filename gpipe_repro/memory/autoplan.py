@@ -8,7 +8,7 @@ with and without re-materialization:
    (``partition(..., memory=..., memory_cap=...)``); if the exact plan of that cut still overflows,
    lower the cap by the overshoot and cut again (a few times);
 2. plan its memory exactly (:class:`~gpipe_repro.memory.planner.MemoryPlanner`);
-3. if it fits, simulate one step (:func:`gpipe_repro.simulator.simulate`: the schedule's actions
+3. if it fits, simulate one step (:func:`gpipe_repro.sim.simulator.simulate`: the schedule's actions
    with per-stage compute times and the link model) for its throughput.
 
 The answer is the fitting configuration with the highest simulated throughput. All numbers are
@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gpipe_repro.links import LinkModel
+from gpipe_repro.engine.partition import partition
+from gpipe_repro.engine.schedule import make_schedule
 from gpipe_repro.memory.compose import boundary_bytes, boundary_grad_bytes
 from gpipe_repro.memory.planner import MemoryPlan, MemoryPlanner
-from gpipe_repro.partition import partition
-from gpipe_repro.schedule import make_schedule
-from gpipe_repro.simulator import PipelineCosts, simulate
+from gpipe_repro.sim.links import LinkModel
+from gpipe_repro.sim.simulator import PipelineCosts, simulate
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Composing layer profiles along a schedule: one stage's memory over its actions.
 
 A stage's memory is a function of its cell and its action list, nothing else (every stage has its own
-device). :func:`walk_stage` replays the stage's actions from :class:`~gpipe_repro.schedule.Schedule`
-the way :class:`~gpipe_repro.stage.StageExecutor` executes them, with symbolic storages in place of
+device). :func:`walk_stage` replays the stage's actions from :class:`~gpipe_repro.engine.schedule.Schedule`
+the way :class:`~gpipe_repro.engine.stage.StageExecutor` executes them, with symbolic storages in place of
 tensors: each has a size and a set of holders (the stash ``inputs[m]``, the ``outbox``, the cell's
 output kept in ``graphs[m]``, the graph of layer j for micro-batch m, the gradient buffers, the
 running value of the forward loop). A storage is freed when its last holder lets go, exactly as
@@ -22,9 +22,9 @@ from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from gpipe_repro.engine.schedule import ActionKind, Schedule
 from gpipe_repro.memory.profile import LayerProfile
 from gpipe_repro.memory.signature import ValueSig
-from gpipe_repro.schedule import ActionKind, Schedule
 
 PARAMS, BUFFERS, GRADS, OPTIMIZER = "params", "buffers", "grads", "optimizer"
 STASH, ACTIVATIONS, DATA = "stash", "activations", "data"

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from gpipe_repro import boundary
+from gpipe_repro.engine import boundary
 
 
 def is_fake(t: Any) -> bool:

@@ -6,7 +6,7 @@
 
 How: every distinct (layer, input) is profiled once under fake tensors
 (:mod:`gpipe_repro.memory.profile`), the profiles are chained along the model for each micro-batch
-size, and each stage's action list from the real :class:`~gpipe_repro.schedule.Schedule` is replayed
+size, and each stage's action list from the real :class:`~gpipe_repro.engine.schedule.Schedule` is replayed
 over its cell's profiles (:mod:`gpipe_repro.memory.compose`); stages with identical cells and actions
 are replayed once. So a plan for an 84B-parameter Transformer on 128 devices costs four layer
 profiles and a few stage walks, seconds and well under a gigabyte. The planner's numbers are
@@ -27,15 +27,23 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from gpipe_repro import microbatch
+from gpipe_repro.engine import microbatch
+from gpipe_repro.engine.partition import check_balance, partition
+from gpipe_repro.engine.schedule import make_schedule
 from gpipe_repro.memory.compose import (
-    ACTIVATIONS, BUFFERS, DATA, OPTIMIZER, PARAMS, PERSISTENT, StageMemory, relabel, stage_key,
-    walk_stage)
-from gpipe_repro.memory.profile import (
-    LayerProfile, LossLayer, OptimizerFactory, ProfileCache, rmsprop)
+    ACTIVATIONS,
+    BUFFERS,
+    DATA,
+    OPTIMIZER,
+    PARAMS,
+    PERSISTENT,
+    StageMemory,
+    relabel,
+    stage_key,
+    walk_stage,
+)
+from gpipe_repro.memory.profile import LayerProfile, LossLayer, OptimizerFactory, ProfileCache, rmsprop
 from gpipe_repro.memory.signature import LayerRun, compress, layer_key, microbatch_sig
-from gpipe_repro.partition import check_balance, partition
-from gpipe_repro.schedule import make_schedule
 
 GiB = 2 ** 30
 

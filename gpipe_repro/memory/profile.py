@@ -1,6 +1,6 @@
 """A layer's memory profile: what one layer costs in each pass the engine runs, measured once.
 
-The engine runs a layer in three ways (see :mod:`gpipe_repro.stage`): a forward that keeps its
+The engine runs a layer in three ways (see :mod:`gpipe_repro.engine.stage`): a forward that keeps its
 autograd graph (a FORWARD without re-materialization, or a RECOMPUTE), a forward under ``no_grad``
 (a re-materialized FORWARD), and a backward. :func:`profile_layer` runs each of them once on a fake
 copy of the layer (``FakeTensorMode``: real kernels' shape functions, no memory) under a
@@ -40,7 +40,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from gpipe_repro.batchnorm import DeferredBatchNorm
+from gpipe_repro.engine.batchnorm import DeferredBatchNorm
 from gpipe_repro.memory.fake import fake_module
 from gpipe_repro.memory.signature import TensorSig, ValueSig, layer_key, make_value, value_sig
 from gpipe_repro.memory.tracker import MemoryTracker, storage_of
@@ -95,7 +95,7 @@ class LayerProfile:
 
 class LossLayer(nn.Module):
     """The loss as the last stage's extra layer: ``loss_fn(output, target) * weight``, as the engine
-    computes it (:meth:`gpipe_repro.stage.StageExecutor._loss`). The target is a buffer so that it
+    computes it (:meth:`gpipe_repro.engine.stage.StageExecutor._loss`). The target is a buffer so that it
     is made fake with the layer; it is data, not counted as the layer's memory."""
 
     def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], target: torch.Tensor,

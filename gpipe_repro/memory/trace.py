@@ -1,6 +1,6 @@
 """Measure one training step of the real engine, per device, on real or fake tensors.
 
-:func:`trace_step` builds a :class:`~gpipe_repro.gpipe.GPipe`, runs ``train_step`` under a
+:func:`trace_step` builds a :class:`~gpipe_repro.engine.gpipe.GPipe`, runs ``train_step`` under a
 :class:`~gpipe_repro.memory.tracker.MemoryTracker`, and charges every allocation to the stage whose
 action made it. It is the reference the planner is checked against: the code that runs is the
 engine's own (the schedule's actions executed by ``StageExecutor`` through ``run_local``). What this
@@ -33,15 +33,15 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from gpipe_repro import boundary
-from gpipe_repro.gpipe import GPipe
-from gpipe_repro.local_runtime import LocalTransport
+from gpipe_repro.engine import boundary
+from gpipe_repro.engine.gpipe import GPipe
+from gpipe_repro.engine.local_runtime import LocalTransport
+from gpipe_repro.engine.schedule import Action, ActionKind
+from gpipe_repro.engine.stage import StageExecutor
 from gpipe_repro.memory.compose import ACTIVATIONS, BUFFERS, GRADS, OPTIMIZER, PARAMS, STASH, StageMemory
 from gpipe_repro.memory.fake import fake_layers, fake_value, is_fake
 from gpipe_repro.memory.profile import OptimizerFactory, rmsprop
 from gpipe_repro.memory.tracker import MemoryTracker
-from gpipe_repro.schedule import Action, ActionKind
-from gpipe_repro.stage import StageExecutor
 
 TRANSIT = "transit"
 _CATEGORY = {ActionKind.RECV_ACT: STASH, ActionKind.OPTIMIZER_STEP: OPTIMIZER}

@@ -104,10 +104,11 @@ def validate_cuda(work: Workload, micro_batches: int = 4, checkpoint: str = "exc
     The model, batch and optimizer state are on the device before the measured step (a primed
     optimizer: steady state), so the allocator's peak over the step is what the planner predicts
     with the data included."""
-    from gpipe_repro.gpipe import GPipe
+    import copy
+
+    from gpipe_repro.engine.gpipe import GPipe
     from gpipe_repro.memory.profile import rmsprop_foreach
     from gpipe_repro.memory.trace import prime_optimizer
-    import copy
     layers = [copy.deepcopy(layer).to(device) for layer in work.layers]
     sample = work.sample.to(device) if isinstance(work.sample, torch.Tensor) else work.sample
     target = work.target.to(device)

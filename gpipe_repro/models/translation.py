@@ -42,8 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpipe_repro.models.transformer_lm import (FeedForward, MultiHeadAttention,
-                                               init_transformer_weights, sinusoidal_positions)
+from gpipe_repro.models.transformer_lm import (
+    FeedForward,
+    MultiHeadAttention,
+    init_transformer_weights,
+    sinusoidal_positions,
+)
 
 Boundary = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 

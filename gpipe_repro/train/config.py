@@ -3,7 +3,7 @@
 Why separate from the task's settings. Everything here (K, M, re-materialization, schedule,
 runtime, steps, evaluation and checkpoint cadence, logging) means the same for AmoebaNet and for a
 Transformer, so the one run loop (`gpipe_repro/train/loop.py`) reads it; what a model is, which data
-it eats and how it is scored belong to the task (`gpipe_repro/train/image_classification.py`, ...).
+it eats and how it is scored belong to the task (`gpipe_repro/train/tasks/image_classification.py`, ...).
 
 Naming: `checkpoint` is GPipe's re-materialization mode (as in `GPipe(checkpoint=...)`); saving
 training checkpoints to disk is `save_every` / `keep_checkpoints`.
@@ -14,8 +14,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from gpipe_repro.partition import OBJECTIVES
-from gpipe_repro.schedule import CHECKPOINT_MODES, SCHEDULES
+from gpipe_repro.engine.partition import OBJECTIVES
+from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES
 
 RUNTIMES = ("local", "distributed")
 LAUNCHERS = ("local", "torchrun")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_repro.timeline import Timeline
+from gpipe_repro.engine.timeline import Timeline
 
 
 def timeline_metrics(timeline: Timeline) -> dict[str, float]:

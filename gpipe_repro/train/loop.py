@@ -9,7 +9,7 @@ loop does with them, the same for every task:
 2. resume from the run directory's latest checkpoint if asked (weights, optimizers, schedule, every
    random stream, data position, the task's own state such as the augmentation generator);
 3. train step by step with a progress bar, logging the loss, learning rate and samples/s to
-   :class:`~gpipe_repro.wandb_log.RunLogger` (W&B, offline by default, plus metrics.jsonl), and every
+   :class:`~gpipe_repro.report.wandb_log.RunLogger` (W&B, offline by default, plus metrics.jsonl), and every
    `timeline_every` steps the per-stage busy/idle fractions and peak memory;
 4. evaluate every `eval_every` steps (pipelined forward), save a checkpoint atomically every
    `save_every` steps, and on Ctrl-C/SIGTERM finish the step, save and exit cleanly;
@@ -48,19 +48,26 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from gpipe_repro import microbatch
-from gpipe_repro.boundary import to_device
-from gpipe_repro.checkpointing import (Stateful, checkpoint_path, graceful_interrupt, latest_checkpoint,
-                                       load_checkpoint, restore_training_state, save_checkpoint,
-                                       training_state)
-from gpipe_repro.gpipe import GPipe
-from gpipe_repro.results import markdown_table, measured, read_json, write_json, write_markdown
-from gpipe_repro.stage import LossFn
+from gpipe_repro.engine import microbatch
+from gpipe_repro.engine.boundary import to_device
+from gpipe_repro.engine.gpipe import GPipe
+from gpipe_repro.engine.stage import LossFn
+from gpipe_repro.report.records import markdown_table, measured, read_json, write_json, write_markdown
+from gpipe_repro.report.wandb_log import RunLogger, read_metrics
 from gpipe_repro.train import ranks
+from gpipe_repro.train.checkpoints import (
+    Stateful,
+    checkpoint_path,
+    graceful_interrupt,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_training_state,
+    save_checkpoint,
+    training_state,
+)
 from gpipe_repro.train.config import RESUME_MUST_MATCH, RunConfig
 from gpipe_repro.train.instrumentation import memory_metrics, parameter_count, timeline_metrics
 from gpipe_repro.train.optim import OptimizerConfig, ScheduledLR, lr_function, optimizer_factory
-from gpipe_repro.wandb_log import RunLogger, read_metrics
 
 RUN_FILES = ("metrics.jsonl", "run.json", "summary.json", "summary.md", "curves.png")
 RUN_DIRS = ("checkpoints", "wandb", "tables", "images")
@@ -261,7 +268,7 @@ def _train(task: Task, config: RunConfig, on_step_end: Callable[[int, float], No
 
     logger: RunLogger | _NoLogger = _NoLogger()
     if writer:
-        from gpipe_repro.environment import environment
+        from gpipe_repro.report.provenance import environment
         logger = RunLogger(config.project, {**record, "task_name": task.name, "params": params,
                                             "balance": pipe.balance, "total_steps": total_steps,
                                             "environment": environment()},
@@ -458,8 +465,14 @@ class _NoProgress:
 def _progress(enabled: bool) -> Any:
     if not enabled:
         return _NoProgress()
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("loss {task.fields[loss]:.4f}"),
                     TextColumn("{task.fields[rate]:.1f} samples/s"), TimeElapsedColumn(),
@@ -525,7 +538,7 @@ def _print_summary(summary: RunSummary, metrics: dict[str, dict[str, Any]]) -> N
     from rich.console import Console
     from rich.table import Table
 
-    from gpipe_repro.results import format_record
+    from gpipe_repro.report.records import format_record
 
     table = Table(title=f"{Path(summary.run_dir).name}: {summary.status}, {summary.steps}/{summary.total_steps} steps")
     table.add_column("metric")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from gpipe_repro.gpipe import GPipe
+    from gpipe_repro.engine.gpipe import GPipe
     from gpipe_repro.train.config import RunConfig
     from gpipe_repro.train.loop import RunSummary, Task
 
@@ -62,7 +62,7 @@ def gather_training_state(pipe: GPipe) -> dict[str, Any] | None:
     state = pipe.training_state()
     if pipe.rank is None:
         return state
-    from gpipe_repro.boundary import map_tensors
+    from gpipe_repro.engine.boundary import map_tensors
     mine = map_tensors(state, lambda t: t.detach().cpu())
     parts: list[Any] = [None] * pipe.partitions if pipe.rank == 0 else []
     _dist().gather_object(mine, parts if pipe.rank == 0 else None, dst=0, group=_group())
@@ -120,7 +120,7 @@ def launch(task_factory: Callable[[], Task], config: RunConfig) -> RunSummary:
     K new processes, so it must be picklable (a class and its config, e.g.
     `functools.partial(AmoebaNetTask, settings)`).
     """
-    from gpipe_repro.checkpointing import graceful_interrupt
+    from gpipe_repro.train.checkpoints import graceful_interrupt
     from gpipe_repro.train.loop import train
 
     if config.runtime == "local":

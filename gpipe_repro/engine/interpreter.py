@@ -1,0 +1,75 @@
+"""Executing a schedule's dataflow semantics in virtual time.
+
+One function, :func:`run_dataflow`, defines what it means to run a :class:`~gpipe_repro.engine.schedule.Schedule`
+when every action has a duration: each stage runs its actions in order, one at a time; a send costs
+its own duration on the sender and then occupies the directed link for `transfer(action)` seconds
+(transfers on one link go one after another); a receive blocks its stage until the matching transfer
+has arrived. Nothing else is assumed, so the same function serves three purposes:
+
+- ``Schedule.validate()`` runs it with unit durations: if some stage can never proceed, the schedule
+  would deadlock a real runtime, and it says which actions are stuck;
+- ``Schedule.render()`` draws the resulting timeline as ASCII;
+- the pipeline simulator (:mod:`gpipe_repro.sim.simulator`) feeds it measured durations and a link model.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gpipe_repro.engine.schedule import RECVS, SENDS, Action, Schedule, ScheduleError
+
+
+@dataclass(frozen=True)
+class SimEvent:
+    action: Action
+    start: float   # when the stage began the action (for a receive: when it began waiting)
+    end: float     # when the stage was free again (for a receive: when the data had arrived)
+    ready: float | None = None  # receives only: when the data arrived (end = max(start, ready))
+
+
+def run_dataflow(schedule: Schedule, duration: Callable[[Action], float],
+                 transfer: Callable[[Action], float] | None = None) -> list[SimEvent]:
+    """Run `schedule` in virtual time; return one event per action. Raises ScheduleError on deadlock.
+
+    `duration(a)` is the time action `a` occupies its stage (sends and receives may cost time too:
+    copies, serialization). `transfer(send_action)` is the time on the link from the send's end to the
+    data's arrival (latency + bytes / bandwidth); 0 by default.
+    """
+    transfer = transfer or (lambda a: 0.0)
+    clock = [0.0] * schedule.num_stages
+    pc = [0] * schedule.num_stages
+    arrived: dict[Action, float] = {}      # receive action -> time its data is available
+    link_free: dict[tuple[int, int], float] = {}
+    events: list[SimEvent] = []
+    remaining = sum(len(a) for a in schedule.stages)
+    while remaining:
+        progressed = False
+        for s, actions in enumerate(schedule.stages):
+            while pc[s] < len(actions):
+                a = actions[pc[s]]
+                if a.kind in RECVS:
+                    if a not in arrived:
+                        break  # the sender has not reached its send yet
+                    ready = arrived.pop(a)
+                    start = clock[s]
+                    end = max(start, ready) + duration(a)
+                    events.append(SimEvent(a, start, end, ready))
+                else:
+                    start = clock[s]
+                    end = start + duration(a)
+                    events.append(SimEvent(a, start, end))
+                    if a.kind in SENDS:
+                        peer = a.peer()
+                        link = (s, peer.stage)
+                        begin = max(end, link_free.get(link, 0.0))
+                        link_free[link] = begin + transfer(a)
+                        arrived[peer] = link_free[link]
+                clock[s] = end
+                pc[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [str(st[pc[s]]) + f"@stage{s}" for s, st in enumerate(schedule.stages) if pc[s] < len(st)]
+            raise ScheduleError(f"schedule {schedule.name!r} deadlocks: every unfinished stage waits on a "
+                                f"receive whose send never comes ({', '.join(stuck)})")
+    return events

@@ -1,0 +1,119 @@
+"""Per-layer cost estimates, the input of the partitioner and of the simulator.
+
+Five sources, because each answers a different question:
+
+- ``time``: measured forward + backward seconds on a given device (median of repeats). The truth for
+  throughput, but noisy and device-specific. Each layer is deep-copied so measuring never changes the
+  model (BatchNorm statistics, gradients).
+- ``flops``: forward + backward FLOPs from ``torch.utils.flop_counter``: deterministic, device-free.
+- ``params``: parameter bytes: what a cell costs in memory, and a usable proxy when no sample exists.
+- ``activations``: bytes of each layer's output for the sample batch: what a boundary costs to stash
+  or to send.
+- a list the caller gives.
+
+Layers are fed the sample in sequence, so each is measured on its real input.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from gpipe_repro.engine import boundary
+
+METHODS = ("time", "flops", "params", "activations")
+
+
+def layer_inputs(layers: Sequence[nn.Module], sample: Any) -> list[Any]:
+    """The input each layer receives when `sample` flows through the model. Each layer runs as a deep
+    copy under no_grad, so the model itself is untouched (no BatchNorm statistics change)."""
+    inputs, x = [], sample
+    with torch.no_grad():
+        for layer in layers:
+            inputs.append(x)
+            x = copy.deepcopy(layer)(x)
+    return inputs
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _floating_sum(value: Any) -> torch.Tensor | None:
+    ts = [t for t in boundary.tensors(value) if t.is_floating_point() and t.requires_grad]
+    return sum(t.float().sum() for t in ts) if ts else None  # type: ignore[return-value]
+
+
+def measure_layer(layer: nn.Module, x: Any, device: torch.device | str = "cpu", repeats: int = 5,
+                  warmup: int = 2) -> tuple[float, float]:
+    """Median (forward, backward) seconds of a copy of `layer` on input `x` on `device`."""
+    device = torch.device(device)
+    layer = copy.deepcopy(layer).to(device).train()
+    fwd, bwd = [], []
+    for i in range(warmup + repeats):
+        inp = boundary.attach(x, device)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = layer(inp)
+        _sync(device)
+        t1 = time.perf_counter()
+        s = _floating_sum(out)
+        if s is not None:
+            s.backward()
+        _sync(device)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+        layer.zero_grad(set_to_none=True)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def layer_flops(layer: nn.Module, x: Any) -> int:
+    """Forward + backward FLOPs of `layer` on `x` (torch.utils.flop_counter)."""
+    layer = copy.deepcopy(layer)
+    inp = boundary.attach(x, torch.device("cpu") if not boundary.tensors(x) else boundary.tensors(x)[0].device)
+    with FlopCounterMode(display=False) as counter:
+        out = layer(inp)
+        s = _floating_sum(out)
+        if s is not None:
+            s.backward()
+    return counter.get_total_flops()
+
+
+def param_bytes(layer: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in layer.parameters())
+
+
+def activation_bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in boundary.tensors(value))
+
+
+def layer_costs(layers: Sequence[nn.Module], method: str | Sequence[float] = "params",
+                sample: Any = None, device: torch.device | str = "cpu", repeats: int = 5) -> list[float]:
+    """One cost per layer by `method` (see the module docstring), or the caller's list checked."""
+    if not isinstance(method, str):
+        costs = [float(c) for c in method]
+        if len(costs) != len(layers):
+            raise ValueError(f"{len(costs)} costs given for {len(layers)} layers: give one per layer")
+        return costs
+    if method not in METHODS:
+        raise ValueError(f"cost must be one of {METHODS} or a list of floats, got {method!r}")
+    if method == "params":
+        return [float(param_bytes(layer)) for layer in layers]
+    if sample is None:
+        raise ValueError(f"cost={method!r} needs a sample input batch (sample=...); or use cost='params'")
+    inputs = layer_inputs(layers, sample)
+    if method == "activations":
+        with torch.no_grad():
+            return [float(activation_bytes(copy.deepcopy(layer)(x))) for layer, x in zip(layers, inputs)]
+    if method == "flops":
+        return [float(layer_flops(layer, x)) for layer, x in zip(layers, inputs)]
+    return [sum(measure_layer(layer, x, device, repeats)) for layer, x in zip(layers, inputs)]

@@ -1,0 +1,69 @@
+"""The local runtime: every stage in one process, one device per cell (or all on one device).
+
+It executes the schedule's per-stage action lists directly, interleaving stages one compute action at
+a time. A receive whose value has not been sent yet simply waits for a later round; if a whole round
+makes no progress the schedule was wrong, and we say which actions are stuck instead of hanging.
+
+Values travel through :class:`LocalTransport`, a mailbox; moving them to the next cell's device is
+the only "communication". On a multi-GPU host kernels are queued asynchronously on each device, so
+stages overlap for real even though one Python thread drives them. On a single device with K cells
+this is the paper's "Pipeline-1": re-materialization without parallelism.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gpipe_repro.engine import boundary
+from gpipe_repro.engine.schedule import RECVS, Action, ActionKind, Schedule, ScheduleError
+from gpipe_repro.engine.stage import StageExecutor
+
+
+class LocalTransport:
+    """Stage-to-stage mailbox inside one process."""
+
+    def __init__(self, devices: list[torch.device]) -> None:
+        self.devices = devices
+        self.box: dict[Action, Any] = {}
+
+    def ready(self, action: Action) -> bool:
+        return action in self.box
+
+    def send_activation(self, stage: int, microbatch: int, value: Any) -> None:
+        self.box[Action(ActionKind.RECV_ACT, stage + 1, microbatch)] = value
+
+    def recv_activation(self, stage: int, microbatch: int) -> Any:
+        value = self.box.pop(Action(ActionKind.RECV_ACT, stage, microbatch))
+        return boundary.attach(value, self.devices[stage])
+
+    def send_gradient(self, stage: int, microbatch: int, grads: list[torch.Tensor | None]) -> None:
+        self.box[Action(ActionKind.RECV_GRAD, stage - 1, microbatch)] = grads
+
+    def recv_gradient(self, stage: int, microbatch: int) -> list[torch.Tensor | None]:
+        grads = self.box.pop(Action(ActionKind.RECV_GRAD, stage, microbatch))
+        device = self.devices[stage]
+        return [None if g is None else g.to(device, non_blocking=True) for g in grads]
+
+
+def run_local(schedule: Schedule, executors: list[StageExecutor], transport: LocalTransport) -> None:
+    """Execute `schedule` over `executors` (one per stage) in this process."""
+    pcs = [0] * schedule.num_stages
+    remaining = sum(len(a) for a in schedule.stages)
+    while remaining:
+        progressed = False
+        for s, actions in enumerate(schedule.stages):
+            # Run this stage up to and including its next compute action, or until it must wait.
+            while pcs[s] < len(actions):
+                a = actions[pcs[s]]
+                if a.kind in RECVS and not transport.ready(a):
+                    break
+                executors[s].execute(a)
+                pcs[s] += 1
+                remaining -= 1
+                progressed = True
+                if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+                    break
+        if not progressed:
+            stuck = [f"{st[pcs[s]]}@stage{s}" for s, st in enumerate(schedule.stages) if pcs[s] < len(st)]
+            raise ScheduleError(f"local runtime: no stage can proceed ({', '.join(stuck)})")

@@ -1,0 +1,238 @@
+"""The pipeline schedule as data: each stage's ordered list of actions.
+
+This is the only place that decides *what runs when*. The local runtime, the distributed runtime, the
+simulator, the memory planner and the Gantt charts all consume a :class:`Schedule`; none of them has
+its own idea of the order. GPipe with K=3 stages and M=4 micro-batches, drawn with unit-time compute
+and instant links (``print(gpipe_schedule(3, 4, "never").render())``)::
+
+    stage 0 |F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0 U |
+    stage 1 |.  F0 F1 F2 F3 .  .  B3 B2 B1 B0 .  U |
+    stage 2 |.  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .  U |
+
+Fill (the forward wave), drain (the backward wave in reverse micro-batch order), then one synchronous
+update per stage. The dots are the bubble, (K-1)/(M+K-1) of the time when cells are balanced.
+
+With re-materialization a checkpointed micro-batch has a RECOMPUTE right before its BACKWARD. With
+``recompute_ahead`` the RECOMPUTE is placed *before* the stage waits for that micro-batch's gradient,
+so the recomputation overlaps the wait (the paper's reason its bubble is smaller than theory).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+class ActionKind(str, Enum):
+    RECV_ACT = "recv_act"
+    FORWARD = "forward"
+    SEND_ACT = "send_act"
+    RECV_GRAD = "recv_grad"
+    RECOMPUTE = "recompute"
+    BACKWARD = "backward"
+    SEND_GRAD = "send_grad"
+    OPTIMIZER_STEP = "optimizer_step"
+
+
+COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.RECOMPUTE, ActionKind.BACKWARD,
+                     ActionKind.OPTIMIZER_STEP})
+SENDS = frozenset({ActionKind.SEND_ACT, ActionKind.SEND_GRAD})
+RECVS = frozenset({ActionKind.RECV_ACT, ActionKind.RECV_GRAD})
+_SHORT = {ActionKind.FORWARD: "F", ActionKind.RECOMPUTE: "R", ActionKind.BACKWARD: "B",
+          ActionKind.OPTIMIZER_STEP: "U", ActionKind.SEND_ACT: "sa", ActionKind.RECV_ACT: "ra",
+          ActionKind.SEND_GRAD: "sg", ActionKind.RECV_GRAD: "rg"}
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    stage: int
+    microbatch: int | None = None
+
+    def __str__(self) -> str:
+        return f"{_SHORT[self.kind]}{'' if self.microbatch is None else self.microbatch}"
+
+    def peer(self) -> Action:
+        """The matching receive of a send, or the matching send of a receive."""
+        k, s, m = self.kind, self.stage, self.microbatch
+        return {ActionKind.SEND_ACT: Action(ActionKind.RECV_ACT, s + 1, m),
+                ActionKind.RECV_ACT: Action(ActionKind.SEND_ACT, s - 1, m),
+                ActionKind.SEND_GRAD: Action(ActionKind.RECV_GRAD, s - 1, m),
+                ActionKind.RECV_GRAD: Action(ActionKind.SEND_GRAD, s + 1, m)}[k]
+
+
+class ScheduleError(ValueError):
+    """A schedule that a runtime could not execute correctly."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    num_stages: int
+    num_microbatches: int
+    stages: tuple[tuple[Action, ...], ...]
+    training: bool = True
+
+    def checkpointed(self, stage: int) -> frozenset[int]:
+        """Micro-batches whose forward on `stage` is re-materialized (it has a RECOMPUTE)."""
+        return frozenset(a.microbatch for a in self.stages[stage] if a.kind is ActionKind.RECOMPUTE)
+
+    def validate(self) -> None:
+        """Raise ScheduleError unless every action is well placed and the whole runs to completion."""
+        k, m_count = self.num_stages, self.num_microbatches
+        if len(self.stages) != k:
+            raise ScheduleError(f"{len(self.stages)} action lists for {k} stages")
+        for s, actions in enumerate(self.stages):
+            _validate_stage(s, k, m_count, actions, self.training)
+        from gpipe_repro.engine.interpreter import run_dataflow  # one executor of the dataflow semantics
+        run_dataflow(self, duration=lambda a: 1.0)
+
+    def render(self, duration: Callable[[Action], float] | None = None) -> str:
+        """ASCII picture: one row per stage, one column per unit of time, compute actions only."""
+        from gpipe_repro.engine.interpreter import run_dataflow
+        events = run_dataflow(self, duration=duration or _unit_compute)
+        cols = max(int(round(e.end)) for e in events)
+        grid = [["." for _ in range(cols)] for _ in range(self.num_stages)]
+        for e in events:
+            if e.action.kind in COMPUTE:
+                for c in range(int(round(e.start)), int(round(e.end))):
+                    grid[e.action.stage][c] = str(e.action)
+        width = max(len(str(a)) for st in self.stages for a in st if a.kind in COMPUTE)
+        rows = [f"stage {s} |" + " ".join(c.ljust(width) for c in row) + " |"
+                for s, row in enumerate(grid)]
+        return "\n".join(rows)
+
+
+def _unit_compute(a: Action) -> float:
+    return 1.0 if a.kind in COMPUTE else 0.0
+
+
+def _validate_stage(s: int, k: int, m_count: int, actions: tuple[Action, ...], training: bool) -> None:
+    where = f"stage {s}"
+    for a in actions:
+        if a.stage != s:
+            raise ScheduleError(f"{where} holds {a} of stage {a.stage}")
+        if a.kind is not ActionKind.OPTIMIZER_STEP and not (
+                a.microbatch is not None and 0 <= a.microbatch < m_count):
+            raise ScheduleError(f"{where}: {a} names micro-batch {a.microbatch} outside 0..{m_count - 1}")
+    counts = Counter((a.kind, a.microbatch) for a in actions)
+    dup = [f"{_SHORT[kind]}{mb}" for (kind, mb), c in counts.items() if c > 1]
+    if dup:
+        raise ScheduleError(f"{where}: actions repeated: {dup}")
+    expected = {ActionKind.FORWARD: True, ActionKind.RECV_ACT: s > 0, ActionKind.SEND_ACT: s < k - 1,
+                ActionKind.BACKWARD: training, ActionKind.RECV_GRAD: training and s < k - 1,
+                ActionKind.SEND_GRAD: training and s > 0}
+    for kind, wanted in expected.items():
+        for mb in range(m_count):
+            if ((kind, mb) in counts) != wanted:
+                state = "missing" if wanted else "not allowed"
+                raise ScheduleError(f"{where}: {Action(kind, s, mb)} is {state}")
+    if not training and any(a.kind in (ActionKind.RECOMPUTE, ActionKind.OPTIMIZER_STEP) for a in actions):
+        raise ScheduleError(f"{where}: a forward-only schedule cannot recompute or update")
+    if training and counts[(ActionKind.OPTIMIZER_STEP, None)] != 1:
+        raise ScheduleError(f"{where}: needs exactly one optimizer step")
+    pos = {(a.kind, a.microbatch): i for i, a in enumerate(actions)}
+    before = [(ActionKind.RECV_ACT, ActionKind.FORWARD), (ActionKind.FORWARD, ActionKind.SEND_ACT),
+              (ActionKind.FORWARD, ActionKind.RECOMPUTE), (ActionKind.RECOMPUTE, ActionKind.BACKWARD),
+              (ActionKind.FORWARD, ActionKind.BACKWARD), (ActionKind.RECV_GRAD, ActionKind.BACKWARD),
+              (ActionKind.BACKWARD, ActionKind.SEND_GRAD)]
+    for mb in range(m_count):
+        for first, then in before:
+            a, b = pos.get((first, mb)), pos.get((then, mb))
+            if a is not None and b is not None and a > b:
+                raise ScheduleError(f"{where}: {Action(then, s, mb)} comes before {Action(first, s, mb)}")
+        if (ActionKind.BACKWARD, mb) in pos and pos[(ActionKind.BACKWARD, mb)] > pos.get(
+                (ActionKind.OPTIMIZER_STEP, None), len(actions)):
+            raise ScheduleError(f"{where}: backward of micro-batch {mb} after the optimizer step")
+
+
+def checkpointed_microbatches(mode: str, num_microbatches: int) -> frozenset[int]:
+    """Which micro-batches re-materialize under a checkpoint mode."""
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {mode!r}")
+    if mode == "never":
+        return frozenset()
+    if mode == "always":
+        return frozenset(range(num_microbatches))
+    return frozenset(range(num_microbatches - 1))
+
+
+def _backward_block(s: int, k: int, mb: int, ckpt: frozenset[int], ahead: bool) -> list[Action]:
+    A = ActionKind
+    recv = [Action(A.RECV_GRAD, s, mb)] if s < k - 1 else []
+    rec = [Action(A.RECOMPUTE, s, mb)] if mb in ckpt else []
+    out = rec + recv if ahead else recv + rec
+    out.append(Action(A.BACKWARD, s, mb))
+    if s > 0:
+        out.append(Action(A.SEND_GRAD, s, mb))
+    return out
+
+
+def _forward_block(s: int, k: int, mb: int) -> list[Action]:
+    A = ActionKind
+    out = [Action(A.RECV_ACT, s, mb)] if s > 0 else []
+    out.append(Action(A.FORWARD, s, mb))
+    if s < k - 1:
+        out.append(Action(A.SEND_ACT, s, mb))
+    return out
+
+
+def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+    if num_stages < 1:
+        raise ValueError(f"the number of stages must be >= 1, got {num_stages}")
+    if num_microbatches < 1:
+        raise ValueError(f"the number of micro-batches must be >= 1, got {num_microbatches}")
+
+
+def gpipe_schedule(num_stages: int, num_microbatches: int, checkpoint: str = "except_last",
+                   recompute_ahead: bool = False, training: bool = True) -> Schedule:
+    """GPipe fill-drain: all forwards, then all backwards in reverse micro-batch order, then update."""
+    _check_sizes(num_stages, num_microbatches)
+    ckpt = checkpointed_microbatches(checkpoint, num_microbatches) if training else frozenset()
+    stages = []
+    for s in range(num_stages):
+        acts = [a for mb in range(num_microbatches) for a in _forward_block(s, num_stages, mb)]
+        if training:
+            for mb in reversed(range(num_microbatches)):
+                acts += _backward_block(s, num_stages, mb, ckpt, recompute_ahead)
+            acts.append(Action(ActionKind.OPTIMIZER_STEP, s))
+        stages.append(tuple(acts))
+    return Schedule("gpipe" if training else "forward", num_stages, num_microbatches, tuple(stages),
+                    training)
+
+
+def one_f_one_b_schedule(num_stages: int, num_microbatches: int, checkpoint: str = "never",
+                         recompute_ahead: bool = False) -> Schedule:
+    """1F1B (PipeDream-flush): after a warm-up of K-1-s forwards, stage s alternates one forward and
+    one backward, so it holds at most K-s micro-batches in flight instead of M. Same update semantics
+    as GPipe; shown for comparison."""
+    _check_sizes(num_stages, num_microbatches)
+    ckpt = checkpointed_microbatches(checkpoint, num_microbatches)
+    stages = []
+    for s in range(num_stages):
+        warmup = min(num_stages - 1 - s, num_microbatches)
+        acts: list[Action] = []
+        for mb in range(warmup):
+            acts += _forward_block(s, num_stages, mb)
+        for i in range(num_microbatches - warmup):
+            acts += _forward_block(s, num_stages, warmup + i)
+            acts += _backward_block(s, num_stages, i, ckpt, recompute_ahead)
+        for mb in range(num_microbatches - warmup, num_microbatches):
+            acts += _backward_block(s, num_stages, mb, ckpt, recompute_ahead)
+        acts.append(Action(ActionKind.OPTIMIZER_STEP, s))
+        stages.append(tuple(acts))
+    return Schedule("1f1b", num_stages, num_microbatches, tuple(stages))
+
+
+SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
+
+
+def make_schedule(name: str, num_stages: int, num_microbatches: int, checkpoint: str,
+                  recompute_ahead: bool = False) -> Schedule:
+    """Build a training schedule by name (the one entry point runtimes and tools use)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}")
+    return SCHEDULES[name](num_stages, num_microbatches, checkpoint, recompute_ahead)

@@ -1,0 +1,113 @@
+"""Where a number was measured: software versions, hardware, code version, time.
+
+Why: a throughput or a loss is meaningless without the machine and the code that produced it. Every
+results JSON embeds `environment()` (see `gpipe_repro/report/records.py`), so a table can always be traced
+back to a torch version, a device, a core count and a git commit, and a number from a dirty working
+tree is marked as such.
+
+It is cheap on purpose: it never imports torch (it reads the version from the installed package
+metadata, and asks torch for threads / CUDA only when the caller has already imported it), reads
+/proc/cpuinfo directly, and asks git once per process (the code a process runs does not change while
+it runs, so the answer is cached).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import importlib.metadata
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# The repository this package lives in (an editable install); git is asked about this directory.
+_REPO_ROOT = Path(__file__).resolve().parents[2]  # gpipe_repro/report/provenance.py -> repo
+
+
+def environment() -> dict[str, Any]:
+    """A JSON-ready description of this process's software, hardware and code version."""
+    torch = sys.modules.get("torch")  # only if the caller already paid for the import
+    cuda = _cuda_info(torch)
+    return {
+        "torch": _package_version("torch"),
+        "numpy": _package_version("numpy"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "device": cuda["device"] if cuda else cpu_model(),
+        "cpu": cpu_model(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads() if torch is not None else None,
+        "cuda": cuda,
+        "memory_gb": _memory_gb(),
+        **git_state(),
+        "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU model name from /proc/cpuinfo (Linux), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def git_state() -> dict[str, Any]:
+    """`{"git_commit": sha or None, "git_dirty": bool or None}` for the repository of this package.
+
+    Dirty means tracked files differ from the commit; untracked files (results, checkpoints) do not
+    count, otherwise every run that writes results would mark the next one dirty.
+    """
+    commit = _git("rev-parse", "HEAD")
+    if commit is None:
+        return {"git_commit": None, "git_dirty": None}
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(_REPO_ROOT), *args], capture_output=True, text=True,
+                             timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def _package_version(name: str) -> str | None:
+    module = sys.modules.get(name)
+    if module is not None and hasattr(module, "__version__"):
+        return str(module.__version__)
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cuda_info(torch: Any) -> dict[str, Any] | None:
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return {
+        "device": torch.cuda.get_device_name(torch.cuda.current_device()),
+        "device_count": torch.cuda.device_count(),
+        "cuda_version": torch.version.cuda,
+    }
+
+
+def _memory_gb() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)  # kB -> GiB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -1,0 +1,194 @@
+"""The pipeline simulator: a schedule, per-action costs and a link model in; a Timeline out.
+
+Why simulate: the paper's Table 2 runs on 8 TPUs, Table 3 on 8 GPUs; this host has 2 cores. The
+simulator answers "what would this configuration do on K devices" from costs measured (or counted)
+per layer, with nothing invented in between:
+
+- the order of actions is the schedule generator's (:func:`gpipe_repro.engine.schedule.make_schedule`), the
+  very lists the runtimes execute, re-materialization and recompute-ahead included;
+- the dataflow semantics are :func:`gpipe_repro.engine.interpreter.run_dataflow`'s, the one executor that
+  ``Schedule.validate`` uses too (a stage runs its actions in order; a receive waits for its send;
+  a link carries one message at a time);
+- each action's duration is the sum of its cell's per-layer costs at that micro-batch's size
+  (:mod:`gpipe_repro.sim.calibration`), plus the link model's per-message overheads for sends and
+  receives (:mod:`gpipe_repro.sim.links`), and each transfer takes ``latency + bytes / bandwidth``.
+
+It returns the same :class:`~gpipe_repro.engine.timeline.Timeline` the instrumented runtimes record, so a
+simulation and a measurement are broken down (``Timeline.breakdown()``), charted and compared by
+the same code.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpipe_repro.engine.interpreter import run_dataflow
+from gpipe_repro.engine.microbatch import split_sizes
+from gpipe_repro.engine.partition import check_balance
+from gpipe_repro.engine.schedule import Action, ActionKind, Schedule
+from gpipe_repro.engine.timeline import Event, Timeline
+from gpipe_repro.sim.calibration import Calibration, LayerCost
+from gpipe_repro.sim.links import LinkModel
+
+
+@dataclass(frozen=True)
+class PipelineCosts:
+    """Seconds and bytes per action of each stage. Lists are indexed [stage][microbatch];
+    ``boundary_bytes[s][m]`` is what stage s sends to s+1 (and ``grad_bytes`` what comes back)."""
+
+    forward: Sequence[Sequence[float]]
+    forward_nograd: Sequence[Sequence[float]]
+    recompute: Sequence[Sequence[float]]
+    backward: Sequence[Sequence[float]]
+    optimizer: Sequence[float]
+    boundary_bytes: Sequence[Sequence[float]]
+    grad_bytes: Sequence[Sequence[float]]
+    setup: float = 0.0     # seconds from the step's start to the first action (runtime's own cost)
+    teardown: float = 0.0  # seconds from the last action to the step's end (e.g. loss broadcast)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward)
+
+
+def stage_costs(calibration: Calibration, balance: Sequence[int],
+                microbatch_sizes: Sequence[int], setup: float = 0.0,
+                teardown: float = 0.0) -> PipelineCosts:
+    """Sum a calibration's per-layer costs over each cell of `balance`, per micro-batch size."""
+    check_balance(balance, calibration.num_layers)
+    firsts = [sum(balance[:s]) for s in range(len(balance))]
+    cells: dict[int, list[list[LayerCost]]] = {}
+    for size in set(microbatch_sizes):
+        per_layer = calibration.at(size)
+        cells[size] = [per_layer[f:f + n] for f, n in zip(firsts, balance)]
+
+    def per_mb(attr: str) -> list[list[float]]:
+        return [[sum(getattr(c, attr) for c in cells[b][s]) for b in microbatch_sizes]
+                for s in range(len(balance))]
+
+    any_size = microbatch_sizes[0]
+    optimizer = [calibration.optimizer_call + sum(c.optimizer for c in cell) for cell in cells[any_size]]
+    boundary = [[float(cells[b][s][-1].output_bytes) for b in microbatch_sizes]
+                for s in range(len(balance) - 1)]
+    grads = [[float(cells[b][s][-1].grad_bytes) for b in microbatch_sizes]
+             for s in range(len(balance) - 1)]
+    return PipelineCosts(per_mb("forward"), per_mb("forward_nograd"), per_mb("recompute"),
+                         per_mb("backward"), optimizer, boundary, grads, setup, teardown)
+
+
+@dataclass
+class Simulation:
+    """What one simulated training step gives."""
+
+    timeline: Timeline
+    batch_size: int
+    step_time: float
+    breakdown: dict[str, float] = field(default_factory=dict)
+    utilization: list[float] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second."""
+        return self.batch_size / self.step_time
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.breakdown.get("bubble", 0.0)
+
+    def summary(self) -> dict[str, Any]:
+        return {"step_time_s": self.step_time, "throughput": self.throughput,
+                "bubble_fraction": self.bubble_fraction, "utilization": self.utilization,
+                "breakdown": self.breakdown}
+
+
+def simulate(schedule: Schedule, costs: PipelineCosts, link: LinkModel,
+             batch_size: int) -> Simulation:
+    """Run `schedule` in virtual time with `costs` and `link`; one step of `batch_size` samples."""
+    k = schedule.num_stages
+    if costs.num_stages != k:
+        raise ValueError(f"costs are for {costs.num_stages} stages but the schedule has {k}")
+    ckpt = [schedule.checkpointed(s) for s in range(k)]
+    A = ActionKind
+
+    def nbytes(a: Action) -> float:
+        m = a.microbatch
+        assert m is not None
+        if a.kind in (A.SEND_ACT, A.RECV_ACT):
+            return costs.boundary_bytes[a.stage if a.kind is A.SEND_ACT else a.stage - 1][m]
+        return costs.grad_bytes[a.stage - 1 if a.kind is A.SEND_GRAD else a.stage][m]
+
+    def duration(a: Action) -> float:
+        s, m = a.stage, a.microbatch
+        if a.kind is A.OPTIMIZER_STEP:
+            return costs.optimizer[s]
+        assert m is not None
+        if a.kind is A.FORWARD:
+            return (costs.forward_nograd if m in ckpt[s] else costs.forward)[s][m]
+        if a.kind is A.RECOMPUTE:
+            return costs.recompute[s][m]
+        if a.kind is A.BACKWARD:
+            return costs.backward[s][m]
+        if a.kind in (A.SEND_ACT, A.SEND_GRAD):
+            return link.send_time(nbytes(a))
+        return link.recv_time(nbytes(a))
+
+    def transfer(a: Action) -> float:
+        return link.transfer_time(nbytes(a))
+
+    sim_events = run_dataflow(schedule, duration, transfer)
+    send_start = {e.action.peer(): e.start for e in sim_events if e.action.kind in (A.SEND_ACT, A.SEND_GRAD)}
+    shift = costs.setup
+    events = []
+    for e in sim_events:
+        a = e.action
+        ready = send_start[a] + shift if a.kind in (A.RECV_ACT, A.RECV_GRAD) else None
+        events.append(Event(a.stage, a.kind.value, a.microbatch, e.start + shift, e.end + shift, ready))
+    timeline = Timeline(k, events, {"runtime": "simulator", "schedule": schedule.name,
+                                    "link": link.name, "batch_size": batch_size})
+    step = timeline.makespan + costs.teardown
+    return Simulation(timeline, batch_size, step, timeline.breakdown(), timeline.utilization())
+
+
+def simulate_config(calibration: Calibration, balance: Sequence[int], num_microbatches: int,
+                    batch_size: int, link: LinkModel, *, checkpoint: str = "always",
+                    recompute_ahead: bool = True, schedule: str = "gpipe",
+                    setup: float = 0.0, teardown: float = 0.0) -> Simulation:
+    """One step of a (balance, M, N) configuration from per-layer calibrated costs."""
+    from gpipe_repro.engine.schedule import make_schedule
+
+    sizes = split_sizes(batch_size, num_microbatches)
+    sched = make_schedule(schedule, len(balance), num_microbatches, checkpoint, recompute_ahead)
+    return simulate(sched, stage_costs(calibration, balance, sizes, setup, teardown), link, batch_size)
+
+
+def theoretical_bubble(num_stages: int, num_microbatches: int) -> float:
+    """The paper's idle fraction of a balanced fill-drain pipeline: (K-1)/(M+K-1)."""
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def replay_costs(timeline: Timeline, step_time: float,
+                 boundary_bytes: Sequence[float] = ()) -> PipelineCosts:
+    """Per-action costs read off a measured timeline, to replay it through the simulator.
+
+    Simulating a measured step with its own compute durations isolates the pipeline model (dataflow,
+    links, runtime overheads) from the cost model: the difference between a replay and the
+    measurement is what the simulator gets wrong about *how* actions interleave, whatever the
+    machine's speed was at the time.
+    """
+    k = timeline.num_stages
+    m_count = 1 + max(e.microbatch for e in timeline.events if e.microbatch is not None)
+    table: dict[str, list[list[float]]] = {kind: [[0.0] * m_count for _ in range(k)]
+                                           for kind in ("forward", "recompute", "backward")}
+    optimizer = [0.0] * k
+    for e in timeline.events:
+        if e.kind in table and e.microbatch is not None:
+            table[e.kind][e.stage][e.microbatch] = e.duration
+        elif e.kind == ActionKind.OPTIMIZER_STEP.value:
+            optimizer[e.stage] = e.duration
+    first = [timeline.stage_events(s)[0].start for s in range(k)]
+    sizes = list(boundary_bytes) or [0.0] * (k - 1)      # bytes crossing each boundary
+    nbytes = [[float(sizes[s])] * m_count for s in range(k - 1)]
+    return PipelineCosts(table["forward"], table["forward"], table["recompute"], table["backward"],
+                         optimizer, nbytes, nbytes, setup=min(first),
+                         teardown=max(0.0, step_time - timeline.makespan))

@@ -1,0 +1,223 @@
+"""Checkpoints that a long training run can die and resume from, bit for bit.
+
+What a resumable run must save (and what `training_state` gathers): the weights and the optimizer
+(a `GPipe` holds both, one optimizer per cell), the learning-rate scheduler, every random stream
+(Python, numpy, torch CPU and CUDA default generators, plus explicit generators such as the
+augmentation's), and the data position (the batch iterator's `state_dict`). Anything with
+`state_dict()` / `load_state_dict()` goes in `stateful`, so the run loop treats them all alike.
+
+Why atomic, and why keep the last N. A checkpoint written while the process is killed must never be
+picked up as the latest one: `save_checkpoint` writes to a temporary file, fsyncs it and renames it
+(`gpipe_repro.report.records.atomic_write`). Keeping a few older ones guards against a checkpoint that is
+complete but bad (a NaN that crept in just before it).
+
+Checkpoints of a run live in one directory as `step-00001000.pt`; `latest_checkpoint` picks the
+highest step. The directory is one linear history: to branch from an older step, use a new directory.
+
+Why RNG states are stored as tensors and lists: `torch.load(weights_only=True)` (the safe default of
+torch >= 2.6) accepts tensors, dicts, lists, tuples and numbers, but not numpy arrays; storing the
+numpy state as plain ints keeps the safe loader usable.
+
+Ctrl-C: `graceful_interrupt()` turns the first SIGINT/SIGTERM into a flag the loop polls between
+steps, so it can save and exit cleanly; a second one aborts at once.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import signal
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import FrameType
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from gpipe_repro.report.records import atomic_write
+
+CHECKPOINT_FORMAT = 1
+_NAME = re.compile(r"^step-(\d+)\.pt$")
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+# ----------------------------------------------------------------------------- files
+
+def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
+    """`<directory>/step-<step, 8 digits>.pt`: the name `latest_checkpoint` and pruning look for."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return Path(directory) / f"step-{step:08d}.pt"
+
+
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
+    """The run's checkpoints, oldest (lowest step) first; temporary files are ignored."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint with the highest step in `directory`, or None."""
+    checkpoints = list_checkpoints(directory)
+    return checkpoints[-1] if checkpoints else None
+
+
+def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *,
+                    keep_last: int | None = 3) -> Path:
+    """Write `state` with `torch.save`, atomically; then delete all but the `keep_last` newest
+    `step-*.pt` files in the same directory (None keeps everything). Returns the path."""
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    path = Path(path)
+    with atomic_write(path, "wb") as f:
+        torch.save(dict(state), f)
+    if keep_last is not None and _NAME.match(path.name):
+        for old in list_checkpoints(path.parent)[:-keep_last]:
+            if old != path:
+                old.unlink(missing_ok=True)
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu",
+                    weights_only: bool = True) -> dict[str, Any]:
+    """Read a checkpoint (tensors land on `map_location`; move the model afterwards)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    return torch.load(path, map_location=map_location, weights_only=weights_only)
+
+
+# ----------------------------------------------------------------------------- random state
+
+def capture_rng_state() -> dict[str, Any]:
+    """The global random streams: Python `random`, numpy's legacy global, torch CPU and CUDA."""
+    kind, keys, pos, has_gauss, cached_gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"kind": str(kind), "keys": [int(k) for k in keys], "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gauss)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Undo `capture_rng_state`: the global generators continue exactly where they were captured."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))  # a loaded checkpoint may hold a list
+    n = state["numpy"]
+    np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        saved = state["cuda"]
+        if len(saved) != torch.cuda.device_count():
+            raise RuntimeError(f"the checkpoint holds CUDA RNG states for {len(saved)} devices, this "
+                               f"process sees {torch.cuda.device_count()}: set CUDA_VISIBLE_DEVICES to "
+                               "match the run that saved it")
+        torch.cuda.set_rng_state_all([s.cpu() for s in saved])
+
+
+# ----------------------------------------------------------------------------- run loop state
+
+def training_state(step: int, stateful: Mapping[str, Stateful], *,
+                   generators: Mapping[str, torch.Generator] | None = None,
+                   extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Everything a run loop needs to resume at `step`, as one dict for `save_checkpoint`.
+
+    `stateful` maps names to objects with `state_dict()`: the model or GPipe, optimizers,
+    scheduler, the batch iterator (data position), the augmentation. `generators` are explicit
+    `torch.Generator`s not owned by any of those. `extra` is free-form (config, metrics so far).
+
+    Like `state_dict()`, the result references the live parameter tensors: pass it to
+    `save_checkpoint` before the next step (or `copy.deepcopy` it for an in-memory snapshot).
+    """
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "step": int(step),
+        "state": {name: obj.state_dict() for name, obj in stateful.items()},
+        "generators": {name: g.get_state() for name, g in (generators or {}).items()},
+        "rng": capture_rng_state(),
+        "extra": dict(extra or {}),
+    }
+
+
+def restore_training_state(checkpoint: Mapping[str, Any], stateful: Mapping[str, Stateful], *,
+                           generators: Mapping[str, torch.Generator] | None = None) -> int:
+    """Load a `training_state` dict into the live objects; returns the step to continue from.
+
+    Every name in `stateful`/`generators` must be present in the checkpoint (a silently skipped
+    optimizer would resume with fresh momentum).
+    """
+    if checkpoint.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"checkpoint format {checkpoint.get('format')!r} is not {CHECKPOINT_FORMAT}: "
+                         "it was not written by gpipe_repro.train.checkpoints.training_state")
+    saved, saved_gens = checkpoint["state"], checkpoint["generators"]
+    missing = [n for n in stateful if n not in saved] + [n for n in (generators or {}) if n not in saved_gens]
+    if missing:
+        held = sorted(saved) + sorted(saved_gens)
+        raise KeyError(f"checkpoint has no state for {missing}; it holds {held}")
+    for name, obj in stateful.items():
+        obj.load_state_dict(saved[name])
+    for name, gen in (generators or {}).items():
+        gen.set_state(saved_gens[name].cpu())
+    restore_rng_state(checkpoint["rng"])
+    return int(checkpoint["step"])
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+class InterruptFlag:
+    """Set by the first SIGINT/SIGTERM inside `graceful_interrupt()`; the loop polls `.requested`."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.requested
+
+
+@contextlib.contextmanager
+def graceful_interrupt(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)
+                       ) -> Iterator[InterruptFlag]:
+    """First Ctrl-C (or SIGTERM, e.g. a preempted job): set the flag so the loop can save and exit
+    between steps. Second one: raise KeyboardInterrupt right away. Previous handlers are restored on
+    exit. Outside the main thread (where Python cannot install handlers) it is a no-op flag.
+
+        with graceful_interrupt() as stop:
+            for step in range(start, steps):
+                train_step(...)
+                if stop.requested:
+                    save_checkpoint(...); break
+    """
+    flag = InterruptFlag()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if flag.requested:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: aborting without saving")
+        flag.requested, flag.signal = True, signum
+        print(f"\n{signal.Signals(signum).name} received: finishing this step, saving, exiting "
+              "(press Ctrl-C again to abort now)", flush=True)
+
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield flag
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -1,0 +1,1 @@
+"""Training tasks: AmoebaNet image classification (+ transfer), and multilingual translation."""

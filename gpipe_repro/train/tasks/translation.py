@@ -1,0 +1,406 @@
+"""The multilingual translation task (the paper's section 5), T(L, H, A) for the shared run loop.
+
+What the loop gets from here:
+
+- **Data.** The many-to-English corpus of `gpipe_repro.data.translation` (the offline gettext corpus
+  by default, built on first use; any corpus built with `gpipe-repro corpus build --source ...`
+  otherwise) and a shared sentencepiece vocabulary (`data/tokenizer.py`); when the run uses a
+  subset of the languages, a vocabulary is trained on that subset (cached beside the corpus), so no
+  id is spent on scripts the model never reads.
+- **Batches.** Languages drawn by temperature (T=5), pairs bucketed by length
+  (`language_sampling.train_batches`), `batch_size` SENTENCES per mini-batch. Why sentences and not
+  a token budget: the engine cuts a mini-batch into M micro-batches along the sentence axis, so every
+  mini-batch must hold at least M sentences, and "raise M at a fixed micro-batch size" (the
+  large-batch study) is only well defined in sentences. Two runs with one seed see identical batches
+  (so identical tokens); the mean tokens per batch is reported.
+- **Loss.** Label-smoothed cross entropy summed over a micro-batch's target tokens and divided by
+  the token count of the WHOLE mini-batch, which travels with the targets as a 0-dim tensor (the
+  engine gives 0-dim tensors whole to every micro-batch). With ``GPipe(loss_reduction="sum")`` the
+  accumulated gradient is then exactly the gradient of the mini-batch's token-level mean, whatever
+  M is and however the padding falls (a per-micro-batch mean would weight tokens unequally).
+- **Optimizer.** Adam (beta2 0.98, eps 1e-9) with the Transformer's inverse-square-root schedule
+  after a linear warm-up (`train/optim.py`).
+- **Model.** `models/translation.translation_transformer` with untied source/target/output
+  embeddings by default: the embedding is in the first cell and the projection in the last, and
+  tied weights must live in one cell (tie them only with K=1). The paper's two trainability fixes
+  are options: `scale_ff_init` (feed-forward init divided by L) and `logit_clip`.
+- **Evaluation.** Token NLL (no smoothing) of a pipelined teacher-forced forward, and BLEU of greedy
+  (or beam) translations: per language, pooled per resource group (high / low: the median
+  training-set size of the languages used splits them, `language_sampling.resource_groups`), and
+  pooled over everything (see `gpipe_repro/train/tasks/translation_eval.py`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe_repro.data.language_sampling import (
+    DEFAULT_TEMPERATURE,
+    TokenizedLanguage,
+    TranslationBatch,
+    resource_groups,
+    train_batches,
+)
+from gpipe_repro.data.tokenizer import TranslationTokenizer, encode_split, manifest_digest, train_tokenizer
+from gpipe_repro.data.translation import Manifest, build_gettext_corpus, corpus_dir_for, read_split
+from gpipe_repro.engine.gpipe import GPipe
+from gpipe_repro.engine.stage import LossFn
+from gpipe_repro.models.translation import translation_transformer
+from gpipe_repro.train.config import RunConfig
+from gpipe_repro.train.loop import Task, pipelined_outputs
+from gpipe_repro.train.optim import OptimizerConfig, smoothed_cross_entropy
+from gpipe_repro.train.tasks.translation_eval import (
+    EvalLanguage,
+    bleu_by_language_and_group,
+    decoder_for,
+    evenly_spaced,
+    subset,
+    teacher_forced_batches,
+    token_nll,
+    translate,
+)
+
+POOL_SENTENCES = 16384    # pairs drawn per bucketing pool (rounded to a multiple of the batch)
+
+
+@dataclasses.dataclass
+class TranslationConfig:
+    """What the translation task trains, on which data, with which recipe."""
+
+    # -- data
+    corpus: str = "gettext"             # corpus name under the data dir (gettext is built on demand)
+    data_dir: str | None = None         # None: $GPIPE_REPRO_DATA_DIR or data/translation/
+    languages: tuple[str, ...] | None = None   # source languages; None: every language of the corpus
+    vocab_size: int = 8000
+    max_len: int = 64                   # training pairs longer than this (pieces) are left out
+    temperature: float = DEFAULT_TEMPERATURE
+    # -- model T(L, H, A); the defaults are the paper's T(6, 8192, 16), the presets scale it down
+    L: int = 6
+    H: int = 8192
+    A: int = 16
+    d_model: int = 1024
+    head_dim: int = 64
+    dropout: float = 0.1
+    tie_embeddings: bool = False        # True only with K=1 (tied weights must share a cell)
+    scale_ff_init: bool = True          # the paper's fix: feed-forward init scaled by 1/L
+    logit_clip: float | None = None     # the paper's fix: clamp logits to [-c, c]
+    # -- recipe
+    label_smoothing: float = 0.1
+    lr: float = 1e-3                    # peak learning rate (after warm-up)
+    warmup_steps: int = 4000
+    adam_beta2: float = 0.98
+    # -- evaluation
+    eval_split: str = "test"
+    eval_sentences: int | None = 200    # per language (evenly spaced over the split); None: all
+    eval_max_tokens: int = 4096         # padded tokens per evaluation batch
+    beam: int = 1                       # 1: greedy
+    decode_max_len: int = 96
+
+    def __post_init__(self) -> None:
+        if self.languages is not None:
+            self.languages = tuple(sorted(set(self.languages)))
+        checks = [
+            (min(self.L, self.H, self.A, self.d_model, self.head_dim) >= 1,
+             f"T(L,H,A) needs positive sizes, got L={self.L} H={self.H} A={self.A} "
+             f"d_model={self.d_model} head_dim={self.head_dim}"),
+            (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
+            (0.0 <= self.label_smoothing < 1.0, f"label_smoothing must be in [0, 1), got {self.label_smoothing}"),
+            (self.logit_clip is None or self.logit_clip > 0, f"logit_clip must be > 0, got {self.logit_clip}"),
+            (self.beam >= 1, f"beam must be >= 1, got {self.beam}"),
+            (self.eval_split in ("valid", "test"), f"eval_split must be valid or test, got {self.eval_split!r}"),
+            (self.eval_sentences is None or self.eval_sentences >= 1, "eval_sentences must be >= 1 or None"),
+            (self.max_len >= 4, f"max_len must be >= 4, got {self.max_len}"),
+            (self.languages is None or len(self.languages) >= 1, "give at least one language"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["languages"] = None if self.languages is None else list(self.languages)
+        return out
+
+    def replace(self, **changes: Any) -> TranslationConfig:
+        """A copy with `changes` (None values are ignored: "not given on the command line")."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+# ----------------------------------------------------------------------------- the loss
+
+class TokenNormalizedLoss:
+    """Label-smoothed cross entropy of a micro-batch, summed over its target tokens and divided by
+    the MINI-batch's token count (the 0-dim tensor that rides with the targets).
+
+    Use with ``GPipe(loss_reduction="sum")``: the micro-batch losses then add up to the mini-batch's
+    token-level mean, and their gradients to its gradient (a class, not a closure, so it pickles
+    for the distributed runtime)."""
+
+    def __init__(self, pad_id: int = 0, label_smoothing: float = 0.1) -> None:
+        self.pad_id, self.label_smoothing = pad_id, label_smoothing
+
+    def __call__(self, logits: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        labels, tokens = target
+        total = smoothed_cross_entropy(logits.float(), labels, self.label_smoothing,
+                                       ignore_index=self.pad_id, reduction="sum")
+        return total / tokens
+
+
+def pipeline_batch(batch: TranslationBatch) -> tuple[tuple[torch.Tensor, torch.Tensor],
+                                                     tuple[torch.Tensor, torch.Tensor]]:
+    """A TranslationBatch as the engine's (inputs, targets): ((src_ids, tgt_in), (tgt_out, tokens)),
+    `tokens` the mini-batch's target-token count as a 0-dim float tensor (computed before the
+    engine splits the batch, and given whole to every micro-batch)."""
+    tokens = torch.tensor(float(batch.num_target_tokens))
+    return (batch.src_ids, batch.tgt_in), (batch.tgt_out, tokens)
+
+
+# ----------------------------------------------------------------------------- the batches
+
+class TranslationBatches:
+    """Endless temperature-sampled, length-bucketed batches of exactly `batch_size` sentences.
+
+    The stream is a pure function of (data, batch size, seed), so its position is just the number
+    of batches drawn: `load_state_dict` regenerates the stream and skips that many (collating a
+    batch takes well under a millisecond, so replaying even 10^4 batches costs seconds).
+    """
+
+    def __init__(self, data: dict[str, TokenizedLanguage], batch_size: int, seed: int,
+                 temperature: float, pad_id: int, bos_id: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.data, self.batch_size, self.seed = data, batch_size, seed
+        self.temperature, self.pad_id, self.bos_id = temperature, pad_id, bos_id
+        total = sum(len(d) for d in data.values())
+        self.batches_per_epoch = max(1, total // batch_size)
+        self.drawn, self.tokens = 0, 0
+        self._stream = self._new_stream()
+
+    def _new_stream(self) -> Iterator[TranslationBatch]:
+        pool = self.batch_size * max(1, POOL_SENTENCES // self.batch_size)
+        return train_batches(self.data, max_tokens=None, max_sentences=self.batch_size,
+                             temperature=self.temperature, seed=self.seed, pool_size=pool,
+                             pad_id=self.pad_id, bos_id=self.bos_id)
+
+    def next_batch(self) -> TranslationBatch:
+        batch = next(self._stream)
+        self.drawn += 1
+        self.tokens += batch.num_target_tokens
+        return batch
+
+    def __iter__(self) -> TranslationBatches:
+        return self
+
+    def __next__(self) -> tuple[Any, Any]:
+        return pipeline_batch(self.next_batch())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"drawn": self.drawn, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._stream, self.drawn, self.tokens = self._new_stream(), 0, 0
+        for _ in range(int(state["drawn"])):
+            self.next_batch()
+        if self.tokens != int(state["tokens"]):
+            raise ValueError("the training data changed since the checkpoint was saved (the replayed "
+                             f"stream has {self.tokens} tokens where the run had {state['tokens']}): "
+                             "resume with the corpus and vocabulary the run started with")
+
+
+# ----------------------------------------------------------------------------- corpus + vocabulary
+
+def prepare_corpus(name: str, data_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The corpus directory; the offline gettext corpus is built here on first use."""
+    corpus_dir = corpus_dir_for(name, data_dir)
+    if (corpus_dir / "manifest.json").is_file():
+        return corpus_dir
+    if name != "gettext":
+        raise FileNotFoundError(f"no corpus {name!r} at {corpus_dir}: build it first with "
+                                f"`gpipe-repro corpus build --source opus100|local --name {name}` "
+                                "(or use --corpus gettext, built offline on first use)")
+    print(f"building the offline gettext corpus in {corpus_dir} (once, about a minute)")
+    build_gettext_corpus(corpus_dir)
+    return corpus_dir
+
+
+def tokenizer_dir(corpus_dir: Path, vocab_size: int, languages: Sequence[str] | None) -> Path:
+    """`spm<V>/` for the whole corpus (what `corpus build` trains), `spm<V>-<n>langs-<hash>/` for a
+    subset of its languages."""
+    if languages is None:
+        return corpus_dir / f"spm{vocab_size}"
+    digest = hashlib.sha256(",".join(languages).encode()).hexdigest()[:8]
+    return corpus_dir / f"spm{vocab_size}-{len(languages)}langs-{digest}"
+
+
+def prepare_tokenizer(corpus_dir: Path, vocab_size: int,
+                      languages: Sequence[str] | None) -> TranslationTokenizer:
+    """The shared vocabulary for these languages, trained (and cached) if absent or stale."""
+    all_languages = sorted(Manifest.load(corpus_dir).languages)
+    chosen = None if languages is None or list(languages) == all_languages else list(languages)
+    out = tokenizer_dir(corpus_dir, vocab_size, chosen)
+    meta_path = out / "tokenizer.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if (meta.get("corpus_manifest_sha256") == manifest_digest(corpus_dir)
+                and meta.get("languages") == (chosen or all_languages)):
+            return TranslationTokenizer.load(out)
+    print(f"training a {vocab_size}-piece vocabulary for {len(chosen or all_languages)} languages "
+          f"in {out}")
+    return train_tokenizer(corpus_dir, vocab_size, languages=chosen, out_dir=out)
+
+
+# ----------------------------------------------------------------------------- the task
+
+class TranslationTask(Task):
+    """T(L, H, A) many-to-English translation (see the module docstring)."""
+
+    name = "transformer"
+    loss_reduction = "sum"
+    lower_is_better = ("nll",)
+
+    def __init__(self, config: TranslationConfig) -> None:
+        self.settings = config
+        self.corpus_dir = prepare_corpus(config.corpus, config.data_dir)
+        manifest = Manifest.load(self.corpus_dir)
+        unknown = sorted(set(config.languages or ()) - set(manifest.languages))
+        if unknown:
+            raise ValueError(f"corpus {manifest.name} has no language(s) {unknown}; it has "
+                             f"{', '.join(sorted(manifest.languages))}")
+        self.languages: list[str] = list(config.languages or sorted(manifest.languages))
+        self.tokenizer = prepare_tokenizer(self.corpus_dir, config.vocab_size, self.languages)
+        self.train_data = encode_split(self.corpus_dir, self.tokenizer, "train", self.languages,
+                                       max_len=config.max_len)
+        empty = [lang for lang, d in self.train_data.items() if len(d) == 0]
+        if empty:
+            raise ValueError(f"no training pair of {empty} fits max_len={config.max_len}: raise "
+                             "--max-len or drop those languages")
+        self.train_sizes = {lang: len(d) for lang, d in self.train_data.items()}
+        self.groups = resource_groups(self.train_sizes)
+        self.eval_items = self._eval_items()
+        self.batches: TranslationBatches | None = None
+        self.last_hypotheses: dict[str, list[str]] = {}
+
+    def _eval_items(self) -> list[EvalLanguage]:
+        """Each language's evaluation sample: at most `eval_sentences` pairs, evenly spaced."""
+        s = self.settings
+        encoded = encode_split(self.corpus_dir, self.tokenizer, s.eval_split, self.languages)
+        raw = read_split(self.corpus_dir, s.eval_split, self.languages)
+        items = []
+        for index, lang in enumerate(self.languages):
+            chosen = evenly_spaced(len(encoded[lang]), s.eval_sentences)
+            if len(chosen) == 0:
+                continue
+            items.append(EvalLanguage(lang, index, subset(encoded[lang], chosen),
+                                      [raw[lang][int(i)][1] for i in chosen],
+                                      self.train_sizes[lang], self.groups[lang]))
+        return items
+
+    # -- what the loop asks for ---------------------------------------------------------------
+    def config(self) -> dict[str, Any]:
+        return {**self.settings.to_dict(), "vocab_size_actual": self.tokenizer.vocab_size,
+                "tokenizer": self.tokenizer.model_file.parent.name, "train_sizes": self.train_sizes,
+                "groups": self.groups,
+                "eval_sizes": {item.language: len(item.references) for item in self.eval_items}}
+
+    def build_layers(self) -> nn.Sequential:
+        s = self.settings
+        return translation_transformer(
+            s.L, s.H, s.A, d_model=s.d_model, head_dim=s.head_dim,
+            vocab_size=self.tokenizer.vocab_size, pad_id=self.tokenizer.pad_id, dropout=s.dropout,
+            tie_embeddings=s.tie_embeddings, scale_ff_init=s.scale_ff_init, logit_clip=s.logit_clip)
+
+    def loss_fn(self) -> LossFn:
+        return TokenNormalizedLoss(self.tokenizer.pad_id, self.settings.label_smoothing)
+
+    def train_batches(self, batch_size: int, seed: int) -> TranslationBatches:
+        self.batches = TranslationBatches(self.train_data, batch_size, seed, self.settings.temperature,
+                                          self.tokenizer.pad_id, self.tokenizer.bos_id)
+        return self.batches
+
+    def optimizer_config(self, *, total_steps: int, steps_per_epoch: int,
+                         batch_size: int) -> OptimizerConfig:
+        s = self.settings
+        return OptimizerConfig(name="adam", lr=s.lr, betas=(0.9, s.adam_beta2), adam_eps=1e-9,
+                               schedule="inverse_sqrt", warmup_steps=s.warmup_steps,
+                               total_steps=total_steps)
+
+    def sample_batch(self, batch_size: int) -> Any:
+        batches = TranslationBatches(self.train_data, batch_size, 0, self.settings.temperature,
+                                     self.tokenizer.pad_id, self.tokenizer.bos_id)
+        return next(batches)[0]
+
+    @torch.no_grad()
+    def evaluate(self, pipe: GPipe) -> dict[str, float]:
+        s, tok = self.settings, self.tokenizer
+        batches = list(teacher_forced_batches(self.eval_items, s.eval_max_tokens, tok.pad_id, tok.bos_id))
+        nll = token_nll(pipelined_outputs(pipe, ((b.src_ids, b.tgt_in) for b in batches)), batches,
+                        tok.pad_id)
+        was_training = pipe.training
+        pipe.eval()
+        try:
+            decoder = decoder_for(pipe)
+            hypotheses = {item.language: translate(decoder, item, tok.decode, device=pipe.devices[0],
+                                                   beam=s.beam, max_tokens=s.eval_max_tokens,
+                                                   max_len=s.decode_max_len, pad_id=tok.pad_id,
+                                                   bos_id=tok.bos_id, eos_id=tok.eos_id)
+                          for item in self.eval_items}
+        finally:
+            pipe.train(was_training)
+        self.last_hypotheses = hypotheses
+        return {"nll": nll, **bleu_by_language_and_group(hypotheses, self.eval_items)}
+
+    def tokens_per_batch(self) -> float:
+        """Mean target tokens per mini-batch drawn so far."""
+        if self.batches is None or self.batches.drawn == 0:
+            return float("nan")
+        return self.batches.tokens / self.batches.drawn
+
+
+# ----------------------------------------------------------------------------- presets
+
+PRESETS: dict[str, str] = {
+    "cpu": "T(4,1024,2) at d_model 128 on 16 languages of the offline gettext corpus, K=4, M=4, "
+           "1200 steps of 64 sentences: 5 to 15 minutes on 2 shared cores",
+    "paper": "T(24,8192,16) at d_model 1024 (the paper's deep model) on every language, K=4, M=32, GPUs",
+    "smoke": "T(1,64,2) at d_model 32 on 3 languages, a few steps: checks that everything runs",
+}
+
+# Languages of the CPU preset: Romance and Germanic languages, from ~50k training pairs (fr) down
+# to ~100 (lb), so the low-resource ones have high-resource relatives to learn from (the transfer
+# the paper's deep-vs-wide contrast is about).
+CPU_LANGUAGES: tuple[str, ...] = ("fr", "es", "de", "pt", "it", "nl", "ca", "gl", "oc", "ast",
+                                  "fur", "wa", "an", "li", "fy", "lb")
+
+
+def preset(name: str) -> tuple[RunConfig, TranslationConfig]:
+    """The run and task settings of a named preset (options given on the command line override them)."""
+    if name == "cpu":
+        # One thread: on a 2-core machine shared with other jobs, two threads per process ran
+        # several times slower than one. No re-materialization: on one CPU it only costs time.
+        return (RunConfig(name="transformer-cpu", partitions=4, micro_batches=4, batch_size=64,
+                          steps=1200, checkpoint="never", save_every=200, timeline_every=100,
+                          threads=1),
+                TranslationConfig(languages=CPU_LANGUAGES, vocab_size=4000, L=4, H=1024, A=2,
+                                  d_model=128, head_dim=64, lr=4e-3, warmup_steps=100,
+                                  eval_sentences=100))
+    if name == "paper":
+        return (RunConfig(name="transformer-paper", partitions=4, micro_batches=32, batch_size=4096,
+                          steps=100_000, eval_every=5000, save_every=5000, timeline_every=500,
+                          device="cuda"),
+                TranslationConfig(vocab_size=32000, L=24, H=8192, A=16, d_model=1024, head_dim=64,
+                                  max_len=128, lr=1e-3, warmup_steps=4000, eval_sentences=None,
+                                  beam=4, logit_clip=None))
+    if name == "smoke":
+        return (RunConfig(name="transformer-smoke", partitions=2, micro_batches=2, batch_size=8,
+                          steps=6, eval_every=3, save_every=3, timeline_every=3, threads=1),
+                TranslationConfig(languages=("cy", "ga", "is"), vocab_size=1000, L=1, H=64, A=2,
+                                  d_model=32, head_dim=16, lr=1e-3, warmup_steps=2, eval_sentences=8))
+    raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
