@@ -1,69 +1,190 @@
-"""The plain-PyTorch reference every pipeline is compared against.
+"""The plain-PyTorch reference every pipeline is compared against. It imports NO engine code.
 
-`reference_step` trains the same layers without any engine code: a loop over the micro-batches
-(`tensor_split`), each layer seeded exactly as the engine seeds it (`gpipe_repro.engine.rng.seed_layer`),
-the loss of micro-batch m weighted by n_m / N (mean) or 1 (sum), gradients accumulated, one optimizer
-step. With M = 1 and no dropout it is ordinary full-batch training.
+`reference_train` trains the same layers for several steps as a user would by hand, following the
+documented rules (docs/design.md) with its own implementation of each:
 
-`assert_same_training` builds a GPipe and the reference from one model, runs one step on each, and
-compares the loss, every parameter's gradient and every parameter after the update.
+- micro-batches: its own `torch.tensor_split` of every batched tensor (0-dim tensors and plain values
+  given whole to every micro-batch);
+- dropout masks: before layer i runs on micro-batch m of step t, the CPU generator is seeded with
+  :func:`rule_seed` (seed, t, i, m), written here from the rule's description (SplitMix64 chain);
+- loss: micro-batch m weighted n_m/N ("mean") or 1 ("sum"); a ``(sum, count)`` loss gives
+  sum of sums / sum of counts; ONE backward of the whole mini-batch's loss per step;
+- BatchNorm: normalization per micro-batch (plain BatchNorm in train mode), running statistics
+  restored and then updated ONCE per step, by a plain BatchNorm forward over the concatenation of all
+  the inputs that layer saw in the step;
+- one optimizer over all parameters, `torch.nn.utils.clip_grad_norm_` before it when asked.
+
+`assert_same_training` builds a GPipe and the reference from one model, runs `steps` steps on each,
+and compares every loss, and after the last step every gradient, parameter and buffer.
 """
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from gpipe_repro import GPipe
-from gpipe_repro.engine.microbatch import split
-from gpipe_repro.engine.rng import seed_layer
 
 RTOL, ATOL = 1e-5, 1e-6
+_M64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """SplitMix64's finalizer (Steele, Lea & Flood, "Fast splittable pseudorandom number
+    generators", OOPSLA 2014; constants from Vigna's splitmix64.c)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def rule_seed(seed: int, step: int, layer: int, microbatch: int) -> int:
+    """The documented rule: mix(mix(mix(mix(seed) ^ step) ^ layer) ^ microbatch), low 63 bits."""
+    h = _mix(_mix(seed & _M64) ^ (step & _M64))
+    h = _mix(h ^ (layer & _M64))
+    return _mix(h ^ (microbatch & _M64)) & ((1 << 63) - 1)
+
+
+def split_batch(value: Any, m: int) -> list[Any]:
+    """M micro-batches of `value` along dim 0 (torch.tensor_split), structure kept."""
+    def pick(v: Any, i: int) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.tensor_split(m)[i] if v.dim() > 0 else v
+        if isinstance(v, (tuple, list)):
+            return type(v)(pick(x, i) for x in v)
+        return v
+    return [pick(value, i) for i in range(m)]
+
+
+def _rows(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.shape[0]
+    return next(_rows(v) for v in value if isinstance(v, (torch.Tensor, tuple, list)) and
+                (not isinstance(v, torch.Tensor) or v.dim() > 0))
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def sgd_momentum(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4)
+
+
+def adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def reference_train(layers: list[nn.Module], batches: Sequence[tuple[Any, Any]], loss_fn: Callable,
+                    micro_batches: int, optimizer: Callable[[Any], torch.optim.Optimizer] = sgd,
+                    seed: int = 0, loss_reduction: str = "mean",
+                    clip_grad_norm: float | None = None,
+                    autocast: torch.dtype | None = None, first_step: int = 0) -> list[float]:
+    """Train `layers` (in place) on `batches`, one step each (numbered from `first_step`); return
+    the step losses."""
+    model = nn.Sequential(*layers).train()
+    params = list(model.parameters())
+    opt = optimizer(params)
+    bns = [mod for mod in model.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
+    losses = []
+    for step, (inputs, targets) in enumerate(batches, start=first_step):
+        saved = [(bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone())
+                 if bn.track_running_stats else None for bn in bns]
+        seen: list[list[torch.Tensor]] = [[] for _ in bns]
+        def keep(j: int, seen: list[list[torch.Tensor]] = seen) -> Callable:
+            return lambda mod, inp: seen[j].append(inp[0].detach())
+        hooks = [bn.register_forward_pre_hook(keep(j)) for j, bn in enumerate(bns)]
+        for p in params:
+            p.grad = None
+        xs, ts = split_batch(inputs, micro_batches), split_batch(targets, micro_batches)
+        n = sum(_rows(t) for t in ts)
+        terms, counts = [], []
+        for m, (x, t) in enumerate(zip(xs, ts)):
+            h = _clone(x)   # a user's own copy: the caller's batch must not change
+            with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+                for i, layer in enumerate(layers):
+                    torch.manual_seed(rule_seed(seed, step, i, m))
+                    h = layer(h)
+                out = loss_fn(h, t)
+            if isinstance(out, tuple):
+                terms.append(out[0].float())
+                counts.append(torch.as_tensor(out[1], dtype=torch.float64))
+            else:
+                terms.append(out.float() * (_rows(t) / n if loss_reduction == "mean" else 1.0))
+        for hook in hooks:
+            hook.remove()
+        total = sum(terms)
+        if counts:
+            total = total / float(sum(counts))
+        total.backward()  # type: ignore[union-attr]
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        opt.step()
+        with torch.no_grad():  # BatchNorm: one update per step from everything it saw
+            for bn, before, inputs_seen in zip(bns, saved, seen):
+                if before is None or not inputs_seen:
+                    continue
+                mean, var, tracked = before
+                tracked += 1
+                momentum = 1.0 / float(tracked) if bn.momentum is None else bn.momentum
+                torch.nn.functional.batch_norm(torch.cat(inputs_seen).float(), mean, var, training=True,
+                                               momentum=momentum, eps=bn.eps)
+                bn.running_mean.copy_(mean)
+                bn.running_var.copy_(var)
+                bn.num_batches_tracked.copy_(tracked)
+        losses.append(float(total.detach()))  # type: ignore[union-attr]
+    return losses
 
 
 def reference_step(layers: list[nn.Module], inputs: Any, targets: Any, loss_fn: Callable,
                    micro_batches: int, lr: float = 0.1, seed: int = 0, step: int = 0,
                    loss_reduction: str = "mean") -> float:
-    params = [p for layer in layers for p in layer.parameters()]
-    for p in params:
-        p.grad = None
-    xs, ts = split(inputs, micro_batches), split(targets, micro_batches)
-    n = sum(t.shape[0] if isinstance(t, torch.Tensor) else t[0].shape[0] for t in ts)
-    total = 0.0
-    for m, (x, t) in enumerate(zip(xs, ts)):
-        h = x
-        for i, layer in enumerate(layers):
-            seed_layer(seed, step, i, m)
-            h = layer(h)
-        size = (t if isinstance(t, torch.Tensor) else t[0]).shape[0]
-        loss = loss_fn(h, t) * (size / n if loss_reduction == "mean" else 1.0)
-        loss.backward()
-        total += loss.item()
-    with torch.no_grad():
-        for p in params:
-            if p.grad is not None:
-                p -= lr * p.grad
-    return total
+    """One plain SGD step of :func:`reference_train` numbered `step`; returns its loss."""
+    return reference_train(layers, [(inputs, targets)], loss_fn, micro_batches,
+                           lambda ps: torch.optim.SGD(ps, lr=lr), seed=seed,
+                           loss_reduction=loss_reduction, first_step=step)[0]
 
 
 def assert_same_training(layers: list[nn.Module], inputs: Any, targets: Any, loss_fn: Callable,
                          partitions: int, micro_batches: int, checkpoint: str,
-                         loss_reduction: str = "mean", rtol: float = RTOL, atol: float = ATOL,
+                         loss_reduction: str | None = None, rtol: float = RTOL, atol: float = ATOL,
+                         steps: int = 1, optimizer: Callable[[Any], torch.optim.Optimizer] = sgd,
+                         batches: Sequence[tuple[Any, Any]] | None = None,
                          **gpipe_kwargs: Any) -> GPipe:
-    """One training step of GPipe vs the reference; compare loss, grads and updated weights."""
+    """`steps` training steps of GPipe vs the reference (each step on the same batch unless
+    `batches` is given); compare every loss, then every gradient, parameter and buffer."""
+    batches = list(batches) if batches is not None else [(inputs, targets)] * steps
+    keep = [(_clone(x), _clone(y)) for x, y in batches]
     ref_layers = copy.deepcopy(layers)
+    kwargs = dict(gpipe_kwargs)
+    if loss_reduction is not None:
+        kwargs["loss_reduction"] = loss_reduction
     pipe = GPipe(copy.deepcopy(layers), partitions=partitions, micro_batches=micro_batches,
-                 checkpoint=checkpoint, loss_fn=loss_fn, loss_reduction=loss_reduction,
-                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), **gpipe_kwargs)
-    loss = pipe.train_step(inputs, targets)
-    ref_loss = reference_step(ref_layers, inputs, targets, loss_fn, micro_batches,
-                              loss_reduction=loss_reduction)
-    where = f"K={partitions} M={micro_batches} checkpoint={checkpoint}"
-    torch.testing.assert_close(torch.tensor(loss), torch.tensor(ref_loss), rtol=rtol, atol=atol,
-                               msg=lambda m: f"loss differs ({where}): {m}")
+                 checkpoint=checkpoint, loss_fn=loss_fn, optimizer=optimizer, **kwargs)
+    losses = [pipe.train_step(x, y) for x, y in batches]
+    for (x, y), (x0, y0) in zip(batches, keep):
+        _assert_equal_values(x, x0, "the caller's inputs were modified")
+        _assert_equal_values(y, y0, "the caller's targets were modified")
+    reduction = loss_reduction or getattr(loss_fn, "reduction", "mean")
+    ref_losses = reference_train(ref_layers, batches, loss_fn, micro_batches, optimizer,
+                                 loss_reduction=reduction if reduction in ("mean", "sum") else "mean",
+                                 clip_grad_norm=gpipe_kwargs.get("clip_grad_norm"),
+                                 autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+                                     gpipe_kwargs.get("precision", "fp32")))
+    where = f"K={partitions} M={micro_batches} checkpoint={checkpoint} balance={pipe.balance}"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=atol,
+                               msg=lambda msg: f"losses differ ({where}): {msg}")
     ours = dict(pipe.unpartitioned().named_parameters())
     theirs = dict(nn.Sequential(*ref_layers).named_parameters())
     assert ours.keys() == theirs.keys()
@@ -72,7 +193,19 @@ def assert_same_training(layers: list[nn.Module], inputs: Any, targets: Any, los
         assert (g is None) == (rg is None), f"{name}: gradient presence differs ({where})"
         if g is not None:
             torch.testing.assert_close(g, rg, rtol=rtol, atol=atol,
-                                       msg=lambda m: f"grad of {name} differs ({where}): {m}")
+                                       msg=lambda msg, name=name: f"grad of {name} differs ({where}): {msg}")
         torch.testing.assert_close(ours[name].detach(), theirs[name].detach(), rtol=rtol, atol=atol,
-                                   msg=lambda m: f"updated {name} differs ({where}): {m}")
+                                   msg=lambda msg, name=name: f"updated {name} differs ({where}): {msg}")
+    our_buffers = dict(pipe.unpartitioned().named_buffers())
+    for name, buf in nn.Sequential(*ref_layers).named_buffers():
+        torch.testing.assert_close(our_buffers[name].float(), buf.float(), rtol=rtol, atol=atol,
+                                   msg=lambda msg, name=name: f"buffer {name} differs ({where}): {msg}")
     return pipe
+
+
+def _assert_equal_values(a: Any, b: Any, what: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), what
+    elif isinstance(a, (tuple, list)):
+        for x, y in zip(a, b):
+            _assert_equal_values(x, y, what)

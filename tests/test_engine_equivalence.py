@@ -1,4 +1,10 @@
-"""GPipe training equals plain training, per parameter, across K, M, checkpoint modes and models."""
+"""GPipe training equals plain training, per parameter, across K, M, checkpoint modes and models.
+
+The reference (tests/equivalence.py) imports no engine code: its own micro-batches, its own dropout
+seeds from the documented rule, its own BatchNorm statistics rule. Every comparison runs 3 steps on
+3 different batches, alternating SGD with momentum and Adam, so the step number, the optimizer state
+and the zeroing of gradients between steps all matter.
+"""
 from __future__ import annotations
 
 import copy
@@ -9,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpipe_repro import GPipe
-from tests.equivalence import assert_same_training, reference_step
+from tests.equivalence import adam, assert_same_training, reference_step, sgd_momentum
 
 KS = [1, 2, 3, 4]
 MS = [1, 2, 3, 7]
@@ -76,8 +82,8 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def data(kind: str, n: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
+def data(kind: str, n: int = 11, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
     if kind == "mlp":
         return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
     if kind == "conv":
@@ -96,9 +102,10 @@ MODELS = {"mlp": (mlp, nn.CrossEntropyLoss()), "conv": (convnet, nn.CrossEntropy
 @pytest.mark.parametrize("k", KS)
 def test_equal_to_plain_training(kind: str, mode: str, k: int) -> None:
     build, loss_fn = MODELS[kind]
-    x, y = data(kind)
-    for m in MS:
-        assert_same_training(build(), x, y, loss_fn, partitions=k, micro_batches=m, checkpoint=mode)
+    batches = [data(kind, seed=3 + step) for step in range(3)]
+    for i, m in enumerate(MS):
+        assert_same_training(build(), None, None, loss_fn, partitions=k, micro_batches=m, checkpoint=mode,
+                             batches=batches, optimizer=(sgd_momentum, adam)[(i + k) % 2], atol=1e-5)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -127,7 +134,8 @@ def test_deferred_batchnorm_running_stats_equal_one_full_batch_pass() -> None:
         plain(x)
     # What each BN really sees under micro-batching: capture its inputs in the reference loop.
     ref = copy.deepcopy(layers)
-    seen: dict[int, list[torch.Tensor]] = {i: [] for i, l in enumerate(ref) if isinstance(l, nn.BatchNorm2d)}
+    seen: dict[int, list[torch.Tensor]] = {i: [] for i, mod in enumerate(ref)
+                                           if isinstance(mod, nn.BatchNorm2d)}
     for i in seen:
         ref[i].register_forward_hook(lambda mod, inp, out, i=i: seen[i].append(inp[0].detach()))
     reference_step(ref, x, y, nn.CrossEntropyLoss(), micro_batches=4)
@@ -142,7 +150,8 @@ def test_deferred_batchnorm_running_stats_equal_one_full_batch_pass() -> None:
             expected(torch.cat(inputs))
         for name in ("running_mean", "running_var", "num_batches_tracked"):
             torch.testing.assert_close(getattr(ours[i], name).float(), getattr(expected, name).float(),
-                                       rtol=1e-5, atol=1e-6, msg=lambda m: f"BN {i} {name}: {m}")
+                                       rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, i=i, name=name: f"BN {i} {name}: {m}")
         if i == first:
             for name in ("running_mean", "running_var"):
                 torch.testing.assert_close(getattr(ours[i], name), getattr(plain[i], name),

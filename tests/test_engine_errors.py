@@ -17,6 +17,7 @@ def layers(n: int = 4) -> list[nn.Module]:
 
 def make(**kw):
     kw.setdefault("loss_fn", nn.MSELoss())
+    kw.setdefault("optimizer", None)
     return GPipe(kw.pop("model", layers()), **kw)
 
 
@@ -39,7 +40,8 @@ def test_micro_batches_below_one() -> None:
 def test_micro_batches_larger_than_batch_leaves_weights_untouched() -> None:
     pipe = make(partitions=2, micro_batches=8, optimizer=lambda p: torch.optim.SGD(p, lr=1.0))
     before = copy.deepcopy(pipe.state_dict())
-    with pytest.raises(ValueError, match="micro_batches=8 is larger than the batch size 5: use micro_batches <= 5"):
+    with pytest.raises(ValueError,
+                       match="micro_batches=8 is larger than the batch size 5: use micro_batches <= 5"):
         pipe.train_step(torch.randn(5, 4), torch.randn(5, 4))
     for k, v in pipe.state_dict().items():
         assert torch.equal(v, before[k])
@@ -103,7 +105,9 @@ def test_bad_checkpoint_mode() -> None:
 
 
 def test_non_scalar_loss() -> None:
-    pipe = make(loss_fn=nn.MSELoss(reduction="none"))
+    with pytest.raises(ValueError, match="reduction='none'.*use reduction='mean' or 'sum'"):
+        make(loss_fn=nn.MSELoss(reduction="none"))
+    pipe = make(loss_fn=lambda out, y: (out - y) ** 2)
     with pytest.raises(TypeError, match="scalar tensor"):
         pipe.train_step(torch.randn(4, 4), torch.randn(4, 4))
 

@@ -29,16 +29,46 @@ def test_generated_schedules_validate(k: int, m: int, mode: str, name: str, ahea
     for stage in range(k):
         kinds = [a.kind for a in s.stages[stage]]
         assert kinds.count(A.FORWARD) == m and kinds.count(A.BACKWARD) == m
-        assert kinds[-1] is A.OPTIMIZER_STEP
+        assert kinds[-2:] == [A.AGREE, A.OPTIMIZER_STEP]
         expected = {"always": m, "except_last": m - 1, "never": 0}[mode]
         assert kinds.count(A.RECOMPUTE) == expected
 
 
 def test_gpipe_picture_fill_then_drain() -> None:
+    # Every stage updates together, after the AGREE barrier (all gradients final everywhere).
     assert gpipe_schedule(3, 4, "never").render() == "\n".join([
         "stage 0 |F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0 U  |",
-        "stage 1 |.  F0 F1 F2 F3 .  .  B3 B2 B1 B0 U  .  |",
-        "stage 2 |.  .  F0 F1 F2 F3 B3 B2 B1 B0 U  .  .  |"])
+        "stage 1 |.  F0 F1 F2 F3 .  .  B3 B2 B1 B0 .  U  |",
+        "stage 2 |.  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .  U  |"])
+
+
+def test_agree_is_a_barrier_in_the_interpreter() -> None:
+    from gpipe_repro.engine.interpreter import run_dataflow
+    events = run_dataflow(gpipe_schedule(3, 2, "never"),
+                          duration=lambda a: {A.FORWARD: 1.0, A.BACKWARD: 2.0, A.AGREE: 0.5}.get(a.kind, 0.0))
+    agree = [e for e in events if e.action.kind is A.AGREE]
+    assert len(agree) == 3
+    last_backward = max(e.end for e in events if e.action.kind is A.BACKWARD)
+    assert all(e.ready == last_backward and e.end == last_backward + 0.5 for e in agree)
+    assert min(e.start for e in events if e.action.kind is A.OPTIMIZER_STEP) == last_backward + 0.5
+
+
+@pytest.mark.parametrize("drop", ["agree", "move"])
+def test_validator_needs_agree_right_before_the_update(drop: str) -> None:
+    good = gpipe_schedule(2, 2, "never")
+    acts = list(good.stages[1])
+    agree = acts.pop(-2)
+    if drop == "move":
+        acts.insert(0, agree)
+    stages = (good.stages[0], tuple(acts))
+    with pytest.raises(ScheduleError, match="AGREE"):
+        dataclasses.replace(good, stages=stages).validate()
+
+
+def test_forward_only_schedule_has_no_agree() -> None:
+    s = gpipe_schedule(2, 3, training=False)
+    assert all(a.kind is not A.AGREE for st in s.stages for a in st)
+    s.validate()
 
 
 def test_bubble_matches_theory_with_unit_costs() -> None:

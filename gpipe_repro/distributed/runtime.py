@@ -7,9 +7,14 @@ returns at once, a RECV blocks until its value has arrived. Nothing here decides
 ``recompute_ahead`` the schedule itself puts each RECOMPUTE before the RECV_GRAD it used to follow,
 and this runtime simply executes it there, so the recomputation overlaps the wait for the gradient.
 
-After the last action (the stage's optimizer step) the step waits for its own sends, then the last
-rank's loss is broadcast so ``train_step`` returns the same loss on every rank; that broadcast is
-also the step's only synchronization point. With ``record`` every action is timestamped on one
+Each training step has one collective: the schedule's AGREE, right before the optimizer step, is a
+small all-reduce (five float64 numbers: the loss, its count, the squared gradient norm, an overflow
+flag) on the control group, after this rank's sends have completed. It is the step's only
+synchronization point and its commit point: no rank updates before every rank has finished every
+action of the step, and every rank gets the same loss, global gradient norm and overflow verdict. A
+rank that fails before it leaves the others waiting there (their receives or the all-reduce time out,
+and the launcher ends the job), so a failed step updates no rank. With ``record`` every action is
+timestamped on one
 clock (:mod:`gpipe_repro.distributed.clock`) and the ranks' events are merged into one
 :class:`~gpipe_repro.engine.timeline.Timeline` on every rank, receives carrying ``ready`` (when the
 matching send started) so the breakdown can tell waiting for a producer from moving bytes.
@@ -34,7 +39,7 @@ from gpipe_repro.distributed.transport import ProcessGroupTransport, signature
 from gpipe_repro.engine import boundary, microbatch
 from gpipe_repro.engine.rng import preserved_rng
 from gpipe_repro.engine.schedule import COMPUTE, RECVS, SENDS, Action, ActionKind, Schedule, ScheduleError
-from gpipe_repro.engine.stage import StageExecutor
+from gpipe_repro.engine.stage import Agreement, StageExecutor, StepConfig
 from gpipe_repro.engine.timeline import Event, Timeline
 
 __all__ = ["StageProcess", "init_distributed", "broadcast_object"]  # what GPipe(runtime=...) loads
@@ -50,7 +55,7 @@ class StageProcess:
         self.rank, self.num_stages = context.rank, executor.num_stages
         # Control messages (clock, loss, timelines, inference outputs) go over a CPU group.
         self.control = control_group()
-        self.transport = ProcessGroupTransport(context, prepost=prepost)
+        self.transport = ProcessGroupTransport(context, prepost=prepost, agree_group=self.control)
         executor.transport = self.transport
         self.record = False
         self.last_timeline: Timeline | None = None
@@ -61,16 +66,19 @@ class StageProcess:
 
     # -- steps --------------------------------------------------------------------------------------
     def train_step(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any],
-                   weights: list[float]) -> float:
-        """Run this rank's actions for one mini-batch; return the mini-batch loss (on every rank)."""
-        start = self._run(schedule, step, microbatches, targets, weights)
-        loss = self._broadcast_loss(self.executor.end_step())
+                   weights: list[float], config: StepConfig | None = None) -> Agreement:
+        """Run this rank's actions for one mini-batch; return what the ranks agreed on (the same on
+        every rank: the mini-batch loss, the global gradient norm, whether the update was skipped)."""
+        start = self._run(schedule, step, microbatches, targets, weights, config)
+        self.executor.end_step()
         self._finish(start, schedule)
-        return loss
+        assert self.executor.agreement is not None
+        return self.executor.agreement
 
-    def forward(self, schedule: Schedule, step: int, microbatches: list[Any]) -> Any:
+    def forward(self, schedule: Schedule, step: int, microbatches: list[Any],
+                config: StepConfig | None = None) -> Any:
         """Pipelined inference; the whole batch's output on every rank (on its device)."""
-        start = self._run(schedule, step, microbatches, None, None)
+        start = self._run(schedule, step, microbatches, None, None, config)
         out = None
         if self.executor.is_last:
             out = microbatch.join([self.executor.outputs[i] for i in range(len(microbatches))])
@@ -81,7 +89,7 @@ class StageProcess:
 
     # -- internals ----------------------------------------------------------------------------------
     def _run(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any] | None,
-             weights: list[float] | None) -> float:
+             weights: list[float] | None, config: StepConfig | None = None) -> float:
         if schedule.num_stages != self.num_stages:
             raise ScheduleError(f"a schedule for {schedule.num_stages} stages on a job of "
                                 f"{self.num_stages} stage processes")
@@ -93,14 +101,19 @@ class StageProcess:
         ex.clock = (self._device_clock if cuda else self._clock) if self.record else None
         start = self._clock()
         ex.begin_step(step, schedule, microbatches if ex.stage == 0 else None,
-                      targets if ex.is_last else None, weights if ex.is_last else None)
+                      targets if ex.is_last else None, weights if ex.is_last else None, config)
         actions = schedule.stages[self.rank]
         self.transport.begin_step(signature(microbatches, schedule.training), actions)
-        with preserved_rng([self.context.device]):
-            for a in actions:
-                if a.kind in COMPUTE:
-                    self.transport.release_sent()
-                ex.execute(a)
+        try:
+            with preserved_rng([self.context.device]):
+                for a in actions:
+                    if a.kind in COMPUTE:
+                        self.transport.release_sent()
+                    ex.execute(a)
+        except BaseException:
+            for bn in ex.batchnorms:   # all-or-nothing: drop what the failed step accumulated
+                bn.discard()
+            raise
         self.transport.finish_step()
         if self.context.device.type == "cuda":
             torch.cuda.synchronize(self.context.device)  # the step is over when its kernels are
@@ -119,11 +132,6 @@ class StageProcess:
         end is when its work ended, not when it was queued (recording costs that overlap)."""
         torch.cuda.synchronize(self.context.device)
         return self._clock()
-
-    def _broadcast_loss(self, loss: float | None) -> float:
-        buf = torch.tensor([0.0 if loss is None else loss], dtype=torch.float64)
-        dist.broadcast(buf, src=self.num_stages - 1, group=self.control)
-        return float(buf.item())
 
     def _gather_timeline(self, start: float, schedule: Schedule) -> Timeline:
         mine = (start, [(e.kind, e.microbatch, e.start, e.end) for e in self.executor.events],

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -100,8 +100,10 @@ class ProcessGroupTransport:
     """The :class:`~gpipe_repro.engine.stage.Transport` between stage processes (see module docstring)."""
 
     def __init__(self, context: StageContext, prepost: bool = True,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None,
+                 agree_group: dist.ProcessGroup | None = None) -> None:
         self.rank, self.device, self.group = context.rank, context.device, group
+        self.agree_group = agree_group   # a CPU (gloo) group for the AGREE all-reduce
         self.timeout = datetime.timedelta(seconds=context.timeout_s)
         self.prepost = prepost and context.backend == "gloo"
         self.specs: dict[Hashable, dict[tuple[int, int, int], Spec]] = {}
@@ -150,6 +152,17 @@ class ProcessGroupTransport:
 
     def recv_gradient(self, stage: int, microbatch: int) -> list[torch.Tensor | None]:
         return list(self._recv(GRADIENT, stage + 1, microbatch))
+
+    def agree(self, stage: int, contribution: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """AGREE: wait for this rank's sends, then one all-reduce (sum) of the stages' small vectors
+        on the CPU control group; a rank that never arrives makes this time out (PeerFailure)."""
+        sends, self._sends = self._sends, []
+        for work, _, _, dst in sends:
+            self._wait(work, f"sending to rank {dst}", dst)
+        vec = contribution().to(torch.float64).cpu()
+        work = dist.all_reduce(vec, group=self.agree_group, async_op=True)
+        self._wait(work, "agreeing on the step (the all-reduce before the update)", None)
+        return vec
 
     # -- internals ----------------------------------------------------------------------------------
     def _send(self, kind: int, src: int, dst: int, microbatch: int, value: Any) -> None:
@@ -227,12 +240,13 @@ class ProcessGroupTransport:
                 f"rank {src}: {_show(key)}; rank {self.rank}: {_show(self._key)}")
         return spec
 
-    def _wait(self, work: dist.Work, doing: str, peer: int) -> None:
+    def _wait(self, work: dist.Work, doing: str, peer: int | None) -> None:
         try:
             work.wait(self.timeout)
         except Exception as e:  # gloo raises RuntimeError/DistBackendError with the socket's story
             raise PeerFailure(
-                f"rank {self.rank} lost rank {peer} while {doing} (it died, failed or did not answer "
+                f"rank {self.rank} lost {'a rank' if peer is None else f'rank {peer}'} while {doing} "
+                f"(it died, failed or did not answer "
                 f"within {self.timeout.total_seconds():g} s): {e}", peer) from e
 
     def release_sent(self) -> None:

@@ -17,6 +17,8 @@ from torch import nn
 
 from gpipe_repro.engine.recompute import is_recomputing
 
+__all__ = ["DeferredBatchNorm", "commit_all"]
+
 
 class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
     """A BatchNorm whose running statistics are committed once per mini-batch (see module doc)."""
@@ -68,9 +70,14 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype), alpha=momentum)
         self._count, self._mean, self._m2 = 0, None, None
 
+    def discard(self) -> None:
+        """Drop statistics accumulated but not committed (a step that failed before its update)."""
+        self._count, self._mean, self._m2 = 0, None, None
+
     @classmethod
     def convert(cls, module: nn.Module) -> nn.Module:
-        """Return `module` with every BatchNorm{1,2,3}d replaced by a DeferredBatchNorm (in place for children)."""
+        """Return `module` with every BatchNorm{1,2,3}d replaced by a DeferredBatchNorm (in place for
+        children)."""
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
                 module, (cls, nn.SyncBatchNorm)):
             new = cls(module.num_features, module.eps, module.momentum, module.affine,

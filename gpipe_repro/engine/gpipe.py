@@ -27,14 +27,16 @@ import torch
 from torch import nn
 
 from gpipe_repro.engine import microbatch
-from gpipe_repro.engine.batchnorm import DeferredBatchNorm
+from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_all
 from gpipe_repro.engine.layer_costs import layer_costs
 from gpipe_repro.engine.local_runtime import LocalTransport, run_local
 from gpipe_repro.engine.partition import OBJECTIVES, check_balance, partition
 from gpipe_repro.engine.rng import preserved_rng
 from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES, Schedule, gpipe_schedule, make_schedule
-from gpipe_repro.engine.stage import LossFn, StageExecutor, wall_clock
+from gpipe_repro.engine.stage import PRECISIONS, Agreement, LossFn, StageExecutor, StepConfig, wall_clock
 from gpipe_repro.engine.timeline import Timeline
+
+__all__ = ["GPipe", "OptimizerFactory", "RUNTIMES", "as_layers", "split_cells"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 RUNTIMES = ("local", "distributed")
@@ -98,15 +100,86 @@ def _check_shared_parameters(cells: list[nn.Sequential]) -> None:
                                  "untie them")
 
 
-class GPipe(nn.Module):
-    """Pipeline-parallel training of a sequence of layers (see the module docstring)."""
+class _Unset:
+    def __repr__(self) -> str:
+        return "<not given>"
 
-    def __init__(self, layers: nn.Sequential | Sequence[nn.Module], partitions: int = 1,
+
+_NOT_GIVEN: Any = _Unset()
+LOSS_SCALER = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5,
+               "growth_interval": 2000}   # torch.amp.GradScaler's defaults
+
+
+def _declared_reduction(loss_fn: Any) -> str | None:
+    """The reduction a loss declares (``nn.CrossEntropyLoss(reduction=...)``), normalized; None if
+    it declares none. Raises for a loss that does not reduce."""
+    declared = getattr(loss_fn, "reduction", None)
+    if not isinstance(declared, str):
+        return None
+    if declared == "batchmean":   # nn.KLDivLoss: sum / batch size, a per-example mean
+        return "mean"
+    if declared not in ("mean", "sum"):
+        raise ValueError(f"loss_fn has reduction={declared!r}; the pipeline needs a scalar loss per "
+                         "micro-batch: use reduction='mean' or 'sum', or return (sum, count)")
+    return declared
+
+
+class GPipe(nn.Module):
+    """Pipeline-parallel training of a sequence of layers (see the module docstring).
+
+    A step equals full-batch training of the same layers (same loss, same gradients, same update)
+    whatever K, M, the cut, the checkpoint mode or the runtime, under the rules of docs/design.md
+    (dropout masks a function of (seed, step, layer, micro-batch); BatchNorm normalizes per
+    micro-batch and commits running statistics once per step). Any layer may work in place. A step
+    is all-or-nothing: if any action of any stage raises, no parameter, optimizer state, BatchNorm
+    statistic or step counter changes (the schedule's AGREE barrier comes before every update).
+
+    Args:
+        layers: the model as an ``nn.Sequential`` or a list of modules, run in order. Each module
+            object may appear once. Layers exchange a tensor or a tuple of tensors and plain values.
+        partitions: K, the number of stages (cells), 1 <= K <= number of layers.
+        micro_batches: M, the number of micro-batches each mini-batch is split into
+            (``torch.tensor_split``: sizes differ by at most one); needs M <= the batch size.
+        checkpoint: re-materialization: "always", "except_last" (default) or "never".
+        balance: the number of layers per cell; default: the partitioner on `cost`.
+        cost: per-layer cost for the partitioner: "params" (default), "flops", "time",
+            "activations" (the last three need `sample`), or a list of floats.
+        sample: an input batch for measured costs (never modified).
+        objective: the partitioner's objective: "bottleneck", "variance", "greedy" or "equal".
+        devices: one device per cell (default: where each cell's parameters are).
+        loss_fn: ``loss_fn(output, targets)`` of one micro-batch: a 0-dim tensor, or ``(sum, count)``
+            (a summed loss and what it counts, e.g. non-padding tokens): then the mini-batch loss is
+            sum of sums / sum of counts, exactly a token-mean over the whole mini-batch.
+        loss_reduction: "mean" or "sum": how micro-batch losses combine (weights n_m/N or 1). Read
+            from ``loss_fn.reduction`` when the loss has one; giving a different value is an error.
+            Default "mean". Ignored for ``(sum, count)`` losses.
+        optimizer: ``params -> torch.optim.Optimizer``, called once per cell. Pass None explicitly
+            to compute gradients without updating; leaving it out makes ``train_step`` an error.
+        clip_grad_norm: clip the global L2 norm of all cells' gradients to this value before the
+            update, as ``torch.nn.utils.clip_grad_norm_`` on the whole model would; None: no clipping.
+        precision: "fp32" (default), "bf16" or "fp16": each cell runs under ``torch.autocast`` with
+            that dtype, parameters and optimizer states stay fp32, floating boundary values cross in
+            the low dtype. "fp16" adds a dynamic loss scale (GradScaler's rule): if any gradient of any
+            cell is not finite, no cell updates and the scale halves.
+        schedule: "gpipe" (fill-drain) or "1f1b".
+        recompute_ahead: put each recomputation before the wait for its gradient.
+        seed: the seed of dropout masks.
+        deferred_batchnorm: convert BatchNorm layers to :class:`DeferredBatchNorm`.
+        runtime: "local" (all cells in this process) or "distributed" (one process per cell).
+
+    Raises:
+        TypeError: `layers` is not a sequence of modules.
+        ValueError: any argument out of range or inconsistent (the message says what to change),
+            checked before any work starts.
+    """
+
+    def __init__(self, layers: nn.Sequential | Sequence[nn.Module], *, partitions: int = 1,
                  micro_batches: int = 1, checkpoint: str = "except_last",
                  balance: Sequence[int] | None = None, cost: str | Sequence[float] = "params",
                  sample: Any = None, objective: str = "bottleneck",
                  devices: Sequence[torch.device | str] | None = None, loss_fn: LossFn | None = None,
-                 loss_reduction: str = "mean", optimizer: OptimizerFactory | None = None,
+                 loss_reduction: str | None = None, optimizer: OptimizerFactory | None = _NOT_GIVEN,
+                 clip_grad_norm: float | None = None, precision: str = "fp32",
                  schedule: str = "gpipe", recompute_ahead: bool = False, seed: int = 0,
                  deferred_batchnorm: bool = True, runtime: str = "local") -> None:
         super().__init__()
@@ -121,8 +194,18 @@ class GPipe(nn.Module):
             raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-        if loss_reduction not in ("mean", "sum"):
+        if loss_reduction not in (None, "mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        declared = _declared_reduction(loss_fn)
+        if declared is not None and loss_reduction is not None and loss_reduction != declared:
+            raise ValueError(f"loss_fn has reduction={loss_fn.reduction!r} but "
+                             f"loss_reduction={loss_reduction!r}: leave loss_reduction out (it is read "
+                             f"from the loss), or build the loss with reduction={loss_reduction!r}")
+        if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float))
+                                               and clip_grad_norm > 0):
+            raise ValueError(f"clip_grad_norm must be a number > 0 (or None), got {clip_grad_norm!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
         if runtime not in RUNTIMES:
@@ -165,12 +248,22 @@ class GPipe(nn.Module):
         self.balance = list(balance)
         self.partitions, self.micro_batches = partitions, micro_batches
         self.checkpoint, self.schedule_name, self.recompute_ahead = checkpoint, schedule, recompute_ahead
-        self.loss_fn, self.loss_reduction = loss_fn, loss_reduction
+        self.loss_fn = loss_fn
+        self.loss_reduction = declared or loss_reduction or "mean"
+        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+        self.precision = precision
+        self.loss_scale = LOSS_SCALER["init_scale"] if precision == "fp16" else 1.0
+        self._growth_tracker = 0
+        self.last_grad_norm: float | None = None   # the global gradient norm of the last step
+        self.last_step_skipped = False             # fp16: the last step overflowed and was skipped
+        self._has_optimizer = optimizer is not _NOT_GIVEN
+        factory = None if optimizer is _NOT_GIVEN else optimizer
         # One optimizer per cell; a cell with no parameters (e.g. only activations) has none.
         self.optimizers: list[torch.optim.Optimizer | None] = [
-            optimizer(list(c.parameters())) if optimizer and any(True for _ in c.parameters()) else None
+            factory(list(c.parameters())) if factory and any(True for _ in c.parameters()) else None
             for c in self.cells]
         self.seed, self.step = int(seed), 0
+        self._forward_calls = 0
         self.record_timeline = False
         self.last_timeline: Timeline | None = None
         self._transport = LocalTransport(self.devices)
@@ -186,49 +279,84 @@ class GPipe(nn.Module):
 
     # -- training ---------------------------------------------------------------------------------
     def make_schedule(self) -> Schedule:
+        """The training schedule this pipeline runs (validated by the tests, drawn by ``render()``)."""
         return make_schedule(self.schedule_name, self.partitions, self.micro_batches, self.checkpoint,
                              self.recompute_ahead)
 
     def train_step(self, inputs: Any, targets: Any) -> float:
         """Run one mini-batch: M micro-batches through the pipeline, one synchronous update per cell.
-        Returns the mini-batch loss (mean or sum over examples, as `loss_reduction` says)."""
+        Returns the mini-batch loss (mean or sum over examples as `loss_reduction` says, or sum of sums
+        / sum of counts for a ``(sum, count)`` loss). All-or-nothing: if it raises, nothing changed."""
         if self.loss_fn is None:
             raise ValueError("train_step needs a loss_fn: GPipe(..., loss_fn=nn.CrossEntropyLoss())")
+        if not self._has_optimizer:
+            raise ValueError("train_step needs an optimizer: GPipe(..., optimizer=lambda params: "
+                             "torch.optim.SGD(params, lr=0.1)); pass optimizer=None to compute "
+                             "gradients without updating")
         mbs, tgts, sizes = self._split(inputs, targets)
         n = sum(sizes)
         weights = [s / n for s in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
         schedule = self.make_schedule()
+        config = StepConfig(self.precision, self.clip_grad_norm, self.loss_scale)
         if self.stage_process is not None:
             self.stage_process.record = self.record_timeline
-            loss = self.stage_process.train_step(schedule, self.step, mbs, tgts, weights)
+            agreement = self.stage_process.train_step(schedule, self.step, mbs, tgts, weights, config)
             self.last_timeline = self.stage_process.last_timeline
-            self.step += 1
-            return loss
-        self._run(schedule, mbs, tgts, weights)
+        else:
+            self._run(schedule, mbs, tgts, weights, config)
+            for e in self.executors:
+                e.end_step()
+            agreement = self.executors[-1].agreement
+        assert agreement is not None
         self.step += 1
-        loss = self.executors[-1].end_step()
-        for e in self.executors[:-1]:
-            e.end_step()
-        assert loss is not None
-        return loss
+        self._after_step(agreement)
+        return agreement.loss
+
+    def _after_step(self, agreement: Agreement) -> None:
+        """Record the agreed numbers; update the fp16 loss scale (torch.amp.GradScaler's rule:
+        halve on overflow, double after `growth_interval` clean steps)."""
+        self.last_grad_norm, self.last_step_skipped = agreement.grad_norm, agreement.skip
+        if self.precision != "fp16":
+            return
+        if agreement.skip:
+            self.loss_scale *= LOSS_SCALER["backoff_factor"]
+            self._growth_tracker = 0
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == LOSS_SCALER["growth_interval"]:
+                self.loss_scale *= LOSS_SCALER["growth_factor"]
+                self._growth_tracker = 0
 
     @torch.no_grad()
     def forward(self, inputs: Any) -> Any:
         """Pipelined inference: the whole batch's output (on the last cell's device; with
-        runtime="distributed", on every rank), no gradient. Use :meth:`train_step` to train."""
+        runtime="distributed", on every rank), no gradient. Use :meth:`train_step` to train.
+
+        In eval mode the output does not depend on M, so a batch smaller than M (the last batch of
+        an epoch, one sentence to decode) runs as min(M, N) micro-batches. In training mode the
+        output depends on M (BatchNorm normalizes per micro-batch), so, as for ``train_step``, a batch
+        smaller than M is an error; each call draws fresh dropout masks."""
         n = microbatch.batch_size(inputs)
-        m = min(self.micro_batches, n)
+        m = self.micro_batches if self.training else min(self.micro_batches, n)
+        if m > n:
+            raise ValueError(f"micro_batches={m} is larger than the batch size {n} in training mode: "
+                             f"use micro_batches <= {n}, a larger batch, or pipe.eval()")
+        mbs = microbatch.split(inputs, m)
         schedule = gpipe_schedule(self.partitions, m, training=False)
+        # Masks of a forward() call must differ between calls and from every training step's:
+        # negative step numbers are never used by train_step.
+        step = -1 - self._forward_calls
+        self._forward_calls += 1
+        config = StepConfig(self.precision)
         if self.stage_process is not None:
             self.stage_process.record = self.record_timeline
-            out = self.stage_process.forward(schedule, self.step, microbatch.split(inputs, m))
+            out = self.stage_process.forward(schedule, step, mbs, config)
             self.last_timeline = self.stage_process.last_timeline
         else:
-            self._run(schedule, microbatch.split(inputs, m), None, None)
+            self._run(schedule, mbs, None, None, config, step)
             last = self.executors[-1]
             out = microbatch.join([last.outputs[i] for i in range(m)])
         if self.training:
-            from gpipe_repro.engine.batchnorm import commit_all
             for cell in self.cells:
                 commit_all(cell)
         return out
@@ -242,21 +370,50 @@ class GPipe(nn.Module):
             raise ValueError(f"targets have batch size {microbatch.batch_size(targets)} but inputs {n}")
         sizes = microbatch.split_sizes(n, self.micro_batches)
         return (microbatch.split(inputs, self.micro_batches),
-                microbatch.split(targets, self.micro_batches), sizes)
+                [] if targets is None else microbatch.split(targets, self.micro_batches), sizes)
 
     def _run(self, schedule: Schedule, mbs: list[Any], tgts: list[Any] | None,
-             weights: list[float] | None) -> None:
+             weights: list[float] | None, config: StepConfig, step: int | None = None) -> None:
         clock = wall_clock() if self.record_timeline else None
         for e in self.executors:
             e.clock = clock
-            e.begin_step(self.step, schedule, mbs if e.stage == 0 else None,
-                         tgts if e.is_last else None, weights if e.is_last else None)
+            e.begin_step(self.step if step is None else step, schedule, mbs if e.stage == 0 else None,
+                         tgts if e.is_last else None, weights if e.is_last else None, config)
         self._transport.box.clear()
-        with preserved_rng(self.devices):
-            run_local(schedule, self.executors, self._transport)
+        try:
+            with preserved_rng(self.devices):
+                run_local(schedule, self.executors, self._transport)
+        except BaseException:
+            for e in self.executors:   # all-or-nothing: drop what the failed step accumulated
+                for bn in e.batchnorms:
+                    bn.discard()
+            raise
         if clock is not None:
             self.last_timeline = Timeline(self.partitions, [ev for e in self.executors for ev in e.events],
                                           {"runtime": "local", "schedule": schedule.name})
+
+    def _apply(self, fn: Any, recurse: bool = True) -> GPipe:
+        """After ``.to()``/``.cuda()``/``.cpu()``, keep `devices` (and the executors) where the cells are."""
+        super()._apply(fn, recurse)
+        for s, cell in enumerate(self.cells):
+            t = next(iter([*cell.parameters(), *cell.buffers()]), None)
+            if t is not None:
+                self.devices[s] = t.device
+        self._sync_devices()
+        return self
+
+    def to(self, *args: Any, **kwargs: Any) -> GPipe:
+        """``nn.Module.to``; a device given moves every cell there, the device list included."""
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        super().to(*args, **kwargs)
+        if device is not None:
+            self.devices[:] = [torch.device(device)] * len(self.devices)
+            self._sync_devices()
+        return self
+
+    def _sync_devices(self) -> None:
+        for e in self.executors:
+            e.device = self.devices[e.stage]
 
     # -- state ------------------------------------------------------------------------------------
     def unpartitioned(self) -> nn.Sequential:
@@ -268,9 +425,12 @@ class GPipe(nn.Module):
         """Everything a resumed run needs: weights, buffers, optimizer states, step and seed."""
         return {"model": self.state_dict(),
                 "optimizers": [None if o is None else o.state_dict() for o in self.optimizers],
-                "step": self.step, "seed": self.seed, "balance": self.balance}
+                "step": self.step, "seed": self.seed, "balance": self.balance,
+                "loss_scale": self.loss_scale, "growth_tracker": self._growth_tracker,
+                "forward_calls": self._forward_calls}
 
     def load_training_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`training_state` saved (the cut must be the same)."""
         if list(state["balance"]) != self.balance:
             raise ValueError(f"the saved state was cut as {state['balance']} but this pipeline is "
                              f"{self.balance}: build GPipe with balance={state['balance']}")
@@ -279,5 +439,8 @@ class GPipe(nn.Module):
             if o is not None:
                 o.load_state_dict(s)
         self.step, self.seed = int(state["step"]), int(state["seed"])
+        self.loss_scale = float(state.get("loss_scale", self.loss_scale))
+        self._growth_tracker = int(state.get("growth_tracker", 0))
+        self._forward_calls = int(state.get("forward_calls", 0))
         for e in self.executors:
             e.seed = self.seed

@@ -1,10 +1,13 @@
 """Executing a schedule's dataflow semantics in virtual time.
 
-One function, :func:`run_dataflow`, defines what it means to run a :class:`~gpipe_repro.engine.schedule.Schedule`
+One function, :func:`run_dataflow`, defines what it means to run a
+:class:`~gpipe_repro.engine.schedule.Schedule`
 when every action has a duration: each stage runs its actions in order, one at a time; a send costs
 its own duration on the sender and then occupies the directed link for `transfer(action)` seconds
 (transfers on one link go one after another); a receive blocks its stage until the matching transfer
-has arrived. Nothing else is assumed, so the same function serves three purposes:
+has arrived; a barrier (AGREE) blocks every stage until all stages have reached theirs, and then
+runs on all of them at once (it starts, for each, when it began waiting; it ends at the latest
+arrival plus its duration). Nothing else is assumed, so the same function serves three purposes:
 
 - ``Schedule.validate()`` runs it with unit durations: if some stage can never proceed, the schedule
   would deadlock a real runtime, and it says which actions are stuck;
@@ -16,7 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpipe_repro.engine.schedule import RECVS, SENDS, Action, Schedule, ScheduleError
+from gpipe_repro.engine.schedule import BARRIERS, RECVS, SENDS, Action, Schedule, ScheduleError
+
+__all__ = ["SimEvent", "run_dataflow"]
 
 
 @dataclass(frozen=True)
@@ -24,7 +29,8 @@ class SimEvent:
     action: Action
     start: float   # when the stage began the action (for a receive: when it began waiting)
     end: float     # when the stage was free again (for a receive: when the data had arrived)
-    ready: float | None = None  # receives only: when the data arrived (end = max(start, ready))
+    ready: float | None = None  # receives: when the data arrived (end = max(start, ready));
+    #                             barriers: when the last stage reached the barrier
 
 
 def run_dataflow(schedule: Schedule, duration: Callable[[Action], float],
@@ -47,6 +53,8 @@ def run_dataflow(schedule: Schedule, duration: Callable[[Action], float],
         for s, actions in enumerate(schedule.stages):
             while pc[s] < len(actions):
                 a = actions[pc[s]]
+                if a.kind in BARRIERS:
+                    break  # released below, once every stage waits at one
                 if a.kind in RECVS:
                     if a not in arrived:
                         break  # the sender has not reached its send yet
@@ -68,8 +76,20 @@ def run_dataflow(schedule: Schedule, duration: Callable[[Action], float],
                 pc[s] += 1
                 remaining -= 1
                 progressed = True
+        waiting = [pc[s] < len(st) and st[pc[s]].kind in BARRIERS for s, st in enumerate(schedule.stages)]
+        if all(waiting):
+            ready = max(clock)
+            for s, st in enumerate(schedule.stages):
+                a = st[pc[s]]
+                end = ready + duration(a)
+                events.append(SimEvent(a, clock[s], end, ready))
+                clock[s] = end
+                pc[s] += 1
+                remaining -= 1
+            progressed = True
         if not progressed:
             stuck = [str(st[pc[s]]) + f"@stage{s}" for s, st in enumerate(schedule.stages) if pc[s] < len(st)]
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks: every unfinished stage waits on a "
-                                f"receive whose send never comes ({', '.join(stuck)})")
+                                f"receive whose send never comes or at a barrier another stage never reaches "
+                                f"({', '.join(stuck)})")
     return events

@@ -11,7 +11,9 @@ Five sources, because each answers a different question:
   or to send.
 - a list the caller gives.
 
-Layers are fed the sample in sequence, so each is measured on its real input.
+Layers are fed the sample in sequence, so each is measured on its real input. Each measurement feeds
+its layer a fresh copy of that input, so in-place layers (``ReLU(inplace=True)``) neither corrupt
+the next layer's input nor the caller's `sample`, and never modify an autograd leaf.
 """
 from __future__ import annotations
 
@@ -27,7 +29,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_repro.engine import boundary
 
+__all__ = ["METHODS", "layer_inputs", "measure_layer", "layer_flops", "param_bytes", "activation_bytes",
+           "layer_costs"]
+
 METHODS = ("time", "flops", "params", "activations")
+
+
+def _copy(value: Any) -> Any:
+    """A copy of every tensor of `value` that a layer may modify in place (gradients flow through)."""
+    return boundary.map_tensors(value, lambda t: t.clone())
 
 
 def layer_inputs(layers: Sequence[nn.Module], sample: Any) -> list[Any]:
@@ -37,7 +47,7 @@ def layer_inputs(layers: Sequence[nn.Module], sample: Any) -> list[Any]:
     with torch.no_grad():
         for layer in layers:
             inputs.append(x)
-            x = copy.deepcopy(layer)(x)
+            x = copy.deepcopy(layer)(_copy(x))
     return inputs
 
 
@@ -58,7 +68,7 @@ def measure_layer(layer: nn.Module, x: Any, device: torch.device | str = "cpu", 
     layer = copy.deepcopy(layer).to(device).train()
     fwd, bwd = [], []
     for i in range(warmup + repeats):
-        inp = boundary.attach(x, device)
+        inp = _copy(boundary.attach(x, device))
         _sync(device)
         t0 = time.perf_counter()
         out = layer(inp)
@@ -79,7 +89,8 @@ def measure_layer(layer: nn.Module, x: Any, device: torch.device | str = "cpu", 
 def layer_flops(layer: nn.Module, x: Any) -> int:
     """Forward + backward FLOPs of `layer` on `x` (torch.utils.flop_counter)."""
     layer = copy.deepcopy(layer)
-    inp = boundary.attach(x, torch.device("cpu") if not boundary.tensors(x) else boundary.tensors(x)[0].device)
+    inp = _copy(boundary.attach(x, torch.device("cpu") if not boundary.tensors(x)
+                                else boundary.tensors(x)[0].device))
     with FlopCounterMode(display=False) as counter:
         out = layer(inp)
         s = _floating_sum(out)
@@ -89,10 +100,12 @@ def layer_flops(layer: nn.Module, x: Any) -> int:
 
 
 def param_bytes(layer: nn.Module) -> int:
+    """Bytes of `layer`'s parameters."""
     return sum(p.numel() * p.element_size() for p in layer.parameters())
 
 
 def activation_bytes(value: Any) -> int:
+    """Bytes of the tensors of a boundary value."""
     return sum(t.numel() * t.element_size() for t in boundary.tensors(value))
 
 
@@ -113,7 +126,8 @@ def layer_costs(layers: Sequence[nn.Module], method: str | Sequence[float] = "pa
     inputs = layer_inputs(layers, sample)
     if method == "activations":
         with torch.no_grad():
-            return [float(activation_bytes(copy.deepcopy(layer)(x))) for layer, x in zip(layers, inputs)]
+            return [float(activation_bytes(copy.deepcopy(layer)(_copy(x))))
+                    for layer, x in zip(layers, inputs)]
     if method == "flops":
         return [float(layer_flops(layer, x)) for layer, x in zip(layers, inputs)]
     return [sum(measure_layer(layer, x, device, repeats)) for layer, x in zip(layers, inputs)]

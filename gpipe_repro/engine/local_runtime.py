@@ -8,16 +8,23 @@ Values travel through :class:`LocalTransport`, a mailbox; moving them to the nex
 the only "communication". On a multi-GPU host kernels are queued asynchronously on each device, so
 stages overlap for real even though one Python thread drives them. On a single device with K cells
 this is the paper's "Pipeline-1": re-materialization without parallelism.
+
+AGREE is a barrier: a stage that reaches it waits until every stage has; then the runtime sums the
+stages' contributions once and every AGREE reads that sum. An exception in any action propagates
+from :func:`run_local` before any stage passes its AGREE, so no cell has updated.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from gpipe_repro.engine import boundary
-from gpipe_repro.engine.schedule import RECVS, Action, ActionKind, Schedule, ScheduleError
+from gpipe_repro.engine.schedule import BARRIERS, RECVS, Action, ActionKind, Schedule, ScheduleError
 from gpipe_repro.engine.stage import StageExecutor
+
+__all__ = ["LocalTransport", "run_local"]
 
 
 class LocalTransport:
@@ -26,6 +33,7 @@ class LocalTransport:
     def __init__(self, devices: list[torch.device]) -> None:
         self.devices = devices
         self.box: dict[Action, Any] = {}
+        self.agreed: torch.Tensor | None = None   # the summed AGREE vector, set by run_local
 
     def ready(self, action: Action) -> bool:
         return action in self.box
@@ -45,18 +53,25 @@ class LocalTransport:
         device = self.devices[stage]
         return [None if g is None else g.to(device, non_blocking=True) for g in grads]
 
+    def agree(self, stage: int, contribution: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if self.agreed is None:
+            raise RuntimeError(f"stage {stage} reached AGREE outside the local runtime's barrier")
+        return self.agreed
+
 
 def run_local(schedule: Schedule, executors: list[StageExecutor], transport: LocalTransport) -> None:
     """Execute `schedule` over `executors` (one per stage) in this process."""
     pcs = [0] * schedule.num_stages
     remaining = sum(len(a) for a in schedule.stages)
+    transport.agreed = None
     while remaining:
         progressed = False
         for s, actions in enumerate(schedule.stages):
             # Run this stage up to and including its next compute action, or until it must wait.
             while pcs[s] < len(actions):
                 a = actions[pcs[s]]
-                if a.kind in RECVS and not transport.ready(a):
+                if (a.kind in RECVS and not transport.ready(a)) or (
+                        a.kind in BARRIERS and transport.agreed is None):
                     break
                 executors[s].execute(a)
                 pcs[s] += 1
@@ -64,6 +79,10 @@ def run_local(schedule: Schedule, executors: list[StageExecutor], transport: Loc
                 progressed = True
                 if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
                     break
+        if not progressed and transport.agreed is None and all(
+                pcs[s] < len(st) and st[pcs[s]].kind in BARRIERS for s, st in enumerate(schedule.stages)):
+            transport.agreed = sum(e.contribution() for e in executors)  # type: ignore[assignment]
+            progressed = True
         if not progressed:
             stuck = [f"{st[pcs[s]]}@stage{s}" for s, st in enumerate(schedule.stages) if pcs[s] < len(st)]
             raise ScheduleError(f"local runtime: no stage can proceed ({', '.join(stuck)})")

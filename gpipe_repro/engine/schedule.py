@@ -10,11 +10,19 @@ and instant links (``print(gpipe_schedule(3, 4, "never").render())``)::
     stage 2 |.  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .  U |
 
 Fill (the forward wave), drain (the backward wave in reverse micro-batch order), then one synchronous
-update per stage. The dots are the bubble, (K-1)/(M+K-1) of the time when cells are balanced.
+update per stage, after an AGREE barrier (below). The dots are the bubble, (K-1)/(M+K-1) of the time
+when cells are balanced.
 
 With re-materialization a checkpointed micro-batch has a RECOMPUTE right before its BACKWARD. With
 ``recompute_ahead`` the RECOMPUTE is placed *before* the stage waits for that micro-batch's gradient,
 so the recomputation overlaps the wait (the paper's reason its bubble is smaller than theory).
+
+Every training schedule has, on every stage, one AGREE right before its OPTIMIZER_STEP: the point
+where all stages' gradients are final and the stages agree (one small all-reduce in the distributed
+runtime) on the step's loss, its global gradient norm and whether any gradient overflowed. It is a
+barrier: no stage passes its AGREE before every stage has reached its own, so no cell updates before
+every action of every stage has succeeded (all-or-nothing steps), and global clipping and the fp16
+overflow check read the agreed numbers.
 """
 from __future__ import annotations
 
@@ -35,15 +43,17 @@ class ActionKind(str, Enum):
     BACKWARD = "backward"
     SEND_GRAD = "send_grad"
     OPTIMIZER_STEP = "optimizer_step"
+    AGREE = "agree"   # barrier: every stage's gradients are final; the stages agree (see module doc)
 
 
 COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.RECOMPUTE, ActionKind.BACKWARD,
                      ActionKind.OPTIMIZER_STEP})
 SENDS = frozenset({ActionKind.SEND_ACT, ActionKind.SEND_GRAD})
 RECVS = frozenset({ActionKind.RECV_ACT, ActionKind.RECV_GRAD})
+BARRIERS = frozenset({ActionKind.AGREE})
 _SHORT = {ActionKind.FORWARD: "F", ActionKind.RECOMPUTE: "R", ActionKind.BACKWARD: "B",
           ActionKind.OPTIMIZER_STEP: "U", ActionKind.SEND_ACT: "sa", ActionKind.RECV_ACT: "ra",
-          ActionKind.SEND_GRAD: "sg", ActionKind.RECV_GRAD: "rg"}
+          ActionKind.SEND_GRAD: "sg", ActionKind.RECV_GRAD: "rg", ActionKind.AGREE: "A"}
 
 
 @dataclass(frozen=True)
@@ -115,7 +125,7 @@ def _validate_stage(s: int, k: int, m_count: int, actions: tuple[Action, ...], t
     for a in actions:
         if a.stage != s:
             raise ScheduleError(f"{where} holds {a} of stage {a.stage}")
-        if a.kind is not ActionKind.OPTIMIZER_STEP and not (
+        if a.kind not in (ActionKind.OPTIMIZER_STEP, ActionKind.AGREE) and not (
                 a.microbatch is not None and 0 <= a.microbatch < m_count):
             raise ScheduleError(f"{where}: {a} names micro-batch {a.microbatch} outside 0..{m_count - 1}")
     counts = Counter((a.kind, a.microbatch) for a in actions)
@@ -130,10 +140,16 @@ def _validate_stage(s: int, k: int, m_count: int, actions: tuple[Action, ...], t
             if ((kind, mb) in counts) != wanted:
                 state = "missing" if wanted else "not allowed"
                 raise ScheduleError(f"{where}: {Action(kind, s, mb)} is {state}")
-    if not training and any(a.kind in (ActionKind.RECOMPUTE, ActionKind.OPTIMIZER_STEP) for a in actions):
-        raise ScheduleError(f"{where}: a forward-only schedule cannot recompute or update")
+    if not training and any(a.kind in (ActionKind.RECOMPUTE, ActionKind.OPTIMIZER_STEP, ActionKind.AGREE)
+                            for a in actions):
+        raise ScheduleError(f"{where}: a forward-only schedule cannot recompute, agree or update")
     if training and counts[(ActionKind.OPTIMIZER_STEP, None)] != 1:
         raise ScheduleError(f"{where}: needs exactly one optimizer step")
+    if training and counts[(ActionKind.AGREE, None)] != 1:
+        raise ScheduleError(f"{where}: needs exactly one AGREE (A) before its optimizer step")
+    if training and [a.kind for a in actions][-2:] != [ActionKind.AGREE, ActionKind.OPTIMIZER_STEP]:
+        raise ScheduleError(f"{where}: must end with AGREE (A) then the optimizer step (U): every "
+                            "action of the step comes before the barrier, the update after it")
     pos = {(a.kind, a.microbatch): i for i, a in enumerate(actions)}
     before = [(ActionKind.RECV_ACT, ActionKind.FORWARD), (ActionKind.FORWARD, ActionKind.SEND_ACT),
               (ActionKind.FORWARD, ActionKind.RECOMPUTE), (ActionKind.RECOMPUTE, ActionKind.BACKWARD),
@@ -198,7 +214,7 @@ def gpipe_schedule(num_stages: int, num_microbatches: int, checkpoint: str = "ex
         if training:
             for mb in reversed(range(num_microbatches)):
                 acts += _backward_block(s, num_stages, mb, ckpt, recompute_ahead)
-            acts.append(Action(ActionKind.OPTIMIZER_STEP, s))
+            acts += [Action(ActionKind.AGREE, s), Action(ActionKind.OPTIMIZER_STEP, s)]
         stages.append(tuple(acts))
     return Schedule("gpipe" if training else "forward", num_stages, num_microbatches, tuple(stages),
                     training)
@@ -222,7 +238,7 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int, checkpoint: str
             acts += _backward_block(s, num_stages, i, ckpt, recompute_ahead)
         for mb in range(num_microbatches - warmup, num_microbatches):
             acts += _backward_block(s, num_stages, mb, ckpt, recompute_ahead)
-        acts.append(Action(ActionKind.OPTIMIZER_STEP, s))
+        acts += [Action(ActionKind.AGREE, s), Action(ActionKind.OPTIMIZER_STEP, s)]
         stages.append(tuple(acts))
     return Schedule("1f1b", num_stages, num_microbatches, tuple(stages))
 

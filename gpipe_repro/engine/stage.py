@@ -12,11 +12,29 @@ interleave stages. Per micro-batch m the executor keeps:
 
 Every layer runs after :func:`gpipe_repro.engine.rng.seed_layer`, so a RECOMPUTE draws the same dropout masks
 as its FORWARD, and results do not depend on how the model is cut.
+
+**In-place layers.** A cell's input is kept for its recompute and backward, and on stage 0 it is the
+caller's own tensor. A cell that modifies its input in place (``ReLU(inplace=True)``,
+``Dropout(inplace=True)``, ``x.mul_(2)`` right after a cut) would corrupt both, or trip autograd's
+"leaf Variable ... in-place" check. So the executor learns, once per mode (training / eval), whether
+the cell modifies its input: the first run feeds it a copy and compares the copy's version counters
+before and after. A cell that did is always fed a copy; a cell that did not runs on its input
+directly, at no cost, and the version counters are still compared after every run, so a cell that
+starts modifying its input later fails the step (before any update) instead of training on corrupted
+data.
+
+**AGREE.** The action where every stage's gradients are final and the stages agree on one small
+vector (:data:`AGREEMENT_FIELDS`), summed over stages by the transport: the loss, the loss's count
+for ``(sum, count)`` losses, the squared global gradient norm and whether a gradient is not finite.
+From it every stage derives the same gradient factor (1/count, 1/loss scale, the clipping coefficient)
+and whether to skip the update (fp16 overflow); OPTIMIZER_STEP applies them.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -26,23 +44,102 @@ from gpipe_repro.engine import boundary
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm
 from gpipe_repro.engine.recompute import recomputing
 from gpipe_repro.engine.rng import seed_layer, step_key
-from gpipe_repro.engine.schedule import Action, ActionKind, Schedule
+from gpipe_repro.engine.schedule import Action, ActionKind, Schedule, ScheduleError
 from gpipe_repro.engine.timeline import Event
 
-LossFn = Callable[[Any, Any], torch.Tensor]
+__all__ = ["LossFn", "Transport", "StepConfig", "Agreement", "AGREEMENT_FIELDS", "StageExecutor",
+           "wall_clock", "PRECISIONS"]
+
+LossFn = Callable[[Any, Any], Any]
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The vector each stage contributes at AGREE; the transport returns its sum over stages.
+AGREEMENT_FIELDS = ("loss", "count", "weighted", "grad_sq_norm", "nonfinite")
 
 
 class Transport(Protocol):
-    """How boundary values travel between stages."""
+    """How boundary values travel between stages, and how the stages agree at AGREE."""
 
     def send_activation(self, stage: int, microbatch: int, value: Any) -> None: ...
     def recv_activation(self, stage: int, microbatch: int) -> Any: ...
     def send_gradient(self, stage: int, microbatch: int, grads: list[torch.Tensor | None]) -> None: ...
     def recv_gradient(self, stage: int, microbatch: int) -> list[torch.Tensor | None]: ...
+    def agree(self, stage: int, contribution: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The sum over all stages of their AGREE vectors (`contribution()` computes this stage's)."""
+        ...
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """What every stage must know the same way to take a step.
+
+    Args:
+        precision: "fp32", "bf16" or "fp16": autocast dtype of each cell's forward (and loss);
+            parameters and optimizer states stay fp32; floating boundary values cross in that dtype.
+        clip_grad_norm: the max global L2 norm of all gradients (all cells), or None: no clipping.
+        loss_scale: fp16 only: the loss is multiplied by it before backward; gradients are divided.
+    """
+    precision: str = "fp32"
+    clip_grad_norm: float | None = None
+    loss_scale: float = 1.0
+
+    @property
+    def needs_norm(self) -> bool:
+        return self.clip_grad_norm is not None or self.precision == "fp16"
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What all stages agreed on at AGREE (the same on every stage).
+
+    Attributes:
+        loss: the mini-batch loss as reported (mean, sum, or sum/count for ``(sum, count)`` losses).
+        grad_norm: the global L2 norm of the gradients of the loss, all cells, before clipping
+            (None when neither clipping nor fp16 asked for it).
+        factor: what every gradient is multiplied by before the update.
+        skip: True when a gradient overflowed under fp16: no cell updates, the loss scale drops.
+    """
+    loss: float
+    grad_norm: float | None
+    factor: float
+    skip: bool
+
+    @staticmethod
+    def from_sum(total: torch.Tensor, config: StepConfig) -> Agreement:
+        """Derive the agreement from the summed :data:`AGREEMENT_FIELDS` vector."""
+        loss, count, weighted, sq_norm, nonfinite = (float(v) for v in total.tolist())
+        factor = 1.0
+        if weighted:
+            if count <= 0:
+                raise ValueError(f"the loss's counts add up to {count:g} over the mini-batch: a "
+                                 "(sum, count) loss needs a positive total count (e.g. at least one "
+                                 "non-padding token)")
+            factor, loss = 1.0 / count, loss / count
+        if config.precision == "fp16":
+            factor /= config.loss_scale
+        norm = None
+        if config.needs_norm:
+            norm = math.sqrt(sq_norm) * factor if math.isfinite(sq_norm) else math.inf
+        skip = config.precision == "fp16" and (nonfinite > 0 or not math.isfinite(sq_norm))
+        if not skip and config.clip_grad_norm is not None and norm is not None:
+            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1.
+            coef = config.clip_grad_norm / (norm + 1e-6)
+            if coef < 1.0:
+                factor *= coef
+        return Agreement(loss, norm, factor, skip)
 
 
 class StageExecutor:
-    """Runs one cell's share of a schedule (see the module docstring)."""
+    """Runs one cell's share of a schedule (see the module docstring).
+
+    Args:
+        cell: the stage's layers.
+        stage: its index, 0..num_stages-1; num_stages: K.
+        first_layer: the index of the cell's first layer in the whole model (for RNG seeding).
+        device: where the cell lives; transport: how values reach the other stages.
+        loss_fn: the last stage's loss; optimizer: this cell's optimizer (None: no update).
+        seed: the pipeline's seed (dropout masks are a function of seed, step, layer, micro-batch).
+        clock: set to record a timeline of executed actions.
+    """
 
     def __init__(self, cell: nn.Sequential, stage: int, num_stages: int, first_layer: int,
                  device: torch.device, transport: Transport, loss_fn: LossFn | None = None,
@@ -55,6 +152,17 @@ class StageExecutor:
         self.events: list[Event] = []
         self.is_last = stage == num_stages - 1
         self.batchnorms = [m for m in cell.modules() if isinstance(m, DeferredBatchNorm)]
+        self.config = StepConfig()
+        self.agreement: Agreement | None = None
+        # Whether the cell modifies its input in place, per mode (True: training); None: not known yet.
+        self.copies_input: dict[bool, bool] = {}
+        # One handler per action kind (DeepSpeed's _INSTRUCTION_MAP style).
+        self.handlers: dict[ActionKind, Callable[[int | None], None]] = {
+            ActionKind.RECV_ACT: self._recv_act, ActionKind.FORWARD: self._forward,
+            ActionKind.SEND_ACT: self._send_act, ActionKind.RECV_GRAD: self._recv_grad,
+            ActionKind.RECOMPUTE: self._recompute, ActionKind.BACKWARD: self._backward,
+            ActionKind.SEND_GRAD: self._send_grad, ActionKind.AGREE: self._agree,
+            ActionKind.OPTIMIZER_STEP: self._optimizer_step}
         self._reset()
 
     # -- step lifecycle ---------------------------------------------------------------------------
@@ -65,43 +173,57 @@ class StageExecutor:
         self.grads_in: dict[int, list[torch.Tensor | None]] = {}
         self.outputs: dict[int, Any] = {}
         self.loss_sum: torch.Tensor | None = None
+        self.count_sum: torch.Tensor | None = None
+        self.agreement = None
 
     def begin_step(self, step: int, schedule: Schedule, microbatches: Sequence[Any] | None = None,
-                   targets: Sequence[Any] | None = None, weights: Sequence[float] | None = None) -> None:
+                   targets: Sequence[Any] | None = None, weights: Sequence[float] | None = None,
+                   config: StepConfig | None = None) -> None:
         """Prepare for one mini-batch. Stage 0 gets the input micro-batches, the last stage the targets
-        and the loss weights (n_m/N for a mean loss, 1 for a sum)."""
+        and the loss weights (n_m/N for a mean loss, 1 for a sum or a ``(sum, count)`` loss).
+        Statistics a failed previous step left pending (DeferredBatchNorm) are discarded."""
         self._reset()
         self.step = step
         self.step_key = step_key(self.seed, step)
         self.checkpointed = schedule.checkpointed(self.stage)
         self.training = schedule.training
+        self.config = config or StepConfig()
         self.microbatches = list(microbatches) if microbatches is not None else None
         self.targets = list(targets) if targets is not None else None
         self.weights = list(weights) if weights is not None else None
         self.events = []
+        for bn in self.batchnorms:
+            bn.discard()
         if self.training:
             for p in self.cell.parameters():
                 p.grad = None
 
     def end_step(self) -> float | None:
-        """Check nothing is left behind; return this stage's share of the loss (last stage only)."""
+        """Check nothing is left behind; return the agreed mini-batch loss (training) or None."""
         leftover = list(self.inputs) + list(self.graphs) + [k for k in self.outbox]
         if self.training and leftover:
             raise RuntimeError(f"stage {self.stage}: state left after the step for {leftover}; "
                                "the schedule is missing actions")
-        return None if self.loss_sum is None else float(self.loss_sum)
+        return None if self.agreement is None else self.agreement.loss
 
     # -- actions ------------------------------------------------------------------------------------
     def execute(self, action: Action) -> None:
+        """Run one action of this stage's schedule."""
+        handler = self.handlers.get(action.kind)
+        if handler is None:
+            raise ScheduleError(f"stage {self.stage} does not understand action {action.kind!r} "
+                                f"({action}); it knows {sorted(k.value for k in self.handlers)}")
         start = self.clock() if self.clock else 0.0
-        getattr(self, "_" + action.kind.value)(action.microbatch)
+        handler(action.microbatch)
         if self.clock:
             self.events.append(Event(self.stage, action.kind.value, action.microbatch, start, self.clock()))
 
-    def _recv_act(self, m: int) -> None:
+    def _recv_act(self, m: int | None) -> None:
+        assert m is not None
         self.inputs[m] = self.transport.recv_activation(self.stage, m)
 
-    def _forward(self, m: int) -> None:
+    def _forward(self, m: int | None) -> None:
+        assert m is not None
         if self.stage == 0:
             if self.microbatches is None:
                 raise RuntimeError("stage 0 was given no input micro-batches")
@@ -116,25 +238,27 @@ class StageExecutor:
         if self.is_last:
             if not self.training:
                 self.outputs[m] = boundary.detach(out)
-            else:
-                loss = out if keep_graph else self._loss(out, m)
-                self._add_loss(loss.detach())
-                if keep_graph:
-                    self.graphs[m] = loss
+            elif not keep_graph:  # a checkpointed forward: the loss's value now, its graph at RECOMPUTE
+                with self._autocast():
+                    self._loss(out, m)
         else:
-            self.outbox[(ActionKind.SEND_ACT, m)] = boundary.detach(out)
+            self.outbox[(ActionKind.SEND_ACT, m)] = self._cast_boundary(boundary.detach(out))
 
-    def _send_act(self, m: int) -> None:
+    def _send_act(self, m: int | None) -> None:
+        assert m is not None
         self.transport.send_activation(self.stage, m, self.outbox.pop((ActionKind.SEND_ACT, m)))
 
-    def _recv_grad(self, m: int) -> None:
+    def _recv_grad(self, m: int | None) -> None:
+        assert m is not None
         self.grads_in[m] = self.transport.recv_gradient(self.stage, m)
 
-    def _recompute(self, m: int) -> None:
+    def _recompute(self, m: int | None) -> None:
+        assert m is not None
         with torch.enable_grad(), recomputing():
-            self.graphs[m] = self._run(self.inputs[m], m)
+            self.graphs[m] = self._run(self.inputs[m], m, recompute=True)
 
-    def _backward(self, m: int) -> None:
+    def _backward(self, m: int | None) -> None:
+        assert m is not None
         out = self.graphs.pop(m)
         if self.is_last:
             if out.requires_grad:
@@ -147,36 +271,125 @@ class StageExecutor:
         if self.stage > 0:
             self.outbox[(ActionKind.SEND_GRAD, m)] = boundary.input_grads(x)
 
-    def _send_grad(self, m: int) -> None:
+    def _send_grad(self, m: int | None) -> None:
+        assert m is not None
         self.transport.send_gradient(self.stage, m, self.outbox.pop((ActionKind.SEND_GRAD, m)))
 
-    def _optimizer_step(self, m: None) -> None:
+    def _agree(self, m: int | None) -> None:
+        """Every stage's gradients are final: contribute this stage's numbers, get everyone's sum."""
+        self.agreement = Agreement.from_sum(self.transport.agree(self.stage, self.contribution),
+                                            self.config)
+
+    def contribution(self) -> torch.Tensor:
+        """This stage's :data:`AGREEMENT_FIELDS` vector (float64): its loss and count (last stage),
+        its squared gradient norm and non-finite flag (when clipping or fp16 need them)."""
+        vec = torch.zeros(len(AGREEMENT_FIELDS), dtype=torch.float64)
+        if self.is_last:
+            vec[0] = 0.0 if self.loss_sum is None else float(self.loss_sum)
+            if self.count_sum is not None:
+                vec[1], vec[2] = float(self.count_sum), 1.0
+        if self.config.needs_norm:
+            grads = [p.grad for p in self.cell.parameters() if p.grad is not None]
+            if grads:
+                norms = torch._foreach_norm(grads)
+                sq = torch.stack([n.double() for n in norms]).square().sum()
+                vec[3] = float(sq)
+                vec[4] = float(not math.isfinite(vec[3]))
+        return vec
+
+    def _optimizer_step(self, m: int | None) -> None:
+        if self.agreement is None:
+            raise ScheduleError(f"stage {self.stage}: optimizer step without an AGREE before it")
         for bn in self.batchnorms:
             bn.commit()
+        if self.agreement.skip:
+            return
+        grads = [p.grad for p in self.cell.parameters() if p.grad is not None]
+        if grads and self.agreement.factor != 1.0:
+            torch._foreach_mul_(grads, self.agreement.factor)
         if self.optimizer is not None:
             self.optimizer.step()
 
     # -- helpers ------------------------------------------------------------------------------------
-    def _run(self, x: Any, m: int) -> Any:
-        """The cell's forward on micro-batch m, seeding each layer; the last stage adds the loss."""
-        for i, layer in enumerate(self.cell):
-            seed_layer(self.seed, self.step, self.first_layer + i, m, self.device, self.step_key)
-            x = layer(x)
-            boundary.check(x, f"layer {self.first_layer + i} ({type(layer).__name__})")
-        if self.is_last and self.training and torch.is_grad_enabled():
-            return self._loss(x, m)
-        return x
+    def _run(self, x: Any, m: int, recompute: bool = False) -> Any:
+        """The cell's forward on micro-batch m, seeding each layer; the last stage adds the loss.
+        Feeds the cell a copy of `x` when it modifies its input in place (see the module docstring)."""
+        mode = self.training
+        copy = self.copies_input.get(mode)
+        feed = x if copy is False else boundary.map_tensors(x, _fresh_copy)
+        watched = boundary.tensors(feed)
+        versions = [t._version for t in watched]
+        try:
+            with self._autocast():
+                h = feed
+                for i, layer in enumerate(self.cell):
+                    seed_layer(self.seed, self.step, self.first_layer + i, m, self.device, self.step_key)
+                    h = layer(h)
+                    boundary.check(h, f"layer {self.first_layer + i} ({type(layer).__name__})")
+                if self.is_last and self.training and torch.is_grad_enabled():
+                    h = self._loss(h, m, recompute)
+        except RuntimeError as e:
+            if copy is False and "leaf Variable that requires grad" in str(e):
+                self._learned_late(mode, m, e)
+            raise
+        modified = any(t._version != v for t, v in zip(watched, versions))
+        if copy is None:
+            self.copies_input[mode] = modified
+        elif copy is False and modified:
+            self._learned_late(mode, m, None)
+        return h
 
-    def _loss(self, out: Any, m: int) -> torch.Tensor:
+    def _learned_late(self, mode: bool, m: int, cause: Exception | None) -> None:
+        self.copies_input[mode] = True
+        raise RuntimeError(
+            f"stage {self.stage} (layers {self.first_layer}..{self.first_layer + len(self.cell) - 1}) "
+            f"modified its input in place on micro-batch {m}, which it had not done on its first run, "
+            "so the kept input is corrupted; no cell was updated. The engine copies this cell's input "
+            "from now on: run the step again") from cause
+
+    def _autocast(self) -> Any:
+        dtype = PRECISIONS[self.config.precision]
+        return torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+    def _loss(self, out: Any, m: int, recompute: bool = False) -> torch.Tensor:
+        """Micro-batch m's loss, weighted for the backward; adds its value (and count) to the step's.
+        A loss may return a 0-dim tensor or ``(sum, count)`` (see
+        :class:`~gpipe_repro.engine.gpipe.GPipe`)."""
         if self.loss_fn is None or self.targets is None or self.weights is None:
             raise RuntimeError("the last stage needs a loss_fn, targets and loss weights to train")
-        loss = self.loss_fn(out, self.targets[m])
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise TypeError("loss_fn must return a scalar tensor (0-dim); use a reducing loss")
-        return loss * self.weights[m]
+        result = self.loss_fn(out, self.targets[m])
+        count = None
+        if isinstance(result, tuple):
+            if len(result) != 2:
+                raise TypeError(f"loss_fn returned a tuple of {len(result)}; return a scalar tensor or "
+                                "(sum, count): the micro-batch's summed loss and what it counts "
+                                "(e.g. its non-padding tokens)")
+            result, count = result
+        if not isinstance(result, torch.Tensor) or result.dim() != 0:
+            raise TypeError("loss_fn must return a scalar tensor (0-dim) or (sum, count); use a "
+                            "reducing loss")
+        loss = result.float() * (1.0 if count is not None else self.weights[m])
+        if not recompute:  # the recompute's loss is the forward's again: count it once
+            value = loss.detach()
+            self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+            if count is not None:
+                c = torch.as_tensor(count, dtype=torch.float64).detach()
+                self.count_sum = c if self.count_sum is None else self.count_sum + c
+        if self.config.precision == "fp16":
+            loss = loss * self.config.loss_scale
+        return loss
 
-    def _add_loss(self, loss: torch.Tensor) -> None:
-        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+    def _cast_boundary(self, value: Any) -> Any:
+        """Under bf16/fp16, floating boundary values cross in that dtype (half the bytes)."""
+        dtype = PRECISIONS[self.config.precision]
+        if dtype is None:
+            return value
+        return boundary.map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def _fresh_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy a layer may modify in place; gradients flow through it to `t`."""
+    return t.clone()
 
 
 def wall_clock(t0: float | None = None) -> Callable[[], float]:

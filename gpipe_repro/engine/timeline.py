@@ -7,6 +7,7 @@ reference (the step's start).
 The breakdown follows the paper's categories. For each stage, over the step's makespan T:
 
 - computation: FORWARD + BACKWARD; re-computation: RECOMPUTE; optimizer update: OPTIMIZER_STEP;
+- AGREE (the barrier before the update) counts as idle: it is waiting for the other stages;
 - communication: time the stage spends in sends, plus receive time *after* the data was sent (the
   transfer itself); receive time spent waiting for the producer to send is idle, not communication;
 - setup: before the stage's first action;
@@ -22,6 +23,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+__all__ = ["CATEGORIES", "Event", "Timeline"]
 
 CATEGORIES = ("computation", "re-computation", "bubble", "load imbalance", "communication",
               "optimizer update", "setup")

@@ -122,6 +122,8 @@ def simulate(schedule: Schedule, costs: PipelineCosts, link: LinkModel,
         s, m = a.stage, a.microbatch
         if a.kind is A.OPTIMIZER_STEP:
             return costs.optimizer[s]
+        if a.kind is A.AGREE:  # the barrier's wait is the interpreter's; its all-reduce is ~tens of us
+            return 0.0
         assert m is not None
         if a.kind is A.FORWARD:
             return (costs.forward_nograd if m in ckpt[s] else costs.forward)[s][m]
