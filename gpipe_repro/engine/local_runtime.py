@@ -10,8 +10,10 @@ stages overlap for real even though one Python thread drives them. On a single d
 this is the paper's "Pipeline-1": re-materialization without parallelism.
 
 AGREE is a barrier: a stage that reaches it waits until every stage has; then the runtime sums the
-stages' contributions once and every AGREE reads that sum. An exception in any action propagates
-from :func:`run_local` before any stage passes its AGREE, so no cell has updated.
+stages' contributions once and runs every stage's AGREE (each reads that sum) before any stage's
+update. An exception in any action up to and including AGREE propagates from :func:`run_local`
+before any cell has updated. The updates themselves (OPTIMIZER_STEP) are the commit: an optimizer
+whose own ``step()`` raises is not rolled back.
 """
 from __future__ import annotations
 
@@ -82,6 +84,10 @@ def run_local(schedule: Schedule, executors: list[StageExecutor], transport: Loc
         if not progressed and transport.agreed is None and all(
                 pcs[s] < len(st) and st[pcs[s]].kind in BARRIERS for s, st in enumerate(schedule.stages)):
             transport.agreed = sum(e.contribution() for e in executors)  # type: ignore[assignment]
+            for s, actions in enumerate(schedule.stages):   # every AGREE before any update
+                executors[s].execute(actions[pcs[s]])
+                pcs[s] += 1
+                remaining -= 1
             progressed = True
         if not progressed:
             stuck = [f"{st[pcs[s]]}@stage{s}" for s, st in enumerate(schedule.stages) if pcs[s] < len(st)]

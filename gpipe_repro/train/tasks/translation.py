@@ -137,21 +137,23 @@ class TranslationConfig:
 # ----------------------------------------------------------------------------- the loss
 
 class TokenNormalizedLoss:
-    """Label-smoothed cross entropy of a micro-batch, summed over its target tokens and divided by
-    the MINI-batch's token count (the 0-dim tensor that rides with the targets).
+    """Label-smoothed cross entropy of a micro-batch as ``(sum, count)``: the loss summed over its
+    target tokens, and how many non-padding target tokens it has.
 
-    Use with ``GPipe(loss_reduction="sum")``: the micro-batch losses then add up to the mini-batch's
-    token-level mean, and their gradients to its gradient (a class, not a closure, so it pickles
-    for the distributed runtime)."""
+    GPipe divides the sum of the micro-batches' sums by the sum of their counts, so the loss and its
+    gradient are exactly the token-level mean over the whole mini-batch, whatever M (``loss_reduction``
+    does not apply to ``(sum, count)`` losses). The 0-dim mini-batch token count that rides with the
+    targets is not needed. A class, not a closure, so it pickles for the distributed runtime."""
 
     def __init__(self, pad_id: int = 0, label_smoothing: float = 0.1) -> None:
         self.pad_id, self.label_smoothing = pad_id, label_smoothing
 
-    def __call__(self, logits: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        labels, tokens = target
+    def __call__(self, logits: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = target[0]
         total = smoothed_cross_entropy(logits.float(), labels, self.label_smoothing,
                                        ignore_index=self.pad_id, reduction="sum")
-        return total / tokens
+        return total, (labels != self.pad_id).sum()
 
 
 def pipeline_batch(batch: TranslationBatch) -> tuple[tuple[torch.Tensor, torch.Tensor],
