@@ -111,9 +111,9 @@ class ProcessGroupTransport:
         self._learning = True
         self._key: Hashable = None
         # in-flight sends: (work, tensors kept alive, generation, destination rank)
-        self._sends: list[tuple[dist.Work, list[torch.Tensor], int, int]] = []
+        self._sends: list[tuple[dist.Work | None, list[torch.Tensor], int, int]] = []
         self._generation = 0
-        self._posted: dict[tuple[int, int], tuple[Spec, list[torch.Tensor], list[dist.Work]]] = {}
+        self._posted: dict[tuple[int, int], tuple[Spec, list[torch.Tensor], list[dist.Work | None]]] = {}
 
     # -- step lifecycle -----------------------------------------------------------------------------
     def begin_step(self, key: Hashable, actions: Iterable[Action]) -> None:
@@ -125,10 +125,11 @@ class ProcessGroupTransport:
         self._known = self.specs.setdefault(key, {})
         if self.prepost and not self._learning:
             for a in actions:
-                if a.kind is ActionKind.RECV_ACT:
-                    self._post(ACTIVATION, a.stage - 1, a.microbatch)
-                elif a.kind is ActionKind.RECV_GRAD:
-                    self._post(GRADIENT, a.stage + 1, a.microbatch)
+                m = a.microbatch
+                if a.kind is ActionKind.RECV_ACT and m is not None:
+                    self._post(ACTIVATION, a.stage - 1, m)
+                elif a.kind is ActionKind.RECV_GRAD and m is not None:
+                    self._post(GRADIENT, a.stage + 1, m)
 
     def finish_step(self) -> None:
         """Wait for every send of the step (a receiver that never receives fails here, by timeout)."""
@@ -209,7 +210,7 @@ class ProcessGroupTransport:
         return rebuild(spec, iter(buffers))
 
     def _post(self, kind: int, src: int, microbatch: int, keep: bool = True
-              ) -> tuple[Spec, list[torch.Tensor], list[dist.Work]]:
+              ) -> tuple[Spec, list[torch.Tensor], list[dist.Work | None]]:
         slot = (kind, src, microbatch)
         if slot not in self._known:
             raise RuntimeError(f"rank {self.rank}: no agreed spec for {_KIND_NAMES[kind]} of "
@@ -240,7 +241,9 @@ class ProcessGroupTransport:
                 f"rank {src}: {_show(key)}; rank {self.rank}: {_show(self._key)}")
         return spec
 
-    def _wait(self, work: dist.Work, doing: str, peer: int | None) -> None:
+    def _wait(self, work: dist.Work | None, doing: str, peer: int | None) -> None:
+        if work is None:  # not a member of the group: nothing to wait for
+            return
         try:
             work.wait(self.timeout)
         except Exception as e:  # gloo raises RuntimeError/DistBackendError with the socket's story
@@ -263,7 +266,7 @@ class ProcessGroupTransport:
                     self._wait(work, f"sending to rank {dst}", dst)
             self._sends = [s for s in self._sends if s[2] >= self._generation - 1]
         elif self.device.type == "cuda":  # NCCL works know when they are done; gloo's only on wait
-            self._sends = [s for s in self._sends if not s[0].is_completed()]
+            self._sends = [s for s in self._sends if s[0] is not None and not s[0].is_completed()]
 
 
 def _show(spec: Any) -> str:

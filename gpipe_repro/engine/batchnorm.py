@@ -51,6 +51,7 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         if self._count == 0:
             self._count, self._mean, self._m2 = n, mean, m2
             return
+        assert self._mean is not None and self._m2 is not None
         total = self._count + n
         delta = mean - self._mean
         self._mean = self._mean + delta * (n / total)
@@ -63,11 +64,13 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         if self._count == 0 or not self.track_running_stats:
             return
         assert self._mean is not None and self._m2 is not None
-        self.num_batches_tracked += 1
-        momentum = (1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum)
+        mean_buf, var_buf, tracked = self.running_mean, self.running_var, self.num_batches_tracked
+        assert mean_buf is not None and var_buf is not None and tracked is not None
+        tracked.add_(1)
+        momentum = (1.0 / float(tracked) if self.momentum is None else self.momentum)
         unbiased = self._m2 / max(self._count - 1, 1)
-        self.running_mean.mul_(1 - momentum).add_(self._mean.to(self.running_mean.dtype), alpha=momentum)
-        self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype), alpha=momentum)
+        mean_buf.mul_(1 - momentum).add_(self._mean.to(mean_buf.dtype), alpha=momentum)
+        var_buf.mul_(1 - momentum).add_(unbiased.to(var_buf.dtype), alpha=momentum)
         self._count, self._mean, self._m2 = 0, None, None
 
     def discard(self) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["PLAIN", "check", "tensors", "map_tensors", "carries_grad", "detach", "attach", "to_device", "grad_pairs", "input_grads"]
+
 PLAIN = (type(None), bool, int, float, str)
 
 

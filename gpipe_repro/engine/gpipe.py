@@ -198,7 +198,7 @@ class GPipe(nn.Module):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         declared = _declared_reduction(loss_fn)
         if declared is not None and loss_reduction is not None and loss_reduction != declared:
-            raise ValueError(f"loss_fn has reduction={loss_fn.reduction!r} but "
+            raise ValueError(f"loss_fn has reduction={getattr(loss_fn, 'reduction', None)!r} but "
                              f"loss_reduction={loss_reduction!r}: leave loss_reduction out (it is read "
                              f"from the loss), or build the loss with reduction={loss_reduction!r}")
         if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float))
@@ -226,7 +226,7 @@ class GPipe(nn.Module):
         if balance is None:
             balance = ([len(layer_list)] if partitions == 1 else
                        partition(layer_costs(layer_list, cost, sample), partitions, objective))
-            if context is not None:  # measured costs differ between processes: rank 0's cut wins
+            if context is not None and plugin is not None:  # measured costs differ: rank 0's cut wins
                 balance = plugin.broadcast_object(balance)
         check_balance(balance, len(layer_list), partitions)
 
@@ -270,7 +270,7 @@ class GPipe(nn.Module):
         firsts = [sum(balance[:i]) for i in range(partitions)]
         stages = range(partitions) if self.rank is None else [self.rank]
         self.executors = [
-            StageExecutor(self.cells[s], s, partitions, firsts[s], self.devices[s], self._transport,
+            StageExecutor(self._cell(s), s, partitions, firsts[s], self.devices[s], self._transport,
                           loss_fn, self.optimizers[s], self.seed)
             for s in stages]
         self.stage_process = None  # runtime="distributed": this rank's StageProcess
@@ -416,10 +416,15 @@ class GPipe(nn.Module):
             e.device = self.devices[e.stage]
 
     # -- state ------------------------------------------------------------------------------------
+    def _cell(self, s: int) -> nn.Sequential:
+        cell = self.cells[s]
+        assert isinstance(cell, nn.Sequential)
+        return cell
+
     def unpartitioned(self) -> nn.Sequential:
         """The layers as one nn.Sequential (the same module objects, not copies); with
         runtime="distributed", only this rank's layers."""
-        return nn.Sequential(*[layer for cell in self.cells for layer in cell])
+        return nn.Sequential(*[layer for s in range(len(self.cells)) for layer in self._cell(s)])
 
     def training_state(self) -> dict[str, Any]:
         """Everything a resumed run needs: weights, buffers, optimizer states, step and seed."""

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["batch_size", "split_sizes", "split", "join"]
+
 
 def batch_size(value: Any) -> int:
     """The size of dim 0 shared by every batched tensor in `value`."""

@@ -23,6 +23,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+__all__ = ["OBJECTIVES", "cell_costs", "check_balance", "partition"]
+
 OBJECTIVES = ("bottleneck", "variance", "greedy", "equal")
 _DP_LIMIT = 4_000_000  # K * L^2 above which the exact DP tie-breaker is skipped
 

@@ -10,6 +10,8 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+__all__ = ["is_recomputing", "recomputing"]
+
 _state = threading.local()
 
 
@@ -20,6 +22,7 @@ def is_recomputing() -> bool:
 
 @contextlib.contextmanager
 def recomputing() -> Iterator[None]:
+    """Mark the enclosed forward as a recomputation (see :func:`is_recomputing`)."""
     previous = is_recomputing()
     _state.recomputing = True
     try:

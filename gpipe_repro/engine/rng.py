@@ -10,6 +10,16 @@ each layer runs on each micro-batch makes masks a pure function of *which* compu
 - a plain reference loop can reproduce the engine by calling :func:`seed_layer` itself.
 
 The caller's own RNG stream is left as it was: :func:`preserved_rng` wraps each step.
+
+The rule, exactly (so that a reference can re-implement it without this module): with
+``mix`` = SplitMix64's finalizer (Steele, Lea & Flood, OOPSLA 2014; constants of Vigna's
+splitmix64.c) on 64-bit unsigned integers, and negative numbers taken modulo 2^64::
+
+    seed(seed, step, layer, m) = mix(mix(mix(mix(seed) ^ step) ^ layer) ^ m) & (2^63 - 1)
+
+``torch.default_generator.manual_seed`` (and the CUDA generator of the cell's device) gets it right
+before layer `layer` (its index in the whole model) runs on micro-batch `m` of step `step`.
+Training steps count 0, 1, 2, ...; the k-th training-mode ``forward()`` call uses step -1 - k.
 """
 from __future__ import annotations
 
@@ -17,6 +27,8 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+
+__all__ = ["step_key", "layer_seed", "seed_layer", "preserved_rng"]
 
 _MASK64 = (1 << 64) - 1
 
