@@ -154,16 +154,16 @@ class ProcessGroupTransport:
     def recv_gradient(self, stage: int, microbatch: int) -> list[torch.Tensor | None]:
         return list(self._recv(GRADIENT, stage + 1, microbatch))
 
-    def agree(self, stage: int, contribution: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def agree(self, stage: int, contribution: Callable[[], list[float]]) -> list[float]:
         """AGREE: wait for this rank's sends, then one all-reduce (sum) of the stages' small vectors
         on the CPU control group; a rank that never arrives makes this time out (PeerFailure)."""
         sends, self._sends = self._sends, []
         for work, _, _, dst in sends:
             self._wait(work, f"sending to rank {dst}", dst)
-        vec = contribution().to(torch.float64).cpu()
+        vec = torch.tensor(contribution(), dtype=torch.float64)
         work = dist.all_reduce(vec, group=self.agree_group, async_op=True)
         self._wait(work, "agreeing on the step (the all-reduce before the update)", None)
-        return vec
+        return vec.tolist()
 
     # -- internals ----------------------------------------------------------------------------------
     def _send(self, kind: int, src: int, dst: int, microbatch: int, value: Any) -> None:

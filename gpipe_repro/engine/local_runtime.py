@@ -35,7 +35,7 @@ class LocalTransport:
     def __init__(self, devices: list[torch.device]) -> None:
         self.devices = devices
         self.box: dict[Action, Any] = {}
-        self.agreed: torch.Tensor | None = None   # the summed AGREE vector, set by run_local
+        self.agreed: list[float] | None = None   # the summed AGREE vector, set by run_local
 
     def ready(self, action: Action) -> bool:
         return action in self.box
@@ -55,7 +55,7 @@ class LocalTransport:
         device = self.devices[stage]
         return [None if g is None else g.to(device, non_blocking=True) for g in grads]
 
-    def agree(self, stage: int, contribution: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def agree(self, stage: int, contribution: Callable[[], list[float]]) -> list[float]:
         if self.agreed is None:
             raise RuntimeError(f"stage {stage} reached AGREE outside the local runtime's barrier")
         return self.agreed
@@ -83,7 +83,7 @@ def run_local(schedule: Schedule, executors: list[StageExecutor], transport: Loc
                     break
         if not progressed and transport.agreed is None and all(
                 pcs[s] < len(st) and st[pcs[s]].kind in BARRIERS for s, st in enumerate(schedule.stages)):
-            transport.agreed = sum(e.contribution() for e in executors)  # type: ignore[assignment]
+            transport.agreed = [sum(col) for col in zip(*(e.contribution() for e in executors))]
             for s, actions in enumerate(schedule.stages):   # every AGREE before any update
                 executors[s].execute(actions[pcs[s]])
                 pcs[s] += 1

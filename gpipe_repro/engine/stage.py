@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from gpipe_repro.engine import boundary
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm
@@ -63,7 +64,7 @@ class Transport(Protocol):
     def recv_activation(self, stage: int, microbatch: int) -> Any: ...
     def send_gradient(self, stage: int, microbatch: int, grads: list[torch.Tensor | None]) -> None: ...
     def recv_gradient(self, stage: int, microbatch: int) -> list[torch.Tensor | None]: ...
-    def agree(self, stage: int, contribution: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def agree(self, stage: int, contribution: Callable[[], list[float]]) -> list[float]:
         """The sum over all stages of their AGREE vectors (`contribution()` computes this stage's)."""
         ...
 
@@ -104,9 +105,9 @@ class Agreement:
     skip: bool
 
     @staticmethod
-    def from_sum(total: torch.Tensor, config: StepConfig) -> Agreement:
+    def from_sum(total: Sequence[float], config: StepConfig) -> Agreement:
         """Derive the agreement from the summed :data:`AGREEMENT_FIELDS` vector."""
-        loss, count, weighted, sq_norm, nonfinite = (float(v) for v in total.tolist())
+        loss, count, weighted, sq_norm, nonfinite = (float(v) for v in total)
         factor = 1.0
         if weighted:
             if count <= 0:
@@ -280,20 +281,19 @@ class StageExecutor:
         self.agreement = Agreement.from_sum(self.transport.agree(self.stage, self.contribution),
                                             self.config)
 
-    def contribution(self) -> torch.Tensor:
-        """This stage's :data:`AGREEMENT_FIELDS` vector (float64): its loss and count (last stage),
-        its squared gradient norm and non-finite flag (when clipping or fp16 need them)."""
-        vec = torch.zeros(len(AGREEMENT_FIELDS), dtype=torch.float64)
+    def contribution(self) -> list[float]:
+        """This stage's :data:`AGREEMENT_FIELDS` vector: its loss and count (last stage), its squared
+        gradient norm and non-finite flag (when clipping or fp16 need them)."""
+        vec = [0.0] * len(AGREEMENT_FIELDS)
         if self.is_last:
-            vec[0] = 0.0 if self.loss_sum is None else float(self.loss_sum)
+            vec[0] = 0.0 if self.loss_sum is None else _value(self.loss_sum)
             if self.count_sum is not None:
-                vec[1], vec[2] = float(self.count_sum), 1.0
+                vec[1], vec[2] = _value(self.count_sum), 1.0
         if self.config.needs_norm:
             grads = [p.grad for p in self.cell.parameters() if p.grad is not None]
             if grads:
                 norms = torch._foreach_norm(grads)
-                sq = torch.stack([n.double() for n in norms]).square().sum()
-                vec[3] = float(sq)
+                vec[3] = _value(torch.stack([n.double() for n in norms]).square().sum())
                 vec[4] = float(not math.isfinite(vec[3]))
         return vec
 
@@ -385,6 +385,14 @@ class StageExecutor:
         if dtype is None:
             return value
         return boundary.map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def _value(t: torch.Tensor) -> float:
+    """A 0-dim tensor's value; NaN for a tensor without data (fake or meta: the memory planner
+    runs the engine on those)."""
+    if t.device.type == "meta" or is_fake(t):
+        return math.nan
+    return float(t)
 
 
 def _fresh_copy(t: torch.Tensor) -> torch.Tensor:
