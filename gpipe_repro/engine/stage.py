@@ -31,6 +31,7 @@ and whether to skip the update (fp16 overflow); OPTIMIZER_STEP applies them.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -349,7 +350,7 @@ class StageExecutor:
 
     def _autocast(self) -> Any:
         dtype = PRECISIONS[self.config.precision]
-        return torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+        return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
 
     def _loss(self, out: Any, m: int, recompute: bool = False) -> torch.Tensor:
         """Micro-batch m's loss, weighted for the backward; adds its value (and count) to the step's.
