@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -186,15 +187,16 @@ def translation_transformer(L: int, H: int = 8192, A: int = 16, *, d_model: int 
         with torch.no_grad():
             for m in model.modules():
                 if isinstance(m, FeedForward):
-                    for linear in (m[0], m[3]):
-                        linear.weight.mul_(1.0 / L)
+                    for linear in m:        # its two projections
+                        if isinstance(linear, nn.Linear):
+                            linear.weight.mul_(1.0 / L)
     model.add_module("output", OutputProjection(d_model, vocab_size,
                                                 embedding.embed if tie_embeddings else None,
                                                 logit_clip))
     return model
 
 
-def embedding_parameters(model: nn.Sequential) -> list[nn.Parameter]:
+def embedding_parameters(model: nn.Sequential) -> list[torch.Tensor]:
     """The vocabulary matrices (the shared embedding, and the output matrix if untied)."""
     emb = _find(model, TranslationEmbedding).embed.weight
     out = _find(model, OutputProjection).weight
@@ -211,7 +213,10 @@ def count_non_embedding(model: nn.Sequential) -> int:
 # Decoding on a plain (non-pipelined) layer list
 # --------------------------------------------------------------------------------------------
 
-def _find(layers: Sequence[nn.Module], kind: type[nn.Module]) -> nn.Module:
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _find(layers: Iterable[nn.Module], kind: type[_M]) -> _M:
     for layer in layers:
         if isinstance(layer, kind):
             return layer
