@@ -51,6 +51,8 @@ from gpipe_repro.models.transformer_lm import (
 )
 
 Boundary = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# A layer list, read more than once (an nn.Sequential is not a Sequence).
+Layers = Sequence[nn.Module] | nn.Sequential
 
 
 class TranslationEmbedding(nn.Module):
@@ -223,7 +225,7 @@ def _find(layers: Iterable[nn.Module], kind: type[_M]) -> _M:
     raise ValueError(f"no {kind.__name__} in this layer list; is it a translation_transformer()?")
 
 
-def encode(layers: Sequence[nn.Module], src_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(layers: Layers, src_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the embedding and the encoder once: (encoder output (N, S, d), src_mask (N, S))."""
     enc, src_mask = _find(layers, TranslationEmbedding).embed_source(src_ids)
     for layer in layers:
@@ -232,7 +234,7 @@ def encode(layers: Sequence[nn.Module], src_ids: torch.Tensor) -> tuple[torch.Te
     return _find(layers, EncoderNorm).ln(enc), src_mask
 
 
-def decode_logits(layers: Sequence[nn.Module], enc: torch.Tensor, src_mask: torch.Tensor,
+def decode_logits(layers: Layers, enc: torch.Tensor, src_mask: torch.Tensor,
                   tgt_prefix: torch.Tensor) -> torch.Tensor:
     """Logits (N, T, vocab) of the decoder on the target prefix (N, T), given the encoder output.
 
@@ -248,7 +250,7 @@ def decode_logits(layers: Sequence[nn.Module], enc: torch.Tensor, src_mask: torc
 
 
 @torch.no_grad()
-def greedy_decode(layers: Sequence[nn.Module], src_ids: torch.Tensor, bos_id: int, eos_id: int,
+def greedy_decode(layers: Layers, src_ids: torch.Tensor, bos_id: int, eos_id: int,
                   max_len: int, pad_id: int = 0) -> torch.Tensor:
     """Greedy translation: (N, <= max_len + 1) ids starting with `bos_id`, padded after `eos_id`."""
     enc, src_mask = encode(layers, src_ids)
