@@ -7,7 +7,9 @@ Each case trains one step with ``GPipe`` and with :func:`reference_step`, then c
 every parameter's gradient, every updated parameter, and the BatchNorm running statistics. Cases:
 K = 1..4 cells on the device (cuts forced onto the tuple boundaries), every checkpoint mode, fp32 and
 bf16 autocast; K = 2 on the mixed list ``["cpu", device]``; and ``pipe.to(device)`` after building the
-pipeline on the CPU.
+pipeline on the CPU; K = 2 on the mixed list with the targets left on the CPU (the inputs are always
+given on the CPU: the engine moves them to the first cell; elsewhere the targets are given on the
+last cell's device, so that one placement rule cannot mask every other result).
 
 The reference is independent of the engine: it imports nothing from ``gpipe_repro``. It splits the
 batch as ``torch.tensor_split`` does, runs the layers one micro-batch at a time with plain autograd,
@@ -219,15 +221,19 @@ def _unify_names(layers: Sequence[nn.Module]) -> nn.Sequential:
 
 def run_case(*, label: str, layers: list[nn.Module], x: torch.Tensor, y: torch.Tensor, partitions: int,
              micro_batches: int, checkpoint: str, precision: str, devices: Sequence[torch.device],
-             move_after: torch.device | None = None, seed: int = 0) -> dict[str, Any]:
-    """One case: GPipe vs the reference on copies of `layers` (see the module docstring)."""
+             move_after: torch.device | None = None, targets_on_cpu: bool = False,
+             seed: int = 0) -> dict[str, Any]:
+    """One case: GPipe vs the reference on copies of `layers` (see the module docstring). The inputs
+    are given on the CPU (the engine moves them to the first cell); the targets on the last cell's
+    device unless `targets_on_cpu`."""
     balance = BALANCES[partitions]
     layer_devices = [d for d, n in zip(devices, balance) for _ in range(n)]
     if move_after is not None:
         layer_devices = [move_after] * len(layers)
     record: dict[str, Any] = {"case": label, "K": partitions, "M": micro_batches, "checkpoint": checkpoint,
                               "precision": precision, "devices": [str(d) for d in devices],
-                              "pipe_to": None if move_after is None else str(move_after)}
+                              "pipe_to": None if move_after is None else str(move_after),
+                              "targets_on": "cpu" if targets_on_cpu else str(layer_devices[-1])}
     device_kinds = {d.type for d in layer_devices}
     first = layer_devices[0]
     rtol, atol = tolerances(precision, first if move_after is None else move_after)
@@ -247,7 +253,7 @@ def run_case(*, label: str, layers: list[nn.Module], x: torch.Tensor, y: torch.T
                                seed=seed, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
             pipe.to(move_after)
         with precision_context(precision, device_kinds):
-            loss = pipe.train_step(x, y)
+            loss = pipe.train_step(x, y if targets_on_cpu else y.to(layer_devices[-1]))
             ref_loss = reference_step(ref_layers, layer_devices, x, y, micro_batches=micro_batches,
                                       seed=seed)
         states = compare_states(pipe.unpartitioned(), _unify_names(ref_layers), rtol, atol)
@@ -304,6 +310,9 @@ def run_engine_check(settings: Any, device: torch.device) -> dict[str, Any]:
             cases.append(run_case(label=f"K=2 on [cpu, {device}]", layers=layers, x=x, y=y, partitions=2,
                                   micro_batches=mbs, checkpoint=ckpt, precision=precision, devices=mixed,
                                   seed=settings.seed))
+    cases.append(run_case(label=f"K=2 on [cpu, {device}], targets given on the cpu", layers=layers, x=x, y=y,
+                          partitions=2, micro_batches=mbs, checkpoint="except_last", precision="fp32",
+                          devices=[torch.device("cpu"), device], targets_on_cpu=True, seed=settings.seed))
     cases.append(run_case(label=f"K=2 built on cpu, then pipe.to({device})", layers=layers, x=x, y=y,
                           partitions=2, micro_batches=mbs, checkpoint="except_last", precision="fp32",
                           devices=[torch.device("cpu")] * 2, move_after=device, seed=settings.seed))

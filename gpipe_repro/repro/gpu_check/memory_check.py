@@ -338,6 +338,10 @@ def run_memory_check(settings: Any, device: torch.device) -> dict[str, Any]:
     return {"cells": cells, "depth": depth, "skipped": skipped, "target": settings.memory_target,
             "worst_rel_error": max(errors) if errors else None,
             "within_target": bool(errors) and all(c["within_target"] for c in cells),
+            "methods": {"cells.measured_peak_bytes": "measured", "cells.planned_peak_bytes": "simulated",
+                        "depth.rows.probes.peak_bytes": "measured",
+                        "depth.rows.probes.planned_peak_bytes": "simulated",
+                        "depth.rows.measured_L": "measured", "depth.rows.planned_L": "simulated"},
             "seconds": time.perf_counter() - t0}
 
 
