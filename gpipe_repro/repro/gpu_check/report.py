@@ -59,6 +59,12 @@ def _gib(x: float | None) -> float | None:
     return None if x is None else x / 2**30
 
 
+def _sim(record: Any) -> str:
+    """A simulated record as "1.23*" (the paper's value has its own column)."""
+    value = _value(record)
+    return "-" if value is None else f"{value:.3g}*"
+
+
 def _value(record: Any) -> Any:
     return record["value"] if isinstance(record, dict) and "value" in record else record
 
@@ -124,8 +130,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
                           f"(normalized to {c['normalized_to'][table]})", "",
                           f"Measured: one micro-batch of {cal['microbatch']} forward + backward "
                           f"{_value(cal['forward_backward_s']) * 1e3:.3g} ms on {cal['device']}.", ""]
-                rows = [[r["K"], r["M"], *[r["links"][ln]["normalized"] for ln in r["links"]],
-                         r["flop_model"], r["paper"], " ".join(map(str, r["balance"]))] for r in rows_]
+                rows = [[r["K"], r["M"], *[_sim(r["links"][ln]["normalized"]) for ln in r["links"]],
+                         _sim(r["flop_model"]), r["paper"], " ".join(map(str, r["balance"]))] for r in rows_]
                 links = list(rows_[0]["links"]) if rows_ else []
                 lines += [_deps.markdown_table(["K", "M", *[f"{ln}*" for ln in links], "FLOP model*",
                                                 "paper", "balance"], rows), ""]
