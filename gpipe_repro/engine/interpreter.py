@@ -76,8 +76,8 @@ def run_dataflow(schedule: Schedule, duration: Callable[[Action], float],
                 pc[s] += 1
                 remaining -= 1
                 progressed = True
-        waiting = [pc[s] < len(st) and st[pc[s]].kind in BARRIERS for s, st in enumerate(schedule.stages)]
-        if all(waiting):
+        at_barrier = [pc[s] < len(st) and st[pc[s]].kind in BARRIERS for s, st in enumerate(schedule.stages)]
+        if all(at_barrier):
             ready = max(clock)
             for s, st in enumerate(schedule.stages):
                 a = st[pc[s]]
@@ -88,8 +88,9 @@ def run_dataflow(schedule: Schedule, duration: Callable[[Action], float],
                 remaining -= 1
             progressed = True
         if not progressed:
-            stuck = [str(st[pc[s]]) + f"@stage{s}" for s, st in enumerate(schedule.stages) if pc[s] < len(st)]
+            waiting = [st[pc[s]] for s, st in enumerate(schedule.stages) if pc[s] < len(st)]
+            stuck = [f"{a}@stage{a.stage}" for a in waiting]
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks: every unfinished stage waits on a "
                                 f"receive whose send never comes or at a barrier another stage never reaches "
-                                f"({', '.join(stuck)})")
+                                f"({', '.join(stuck)})", schedule, waiting)
     return events
