@@ -44,6 +44,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
+__all__ = ["CHECKPOINT_MODES", "ActionKind", "COMPUTE", "SENDS", "RECVS", "BARRIERS", "Action",
+           "ScheduleError", "Schedule", "checkpointed_microbatches", "gpipe_schedule",
+           "one_f_one_b_schedule", "SCHEDULES", "make_schedule"]
+
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
 
