@@ -116,6 +116,7 @@ def test_sigkilled_subprocess_resumes_identically(tmp_path: Path,
     command = [sys.executable, "-c", "from gpipe_repro.cli import main; main()", "run", "amoebanet", "--preset", "smoke",
                "--out", str(tmp_path), "--batch-size", "8", "--m", "2", "--steps", str(STEPS),
                "--eval-every", "3", "--save-every", "2", "--timeline-every", "3", "--wandb", "disabled",
+               "--small-micro-batches",
                "--no-progress"]
     env = {**os.environ, "WANDB_MODE": "disabled"}
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -77,6 +77,8 @@ def transformer(
     timeline_every: Optional[int] = typer.Option(None, help=PIPELINE_HELP["timeline_every"]),
     name: Optional[str] = typer.Option(None, help=PIPELINE_HELP["name"]),
     out: Optional[str] = typer.Option(None, help=PIPELINE_HELP["out"]),
+    record: bool = typer.Option(False, "--record", help=PIPELINE_HELP["record"]),
+    timeout: Optional[float] = typer.Option(None, help=PIPELINE_HELP["timeout"]),
     wandb: Optional[str] = typer.Option(None, help=PIPELINE_HELP["wandb"]),
     resume: bool = typer.Option(False, "--resume", help="continue from the run's latest checkpoint"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show the progress bar"),

@@ -33,6 +33,7 @@ from typing import Any
 from gpipe_repro.models.translation import count_non_embedding
 from gpipe_repro.paper import CITATION, DEEP_VS_WIDE_CLAIM, LARGE_BATCH, TRANSLATION_MODELS
 from gpipe_repro.report.records import markdown_table, measured, read_json, write_json, write_markdown
+from gpipe_repro.train.checkpoints import latest_checkpoint
 from gpipe_repro.train.config import RunConfig
 from gpipe_repro.train.loop import train
 from gpipe_repro.train.tasks.translation import TranslationBatches, TranslationConfig, TranslationTask, preset
@@ -82,7 +83,8 @@ def run_model(label: str, task: TranslationConfig, run: RunConfig, rerun: bool) 
     if rerun and run.run_dir.is_dir():
         shutil.rmtree(run.run_dir)     # asked for (--rerun): start from scratch, old checkpoints too
     print(f"{label}: training {shape_name((task.L, task.H, task.A))} in {run.run_dir}")
-    train(TranslationTask(task), dataclasses.replace(run, resume=not rerun))
+    resume = not rerun and latest_checkpoint(run.checkpoint_dir) is not None
+    train(TranslationTask(task), dataclasses.replace(run, resume=resume))
     return read_json(summary_path)
 
 

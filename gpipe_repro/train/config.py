@@ -43,6 +43,7 @@ class RunConfig:
     launcher: str = "local"             # distributed only: "local" (spawn here) | "torchrun"
     device: str = "cpu"                 # "cpu" | "cuda" (cell k on cuda:k mod #GPUs) | "auto"
     threads: int | None = None          # torch CPU threads; None: torch's default (one per core)
+    timeout: float = 600.0              # distributed only: seconds a stage waits for a silent peer
     optimizer: str | None = None        # None: the task's recipe; else one of optim.OPTIMIZERS
     lr: float | None = None             # None: the task's recipe (peak rate, after warm-up)
     # -- how long, how often
@@ -79,6 +80,7 @@ class RunConfig:
             (min(self.eval_every, self.save_every) >= 0, "eval_every and save_every must be >= 0 (0: only at the end)"),
             (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}"),
             (self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}"),
+            (self.timeout > 0, f"timeout must be > 0 seconds, got {self.timeout}"),
             (self.log_every >= 1 and self.timeline_every >= 0, "log_every must be >= 1 and timeline_every >= 0"),
         ]
         for ok, message in checks:
@@ -112,5 +114,6 @@ class RunConfig:
 
 # Settings that must match for a checkpoint to be resumed: they change what the run computes.
 # (Cadence, logging, the runtime and the device may change between a run and its resumption.)
+# (`steps` / `epochs` may change: an explicit new length extends the run; see loop.check_resumable.)
 RESUME_MUST_MATCH = ("partitions", "micro_batches", "batch_size", "balance", "partition_cost",
-                     "objective", "seed")
+                     "objective", "seed", "optimizer", "lr")

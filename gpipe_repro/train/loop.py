@@ -39,7 +39,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -59,8 +58,7 @@ from gpipe_repro.train.checkpoints import (
     Stateful,
     checkpoint_path,
     graceful_interrupt,
-    latest_checkpoint,
-    load_checkpoint,
+    load_latest_checkpoint,
     restore_training_state,
     save_checkpoint,
     training_state,
@@ -68,9 +66,8 @@ from gpipe_repro.train.checkpoints import (
 from gpipe_repro.train.config import RESUME_MUST_MATCH, RunConfig
 from gpipe_repro.train.instrumentation import memory_metrics, parameter_count, timeline_metrics
 from gpipe_repro.train.optim import OptimizerConfig, ScheduledLR, lr_function, optimizer_factory
+from gpipe_repro.train.run_dir import RunDirectory
 
-RUN_FILES = ("metrics.jsonl", "run.json", "summary.json", "summary.md", "curves.png")
-RUN_DIRS = ("checkpoints", "wandb", "tables", "images")
 
 
 # ----------------------------------------------------------------------------- the task
@@ -124,6 +121,14 @@ class Task(abc.ABC):
 
     def before_step(self, step: int, total_steps: int) -> None:
         """Called before each training step (e.g. to ramp drop-path with training progress)."""
+
+    def describe_data(self) -> str:
+        """One line saying what data the run trains and evaluates on (printed at the start)."""
+        settings = self.config()
+        for key in ("dataset", "corpus"):
+            if settings.get(key):
+                return f"{key} {settings[key]}"
+        return "the task's own data"
 
     def sample_batch(self, batch_size: int) -> Any:
         """An input batch for partition costs that run the model ("time", "flops", "activations")."""
@@ -207,6 +212,7 @@ class RunSummary:
     balance: list[int]
     pipeline: dict[str, float]           # mean of the sampled busy/idle/breakdown fractions
     memory: dict[str, float]
+    signal: int | None = None            # the signal that interrupted the run (SIGINT, SIGTERM), if any
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "losses"}
@@ -234,15 +240,28 @@ def _train(task: Task, config: RunConfig, on_step_end: Callable[[int, float], No
     rank = ranks.join(config)                   # None unless --runtime distributed
     writer = ranks.is_writer(rank)
     run_dir = config.run_dir
-    latest = latest_checkpoint(config.checkpoint_dir) if config.resume else None
-    checkpoint = load_checkpoint(latest) if latest is not None else None
-    if checkpoint is None:
-        prepare_run_dir(run_dir, config.resume, clear=writer)
+    checkpoint, latest = None, None
+    if config.resume:
+        checkpoint, latest = load_latest_checkpoint(config.checkpoint_dir)
+        notes = check_resumable(checkpoint["extra"], config, task)     # before anything is built
+        if writer:
+            for note in notes:
+                print(f"note: {note}")
+    directory = RunDirectory(run_dir, task.name, resume=config.resume) if writer else None
 
     devices = None if rank is not None else resolve_devices(config.device, config.partitions)
     torch.manual_seed(config.seed)               # weight initialization (the same on every rank)
     batches = task.train_batches(config.batch_size, config.seed)
     total_steps = config.total_steps(batches.batches_per_epoch)
+    if writer:
+        print(f"{task.name}: K={config.partitions}, M={config.micro_batches}, mini-batch {config.batch_size} "
+              f"(~{config.batch_size // config.micro_batches} per micro-batch), {total_steps} steps "
+              f"({total_steps / batches.batches_per_epoch:.3g} epochs), runtime {config.runtime}")
+        print(f"data: {task.describe_data()}")
+        print(f"writing to {run_dir}" + (f" (resuming {latest.name})" if latest is not None else ""))
+    if checkpoint is not None and int(checkpoint["step"]) > total_steps:
+        raise ValueError(f"cannot resume: {latest} is at step {checkpoint['step']}, beyond the run's "
+                         f"length of {total_steps} steps; give --steps >= {checkpoint['step']}")
     optimizer = task.optimizer_config(total_steps=total_steps, steps_per_epoch=batches.batches_per_epoch,
                                       batch_size=config.batch_size)
     optimizer = optimizer.replace(name=config.optimizer, lr=config.lr)
@@ -260,7 +279,6 @@ def _train(task: Task, config: RunConfig, on_step_end: Callable[[int, float], No
 
     start, stats = 0, _fresh_stats()
     if checkpoint is not None:
-        check_resumable(checkpoint["extra"], config, task)
         start = restore_training_state(checkpoint, stateful)
         stats = dict(checkpoint["extra"]["stats"])
         if writer:
@@ -275,6 +293,12 @@ def _train(task: Task, config: RunConfig, on_step_end: Callable[[int, float], No
                            mode=config.wandb, dir=run_dir, name=config.name, group=task.name,
                            tags=[task.name, f"K{config.partitions}", f"M{config.micro_batches}"],
                            resume_step=start if checkpoint is not None else None)
+    if directory is not None:
+        directory.update()
+        where = getattr(logger, "wandb_run_dir", None)
+        mode = getattr(logger, "mode", "disabled")
+        print("W&B: disabled (metrics in metrics.jsonl)" if where is None else
+              f"W&B: {mode} run in {where}" + (" (upload later with `wandb sync`)" if mode == "offline" else ""))
 
     def save(step: int) -> None:
         """Collective in distributed runs (the pipeline's state is gathered); rank 0 writes."""
@@ -283,6 +307,8 @@ def _train(task: Task, config: RunConfig, on_step_end: Callable[[int, float], No
         if writer:
             save_checkpoint(checkpoint_path(config.checkpoint_dir, step), state,
                             keep_last=config.keep_checkpoints)
+        if directory is not None:
+            directory.update()
 
     def evaluate(step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -363,9 +389,12 @@ def _train(task: Task, config: RunConfig, on_step_end: Callable[[int, float], No
 
     summary = _summary(status, done, total_steps, stats, losses, checkpoint, pipe, params, run_dir,
                        memory, logger)
+    summary.signal = stop.signal if status == "interrupted" else None
     if writer:
         _write_outputs(summary, task, config, record, logger)
     logger.finish(exit_code=0 if status == "finished" else 1)
+    if directory is not None:
+        directory.update()
     return summary
 
 
@@ -387,32 +416,10 @@ def _memory(pipe: GPipe) -> dict[str, float]:
     return memory_metrics(pipe.cells, pipe.optimizers, pipe.devices)
 
 
-def prepare_run_dir(run_dir: Path, resume_requested: bool, clear: bool = True) -> None:
-    """Make `run_dir` ready for a fresh run (only `clear` deletes: rank 0 in a distributed run).
-
-    A finished earlier run in the same directory is replaced (so `make train-amoebanet` can be
-    rerun); an unfinished one is kept, since its checkpoints are what `--resume` continues from.
-    """
-    checkpoints = list((run_dir / "checkpoints").glob("step-*.pt")) if (run_dir / "checkpoints").is_dir() else []
-    status = None
-    if (run_dir / "summary.json").is_file():
-        status = read_json(run_dir / "summary.json").get("status")
-    if checkpoints and status != "finished" and not resume_requested:
-        raise FileExistsError(
-            f"{run_dir} holds an unfinished run (checkpoints up to {sorted(checkpoints)[-1].name}): "
-            "continue it with --resume, or pick another --name / --out, or delete the directory")
-    if not clear:
-        return
-    for name in RUN_FILES:
-        (run_dir / name).unlink(missing_ok=True)
-    for name in RUN_DIRS:
-        if (run_dir / name).is_dir():
-            shutil.rmtree(run_dir / name)
-    run_dir.mkdir(parents=True, exist_ok=True)
-
-
-def check_resumable(saved: dict[str, Any], config: RunConfig, task: Task) -> None:
-    """Refuse to resume a checkpoint made with settings that change what the run computes."""
+def check_resumable(saved: dict[str, Any], config: RunConfig, task: Task) -> list[str]:
+    """Refuse to resume a checkpoint made with settings that change what the run computes, listing
+    every difference. The run's length may change (an explicit `--steps` / `--epochs` extends it):
+    that is returned as a note for the caller to print, not refused."""
     run = saved["run"]
     diffs = [f"{k}: saved {run.get(k)!r}, now {getattr(config, k)!r}" for k in RESUME_MUST_MATCH
              if run.get(k) != getattr(config, k) and not (k == "balance" and getattr(config, k) is None)]
@@ -420,9 +427,13 @@ def check_resumable(saved: dict[str, Any], config: RunConfig, task: Task) -> Non
     diffs += [f"{k}: saved {saved['task'].get(k)!r}, now {now.get(k)!r}"
               for k in sorted(set(now) | set(saved["task"])) if saved["task"].get(k) != now.get(k)]
     if diffs:
-        raise ValueError("cannot resume: the checkpoint was made with different settings ("
-                         + "; ".join(diffs) + "). Resume with the original settings, or start a new "
-                         "run with another --name")
+        raise ValueError("cannot resume: the checkpoint was made with different settings:\n  "
+                         + "\n  ".join(diffs) + "\nresume with the original settings, or start a new "
+                         "run (leave out --resume, or another --name / --out)")
+    length = [f"{k} {run.get(k)!r} -> {getattr(config, k)!r}" for k in ("steps", "epochs")
+              if run.get(k) != getattr(config, k)]
+    return [f"the run's length changes ({', '.join(length)}); the learning-rate schedule follows the "
+            "new length from here"] if length else []
 
 
 def _fresh_stats() -> dict[str, Any]:

@@ -130,6 +130,11 @@ class AmoebaNetTask(Task):
                 "input_shape": list(self.train_set.shape), "train_size": len(self.train_set),
                 "test_size": len(self.test_set)}
 
+    def describe_data(self) -> str:
+        c, h, w = self.train_set.shape
+        return (f"{self.settings.dataset}: {len(self.train_set):,} training / {len(self.test_set):,} test "
+                f"images, {c}x{h}x{w}, {self.train_set.num_classes} classes")
+
     def build_layers(self) -> nn.Sequential:
         s = self.settings
         channels, size, _ = self.train_set.shape
@@ -218,6 +223,26 @@ PRESETS: dict[str, str] = {
 }
 
 
+def describe_presets() -> str:
+    """Every preset with what it is and the values it sets (what `--preset list` prints)."""
+    lines = []
+    for name, what in PRESETS.items():
+        run, task = preset(name)
+        length = f"steps {run.steps}" if run.steps is not None else f"epochs {run.epochs:g}"
+        lines += [f"{name}: {what}",
+                  f"  pipeline: K={run.partitions}, M={run.micro_batches}, batch {run.batch_size}, {length}, "
+                  f"checkpoint {run.checkpoint}, partition cost {run.partition_cost}, device {run.device}, "
+                  f"threads {run.threads or 'default'}",
+                  f"  model and data: AmoebaNet-{task.genotype} (L={task.L}, F={task.F}) on {task.dataset}"
+                  + (f" at {task.image_size}x{task.image_size}" if task.image_size else ""),
+                  f"  recipe: lr {task.lr_per_32:g} per 32 examples, warm-up {task.warmup_epochs:g} epochs, "
+                  f"decay x{task.lr_decay:g} every {task.lr_decay_epochs:g} epochs, dropout {task.dropout:g}, "
+                  f"drop-path {task.drop_path:g}, label smoothing {task.label_smoothing:g}",
+                  f"  cadence: evaluate every {run.eval_every or 'end'}, save every {run.save_every or 'end'} steps",
+                  ""]
+    return "\n".join(lines + ["Any option given on the command line overrides the preset's value."])
+
+
 def preset(name: str) -> tuple[RunConfig, AmoebaNetConfig]:
     """The run and task settings of a named preset (options given on the command line override them)."""
     if name == "cpu":
@@ -240,4 +265,5 @@ def preset(name: str) -> tuple[RunConfig, AmoebaNetConfig]:
         return (RunConfig(name="amoebanet-smoke", partitions=2, micro_batches=4, batch_size=32, steps=8,
                           eval_every=4, save_every=4, timeline_every=4, threads=1),
                 AmoebaNetConfig(dataset="digits", L=3, F=8, warmup_epochs=0.0, eval_batch_size=400))
-    raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)} "
+                     "(`--preset list` shows their values)")

@@ -1,0 +1,85 @@
+"""`gpipe-repro run` as a user types it (issue 16): the headline command's batch follows M, micro-batches
+too small for BatchNorm are refused with a suggestion, presets are listed with their values, a
+distributed mistake is one line before any process starts, and exit codes say how a run ended."""
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from gpipe_repro.cli import app
+from gpipe_repro.commands.run import MIN_BATCHNORM_MICRO_BATCH, exit_code_of
+from gpipe_repro.train import ranks
+
+
+@pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Any]:
+    """Capture what `gpipe-repro run` would train instead of training it."""
+    monkeypatch.chdir(tmp_path)
+    seen: list[Any] = []
+
+    def fake_launch(task_factory: Any, config: Any) -> Any:
+        seen.append(config)
+        return type("Summary", (), {"status": "finished"})()
+
+    monkeypatch.setattr(ranks, "launch", fake_launch)
+    return seen
+
+
+def test_the_headline_command_keeps_micro_batches_batchnorm_can_use(launched: list[Any]) -> None:
+    result = CliRunner().invoke(app, ["run", "amoebanet", "--k", "4", "--m", "32"])
+    assert result.exit_code == 0, result.output
+    config = launched[0]
+    assert (config.partitions, config.micro_batches) == (4, 32)
+    assert config.batch_size // config.micro_batches >= MIN_BATCHNORM_MICRO_BATCH
+    assert "the batch follows --m" in result.output
+    assert Path(config.out_dir) == Path("runs/amoebanet-cpu")          # not the published results
+
+
+def test_an_explicit_batch_is_kept_and_too_small_micro_batches_are_refused(launched: list[Any]) -> None:
+    runner = CliRunner()
+    result = runner.invoke(app, ["run", "amoebanet", "--k", "4", "--m", "32", "--batch-size", "64"])
+    assert result.exit_code == 2 and not launched
+    assert "2 examples per micro-batch" in result.output
+    assert f"--batch-size {32 * MIN_BATCHNORM_MICRO_BATCH}" in result.output
+    result = runner.invoke(app, ["run", "amoebanet", "--m", "32", "--batch-size", "64", "--small-micro-batches"])
+    assert result.exit_code == 0 and launched[-1].batch_size == 64
+
+
+def test_record_writes_the_results_of_record_only_when_asked(launched: list[Any]) -> None:
+    assert CliRunner().invoke(app, ["run", "amoebanet", "--record"]).exit_code == 0
+    assert Path(launched[-1].out_dir) == Path("results/training/amoebanet-cpu")
+
+
+def test_presets_are_listed_with_their_values() -> None:
+    result = CliRunner().invoke(app, ["run", "amoebanet", "--preset", "list"])
+    assert result.exit_code == 0
+    for expected in ("cpu:", "paper:", "smoke:", "K=4, M=4, batch 64", "L=18, F=512"):
+        assert expected in result.output
+
+
+def test_a_distributed_mistake_is_one_line_before_any_process_starts(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpipe_repro.distributed import launcher
+    monkeypatch.setattr(launcher, "launch_local", lambda *a, **k: pytest.fail("a process was started"))
+    start = time.perf_counter()
+    result = CliRunner().invoke(app, ["run", "amoebanet", "--preset", "smoke", "--k", "50", "--runtime",
+                                      "distributed", "--out", str(tmp_path / "run"), "--wandb", "disabled"])
+    assert result.exit_code == 2
+    assert "--k 50: the model has" in result.output and "no process was started" in result.output
+    assert len(result.output.strip().splitlines()) <= 3, result.output
+    assert time.perf_counter() - start < 60
+
+
+def test_exit_codes_say_how_the_run_ended() -> None:
+    def summary(status: str, signum: int | None = None) -> Any:
+        return type("S", (), {"status": status, "signal": signum})()
+
+    assert exit_code_of(summary("finished")) == 0
+    assert exit_code_of(summary("interrupted", signal.SIGINT)) == 130
+    assert exit_code_of(summary("interrupted", signal.SIGTERM)) == 143
+    assert exit_code_of(summary("interrupted")) == 1
