@@ -46,7 +46,8 @@ def test_an_explicit_batch_is_kept_and_too_small_micro_batches_are_refused(launc
     assert result.exit_code == 2 and not launched
     assert "2 examples per micro-batch" in result.output
     assert f"--batch-size {32 * MIN_BATCHNORM_MICRO_BATCH}" in result.output
-    result = runner.invoke(app, ["run", "amoebanet", "--m", "32", "--batch-size", "64", "--small-micro-batches"])
+    result = runner.invoke(app, ["run", "amoebanet", "--m", "32", "--batch-size", "64",
+                                 "--small-micro-batches"])
     assert result.exit_code == 0 and launched[-1].batch_size == 64
 
 
@@ -83,3 +84,54 @@ def test_exit_codes_say_how_the_run_ended() -> None:
     assert exit_code_of(summary("interrupted", signal.SIGINT)) == 130
     assert exit_code_of(summary("interrupted", signal.SIGTERM)) == 143
     assert exit_code_of(summary("interrupted")) == 1
+
+
+# ----------------------------------------------------------------------------- README and --help agree
+
+def readme_command_lines() -> list[list[str]]:
+    """Every `gpipe-repro ...` line in README.md's code blocks, as arguments (comments removed)."""
+    import re
+    import shlex
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lines = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            line = line.strip()
+            if line.startswith("gpipe-repro "):
+                lines.append(shlex.split(line.split("  #")[0].split(" # ")[0])[1:])
+    return lines
+
+
+def parse_only(args: list[str]) -> None:
+    """Parse a command line as the CLI would, without running the command (click's own parser,
+    the copy typer ships): an unknown option or a bad value raises."""
+    import typer.main
+    command: Any = typer.main.get_command(app)
+    ctx = command.make_context("gpipe-repro", list(args))
+    while hasattr(command, "resolve_command"):           # a group: descend to the subcommand
+        pending = list(getattr(ctx, "_protected_args", [])) + list(ctx.args)
+        name, sub, rest = command.resolve_command(ctx, pending)
+        assert sub is not None, f"unknown command {name!r} in {args}"
+        command, ctx = sub, sub.make_context(name, rest, parent=ctx)
+
+
+def test_every_readme_command_line_parses() -> None:
+    lines = readme_command_lines()
+    assert len(lines) >= 5
+    for args in lines:
+        parse_only(args)
+    with pytest.raises(Exception, match="bogus"):
+        parse_only(["run", "amoebanet", "--bogus"])
+
+
+def test_old_spellings_still_parse_and_the_same_flags_mean_the_same_everywhere() -> None:
+    for args in (["fit", "transformer-lm", "-K", "2", "-M", "8", "--batch", "4", "--json", "x.json"],
+                 ["plan", "transformer-lm", "--micro-batches", "4,8", "--batch", "8"],
+                 ["pipeline", "--partitions", "2", "--micro-batches", "4", "--batch", "64"],
+                 ["run", "amoebanet", "--batch", "64"]):
+        parse_only(args)
+    for command in (["fit", "transformer-lm"], ["pipeline"], ["run", "amoebanet"]):
+        result = CliRunner().invoke(app, [*command, "--help"], terminal_width=200)
+        for flag in ("--k", "--m", "--batch-size", "--out"):
+            assert flag in result.output, (command, flag)
+        assert "--partitions" not in result.output and "--micro-batches" not in result.output

@@ -94,7 +94,8 @@ def test_runs_go_to_a_fresh_directory_and_record_only_when_asked(tmp_path: Path,
     monkeypatch.chdir(tmp_path)
     assert fresh_run_dir("amoebanet-cpu") == Path("runs/amoebanet-cpu")
     Path("runs/amoebanet-cpu").mkdir(parents=True)
-    assert resolve_run_dir("amoebanet-cpu", out=None, record=False, resume=False) == Path("runs/amoebanet-cpu-2")
+    fresh = resolve_run_dir("amoebanet-cpu", out=None, record=False, resume=False)
+    assert fresh == Path("runs/amoebanet-cpu-2")
     Path("runs/amoebanet-cpu-7").mkdir()
     assert fresh_run_dir("amoebanet-cpu") == Path("runs/amoebanet-cpu-8")
     assert resolve_run_dir("amoebanet-cpu", out=None, record=True, resume=False) == \
@@ -102,14 +103,16 @@ def test_runs_go_to_a_fresh_directory_and_record_only_when_asked(tmp_path: Path,
     with pytest.raises(FileNotFoundError, match="no run named 'amoebanet-cpu' with checkpoints"):
         resolve_run_dir("amoebanet-cpu", out=None, record=False, resume=True)
     save_checkpoint(checkpoint_path("runs/amoebanet-cpu-2/checkpoints", 3), fake_state(3))
-    assert resolve_run_dir("amoebanet-cpu", out=None, record=False, resume=True) == Path("runs/amoebanet-cpu-2")
+    resumed = resolve_run_dir("amoebanet-cpu", out=None, record=False, resume=True)
+    assert resumed == Path("runs/amoebanet-cpu-2")
     with pytest.raises(ValueError, match="give one of them"):
         resolve_run_dir("x", out="elsewhere", record=True, resume=False)
 
 
 def test_resume_without_a_checkpoint_names_the_directory(tmp_path: Path) -> None:
-    result = CliRunner().invoke(app, ["run", "amoebanet", "--preset", "smoke", "--out", str(tmp_path / "typo"),
-                                      "--resume", "--wandb", "disabled", "--no-progress"])
+    result = CliRunner().invoke(app, ["run", "amoebanet", "--preset", "smoke", "--out",
+                                      str(tmp_path / "typo"), "--resume", "--wandb", "disabled",
+                                      "--no-progress"])
     assert result.exit_code == 2
     assert "no checkpoint in" in result.output and "typo" in result.output
     assert not (tmp_path / "typo").exists()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import typer
 
@@ -162,7 +162,7 @@ def run_task(build: Callable[[], tuple[Callable[[], Any], Any]]) -> Any:
     return summary
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     """Print `message` as one error (not wrapped, not read as markup) and exit with code 2."""
     from rich.console import Console
     from rich.markup import escape
@@ -177,7 +177,7 @@ def register(app: typer.Typer) -> None:
 
     @group.command("amoebanet")
     def amoebanet(
-        preset: str = typer.Option("cpu", help="cpu | paper | smoke; `--preset list` shows each one's values"),
+        preset: str = typer.Option("cpu", help="cpu | paper | smoke; `--preset list` shows their values"),
         dataset: Optional[str] = typer.Option(None, help="mnist-sample | digits (offline) | cifar10 | "
                                               "cifar100 | hub:<repo id> | folder:<root>"),
         image_size: Optional[int] = typer.Option(None, help="square input size (resized)"),
@@ -187,6 +187,7 @@ def register(app: typer.Typer) -> None:
         k: Optional[int] = typer.Option(None, "--k", "-k", help=PIPELINE_HELP["k"]),
         m: Optional[int] = typer.Option(None, "--m", "-m", help=PIPELINE_HELP["m"]),
         batch_size: Optional[int] = typer.Option(None, help=PIPELINE_HELP["batch_size"]),
+        batch: Optional[int] = typer.Option(None, "--batch", hidden=True),
         steps: Optional[int] = typer.Option(None, help=PIPELINE_HELP["steps"]),
         epochs: Optional[float] = typer.Option(None, help=PIPELINE_HELP["epochs"]),
         checkpoint: Optional[str] = typer.Option(None, help=PIPELINE_HELP["checkpoint"]),
@@ -215,6 +216,8 @@ def register(app: typer.Typer) -> None:
             help=f"allow fewer than {MIN_BATCHNORM_MICRO_BATCH} examples per micro-batch (BatchNorm)"),
     ) -> None:
         """AmoebaNet image classification (the paper's Table 4 recipe); presets: cpu, paper, smoke."""
+        from gpipe_repro.commands._vocabulary import resolve
+        batch_size = resolve("--batch-size", batch_size, batch, "--batch")
         options = dict(locals())
         from gpipe_repro.train.tasks.image_classification import AmoebaNetTask, describe_presets
         from gpipe_repro.train.tasks.image_classification import preset as get_preset

@@ -32,7 +32,7 @@ def _languages(value: str | None) -> tuple[str, ...] | None:
 
 def transformer(
     preset: str = typer.Option("cpu", help="cpu | paper | smoke"),
-    layers: Optional[int] = typer.Option(None, "--layers", "--L", help="L: encoder layers (= decoder layers)"),
+    layers: Optional[int] = typer.Option(None, "--layers", "--L", help="L: encoder (= decoder) layers"),
     ffn: Optional[int] = typer.Option(None, "--ffn", "--H", help="H: feed-forward hidden size"),
     heads: Optional[int] = typer.Option(None, "--heads", "--A", help="A: attention heads"),
     d_model: Optional[int] = typer.Option(None, help="model dimension (the paper: 1024)"),

@@ -113,9 +113,9 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float
                              "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
                              "MASTER_PORT": str(port), TIMEOUT_ENV: str(timeout), THREADS_ENV: str(threads),
                              ERROR_FILE_ENV: os.path.join(tmp, f"error{rank}.json"), **(env or {})}
-                p = ctx.Process(target=_child, args=(child_env, os.path.join(tmp, f"result{rank}.pkl"),
-                                                    fn, args, lifeline_r), name=f"gpipe-stage-{rank}",
-                                daemon=True)
+                p = ctx.Process(  # type: ignore[attr-defined]
+                    target=_child, args=(child_env, os.path.join(tmp, f"result{rank}.pkl"), fn, args,
+                                         lifeline_r), name=f"gpipe-stage-{rank}", daemon=True)
                 p.start()
                 procs.append(p)
             lifeline_r.close()
@@ -273,9 +273,10 @@ def _root_cause(failed: list[_Exit], killed: list[int]) -> JobFailed:
         first = min(failed, key=lambda e: e.record.time if e.record else e.seen)
         peer = first.record.peer if first.record else None
         if peer is not None and all(p.rank != peer for p in failed):
-            others = "; ".join(f"rank {e.rank}: {_cause(e)}" for e in sorted(failed, key=lambda e: e.rank))
+            lost = "; ".join(f"rank {e.rank}: {_cause(e).splitlines()[0]}"
+                             for e in sorted(failed, key=lambda e: e.rank))
             return JobFailed(peer, "stopped answering (its neighbours timed out waiting for it)",
-                             f"other ranks: {others}")
+                             f"other ranks: {lost}")
     others = [f"rank {e.rank}: {_cause(e).splitlines()[0]}" for e in sorted(failed, key=lambda e: e.rank)
               if e is not first]
     others += [f"rank {r}: still running after the failure, killed" for r in killed]

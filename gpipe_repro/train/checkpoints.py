@@ -113,7 +113,8 @@ def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *,
         if not _disk_full(e, path.parent):
             raise
         previous = [p for p in list_checkpoints(path.parent) if p != path]
-        kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+        kept = (f"the previous checkpoint {previous[-1]} is intact" if previous
+                else "no earlier checkpoint exists")
         raise DiskFullError(errno.ENOSPC, f"no space left on the device to write the checkpoint {path} "
                             f"({_free(path.parent)} free); {kept}. Free some disk space (or point --out "
                             "to another disk) and continue with --resume") from e
@@ -192,7 +193,8 @@ def load_latest_checkpoint(directory: str | os.PathLike[str], *,
             warn(f"{problem}; resuming from the older {path.name} instead")
         return checkpoint, path
     raise CheckpointError(f"no checkpoint in {directory} can be read:\n  " + "\n  ".join(problems)
-                          + f"\nstart a new run (another --name / --out), or move the files out of {directory}")
+                          + "\nstart a new run (another --name / --out), or move the files out of "
+                          + str(directory))
 
 
 # ----------------------------------------------------------------------------- random state

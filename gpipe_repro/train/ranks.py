@@ -164,4 +164,5 @@ def preflight(task_factory: Callable[[], Task], config: RunConfig) -> None:
         raise ValueError(f"--k {config.partitions}: the model has {layers} layers, and each of the K cells "
                          f"needs at least one; use --k {layers} or fewer (no process was started)")
     if config.balance is not None and sum(config.balance) != layers:
-        raise ValueError(f"balance {config.balance} covers {sum(config.balance)} layers, the model has {layers}")
+        raise ValueError(f"balance {config.balance} covers {sum(config.balance)} layers, the model has "
+                         f"{layers}")

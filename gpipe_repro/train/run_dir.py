@@ -124,7 +124,7 @@ class RunDirectory:
         if not resume:
             for rel in sorted(ours & present):
                 (path / rel).unlink(missing_ok=True)
-            for root, dirs, _files_ in sorted(os.walk(path), key=lambda t: -len(t[0])):
+            for root, dirs, _ in sorted(os.walk(path), key=lambda t: -len(t[0])):
                 for d in dirs:
                     candidate = Path(root) / d
                     rel = candidate.relative_to(path).as_posix()

@@ -272,8 +272,11 @@ class TranslationTask(Task):
         manifest = Manifest.load(self.corpus_dir)
         unknown = sorted(set(config.languages or ()) - set(manifest.languages))
         if unknown:
-            raise ValueError(f"corpus {manifest.name} has no language(s) {unknown}; it has "
-                             f"{', '.join(sorted(manifest.languages))}")
+            raise ValueError(f"corpus {manifest.name} has no language(s) {unknown} (the languages "
+                             f"asked for, by --languages or by the preset's own list); it has "
+                             f"{', '.join(sorted(manifest.languages))}: pass --languages with some of "
+                             f"those (e.g. --languages {sorted(manifest.languages)[0]}), or "
+                             "--languages all")
         self.languages: list[str] = list(config.languages or sorted(manifest.languages))
         self.tokenizer = prepare_tokenizer(self.corpus_dir, config.vocab_size, self.languages)
         self.train_data = encode_split(self.corpus_dir, self.tokenizer, "train", self.languages,
