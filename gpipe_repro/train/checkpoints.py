@@ -36,12 +36,16 @@ import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import FrameType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from gpipe_repro.report.records import atomic_write
+from gpipe_repro.train.config import RESUME_MUST_MATCH, RunConfig
+
+if TYPE_CHECKING:
+    from gpipe_repro.train.task import Task
 
 CHECKPOINT_FORMAT = 1
 _NAME = re.compile(r"^step-(\d+)\.pt$")
@@ -275,6 +279,28 @@ def restore_training_state(checkpoint: Mapping[str, Any], stateful: Mapping[str,
         gen.set_state(saved_gens[name].cpu())
     restore_rng_state(checkpoint["rng"])
     return int(checkpoint["step"])
+
+
+# ----------------------------------------------------------------------------- resuming
+
+def check_resumable(saved: dict[str, Any], config: RunConfig, task: Task) -> list[str]:
+    """Refuse to resume a checkpoint made with settings that change what the run computes, listing
+    every difference. The run's length may change (an explicit `--steps` / `--epochs` extends it):
+    that is returned as a note for the caller to print, not refused."""
+    run = saved["run"]
+    diffs = [f"{k}: saved {run.get(k)!r}, now {getattr(config, k)!r}" for k in RESUME_MUST_MATCH
+             if run.get(k) != getattr(config, k) and not (k == "balance" and getattr(config, k) is None)]
+    now = task.config()
+    diffs += [f"{k}: saved {saved['task'].get(k)!r}, now {now.get(k)!r}"
+              for k in sorted(set(now) | set(saved["task"])) if saved["task"].get(k) != now.get(k)]
+    if diffs:
+        raise ValueError("cannot resume: the checkpoint was made with different settings:\n  "
+                         + "\n  ".join(diffs) + "\nresume with the original settings, or start a new "
+                         "run (leave out --resume, or another --name / --out)")
+    length = [f"{k} {run.get(k)!r} -> {getattr(config, k)!r}" for k in ("steps", "epochs")
+              if run.get(k) != getattr(config, k)]
+    return [f"the run's length changes ({', '.join(length)}); the learning-rate schedule follows the "
+            "new length from here"] if length else []
 
 
 # ----------------------------------------------------------------------------- Ctrl-C

@@ -31,31 +31,26 @@ The run directory (`results/training/<name>/` by default):
     checkpoints/step-00000100.pt ...     the last `keep_checkpoints` saves
     summary.json  summary.md  curves.png the result of the run
 
-Adding a task (e.g. translation): subclass :class:`Task` in its own module and give `gpipe-repro run`
-a subcommand that builds it (see gpipe_repro/commands/run.py).
+The pieces live beside it: the `Task` interface in `task.py`, the engine's construction and state in
+`pipeline.py`, the summary and output files in `summary.py`, the progress bar in `console.py`, and
+checkpoints, resume checks and Ctrl-C in `checkpoints.py`. Their names are re-exported here, so
+`from gpipe_repro.train.loop import Task, train, pipelined_outputs` keeps working.
 """
 from __future__ import annotations
 
-import abc
-import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch import nn
 
 from gpipe_repro.engine import microbatch
-from gpipe_repro.engine.boundary import to_device
-from gpipe_repro.engine.gpipe import GPipe
-from gpipe_repro.engine.stage import LossFn
-from gpipe_repro.report.records import markdown_table, measured, read_json, write_json, write_markdown
-from gpipe_repro.report.wandb_log import RunLogger, read_metrics
+from gpipe_repro.report.wandb_log import RunLogger
 from gpipe_repro.train import ranks
 from gpipe_repro.train.checkpoints import (
     Stateful,
+    check_resumable,
     checkpoint_path,
     graceful_interrupt,
     load_latest_checkpoint,
@@ -63,162 +58,25 @@ from gpipe_repro.train.checkpoints import (
     save_checkpoint,
     training_state,
 )
-from gpipe_repro.train.config import RESUME_MUST_MATCH, RunConfig
-from gpipe_repro.train.instrumentation import memory_metrics, parameter_count, timeline_metrics
-from gpipe_repro.train.optim import OptimizerConfig, ScheduledLR, lr_function, optimizer_factory
+from gpipe_repro.train.config import RunConfig
+from gpipe_repro.train.console import NoLogger, progress_bar
+from gpipe_repro.train.instrumentation import parameter_count, timeline_metrics
+from gpipe_repro.train.optim import ScheduledLR, lr_function
+from gpipe_repro.train.pipeline import (
+    PipelineState,
+    build_pipeline,
+    pipeline_memory,
+    pipelined_outputs,
+    place,
+    resolve_devices,
+)
 from gpipe_repro.train.run_dir import RunDirectory
+from gpipe_repro.train.summary import RunSummary, accumulate, fresh_stats, make_summary, write_outputs
+from gpipe_repro.train.task import Batches, Task
 
+__all__ = ["Batches", "PipelineState", "RunSummary", "Task", "build_pipeline", "check_resumable",
+           "pipelined_outputs", "resolve_devices", "train"]
 
-
-# ----------------------------------------------------------------------------- the task
-
-class Batches(Protocol):
-    """Training batches forever (the loop counts steps), with a position that can be saved."""
-
-    batches_per_epoch: int
-
-    def __next__(self) -> tuple[Any, Any]: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-class Task(abc.ABC):
-    """What to train and how to score it; the loop does the rest (see the module docstring)."""
-
-    name: str = "task"
-    loss_reduction: str = "mean"        # GPipe's: "mean" weights micro-batch losses by size
-    lower_is_better: tuple[str, ...] = ("loss",)   # eval metrics whose best is the minimum
-
-    @abc.abstractmethod
-    def config(self) -> dict[str, Any]:
-        """The task's settings (JSON-ready): logged, saved in checkpoints, compared on resume."""
-
-    @abc.abstractmethod
-    def build_layers(self) -> nn.Sequential:
-        """The model as a sequence of pipeline layers (weights initialized from the global seed)."""
-
-    @abc.abstractmethod
-    def loss_fn(self) -> LossFn:
-        """`loss_fn(output_microbatch, target_microbatch) -> scalar`."""
-
-    @abc.abstractmethod
-    def train_batches(self, batch_size: int, seed: int) -> Batches:
-        """The training stream: (inputs, targets) ready for the pipeline (augmented, normalized)."""
-
-    @abc.abstractmethod
-    def optimizer_config(self, *, total_steps: int, steps_per_epoch: int,
-                         batch_size: int) -> OptimizerConfig:
-        """The task's optimizer recipe for a run of this length and batch size."""
-
-    @abc.abstractmethod
-    def evaluate(self, pipe: GPipe) -> dict[str, float]:
-        """Metrics on held-out data with a pipelined forward: `pipelined_outputs(pipe, batches)`
-        (which puts the pipe in eval mode). In a distributed run every rank calls it."""
-
-    def stateful(self) -> dict[str, Stateful]:
-        """Task state a checkpoint must hold besides the data position (e.g. the augmentation)."""
-        return {}
-
-    def before_step(self, step: int, total_steps: int) -> None:
-        """Called before each training step (e.g. to ramp drop-path with training progress)."""
-
-    def describe_data(self) -> str:
-        """One line saying what data the run trains and evaluates on (printed at the start)."""
-        settings = self.config()
-        for key in ("dataset", "corpus"):
-            if settings.get(key):
-                return f"{key} {settings[key]}"
-        return "the task's own data"
-
-    def sample_batch(self, batch_size: int) -> Any:
-        """An input batch for partition costs that run the model ("time", "flops", "activations")."""
-        raise NotImplementedError(f"task {self.name!r} has no sample batch; use partition_cost='params'")
-
-
-# ----------------------------------------------------------------------------- the pipeline
-
-def resolve_devices(device: str, partitions: int) -> list[torch.device] | None:
-    """One device per cell: None (the layers' device, the CPU) or cuda:(k mod #GPUs)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        return None
-    if not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for but torch sees no CUDA device "
-                           f"(torch {torch.__version__}); use --device cpu")
-    count = torch.cuda.device_count()
-    return [torch.device("cuda", k % count) for k in range(partitions)]
-
-
-def build_pipeline(layers: nn.Sequential, config: RunConfig, loss_fn: LossFn, loss_reduction: str,
-                   optimizer: OptimizerConfig, sample: Any = None, balance: list[int] | None = None,
-                   devices: list[torch.device] | None = None) -> GPipe:
-    """The engine: every cell in this process on `devices` (runtime "local"), or this process's cell
-    of a job of K stage processes (runtime "distributed"; the device is the rank's, see `ranks.join`)."""
-    return GPipe(layers, partitions=config.partitions, micro_batches=config.micro_batches,
-                 checkpoint=config.checkpoint, balance=balance or config.balance,
-                 cost=config.partition_cost, sample=sample, objective=config.objective,
-                 devices=None if config.runtime == "distributed" else devices, loss_fn=loss_fn, loss_reduction=loss_reduction, optimizer=optimizer_factory(optimizer),
-                 schedule=config.schedule, seed=config.seed, runtime=config.runtime)
-
-
-class PipelineState:
-    """`GPipe.training_state()` under the `state_dict` names `checkpointing.training_state` uses.
-
-    In a distributed run it is the whole pipeline's state, gathered on rank 0 (None on the other
-    ranks, which do not write), and each rank loads its own cell's part of it.
-    """
-
-    def __init__(self, pipe: GPipe) -> None:
-        self.pipe = pipe
-
-    def state_dict(self) -> dict[str, Any] | None:
-        return ranks.gather_training_state(self.pipe)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.pipe.load_training_state(ranks.own_part(state, self.pipe))
-
-
-def pipelined_outputs(pipe: GPipe, batches: Iterator[Any]) -> Iterator[Any]:
-    """`pipe.forward` over batches in eval mode (training mode restored afterwards)."""
-    was_training = pipe.training
-    pipe.eval()
-    try:
-        for x in batches:
-            yield pipe.forward(x)
-    finally:
-        pipe.train(was_training)
-
-
-# ----------------------------------------------------------------------------- the result
-
-@dataclasses.dataclass
-class RunSummary:
-    """What `train` returns (and writes as summary.json)."""
-
-    status: str                          # "finished" | "interrupted"
-    steps: int                           # steps completed in total (across resumptions)
-    total_steps: int
-    eval: dict[str, float]               # the last evaluation
-    best: dict[str, float]               # the best value of each eval metric
-    train_seconds: float                 # time inside train_step, summed over resumptions
-    wall_seconds: float                  # loop wall time incl. evaluation and saving
-    samples_per_s: float                 # mean training throughput (train_step time)
-    final_train_loss: float              # mean of the last (up to) 20 logged losses
-    resumed_from: int | None
-    run_dir: str
-    losses: list[float]                  # the losses of the steps this invocation ran
-    params: int
-    balance: list[int]
-    pipeline: dict[str, float]           # mean of the sampled busy/idle/breakdown fractions
-    memory: dict[str, float]
-    signal: int | None = None            # the signal that interrupted the run (SIGINT, SIGTERM), if any
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "losses"}
-
-
-# ----------------------------------------------------------------------------- the loop
 
 def train(task: Task, config: RunConfig, *,
           on_step_end: Callable[[int, float], None] | None = None) -> RunSummary:
@@ -277,14 +135,14 @@ def _train(task: Task, config: RunConfig, on_step_end: Callable[[int, float], No
                                      "data": batches, **task.stateful()}
     record = {"run": config.to_dict(), "task": task.config(), "optimizer": optimizer.to_dict()}
 
-    start, stats = 0, _fresh_stats()
+    start, stats = 0, fresh_stats()
     if checkpoint is not None:
         start = restore_training_state(checkpoint, stateful)
         stats = dict(checkpoint["extra"]["stats"])
         if writer:
             print(f"resuming {config.name} from {latest} (step {start} of {total_steps})")
 
-    logger: RunLogger | _NoLogger = _NoLogger()
+    logger: RunLogger | NoLogger = NoLogger()
     if writer:
         from gpipe_repro.report.provenance import environment
         logger = RunLogger(config.project, {**record, "task_name": task.name, "params": params,
@@ -297,8 +155,9 @@ def _train(task: Task, config: RunConfig, on_step_end: Callable[[int, float], No
         directory.update()
         where = getattr(logger, "wandb_run_dir", None)
         mode = getattr(logger, "mode", "disabled")
-        print("W&B: disabled (metrics in metrics.jsonl)" if where is None else
-              f"W&B: {mode} run in {where}" + (" (upload later with `wandb sync`)" if mode == "offline" else ""))
+        later = " (upload later with `wandb sync`)" if mode == "offline" else ""
+        print(f"W&B: {mode} run in {where}{later}" if where is not None else
+              "W&B: disabled (metrics in metrics.jsonl)")
 
     def save(step: int) -> None:
         """Collective in distributed runs (the pipeline's state is gathered); rank 0 writes."""
@@ -325,7 +184,7 @@ def _train(task: Task, config: RunConfig, on_step_end: Callable[[int, float], No
     status = "interrupted"
     wall0 = time.perf_counter()
     wall_before = stats["wall_seconds"]
-    progress = _progress(config.progress and writer)
+    progress = progress_bar(config.progress and writer)
     try:
         with graceful_interrupt() as stop, progress:
             bar = progress.add_task(f"{config.name}", total=total_steps, completed=start, loss=float("nan"),
@@ -335,7 +194,7 @@ def _train(task: Task, config: RunConfig, on_step_end: Callable[[int, float], No
                 task.before_step(step, total_steps)
                 lr = schedule.apply(step)
                 x, y = next(batches)
-                x, y = _place(x, y, pipe)
+                x, y = place(x, y, pipe)
                 sample_now = config.timeline_every > 0 and step % config.timeline_every == 0
                 pipe.record_timeline = sample_now
                 t0 = time.perf_counter()
@@ -358,14 +217,15 @@ def _train(task: Task, config: RunConfig, on_step_end: Callable[[int, float], No
                                "train/epoch": (step + 1) / batches.batches_per_epoch}
                 if sample_now and pipe.last_timeline is not None:
                     sampled = timeline_metrics(pipe.last_timeline)
-                    _accumulate(stats["pipeline"], sampled)
+                    accumulate(stats["pipeline"], sampled)
                     metrics.update(sampled)
-                    metrics.update(ranks.gather_metrics(_memory(pipe), rank))
+                    metrics.update(ranks.gather_metrics(pipeline_memory(pipe), rank))
                 if metrics:
                     logger.log(metrics, step=step)
                 if config.eval_every and done % config.eval_every == 0 and done < total_steps:
                     shown = evaluate(step)
-                    progress.console.print(f"step {done}: " + ", ".join(
+                    # metrics.jsonl / W&B label a row with the 0-based index of the step it follows
+                    progress.console.print(f"step {step} (after {done} steps): " + ", ".join(
                         f"{k} {v:.4g}" for k, v in shown.items()))
                 progress.update(bar, completed=done, loss=loss, rate=n / seconds)
                 if on_step_end is not None:
@@ -382,179 +242,17 @@ def _train(task: Task, config: RunConfig, on_step_end: Callable[[int, float], No
         if status == "finished":
             evaluate(max(done - 1, 0))
             save(done)
-        memory = ranks.gather_metrics(_memory(pipe), rank)
+        memory = ranks.gather_metrics(pipeline_memory(pipe), rank)
     except BaseException:
         logger.finish(exit_code=1)
         raise
 
-    summary = _summary(status, done, total_steps, stats, losses, checkpoint, pipe, params, run_dir,
-                       memory, logger)
+    summary = make_summary(status, done, total_steps, stats, losses, checkpoint, pipe, params, run_dir,
+                           memory, logger)
     summary.signal = stop.signal if status == "interrupted" else None
-    if writer:
-        _write_outputs(summary, task, config, record, logger)
+    if isinstance(logger, RunLogger):        # the writer's
+        write_outputs(summary, task, config, record, logger)
     logger.finish(exit_code=0 if status == "finished" else 1)
     if directory is not None:
         directory.update()
     return summary
-
-
-# ----------------------------------------------------------------------------- helpers
-
-class _NoLogger:
-    """What ranks other than 0 log to: nothing."""
-
-    metrics_path = None
-
-    def log(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def finish(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-def _memory(pipe: GPipe) -> dict[str, float]:
-    return memory_metrics(pipe.cells, pipe.optimizers, pipe.devices)
-
-
-def check_resumable(saved: dict[str, Any], config: RunConfig, task: Task) -> list[str]:
-    """Refuse to resume a checkpoint made with settings that change what the run computes, listing
-    every difference. The run's length may change (an explicit `--steps` / `--epochs` extends it):
-    that is returned as a note for the caller to print, not refused."""
-    run = saved["run"]
-    diffs = [f"{k}: saved {run.get(k)!r}, now {getattr(config, k)!r}" for k in RESUME_MUST_MATCH
-             if run.get(k) != getattr(config, k) and not (k == "balance" and getattr(config, k) is None)]
-    now = task.config()
-    diffs += [f"{k}: saved {saved['task'].get(k)!r}, now {now.get(k)!r}"
-              for k in sorted(set(now) | set(saved["task"])) if saved["task"].get(k) != now.get(k)]
-    if diffs:
-        raise ValueError("cannot resume: the checkpoint was made with different settings:\n  "
-                         + "\n  ".join(diffs) + "\nresume with the original settings, or start a new "
-                         "run (leave out --resume, or another --name / --out)")
-    length = [f"{k} {run.get(k)!r} -> {getattr(config, k)!r}" for k in ("steps", "epochs")
-              if run.get(k) != getattr(config, k)]
-    return [f"the run's length changes ({', '.join(length)}); the learning-rate schedule follows the "
-            "new length from here"] if length else []
-
-
-def _fresh_stats() -> dict[str, Any]:
-    return {"train_seconds": 0.0, "wall_seconds": 0.0, "samples": 0, "eval": {}, "best": {},
-            "pipeline": {}}
-
-
-def _accumulate(totals: dict[str, Any], sampled: dict[str, float]) -> None:
-    """Running sums of the sampled pipeline fractions (their mean goes into the summary)."""
-    totals["samples"] = totals.get("samples", 0) + 1
-    for k, v in sampled.items():
-        totals[k] = totals.get(k, 0.0) + v
-
-
-def _place(x: Any, y: Any, pipe: GPipe) -> tuple[Any, Any]:
-    """Inputs to the first cell's device, targets to the last cell's (where the loss runs)."""
-    return to_device(x, pipe.devices[0]), to_device(y, pipe.devices[-1])
-
-
-class _NoProgress:
-    """Stand-in for rich.progress.Progress when the bar is off (tests, logs)."""
-
-    def __init__(self) -> None:
-        from rich.console import Console
-        self.console = Console(quiet=True)
-
-    def __enter__(self) -> _NoProgress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def add_task(self, *args: Any, **kwargs: Any) -> int:
-        return 0
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-def _progress(enabled: bool) -> Any:
-    if not enabled:
-        return _NoProgress()
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("loss {task.fields[loss]:.4f}"),
-                    TextColumn("{task.fields[rate]:.1f} samples/s"), TimeElapsedColumn(),
-                    TextColumn("eta"), TimeRemainingColumn())
-
-
-def _summary(status: str, done: int, total_steps: int, stats: dict[str, Any], losses: list[float],
-             checkpoint: dict[str, Any] | None, pipe: GPipe, params: int, run_dir: Path,
-             memory: dict[str, float], logger: RunLogger | _NoLogger) -> RunSummary:
-    path = logger.metrics_path
-    rows = read_metrics(path) if path is not None and path.is_file() else []
-    logged = [r["train/loss"] for r in rows if "train/loss" in r] or losses
-    pipeline = dict(stats["pipeline"])
-    n = pipeline.pop("samples", 0)
-    return RunSummary(
-        status=status, steps=done, total_steps=total_steps, eval=dict(stats["eval"]),
-        best=dict(stats["best"]), train_seconds=round(stats["train_seconds"], 3),
-        wall_seconds=round(stats["wall_seconds"], 3),
-        samples_per_s=round(stats["samples"] / stats["train_seconds"], 3) if stats["train_seconds"] else 0.0,
-        final_train_loss=round(sum(logged[-20:]) / len(logged[-20:]), 5) if logged else float("nan"),
-        resumed_from=int(checkpoint["step"]) if checkpoint is not None else None,
-        run_dir=str(run_dir), losses=losses, params=params, balance=list(pipe.balance),
-        pipeline={k: round(v / n, 4) for k, v in pipeline.items()} if n else {}, memory=memory)
-
-
-def _write_outputs(summary: RunSummary, task: Task, config: RunConfig, record: dict[str, Any],
-                   logger: RunLogger) -> None:
-    """summary.json (measured records), summary.md, curves.png; the same numbers to W&B."""
-    from gpipe_repro.train.curves import plot_run_curves
-
-    run_dir = config.run_dir
-    metrics = {f"eval_{k}": measured(v) for k, v in summary.eval.items()}
-    metrics.update({f"best_{k}": measured(v) for k, v in summary.best.items()})
-    metrics["final_train_loss"] = measured(summary.final_train_loss)
-    metrics["train_time"] = measured(summary.train_seconds, unit="s")
-    metrics["wall_time"] = measured(summary.wall_seconds, unit="s")
-    metrics["samples_per_s"] = measured(summary.samples_per_s, unit="samples/s")
-    write_json(run_dir / "summary.json", {"kind": "training-run", "task": task.name, **summary.to_json(),
-                                          "metrics": metrics, "config": record})
-    rows = read_metrics(logger.metrics_path) if logger.metrics_path.is_file() else []
-    curves = plot_run_curves(rows, run_dir / "curves.png",
-                             f"{config.name}: {task.name}, K={config.partitions}, M={config.micro_batches}")
-    logger.log_image("curves", curves)
-    flat = {f"eval/{k}": v for k, v in summary.eval.items()}
-    flat.update({f"best/{k}": v for k, v in summary.best.items()})
-    flat.update({"status": summary.status, "steps": summary.steps, "train_seconds": summary.train_seconds,
-                 "wall_seconds": summary.wall_seconds, "samples_per_s": summary.samples_per_s,
-                 "final_train_loss": summary.final_train_loss, "params": summary.params})
-    flat.update({k: v for k, v in summary.memory.items()})
-    logger.summary(flat)
-    table = markdown_table(["metric", "value"], [[k, v] for k, v in metrics.items()])
-    write_markdown(run_dir / "summary.md", "\n".join([
-        f"# {config.name} ({task.name})", "",
-        f"Status **{summary.status}** after {summary.steps} of {summary.total_steps} steps; "
-        f"K={config.partitions}, M={config.micro_batches}, batch {config.batch_size}, "
-        f"balance {summary.balance}, {summary.params:,} parameters. All numbers measured on this "
-        "machine (see summary.json for the environment).", "", table, "",
-        "![curves](curves.png)"]))
-    _print_summary(summary, metrics)
-
-
-def _print_summary(summary: RunSummary, metrics: dict[str, dict[str, Any]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from gpipe_repro.report.records import format_record
-
-    table = Table(title=f"{Path(summary.run_dir).name}: {summary.status}, {summary.steps}/{summary.total_steps} steps")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key, value in metrics.items():
-        table.add_row(key, format_record(value, 4))
-    Console().print(table)
-    print(f"run directory: {summary.run_dir}")
