@@ -20,9 +20,9 @@ class NoLogger:
 class NoProgress:
     """Stand-in for rich.progress.Progress when the bar is off (tests, logs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, quiet: bool = True) -> None:
         from rich.console import Console
-        self.console = Console(quiet=True)
+        self.console = Console(quiet=quiet, soft_wrap=True, highlight=False)
 
     def __enter__(self) -> NoProgress:
         return self
@@ -37,10 +37,11 @@ class NoProgress:
         return None
 
 
-def progress_bar(enabled: bool) -> Any:
-    """A rich progress bar for the run (steps, loss, samples/s, ETA), or `NoProgress`."""
+def progress_bar(enabled: bool, *, quiet: bool = False) -> Any:
+    """A rich progress bar for the run (steps, loss, samples/s, ETA), or `NoProgress`, whose console
+    still prints the run's lines (evaluations, interruption) unless `quiet` (ranks other than 0)."""
     if not enabled:
-        return NoProgress()
+        return NoProgress(quiet=quiet)
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,

@@ -6,8 +6,9 @@ loop does with them, the same for every task:
 
 1. build a :class:`~gpipe_repro.GPipe` (K cells, M micro-batches, re-materialization, schedule) and
    one learning-rate schedule for the K per-cell optimizers;
-2. resume from the run directory's latest checkpoint if asked (weights, optimizers, schedule, every
-   random stream, data position, the task's own state such as the augmentation generator);
+2. resume from the run directory's newest readable checkpoint if asked (weights, optimizers, schedule,
+   every random stream, data position, the task's own state such as the augmentation generator),
+   after checking, before anything is built, that no setting that changes the result differs;
 3. train step by step with a progress bar, logging the loss, learning rate and samples/s to
    :class:`~gpipe_repro.report.wandb_log.RunLogger` (W&B, offline by default, plus metrics.jsonl), and every
    `timeline_every` steps the per-stage busy/idle fractions and peak memory;
@@ -25,11 +26,16 @@ With `--runtime distributed` every stage process runs this same loop on the same
 each process's own cell, and `gpipe_repro/train/ranks.py` makes rank 0 the only writer, gathers the
 checkpoint into one file (the same format as a local run's) and makes the ranks stop together.
 
-The run directory (`results/training/<name>/` by default):
+The run directory (`RunConfig.run_dir`; `gpipe-repro run` picks a fresh `runs/<name>-N`, see
+`run_dir.py`), whose files the run lists in its manifest so that nothing else there is ever deleted:
 
     metrics.jsonl  run.json  wandb/      RunLogger's files (W&B offline run inside wandb/)
     checkpoints/step-00000100.pt ...     the last `keep_checkpoints` saves
     summary.json  summary.md  curves.png the result of the run
+    gpipe-run.json                       the manifest: which files this run created
+
+The loop itself is `_Run`: `__init__` sets up (resume checks, run directory, data, pipeline,
+logging), `run` calls `step` after `step` with `evaluate` and `save` on their cadence, `finish` writes.
 
 The pieces live beside it: the `Task` interface in `task.py`, the engine's construction and state in
 `pipeline.py`, the summary and output files in `summary.py`, the progress bar in `console.py`, and
@@ -95,164 +101,199 @@ def train(task: Task, config: RunConfig, *,
 
 def _train(task: Task, config: RunConfig, on_step_end: Callable[[int, float], None] | None
            ) -> RunSummary:
-    rank = ranks.join(config)                   # None unless --runtime distributed
-    writer = ranks.is_writer(rank)
-    run_dir = config.run_dir
-    checkpoint, latest = None, None
-    if config.resume:
-        checkpoint, latest = load_latest_checkpoint(config.checkpoint_dir)
-        notes = check_resumable(checkpoint["extra"], config, task)     # before anything is built
-        if writer:
-            for note in notes:
-                print(f"note: {note}")
-    directory = RunDirectory(run_dir, task.name, resume=config.resume) if writer else None
+    return _Run(task, config).run(on_step_end)
 
-    devices = None if rank is not None else resolve_devices(config.device, config.partitions)
-    torch.manual_seed(config.seed)               # weight initialization (the same on every rank)
-    batches = task.train_batches(config.batch_size, config.seed)
-    total_steps = config.total_steps(batches.batches_per_epoch)
-    if writer:
-        print(f"{task.name}: K={config.partitions}, M={config.micro_batches}, mini-batch {config.batch_size} "
-              f"(~{config.batch_size // config.micro_batches} per micro-batch), {total_steps} steps "
-              f"({total_steps / batches.batches_per_epoch:.3g} epochs), runtime {config.runtime}")
-        print(f"data: {task.describe_data()}")
-        print(f"writing to {run_dir}" + (f" (resuming {latest.name})" if latest is not None else ""))
-    if checkpoint is not None and int(checkpoint["step"]) > total_steps:
-        raise ValueError(f"cannot resume: {latest} is at step {checkpoint['step']}, beyond the run's "
-                         f"length of {total_steps} steps; give --steps >= {checkpoint['step']}")
-    optimizer = task.optimizer_config(total_steps=total_steps, steps_per_epoch=batches.batches_per_epoch,
-                                      batch_size=config.batch_size)
-    optimizer = optimizer.replace(name=config.optimizer, lr=config.lr)
-    layers = task.build_layers()
-    params = parameter_count(layers)
-    needs_sample = config.partition_cost != "params" and config.balance is None
-    saved_balance = checkpoint["state"]["pipeline"]["balance"] if checkpoint else None
-    pipe = build_pipeline(layers, config, task.loss_fn(), task.loss_reduction, optimizer,
-                          sample=task.sample_batch(config.batch_size) if needs_sample and not saved_balance
-                          else None, balance=saved_balance, devices=devices)
-    schedule = ScheduledLR(pipe.optimizers, lr_function(optimizer))
-    stateful: dict[str, Stateful] = {"pipeline": PipelineState(pipe), "lr_schedule": schedule,
-                                     "data": batches, **task.stateful()}
-    record = {"run": config.to_dict(), "task": task.config(), "optimizer": optimizer.to_dict()}
 
-    start, stats = 0, fresh_stats()
-    if checkpoint is not None:
-        start = restore_training_state(checkpoint, stateful)
-        stats = dict(checkpoint["extra"]["stats"])
-        if writer:
-            print(f"resuming {config.name} from {latest} (step {start} of {total_steps})")
+class _Run:
+    """One training run in this process: set up (`__init__`), then `run` = `step` after `step`, with
+    `evaluate` and `save` on their cadence, and `finish`. In a distributed run every stage process
+    holds one; rank 0 alone prints and writes (`self.writer`)."""
 
-    logger: RunLogger | NoLogger = NoLogger()
-    if writer:
-        from gpipe_repro.report.provenance import environment
-        logger = RunLogger(config.project, {**record, "task_name": task.name, "params": params,
-                                            "balance": pipe.balance, "total_steps": total_steps,
-                                            "environment": environment()},
-                           mode=config.wandb, dir=run_dir, name=config.name, group=task.name,
-                           tags=[task.name, f"K{config.partitions}", f"M{config.micro_batches}"],
-                           resume_step=start if checkpoint is not None else None)
-    if directory is not None:
-        directory.update()
-        where = getattr(logger, "wandb_run_dir", None)
-        mode = getattr(logger, "mode", "disabled")
-        later = " (upload later with `wandb sync`)" if mode == "offline" else ""
-        print(f"W&B: {mode} run in {where}{later}" if where is not None else
-              "W&B: disabled (metrics in metrics.jsonl)")
+    def __init__(self, task: Task, config: RunConfig) -> None:
+        self.task, self.config = task, config
+        # -- where: resume checks come first, before anything is built
+        self.rank = ranks.join(config)                     # None unless --runtime distributed
+        self.writer = ranks.is_writer(self.rank)
+        self.checkpoint: dict[str, Any] | None = None
+        self.latest = None
+        if config.resume:
+            self.checkpoint, self.latest = load_latest_checkpoint(config.checkpoint_dir)
+            for note in check_resumable(self.checkpoint["extra"], config, task):
+                self.say(f"note: {note}")
+        self.directory = (RunDirectory(config.run_dir, task.name, resume=config.resume) if self.writer
+                          else None)
 
-    def save(step: int) -> None:
-        """Collective in distributed runs (the pipeline's state is gathered); rank 0 writes."""
-        stats["wall_seconds"] = wall_before + time.perf_counter() - wall0
-        state = training_state(step, stateful, extra={**record, "stats": stats})
-        if writer:
-            save_checkpoint(checkpoint_path(config.checkpoint_dir, step), state,
-                            keep_last=config.keep_checkpoints)
-        if directory is not None:
-            directory.update()
+        # -- what: data, length, optimizer recipe
+        devices = None if self.rank is not None else resolve_devices(config.device, config.partitions)
+        torch.manual_seed(config.seed)                     # weight initialization (the same on every rank)
+        self.batches = task.train_batches(config.batch_size, config.seed)
+        self.total_steps = config.total_steps(self.batches.batches_per_epoch)
+        self.say(f"{task.name}: K={config.partitions}, M={config.micro_batches}, mini-batch "
+                 f"{config.batch_size} (~{config.batch_size // config.micro_batches} per micro-batch), "
+                 f"{self.total_steps} steps "
+                 f"({self.total_steps / self.batches.batches_per_epoch:.3g} epochs), "
+                 f"runtime {config.runtime}")
+        self.say(f"data: {task.describe_data()}")
+        self.say(f"writing to {config.run_dir}"
+                 + (f" (resuming {self.latest.name})" if self.latest is not None else ""))
+        if self.checkpoint is not None and int(self.checkpoint["step"]) > self.total_steps:
+            raise ValueError(f"cannot resume: {self.latest} is at step {self.checkpoint['step']}, beyond the "
+                             f"run's length of {self.total_steps} steps; give --steps >= "
+                             f"{self.checkpoint['step']}")
+        optimizer = task.optimizer_config(total_steps=self.total_steps,
+                                          steps_per_epoch=self.batches.batches_per_epoch,
+                                          batch_size=config.batch_size)
+        optimizer = optimizer.replace(name=config.optimizer, lr=config.lr)
 
-    def evaluate(step: int) -> dict[str, float]:
+        # -- the pipeline
+        layers = task.build_layers()
+        self.params = parameter_count(layers)
+        needs_sample = config.partition_cost != "params" and config.balance is None
+        saved_balance = self.checkpoint["state"]["pipeline"]["balance"] if self.checkpoint else None
+        sample = task.sample_batch(config.batch_size) if needs_sample and not saved_balance else None
+        self.pipe = build_pipeline(layers, config, task.loss_fn(), task.loss_reduction, optimizer,
+                                   sample=sample, balance=saved_balance, devices=devices)
+        self.schedule = ScheduledLR(self.pipe.optimizers, lr_function(optimizer))
+
+        # -- what a checkpoint holds, and where this invocation starts
+        self.stateful: dict[str, Stateful] = {"pipeline": PipelineState(self.pipe),
+                                              "lr_schedule": self.schedule, "data": self.batches,
+                                              **task.stateful()}
+        self.record = {"run": config.to_dict(), "task": task.config(), "optimizer": optimizer.to_dict()}
+        self.start, self.stats = 0, fresh_stats()
+        if self.checkpoint is not None:
+            self.start = restore_training_state(self.checkpoint, self.stateful)
+            self.stats = dict(self.checkpoint["extra"]["stats"])
+            self.say(f"resuming {config.name} from {self.latest} (step {self.start} of {self.total_steps})")
+        self.losses: list[float] = []
+        self.wall0, self.wall_before = time.perf_counter(), self.stats["wall_seconds"]
+
+        # -- logging (rank 0)
+        self.logger: RunLogger | NoLogger = NoLogger()
+        if self.writer:
+            from gpipe_repro.report.provenance import environment
+            self.logger = RunLogger(
+                config.project, {**self.record, "task_name": task.name, "params": self.params,
+                                 "balance": self.pipe.balance, "total_steps": self.total_steps,
+                                 "environment": environment()},
+                mode=config.wandb, dir=config.run_dir, name=config.name, group=task.name,
+                tags=[task.name, f"K{config.partitions}", f"M{config.micro_batches}"],
+                resume_step=self.start if self.checkpoint is not None else None)
+            where, mode = self.logger.wandb_run_dir, self.logger.mode
+            later = " (upload later with `wandb sync`)" if mode == "offline" else ""
+            self.say(f"W&B: {mode} run in {where}{later}" if where is not None else
+                     "W&B: disabled (metrics in metrics.jsonl)")
+        if self.directory is not None:
+            self.directory.update()
+        self.progress = progress_bar(config.progress and self.writer, quiet=not self.writer)
+
+    def say(self, message: str) -> None:
+        """A line on the console, from rank 0 only."""
+        if self.writer:
+            print(message, flush=True)
+
+    # ------------------------------------------------------------------------- the loop
+
+    def run(self, on_step_end: Callable[[int, float], None] | None) -> RunSummary:
+        """Train from `self.start` to the end (or until a SIGINT/SIGTERM), then `finish`."""
+        config, status, done = self.config, "interrupted", self.start
+        try:
+            with graceful_interrupt() as stop, self.progress:
+                bar = self.progress.add_task(f"{config.name}", total=self.total_steps, completed=self.start,
+                                             loss=float("nan"), rate=0.0)
+                for step in range(self.start, self.total_steps):
+                    loss, rate = self.step(step)
+                    done = step + 1
+                    if config.eval_every and done % config.eval_every == 0 and done < self.total_steps:
+                        shown = self.evaluate(step)
+                        # metrics.jsonl / W&B label a row with the 0-based index of the step it follows
+                        self.progress.console.print(f"step {step} (after {done} steps): " + ", ".join(
+                            f"{k} {v:.4g}" for k, v in shown.items()))
+                    self.progress.update(bar, completed=done, loss=loss, rate=rate)
+                    if on_step_end is not None:
+                        on_step_end(step, loss)
+                    if ranks.any_rank(stop.requested, self.rank):
+                        self.save(done)
+                        self.progress.console.print(f"interrupted: saved step {done} to "
+                                                    f"{config.checkpoint_dir}; continue with --resume")
+                        break
+                    if config.save_every and done % config.save_every == 0 and done < self.total_steps:
+                        self.save(done)
+                else:
+                    status = "finished"
+            if status == "finished":
+                self.evaluate(max(done - 1, 0))
+                self.save(done)
+            memory = ranks.gather_metrics(pipeline_memory(self.pipe), self.rank)
+        except BaseException:
+            self.logger.finish(exit_code=1)
+            raise
+        return self.finish(status, done, memory, stop.signal if status == "interrupted" else None)
+
+    def step(self, step: int) -> tuple[float, float]:
+        """One synchronous update on the next mini-batch, logged; returns (loss, samples/s)."""
+        config, pipe = self.config, self.pipe
+        self.task.before_step(step, self.total_steps)
+        lr = self.schedule.apply(step)
+        x, y = place(*next(self.batches), pipe)
+        sample_now = config.timeline_every > 0 and step % config.timeline_every == 0
+        pipe.record_timeline = sample_now
         t0 = time.perf_counter()
-        metrics = task.evaluate(pipe)
-        stats["eval"] = dict(metrics)
+        loss = pipe.train_step(x, y)
+        seconds = time.perf_counter() - t0
+        pipe.record_timeline = False
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"the training loss is {loss} at step {step}: lower the learning rate "
+                                     f"(it was {lr:.3g}) or resume from an earlier checkpoint")
+        n = microbatch.batch_size(x)
+        self.stats["train_seconds"] += seconds
+        self.stats["samples"] += n
+        self.losses.append(loss)
+        metrics: dict[str, Any] = {}
+        if step % config.log_every == 0 or sample_now:
+            metrics = {"train/loss": loss, "train/lr": lr, "train/samples_per_s": n / seconds,
+                       "train/step_time_s": seconds,
+                       "train/epoch": (step + 1) / self.batches.batches_per_epoch}
+        if sample_now and pipe.last_timeline is not None:
+            sampled = timeline_metrics(pipe.last_timeline)
+            accumulate(self.stats["pipeline"], sampled)
+            metrics.update(sampled)
+            metrics.update(ranks.gather_metrics(pipeline_memory(pipe), self.rank))
+        if metrics:
+            self.logger.log(metrics, step=step)
+        return loss, n / seconds
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The task's metrics on held-out data (pipelined forward), logged at `step`; best values kept."""
+        t0 = time.perf_counter()
+        metrics = self.task.evaluate(self.pipe)
+        self.stats["eval"] = dict(metrics)
         for key, value in metrics.items():
-            better = min if key in task.lower_is_better else max
-            stats["best"][key] = better(stats["best"].get(key, value), value)
-        logger.log({**{f"eval/{k}": v for k, v in metrics.items()},
-                    "eval/time_s": time.perf_counter() - t0}, step=step)
+            better = min if key in self.task.lower_is_better else max
+            self.stats["best"][key] = better(self.stats["best"].get(key, value), value)
+        self.logger.log({**{f"eval/{k}": v for k, v in metrics.items()},
+                         "eval/time_s": time.perf_counter() - t0}, step=step)
         return metrics
 
-    losses: list[float] = []
-    status = "interrupted"
-    wall0 = time.perf_counter()
-    wall_before = stats["wall_seconds"]
-    progress = progress_bar(config.progress and writer)
-    try:
-        with graceful_interrupt() as stop, progress:
-            bar = progress.add_task(f"{config.name}", total=total_steps, completed=start, loss=float("nan"),
-                                    rate=0.0)
-            done = start
-            for step in range(start, total_steps):
-                task.before_step(step, total_steps)
-                lr = schedule.apply(step)
-                x, y = next(batches)
-                x, y = place(x, y, pipe)
-                sample_now = config.timeline_every > 0 and step % config.timeline_every == 0
-                pipe.record_timeline = sample_now
-                t0 = time.perf_counter()
-                loss = pipe.train_step(x, y)
-                seconds = time.perf_counter() - t0
-                pipe.record_timeline = False
-                done = step + 1
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"the training loss is {loss} at step {step}: lower the "
-                                             f"learning rate (it was {lr:.3g}) or resume from an "
-                                             "earlier checkpoint")
-                n = microbatch.batch_size(x)
-                stats["train_seconds"] += seconds
-                stats["samples"] += n
-                losses.append(loss)
-                metrics: dict[str, Any] = {}
-                if step % config.log_every == 0 or sample_now:
-                    metrics = {"train/loss": loss, "train/lr": lr, "train/samples_per_s": n / seconds,
-                               "train/step_time_s": seconds,
-                               "train/epoch": (step + 1) / batches.batches_per_epoch}
-                if sample_now and pipe.last_timeline is not None:
-                    sampled = timeline_metrics(pipe.last_timeline)
-                    accumulate(stats["pipeline"], sampled)
-                    metrics.update(sampled)
-                    metrics.update(ranks.gather_metrics(pipeline_memory(pipe), rank))
-                if metrics:
-                    logger.log(metrics, step=step)
-                if config.eval_every and done % config.eval_every == 0 and done < total_steps:
-                    shown = evaluate(step)
-                    # metrics.jsonl / W&B label a row with the 0-based index of the step it follows
-                    progress.console.print(f"step {step} (after {done} steps): " + ", ".join(
-                        f"{k} {v:.4g}" for k, v in shown.items()))
-                progress.update(bar, completed=done, loss=loss, rate=n / seconds)
-                if on_step_end is not None:
-                    on_step_end(step, loss)
-                if ranks.any_rank(stop.requested, rank):
-                    save(done)
-                    progress.console.print(f"interrupted: saved step {done} to {config.checkpoint_dir}; "
-                                           "continue with --resume")
-                    break
-                if config.save_every and done % config.save_every == 0 and done < total_steps:
-                    save(done)
-            else:
-                status = "finished"
-        if status == "finished":
-            evaluate(max(done - 1, 0))
-            save(done)
-        memory = ranks.gather_metrics(pipeline_memory(pipe), rank)
-    except BaseException:
-        logger.finish(exit_code=1)
-        raise
+    def save(self, done: int) -> None:
+        """A checkpoint after `done` steps. Collective in distributed runs (the pipeline's state is
+        gathered); rank 0 writes it and updates the run directory's manifest."""
+        self.stats["wall_seconds"] = self.wall_before + time.perf_counter() - self.wall0
+        state = training_state(done, self.stateful, extra={**self.record, "stats": self.stats})
+        if self.writer:
+            save_checkpoint(checkpoint_path(self.config.checkpoint_dir, done), state,
+                            keep_last=self.config.keep_checkpoints)
+        if self.directory is not None:
+            self.directory.update()
 
-    summary = make_summary(status, done, total_steps, stats, losses, checkpoint, pipe, params, run_dir,
-                           memory, logger)
-    summary.signal = stop.signal if status == "interrupted" else None
-    if isinstance(logger, RunLogger):        # the writer's
-        write_outputs(summary, task, config, record, logger)
-    logger.finish(exit_code=0 if status == "finished" else 1)
-    if directory is not None:
-        directory.update()
-    return summary
+    def finish(self, status: str, done: int, memory: dict[str, float], signum: int | None) -> RunSummary:
+        """The summary; rank 0 writes it (summary.json/md, curves, W&B) and closes the logger."""
+        summary = make_summary(status, done, self.total_steps, self.stats, self.losses, self.checkpoint,
+                               self.pipe, self.params, self.config.run_dir, memory, self.logger)
+        summary.signal = signum
+        if isinstance(self.logger, RunLogger):        # the writer's
+            write_outputs(summary, self.task, self.config, self.record, self.logger)
+        self.logger.finish(exit_code=0 if status == "finished" else 1)
+        if self.directory is not None:
+            self.directory.update()
+        return summary
