@@ -135,3 +135,14 @@ def test_old_spellings_still_parse_and_the_same_flags_mean_the_same_everywhere()
         for flag in ("--k", "--m", "--batch-size", "--out"):
             assert flag in result.output, (command, flag)
         assert "--partitions" not in result.output and "--micro-batches" not in result.output
+
+
+def test_a_run_reuses_the_vocabulary_corpus_build_made(tmp_path: Path) -> None:
+    from gpipe_repro.commands.run_transformer import corpus_vocabulary
+    corpus = tmp_path / "bible"
+    assert corpus_vocabulary("bible", str(tmp_path)) is None
+    (corpus / "spm8000").mkdir(parents=True)
+    (corpus / "spm4000-1langs-0123abcd").mkdir()          # a run's subset vocabulary: not the corpus's
+    assert corpus_vocabulary("bible", str(tmp_path)) == 8000
+    (corpus / "spm16000").mkdir()
+    assert corpus_vocabulary("bible", str(tmp_path)) is None   # ambiguous: the preset's size is used

@@ -331,3 +331,13 @@ def test_deep_vs_wide_and_large_batch_experiments_at_toy_size(data_dir: Path, tm
     assert (tmp_path / "large_batch.md").is_file()
     experiment.log_report(result, large, tmp_path)
     assert (tmp_path / "report" / "tables" / "large_batch.json").is_file()
+
+
+def test_run_start_counts_the_pairs_left_out(data_dir: Path, task: TranslationTask) -> None:
+    whole = task                                          # max_len 32
+    short = TranslationTask(toy_config(data_dir, max_len=14))
+    left_out = sum(whole.train_sizes.values()) - sum(short.train_sizes.values())
+    assert left_out > 0 and sum(short.too_long.values()) - sum(whole.too_long.values()) == left_out
+    line = short.describe_data()
+    assert f"{sum(short.too_long.values()):,} pairs" in line and "--max-len 14" in line
+    assert "raise --max-len" in line

@@ -289,6 +289,11 @@ class TranslationTask(Task):
             raise ValueError(f"no training pair of {empty} fits max_len={config.max_len}: raise "
                              "--max-len or drop those languages")
         self.train_sizes = {lang: len(d) for lang, d in self.train_data.items()}
+        corpus_sizes = manifest.sizes("train")
+        self.too_long = {lang: corpus_sizes[lang] - n for lang, n in self.train_sizes.items()
+                         if corpus_sizes.get(lang, n) > n}
+        self.corpus_dropped: dict[str, int] = dict(manifest.config.get("dropped") or {})
+        self.corpus_name = manifest.name
         self.groups = resource_groups(self.train_sizes)
         self.eval_items = self._eval_items()
         self.batches: TranslationBatches | None = None
@@ -310,6 +315,23 @@ class TranslationTask(Task):
         return items
 
     # -- what the loop asks for ---------------------------------------------------------------
+    def describe_data(self) -> str:
+        """The corpus, its training pairs, and every pair left out (by the build, by --max-len)."""
+        kept = sum(self.train_sizes.values())
+        long = sum(self.too_long.values())
+        line = (f"corpus {self.corpus_name} ({self.corpus_dir}): {kept:,} training pairs in "
+                f"{len(self.languages)} languages ({', '.join(self.languages[:8])}"
+                f"{', ...' if len(self.languages) > 8 else ''})")
+        if long:
+            worst = max(self.too_long, key=lambda lang: self.too_long[lang])
+            line += (f"; {long:,} pairs ({long / (kept + long):.1%}) longer than --max-len "
+                     f"{self.settings.max_len} pieces left out (most in {worst}: {self.too_long[worst]:,}); "
+                     "raise --max-len to keep them")
+        if self.corpus_dropped:
+            line += "; left out when the corpus was built: " + ", ".join(
+                f"{n:,} {reason}" for reason, n in self.corpus_dropped.items())
+        return line
+
     def config(self) -> dict[str, Any]:
         return {**self.settings.to_dict(), "vocab_size_actual": self.tokenizer.vocab_size,
                 "tokenizer": self.tokenizer.model_file.parent.name, "train_sizes": self.train_sizes,
