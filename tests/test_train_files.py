@@ -178,3 +178,16 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path: Path, h
     monkeypatch.setattr(checkpoints.torch, "save", real_save)
     assert list_checkpoints(directory) == [previous] and previous.read_bytes() == before
     assert sorted(p.name for p in directory.iterdir()) == [previous.name]    # no temporary left
+
+
+def test_clearing_a_run_for_a_rerun_keeps_what_the_user_added(tmp_path: Path) -> None:
+    from gpipe_repro.train.run_dir import clear_run
+    run = tmp_path / "run"
+    directory = RunDirectory(run, "transformer", resume=False)
+    save_checkpoint(checkpoint_path(run / "checkpoints", 2), fake_state(2))     # unfinished
+    directory.update()
+    user_folder(run / "notes")
+    deleted = clear_run(run)
+    assert "checkpoints/step-00000002.pt" in deleted and not (run / "checkpoints").exists()
+    assert_user_files_intact(run / "notes")
+    assert clear_run(tmp_path / "absent") == []

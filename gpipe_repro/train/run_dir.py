@@ -15,7 +15,7 @@ Ownership. A run directory holds a manifest, `gpipe-run.json`, listing every fil
 finished one of the same task deletes exactly those files and keeps everything else; a non-empty
 directory without a manifest (or of another task) is refused, naming a few of the files it holds. A
 directory written before manifests existed is recognized by its `summary.json` / `run.json`; then only
-the loop's own file names count as the run's (`LEGACY_FILES`, `checkpoints/step-*.pt`, `wandb/`).
+the loop's own file names count as the run's (`LEGACY_FILES`, `checkpoints/step-*.pt`, `LEGACY_DIRS`).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ MANIFEST = "gpipe-run.json"
 RUNS_DIR = Path("runs")
 RECORD_DIR = Path("results") / "training"
 LEGACY_FILES = ("metrics.jsonl", "run.json", "summary.json", "summary.md", "curves.png")
+LEGACY_DIRS = ("wandb/", "tables/", "images/")     # RunLogger's folders
 _CHECKPOINT = re.compile(r"^checkpoints/step-\d+\.pt$")
 
 
@@ -62,7 +63,7 @@ def run_owner(run_dir: Path) -> tuple[str | None, set[str]]:
     if task is None:
         return None, set()
     ours = {f for f in _files(run_dir) if f in LEGACY_FILES or _CHECKPOINT.match(f)
-            or f.startswith("wandb/")}
+            or f.startswith(LEGACY_DIRS)}
     return task, ours
 
 
@@ -111,6 +112,27 @@ def check_run_dir(run_dir: Path, task: str, *, resume: bool) -> None:
             "--resume, or choose another --name / --out")
 
 
+def clear_run(run_dir: Path) -> list[str]:
+    """Delete what a previous run created in `run_dir` (its manifest's files, checkpoints included,
+    finished or not) and nothing else; empty folders it made go too. Returns the files deleted."""
+    if not run_dir.is_dir():
+        return []
+    present = _files(run_dir)
+    _, ours = run_owner(run_dir)
+    deleted = sorted(ours & present)
+    for rel in deleted:
+        (run_dir / rel).unlink(missing_ok=True)
+    for root, dirs, _ in sorted(os.walk(run_dir), key=lambda t: -len(t[0])):
+        for d in dirs:
+            candidate = Path(root) / d
+            rel = candidate.relative_to(run_dir).as_posix()
+            if any(f.startswith(rel + "/") for f in ours) and not any(candidate.iterdir()):
+                candidate.rmdir()
+    if not any(run_dir.iterdir()):
+        run_dir.rmdir()
+    return deleted
+
+
 class RunDirectory:
     """A run directory this process writes (rank 0 only): claimed, and its manifest kept current."""
 
@@ -122,15 +144,7 @@ class RunDirectory:
         present = _files(path) if path.is_dir() else set()
         _, ours = run_owner(path) if present else (None, set())
         if not resume:
-            for rel in sorted(ours & present):
-                (path / rel).unlink(missing_ok=True)
-            for root, dirs, _ in sorted(os.walk(path), key=lambda t: -len(t[0])):
-                for d in dirs:
-                    candidate = Path(root) / d
-                    rel = candidate.relative_to(path).as_posix()
-                    if any(f.startswith(rel + "/") for f in ours) and not any(candidate.iterdir()):
-                        candidate.rmdir()
-        self.ours = ours & present if resume else set()
+            clear_run(path)
         self.foreign = (present - ours) if present else set()
         path.mkdir(parents=True, exist_ok=True)
         self.update()
