@@ -146,3 +146,19 @@ def test_a_run_reuses_the_vocabulary_corpus_build_made(tmp_path: Path) -> None:
     assert corpus_vocabulary("bible", str(tmp_path)) == 8000
     (corpus / "spm16000").mkdir()
     assert corpus_vocabulary("bible", str(tmp_path)) is None   # ambiguous: the preset's size is used
+
+
+def test_every_visible_option_of_every_command_is_documented() -> None:
+    import typer.main
+    undocumented = []
+
+    def walk(command: Any, path: list[str]) -> None:
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, [*path, name])
+        for param in getattr(command, "params", []):
+            if param.param_type_name == "option" and not getattr(param, "hidden", False) \
+                    and not (param.help or "").strip():
+                undocumented.append(f"{' '.join(path)} {param.opts[0]}")
+
+    walk(typer.main.get_command(app), [])
+    assert not undocumented, undocumented

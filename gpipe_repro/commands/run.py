@@ -243,7 +243,7 @@ def register(app: typer.Typer) -> None:
         dataset: str = typer.Option("digits", help="the dataset to fine-tune on"),
         seeds: int = typer.Option(3, help="fine-tuning runs (seeds 0..N-1); the paper averages 5"),
         steps: int = typer.Option(120, help="fine-tuning steps per run"),
-        batch_size: int = typer.Option(32),
+        batch_size: int = typer.Option(32, help=PIPELINE_HELP["batch_size"]),
         k: int = typer.Option(2, "--k", "-k", help=PIPELINE_HELP["k"]),
         m: int = typer.Option(4, "--m", "-m", help=PIPELINE_HELP["m"]),
         lr_per_32: float = typer.Option(0.008, help="fine-tuning learning rate per 32 examples"),
