@@ -7,6 +7,7 @@ communication timeout (5 s here) plus the launcher's grace period plus schedulin
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -157,3 +158,27 @@ def test_a_killed_launcher_takes_every_stage_with_it(tmp_path: Path) -> None:
     while any(alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.05)
     assert not [p for p in pids if alive(p)], "stage processes outlived their launcher by 5 s"
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_distributed_training_run_saves_and_exits_143(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    command = [sys.executable, "-c", "from gpipe_repro.cli import main; main()", "run", "amoebanet",
+               "--preset", "smoke", "--runtime", "distributed", "--launcher", "local", "--steps", "500",
+               "--eval-every", "0", "--save-every", "0", "--timeline-every", "0", "--out", str(out),
+               "--wandb", "disabled", "--no-progress"]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=Path(__file__).resolve().parent.parent)
+    metrics, deadline = out / "metrics.jsonl", time.time() + 120
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[0][-3000:]
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)
+    sent = time.time()
+    output = launcher.communicate(timeout=60)[0]
+    assert launcher.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert time.time() - sent < 30, "the job took over 30 s to save and stop"
+    saved = sorted((out / "checkpoints").glob("step-*.pt"))
+    assert saved and "interrupted: saved step" in output, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps"] < 500
