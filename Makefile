@@ -49,7 +49,7 @@ bench-runtime: $(STAMP)
 	$(PY) -m experiments.bench_runtime
 
 train-amoebanet: $(STAMP)
-	$(VENV)/bin/gpipe-repro run amoebanet --preset cpu
+	$(VENV)/bin/gpipe-repro run amoebanet --preset cpu --record
 
 deep-vs-wide: $(STAMP)
 	$(PY) -m experiments.deep_vs_wide

@@ -12,13 +12,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="GPipe pipeline-parallel training and the GPipe paper's experiments.")
 
 
-
 @app.callback()
 def _root() -> None:
     """GPipe pipeline-parallel training and the GPipe paper's experiments."""
 
 
 for _info in sorted(pkgutil.iter_modules(_commands.__path__), key=lambda i: i.name):
+    if _info.name.startswith("_"):     # helpers shared by the commands (e.g. _vocabulary)
+        continue
     importlib.import_module(f"{_commands.__name__}.{_info.name}").register(app)
 
 

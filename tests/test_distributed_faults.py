@@ -7,7 +7,9 @@ communication timeout (5 s here) plus the launcher's grace period plus schedulin
 """
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -93,3 +95,90 @@ def test_cli_exits_nonzero_names_the_rank_and_writes_no_results(tmp_path: Path) 
     assert done.returncode != 0
     assert "job failed: rank 1 failed: exited with code 3" in done.stderr, done.stderr[-2000:]
     assert not timeline.exists() and not list(tmp_path.iterdir()), "a failed job left a results file"
+
+
+# ----------------------------------------------------------------------------- signals to the launcher
+
+def wait_for_a_signal(folder: str) -> str:
+    """A stage that handles SIGINT/SIGTERM like the training loop: say ready, wait, note what came."""
+    from gpipe_repro.train.checkpoints import graceful_interrupt
+    rank = os.environ["RANK"]
+    with graceful_interrupt() as stop:
+        Path(folder, f"pid{rank}").write_text(str(os.getpid()))
+        deadline = time.time() + 60
+        while not stop.requested and time.time() < deadline:
+            time.sleep(0.05)
+    Path(folder, f"stopped{rank}").write_text(str(stop.signal))
+    return "stopped"
+
+
+LAUNCHER = ("import sys; from gpipe_repro.distributed import launch_local; "
+            "from tests.test_distributed_faults import wait_for_a_signal; "
+            "print(launch_local(wait_for_a_signal, 2, sys.argv[1], timeout=5))")
+
+
+def start_launcher(folder: Path) -> tuple[subprocess.Popen, list[int]]:
+    """A launcher of 2 stages in a subprocess, and the stage pids once both are waiting."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(folder)], text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                cwd=Path(__file__).resolve().parent.parent)
+    deadline = time.time() + 90
+    while not all((folder / f"pid{r}").is_file() for r in range(2)):
+        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()
+        time.sleep(0.1)
+    return launcher, [int((folder / f"pid{r}").read_text()) for r in range(2)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_the_launcher_reaches_every_stage(tmp_path: Path) -> None:
+    launcher, _ = start_launcher(tmp_path)
+    sent = time.time()
+    launcher.send_signal(signal.SIGTERM)      # SIGINT takes the same path (launcher._forwarding)
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0 and "['stopped', 'stopped']" in out, err[-2000:]
+    stopped = [tmp_path / f"stopped{r}" for r in range(2)]
+    assert [int(p.read_text()) for p in stopped] == [signal.SIGTERM] * 2
+    assert max(p.stat().st_mtime for p in stopped) - sent < 10, "the stages took over 10 s to stop"
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_takes_every_stage_with_it(tmp_path: Path) -> None:
+    launcher, pids = start_launcher(tmp_path)
+    launcher.kill()
+    launcher.wait(timeout=10)
+    deadline = time.time() + 5.0
+    while any(alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)], "stage processes outlived their launcher by 5 s"
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_distributed_training_run_saves_and_exits_143(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    command = [sys.executable, "-c", "from gpipe_repro.cli import main; main()", "run", "amoebanet",
+               "--preset", "smoke", "--runtime", "distributed", "--launcher", "local", "--steps", "500",
+               "--eval-every", "0", "--save-every", "0", "--timeline-every", "0", "--out", str(out),
+               "--wandb", "disabled", "--no-progress"]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=Path(__file__).resolve().parent.parent)
+    metrics, deadline = out / "metrics.jsonl", time.time() + 120
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[0][-3000:]
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)
+    sent = time.time()
+    output = launcher.communicate(timeout=60)[0]
+    assert launcher.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert time.time() - sent < 30, "the job took over 30 s to save and stop"
+    saved = sorted((out / "checkpoints").glob("step-*.pt"))
+    assert saved and "interrupted: saved step" in output, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps"] < 500

@@ -41,7 +41,7 @@ def test_fit_says_why_and_what_would_fit(tmp_path: Path) -> None:
     out = tmp_path / "fit.json"
     result = CliRunner().invoke(app, ["fit", *TINY, "-K", "1", "-M", "1", "--checkpoint", "never",
                                       "--memory", "0.004", "--json", str(out)])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output          # exit codes say what happened
     assert "does not fit" in result.output
     assert "more devices" in result.output and "re-materialization" in result.output
     data = json.loads(out.read_text())
@@ -71,5 +71,14 @@ def test_plan_chooses_a_fitting_configuration(tmp_path: Path) -> None:
 def test_plan_explains_when_nothing_fits() -> None:
     result = CliRunner().invoke(app, ["plan", *TINY, "--devices", "2", "--memory", "0.0005",
                                       "--link", "ideal", "-M", "1,2"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output
     assert "nothing fits" in result.output and "or devices with at least" in result.output
+
+
+def test_bad_counts_are_one_clear_line_before_any_work() -> None:
+    for args, message in ((["plan", *TINY, "--devices", "0"], "--devices must be >= 1"),
+                          (["fit", *TINY, "--k", "0"], "--k must be >= 1"),
+                          (["fit", *TINY, "--k", "2", "--partitions", "3"], "disagree")):
+        result = CliRunner().invoke(app, args, terminal_width=200)
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert "Traceback" not in result.output

@@ -109,7 +109,8 @@ def test_a_run_writes_metrics_wandb_offline_summary_and_curves(tmp_path: Path) -
         assert r["memory/cpu_peak_rss_mb"] > 0 and r["memory/cell0_state_mb"] > 0
         assert r["pipeline/bubble"] >= 0
     evals = [r for r in rows if "eval/top1" in r]
-    assert [r["step"] for r in evals] == [1, 3] and 0 <= evals[-1]["eval/top1"] <= evals[-1]["eval/top5"] <= 100
+    assert [r["step"] for r in evals] == [1, 3]
+    assert 0 <= evals[-1]["eval/top1"] <= evals[-1]["eval/top5"] <= 100
 
     written = json.loads((tmp_path / "summary.json").read_text())
     assert written["status"] == "finished" and written["steps"] == 4
@@ -212,7 +213,8 @@ def test_paper_preset_is_the_papers_table_4_setup() -> None:
 def test_pretrained_weights_load_across_partitionings_with_a_new_classifier(tmp_path: Path) -> None:
     task = AmoebaNetTask(tiny(tmp_path)[1])
     torch.manual_seed(1)
-    pipe = GPipe(task.build_layers(), partitions=3, micro_batches=2, optimizer=lambda p: torch.optim.SGD(p, 0.1))
+    pipe = GPipe(task.build_layers(), partitions=3, micro_batches=2,
+                 optimizer=lambda p: torch.optim.SGD(p, 0.1))
     save_checkpoint(checkpoint_path(tmp_path, 5), training_state(5, {"pipeline": PipelineState(pipe)},
                                                                  extra={"task": task.config()}))
     torch.manual_seed(2)

@@ -113,9 +113,11 @@ def test_ctrl_c_saves_and_exits_cleanly_then_resumes_identically(
 def test_sigkilled_subprocess_resumes_identically(tmp_path: Path,
                                                   reference: tuple[Path, list[float]]) -> None:
     run, task = configs(tmp_path)
-    command = [sys.executable, "-c", "from gpipe_repro.cli import main; main()", "run", "amoebanet", "--preset", "smoke",
+    command = [sys.executable, "-c", "from gpipe_repro.cli import main; main()", "run", "amoebanet",
+               "--preset", "smoke",
                "--out", str(tmp_path), "--batch-size", "8", "--m", "2", "--steps", str(STEPS),
                "--eval-every", "3", "--save-every", "2", "--timeline-every", "3", "--wandb", "disabled",
+               "--small-micro-batches",
                "--no-progress"]
     env = {**os.environ, "WANDB_MODE": "disabled"}
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

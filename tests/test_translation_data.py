@@ -215,6 +215,10 @@ def test_local_json_and_csv_files(tmp_path: Path) -> None:
                                      cache_dir=tmp_path / "hf")
     assert set(manifest.languages) == {"xx", "yy"}
     assert sum(manifest.languages["xx"][s] for s in tr.SPLITS) == 150   # deduplicated, copy dropped
+    # every row left out is counted, by reason (issue 16), and local files get no gettext max_chars
+    assert manifest.config["dropped"] == {"duplicate (same language, source and target)": 1,
+                                          "source identical to target (untranslated)": 1}
+    assert "max_chars" not in manifest.config
     assert manifest.languages["yy"]["test"] == 20 and manifest.languages["yy"]["train"] == 100
     for record in records(corpus_dir, "train"):
         if record["language"] == "xx":

@@ -194,7 +194,7 @@ def test_resource_groups_and_evaluation_sample(task: TranslationTask) -> None:
 def test_missing_corpus_or_language_errors_say_what_to_do(data_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="gpipe-repro corpus build --source opus100"):
         TranslationTask(TranslationConfig(corpus="opus100", data_dir=str(tmp_path)))
-    with pytest.raises(ValueError, match=r"no language\(s\) \['zz'\]; it has xa, xb, xc"):
+    with pytest.raises(ValueError, match=r"no language\(s\) \['zz'\].*it has xa, xb, xc: pass --languages"):
         TranslationTask(toy_config(data_dir, languages=("xa", "zz")))
 
 
@@ -331,3 +331,13 @@ def test_deep_vs_wide_and_large_batch_experiments_at_toy_size(data_dir: Path, tm
     assert (tmp_path / "large_batch.md").is_file()
     experiment.log_report(result, large, tmp_path)
     assert (tmp_path / "report" / "tables" / "large_batch.json").is_file()
+
+
+def test_run_start_counts_the_pairs_left_out(data_dir: Path, task: TranslationTask) -> None:
+    whole = task                                          # max_len 32
+    short = TranslationTask(toy_config(data_dir, max_len=14))
+    left_out = sum(whole.train_sizes.values()) - sum(short.train_sizes.values())
+    assert left_out > 0 and sum(short.too_long.values()) - sum(whole.too_long.values()) == left_out
+    line = short.describe_data()
+    assert f"{sum(short.too_long.values()):,} pairs" in line and "--max-len 14" in line
+    assert "raise --max-len" in line

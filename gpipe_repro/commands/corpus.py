@@ -106,6 +106,9 @@ def register(app: typer.Typer) -> None:
             typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2) from error
         print_summary(manifest, temperature, f"corpus {manifest.name} -> {corpus_dir}")
+        dropped = manifest.config.get("dropped") or {}
+        typer.echo("rows left out: " + ("; ".join(f"{n:,} {reason}" for reason, n in dropped.items())
+                                        if dropped else "none"))
         if vocab_size > 0:
             from gpipe_repro.data.tokenizer import train_tokenizer
 

@@ -1,7 +1,7 @@
 """`gpipe-repro fit` and `gpipe-repro plan`: per-device memory, before buying the devices.
 
-    gpipe-repro fit transformer-lm --L 1663 -K 128 -M 8 --memory 16      # 84B parameters: fits?
-    gpipe-repro fit amoebanet-d --L 18 --F 416 -K 1 -M 8 --memory 8 --batch 128
+    gpipe-repro fit transformer-lm --L 1663 --k 128 --m 8 --memory 16    # 84B parameters: fits?
+    gpipe-repro fit amoebanet-d --L 18 --F 416 --k 1 --m 8 --memory 8 --batch-size 128
     gpipe-repro plan transformer-lm --L 48 --devices 8 --memory 16 --link nvlink
 
 ``fit`` answers "does this model fit on K devices of X GiB with M micro-batches, and what is each
@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+
+from gpipe_repro.commands._vocabulary import HELP, alias, positive, resolve
 
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 
@@ -70,11 +72,11 @@ def register(app: typer.Typer) -> None:
     @app.command(context_settings=_CONTEXT)
     def fit(ctx: typer.Context,
             family: str = typer.Argument(..., help="model family (gpipe-repro models lists them)"),
-            partitions: int = typer.Option(1, "--partitions", "-K", help="devices (cells) K"),
-            micro_batches: int = typer.Option(8, "--micro-batches", "-M", help="micro-batches M"),
-            memory: float = typer.Option(16.0, "--memory", help="memory per device, GiB"),
-            batch: Optional[int] = typer.Option(None, "--batch", help="mini-batch size N "
-                                                "(default: the paper's for the family)"),
+            k: Optional[int] = typer.Option(None, "--k", "-k", help=HELP["k"] + " (default 1)"),
+            m: Optional[int] = typer.Option(None, "--m", "-m", help=HELP["m"] + " (default 8)"),
+            memory: float = typer.Option(16.0, "--memory", help=HELP["memory"]),
+            batch_size: Optional[int] = typer.Option(None, "--batch-size", help=HELP["batch_size"]
+                                                     + " (default: the paper's for the family)"),
             checkpoint: str = typer.Option("except_last", "--checkpoint",
                                            help="re-materialization: except_last | always | never"),
             attention: str = typer.Option("fused", "--attention", help="fused | math (materialized)"),
@@ -83,13 +85,27 @@ def register(app: typer.Typer) -> None:
             engine: bool = typer.Option(False, "--engine", help="also run the engine's own train_step "
                                         "on fake tensors and show its per-device peaks (slow: every "
                                         "layer of every micro-batch runs)"),
-            json_out: Optional[Path] = typer.Option(None, "--json", help="also write the plan here"),
+            out: Optional[Path] = typer.Option(None, "--out", help="also write the plan here (JSON)"),
+            partitions: Optional[int] = alias("--partitions", "-K"),
+            micro_batches: Optional[int] = alias("--micro-batches", "-M"),
+            batch: Optional[int] = alias("--batch"),
+            json_out: Optional[Path] = alias("--json"),
             ) -> None:
-        """Does the model fit on K devices of --memory GiB with M micro-batches? Each device's peak."""
+        """Does the model fit on K devices of --memory GiB with M micro-batches? Each device's peak.
+        Exit code 0 if it fits, 1 if it does not."""
         from rich.console import Console
 
         from gpipe_repro.memory.advice import what_would_fit, why
         from gpipe_repro.memory.planner import GiB
+        partitions = resolve("--k", k, partitions, "--partitions", 1)
+        micro_batches = resolve("--m", m, micro_batches, "--micro-batches", 8)
+        batch = resolve("--batch-size", batch_size, batch, "--batch")
+        json_out = resolve("--out", out, json_out, "--json")
+        positive("--k", partitions, "devices")
+        positive("--m", micro_batches, "micro-batches")
+        positive("--batch-size", batch)
+        if memory <= 0:
+            raise typer.BadParameter(f"--memory must be > 0 GiB, got {memory}")
         work, planner = _planner(family, batch, list(ctx.args), attention)
         cuts = [int(x) for x in balance.split(",")] if balance else None
         try:
@@ -125,24 +141,45 @@ def register(app: typer.Typer) -> None:
             json_out.write_text(json.dumps({"model": work.describe(), "budget_gib": memory,
                                             "fits": plan.fits(budget), "plan": plan.to_dict(),
                                             "advice": advice, "method": "simulated"}, indent=2))
+        if not plan.fits(budget):
+            raise typer.Exit(1)
 
     @app.command(context_settings=_CONTEXT)
     def plan(ctx: typer.Context,
              family: str = typer.Argument(..., help="model family (gpipe-repro models lists them)"),
-             devices: int = typer.Option(8, "--devices", help="devices available (K is at most this)"),
-             memory: float = typer.Option(16.0, "--memory", help="memory per device, GiB"),
-             batch: Optional[int] = typer.Option(None, "--batch", help="mini-batch size N"),
+             devices: int = typer.Option(8, "--devices", help=HELP["devices"]),
+             memory: float = typer.Option(16.0, "--memory", help=HELP["memory"]),
+             batch_size: Optional[int] = typer.Option(None, "--batch-size", help=HELP["batch_size"]
+                                                      + " (default: the paper's for the family)"),
              link: str = typer.Option("nvlink", "--link", help="link model: ideal, pcie, nvlink, "
                                       "tpu-ici, gloo-loopback"),
              tflops: float = typer.Option(100.0, "--tflops", help="device compute rate, TFLOP/s"),
-             micro_batches: Optional[str] = typer.Option(None, "--micro-batches", "-M",
-                                                         help="candidates, e.g. 4,8,32 (default: "
-                                                              "powers of two up to the batch)"),
+             m: Optional[str] = typer.Option(None, "--m", "-m", help="M candidates, e.g. 4,8,32 (default: "
+                                              "powers of two up to the batch)"),
              attention: str = typer.Option("fused", "--attention", help="fused | math"),
              top: int = typer.Option(8, "--top", help="candidates to show"),
-             json_out: Optional[Path] = typer.Option(None, "--json", help="also write the choice here"),
+             out: Optional[Path] = typer.Option(None, "--out", help="also write the choice here (JSON)"),
+             micro_batches: Optional[str] = alias("--micro-batches", "-M"),
+             batch: Optional[int] = alias("--batch"),
+             json_out: Optional[Path] = alias("--json"),
              ) -> None:
-        """Choose K, M and the partition that maximize simulated throughput within --memory GiB."""
+        """Choose K, M and the partition that maximize simulated throughput within --memory GiB.
+        Exit code 0 if a configuration fits, 1 if none does."""
+        micro_batches = resolve("--m", m, micro_batches, "--micro-batches")
+        batch = resolve("--batch-size", batch_size, batch, "--batch")
+        json_out = resolve("--out", out, json_out, "--json")
+        positive("--devices", devices, "devices available")
+        positive("--batch-size", batch)
+        positive("--top", top)
+        if memory <= 0:
+            raise typer.BadParameter(f"--memory must be > 0 GiB, got {memory}")
+        try:
+            ms = [int(x) for x in micro_batches.split(",")] if micro_batches else None
+        except ValueError as e:
+            raise typer.BadParameter(f"--m takes integers separated by commas (e.g. 4,8,32), got "
+                                     f"{micro_batches!r}") from e
+        if ms is not None and min(ms) < 1:
+            raise typer.BadParameter(f"--m candidates must be >= 1, got {micro_batches}")
         from rich.console import Console
         from rich.table import Table
 
@@ -151,7 +188,6 @@ def register(app: typer.Typer) -> None:
         from gpipe_repro.memory.planner import GiB
         from gpipe_repro.sim.links import get_link
         work, planner = _planner(family, batch, list(ctx.args), attention)
-        ms = [int(x) for x in micro_batches.split(",")] if micro_batches else None
         budget = memory * GiB
         cands = search(planner, devices, budget, get_link(link), tflops * 1e12, ms)
         console = Console()
@@ -195,3 +231,5 @@ def register(app: typer.Typer) -> None:
                                 "checkpoint": c.checkpoint, "fits": c.fits,
                                 "max_peak_bytes": c.max_peak, "throughput": c.throughput,
                                 "note": c.note} for c in cands]}, indent=2))
+        if best is None:
+            raise typer.Exit(1)

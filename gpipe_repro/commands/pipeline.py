@@ -1,7 +1,8 @@
 """`gpipe-repro pipeline`: one process per stage, training a synthetic wide MLP; prints the losses and
-step times, and writes the merged timeline (JSON) and its Gantt chart (PNG) if asked.
+step times, and writes the merged timeline (JSON) and its Gantt chart (PNG) of the last step, to a
+fresh runs/pipeline-N (or --out DIR, or --timeline / --gantt files).
 
-    gpipe-repro pipeline --partitions 2 --micro-batches 8 --gantt results/runtime/gantt.png
+    gpipe-repro pipeline --k 2 --m 8                       # runs/pipeline/{timeline.json,gantt.png}
     torchrun --nproc-per-node 2 .venv/bin/gpipe-repro pipeline --launcher torchrun
     gpipe-repro pipeline --fail-mode kill --fail-rank 1 --timeout 5    # watch a failure end the job
 
@@ -17,9 +18,9 @@ from typing import Any, Optional
 
 import typer
 
+from gpipe_repro.commands._vocabulary import HELP, alias, positive, resolve
+
 LAUNCHERS = ("local", "torchrun")
-
-
 
 
 def train_rank(options: dict[str, Any]) -> dict[str, Any]:
@@ -88,40 +89,67 @@ def report(rank0: dict[str, Any], options: dict[str, Any]) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("pipeline")
     def pipeline(
-        partitions: int = typer.Option(2, help="K: stage processes"),
-        micro_batches: int = typer.Option(8, help="M"),
-        checkpoint: str = typer.Option("never", help="always | except_last | never"),
+        k: Optional[int] = typer.Option(None, "--k", "-k", help=HELP["k"] + "; one stage process each "
+                                        "(default 2)"),
+        m: Optional[int] = typer.Option(None, "--m", "-m", help=HELP["m"] + " (default 8)"),
+        checkpoint: str = typer.Option("never", help="re-materialization: always | except_last | never"),
         recompute_ahead: bool = typer.Option(False, help="recompute before waiting for the gradient"),
-        batch: int = typer.Option(512, help="mini-batch size"),
+        batch_size: Optional[int] = typer.Option(None, "--batch-size",
+                                                 help=HELP["batch_size"] + " (default 512)"),
         width: int = typer.Option(512, help="width of each Linear layer"),
         blocks: int = typer.Option(8, help="number of Linear+ReLU layers"),
         steps: int = typer.Option(5, help="training steps"),
         launcher: str = typer.Option("local", help="local (spawn K processes here) | torchrun"),
         timeout: float = typer.Option(30.0, help="seconds before a silent peer counts as failed"),
         threads: int = typer.Option(1, help="intra-op threads per stage process"),
-        timeline: Optional[Path] = typer.Option(None, help="write the last step's timeline (JSON)"),
-        gantt: Optional[Path] = typer.Option(None, help="write the last step's Gantt chart (PNG)"),
+        out: Optional[Path] = typer.Option(None, help="directory for timeline.json and gantt.png "
+                                           "(default: a fresh runs/pipeline-N)"),
+        timeline: Optional[Path] = typer.Option(None, help="write the last step's timeline (JSON) here "
+                                                "(then only the files named are written)"),
+        gantt: Optional[Path] = typer.Option(None, help="write the last step's Gantt chart (PNG) here"),
         fail_mode: Optional[str] = typer.Option(None, help="inject a failure: raise | kill | exit | hang"),
         fail_rank: int = typer.Option(0, help="rank that fails (with --fail-mode)"),
         fail_call: int = typer.Option(1, help="fail at this call of the faulty layer (1-based)"),
+        partitions: Optional[int] = alias("--partitions"),
+        micro_batches: Optional[int] = alias("--micro-batches"),
+        batch: Optional[int] = alias("--batch"),
     ) -> None:
-        """Train a synthetic MLP with one process per stage; print losses, step times, breakdown."""
+        """Train a synthetic MLP with one process per stage; print losses, step times, breakdown, and
+        write the last step's timeline and Gantt chart."""
         from gpipe_repro.distributed.faults import FAULT_MODES
+        from gpipe_repro.train.run_dir import fresh_run_dir
 
+        partitions = resolve("--k", k, partitions, "--partitions", 2)
+        micro_batches = resolve("--m", m, micro_batches, "--micro-batches", 8)
+        batch = resolve("--batch-size", batch_size, batch, "--batch", 512)
+        positive("--k", partitions, "stage processes")
+        positive("--m", micro_batches, "micro-batches")
+        positive("--steps", steps, "training steps")
+        positive("--blocks", blocks)
+        positive("--width", width)
+        if batch < micro_batches:
+            raise typer.BadParameter(f"--batch-size {batch} < --m {micro_batches}: every micro-batch needs "
+                                     "an example")
         if launcher not in LAUNCHERS:
             raise typer.BadParameter(f"--launcher must be one of {LAUNCHERS}")
         if fail_mode is not None and fail_mode not in FAULT_MODES:
             raise typer.BadParameter(f"--fail-mode must be one of {FAULT_MODES}")
         if not 0 <= fail_rank < partitions:
-            raise typer.BadParameter(f"--fail-rank must be in 0..{partitions - 1}")
+            raise typer.BadParameter(f"--fail-rank must be in 0..{partitions - 1} (one of the "
+                                     f"--k {partitions} stages)")
         if blocks < partitions:
-            raise typer.BadParameter(f"--blocks must be >= --partitions ({partitions})")
+            raise typer.BadParameter(f"--blocks must be >= --k ({partitions}): each stage needs a layer")
+        if timeline is None and gantt is None:        # neither file named: both, in one directory
+            directory = out if out is not None else fresh_run_dir("pipeline")
+            if out is not None and out.is_dir() and any(
+                    p.name not in ("timeline.json", "gantt.png") for p in out.iterdir()):
+                raise typer.BadParameter(f"--out {out} holds other files; give an empty or new directory")
+            timeline, gantt = directory / "timeline.json", directory / "gantt.png"
         options = {"partitions": partitions, "micro_batches": micro_batches, "checkpoint": checkpoint,
                    "recompute_ahead": recompute_ahead, "batch": batch, "width": width,
                    "blocks": blocks, "steps": steps, "launcher": launcher, "fail_mode": fail_mode,
                    "fail_rank": fail_rank, "fail_call": fail_call,
-                   "timeline": str(timeline) if timeline else None,
-                   "gantt": str(gantt) if gantt else None}
+                   "timeline": str(timeline) if timeline else None, "gantt": str(gantt) if gantt else None}
         if launcher == "torchrun":
             import os
 
@@ -134,6 +162,6 @@ def register(app: typer.Typer) -> None:
         from gpipe_repro.distributed.launcher import JobFailed, launch_local
         try:
             results = launch_local(train_rank, partitions, options, timeout=timeout, threads=threads)
-        except JobFailed:
-            raise typer.Exit(1)   # the launcher already printed the failing rank and its cause
+        except JobFailed as e:
+            raise typer.Exit(1) from e   # the launcher already printed the failing rank and its cause
         report(results[0], options)

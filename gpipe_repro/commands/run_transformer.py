@@ -30,9 +30,21 @@ def _languages(value: str | None) -> tuple[str, ...] | None:
     return tuple(sorted({item.strip() for item in value.split(",") if item.strip()}))
 
 
+def corpus_vocabulary(corpus: str, data_dir: str | None) -> int | None:
+    """The size of the whole-corpus vocabulary `corpus build` trained (`<corpus>/spm<V>/`), if exactly
+    one exists; None otherwise (the run then trains, and caches, the preset's size)."""
+    import re
+
+    from gpipe_repro.data.translation import corpus_dir_for
+    directory = corpus_dir_for(corpus, data_dir)
+    sizes = [int(m.group(1)) for p in directory.glob("spm*") if (m := re.fullmatch(r"spm(\d+)", p.name))
+             and p.is_dir()] if directory.is_dir() else []
+    return sizes[0] if len(sizes) == 1 else None
+
+
 def transformer(
-    preset: str = typer.Option("cpu", help="cpu | paper | smoke"),
-    layers: Optional[int] = typer.Option(None, "--layers", "--L", help="L: encoder layers (= decoder layers)"),
+    preset: str = typer.Option("cpu", help="cpu | paper | smoke; `--preset list` shows their values"),
+    layers: Optional[int] = typer.Option(None, "--layers", "--L", help="L: encoder (= decoder) layers"),
     ffn: Optional[int] = typer.Option(None, "--ffn", "--H", help="H: feed-forward hidden size"),
     heads: Optional[int] = typer.Option(None, "--heads", "--A", help="A: attention heads"),
     d_model: Optional[int] = typer.Option(None, help="model dimension (the paper: 1024)"),
@@ -59,6 +71,7 @@ def transformer(
     k: Optional[int] = typer.Option(None, "--k", "-k", help=PIPELINE_HELP["k"]),
     m: Optional[int] = typer.Option(None, "--m", "-m", help=PIPELINE_HELP["m"]),
     batch_size: Optional[int] = typer.Option(None, help="sentences per mini-batch (one synchronous update)"),
+    batch: Optional[int] = typer.Option(None, "--batch", hidden=True),
     steps: Optional[int] = typer.Option(None, help=PIPELINE_HELP["steps"]),
     epochs: Optional[float] = typer.Option(None, help=PIPELINE_HELP["epochs"]),
     checkpoint: Optional[str] = typer.Option(None, help=PIPELINE_HELP["checkpoint"]),
@@ -77,12 +90,31 @@ def transformer(
     timeline_every: Optional[int] = typer.Option(None, help=PIPELINE_HELP["timeline_every"]),
     name: Optional[str] = typer.Option(None, help=PIPELINE_HELP["name"]),
     out: Optional[str] = typer.Option(None, help=PIPELINE_HELP["out"]),
+    record: bool = typer.Option(False, "--record", help=PIPELINE_HELP["record"]),
+    timeout: Optional[float] = typer.Option(None, help=PIPELINE_HELP["timeout"]),
     wandb: Optional[str] = typer.Option(None, help=PIPELINE_HELP["wandb"]),
     resume: bool = typer.Option(False, "--resume", help="continue from the run's latest checkpoint"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show the progress bar"),
 ) -> None:
     """Multilingual many-to-English translation with T(L, H, A); presets: cpu, paper, smoke."""
+    from gpipe_repro.commands._vocabulary import resolve
+    batch_size = resolve("--batch-size", batch_size, batch, "--batch")
     options = dict(locals())
+    if preset == "list":
+        from gpipe_repro.train.tasks.translation import PRESETS
+        from gpipe_repro.train.tasks.translation import preset as get_preset
+        for name, what in PRESETS.items():
+            run, task = get_preset(name)
+            length = f"steps {run.steps}" if run.steps is not None else f"epochs {run.epochs:g}"
+            print(f"{name}: {what}\n  pipeline: K={run.partitions}, M={run.micro_batches}, batch "
+                  f"{run.batch_size} sentences, {length}, checkpoint {run.checkpoint}, device {run.device}\n"
+                  f"  model and data: T({task.L},{task.H},{task.A}), d_model {task.d_model}, corpus "
+                  f"{task.corpus}, languages {', '.join(task.languages) if task.languages else 'all'}, "
+                  f"vocabulary {task.vocab_size}, max_len {task.max_len}\n"
+                  f"  recipe: lr {task.lr:g}, warm-up {task.warmup_steps} steps, dropout {task.dropout:g}, "
+                  f"label smoothing {task.label_smoothing:g}, beam {task.beam}\n")
+        print("Any option given on the command line overrides the preset's value.")
+        return
 
     def build() -> tuple[Any, Any]:
         from gpipe_repro.train.tasks.translation import TranslationTask
@@ -98,6 +130,16 @@ def transformer(
             beam=beam, eval_sentences=eval_sentences)
         if chosen is not None:      # "all" gives (): every language of the corpus
             task_config = dataclasses.replace(task_config, languages=chosen or None)
+        elif task_config.corpus != "gettext" and task_config.languages is not None:
+            print(f"note: the {preset} preset's languages are the gettext corpus's; on corpus "
+                  f"{task_config.corpus} the run uses every language it has (--languages chooses)")
+            task_config = dataclasses.replace(task_config, languages=None)
+        if vocab_size is None:      # reuse the vocabulary `corpus build` made rather than train another
+            built = corpus_vocabulary(task_config.corpus, task_config.data_dir)
+            if built is not None and built != task_config.vocab_size:
+                print(f"note: using the corpus's own {built}-piece vocabulary (built by `gpipe-repro corpus "
+                      f"build`) instead of the preset's {task_config.vocab_size}; --vocab-size chooses")
+                task_config = dataclasses.replace(task_config, vocab_size=built)
         run_config = apply_pipeline_options(run_config, options)
         if task_config.tie_embeddings and run_config.partitions > 1:
             raise ValueError("--tie-embeddings shares one matrix between the first layer and the "

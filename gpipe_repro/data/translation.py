@@ -140,6 +140,11 @@ class CorpusWriter:
         self.origins: list[dict] = []
         # (language, source, target) -> [split, set of origin ids]
         self._pairs: dict[tuple[str, str, str], list] = {}
+        self.dropped: dict[str, int] = {}     # reason -> rows left out (recorded in the manifest)
+
+    def drop(self, reason: str, rows: int = 1) -> None:
+        """Count rows left out, by reason, so the build can say what it dropped."""
+        self.dropped[reason] = self.dropped.get(reason, 0) + rows
 
     def add_origin(self, **description: str) -> int:
         self.origins.append({"id": len(self.origins), **description})
@@ -151,6 +156,7 @@ class CorpusWriter:
         if entry is None:
             self._pairs[key] = [split, {origin}]
             return
+        self.drop("duplicate (same language, source and target)")
         entry[1].add(origin)
         # A pair given in two splits (only possible with given splits) stays in the held-out one.
         if SPLITS.index(split) > SPLITS.index(entry[0]):
@@ -162,6 +168,10 @@ class CorpusWriter:
         for language, _, _ in self._pairs:
             totals[language] = totals.get(language, 0) + 1
         kept = sorted(lang for lang, n in totals.items() if n >= min_pairs)
+        small = sum(n for lang, n in totals.items() if n < min_pairs)
+        if small:
+            self.drop(f"language with fewer than --min-pairs {min_pairs} pairs", small)
+        config = {**config, "dropped": dict(self.dropped)}
         if not kept:
             raise ValueError(f"no language has >= {min_pairs} pairs ({len(self._pairs)} pairs in all): "
                              f"lower --min-pairs or add data")
@@ -372,7 +382,11 @@ def build_local_corpus(corpus_dir: str | os.PathLike[str], files: Sequence[str |
             language = str(record["language"] or "").strip()
             source = " ".join(str(record["source"] or "").split())
             target = " ".join(str(record["target"] or "").split())
-            if not language or not source or not target or source == target:
+            if not language or not source or not target:
+                writer.drop("empty language, source or target")
+                continue
+            if source == target:
+                writer.drop("source identical to target (untranslated)")
                 continue
             if wanted is not None and language not in wanted:
                 continue
@@ -384,7 +398,9 @@ def build_local_corpus(corpus_dir: str | os.PathLike[str], files: Sequence[str |
             else:
                 split = split_of(target, config.valid_fraction, config.test_fraction)
             writer.add(language, source, target, split, origin)
-    record = {**asdict(config), "files": sorted(str(Path(f).resolve()) for f in files)}
+    # max_chars applies to gettext catalogs only: a local corpus keeps rows of any length
+    record = {**{k: v for k, v in asdict(config).items() if k != "max_chars"},
+              "files": sorted(str(Path(f).resolve()) for f in files)}
     return writer.write(Path(corpus_dir), name, "local", record, config.min_pairs)
 
 

@@ -24,12 +24,20 @@ line goes to stderr. `timeout` is the communication timeout inside the job (a ra
 answering is declared lost after it), so a job with a failed or stuck rank ends within about
 ``timeout + grace`` seconds. `job_timeout` optionally bounds the whole run.
 
+Signals and the launcher's own death. Each stage process leads its own process group (so its
+children, such as rank 0's wandb-core, go with it). A SIGINT/SIGTERM that reaches the launcher is
+forwarded to every stage's group (`forward_signals`), so a job that handles them (the training
+loop: finish the step, save, stop) does so on every rank together; a terminal's Ctrl-C reaches the
+launcher alone and is forwarded once. If the launcher dies without warning (SIGKILL), every stage
+sees its end of a pipe close and kills its process group at once: nothing is left running.
+
 Processes start from a fork server that has imported torch once (``start_method="forkserver"``), so
 a second launch in the same program starts in well under a second instead of re-importing torch; use
 ``"spawn"`` for the most isolated start.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -38,9 +46,11 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 from gpipe_repro.distributed.launch_env import DEFAULT_TIMEOUT_S, ERROR_FILE_ENV, THREADS_ENV, TIMEOUT_ENV
@@ -76,13 +86,16 @@ def free_port() -> int:
 
 def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
                  grace: float = 2.0, job_timeout: float | None = None, threads: int = 1,
-                 start_method: str = "forkserver", env: dict[str, str] | None = None) -> list[Any]:
+                 start_method: str = "forkserver", env: dict[str, str] | None = None,
+                 forward_signals: bool = True) -> list[Any]:
     """Run ``fn(*args)`` in `nprocs` stage processes on this host; return their results by rank.
 
     `timeout`: communication timeout inside the job (seconds; see the module docstring). `grace`:
     seconds the others get to exit after the first failure before they are killed. `job_timeout`:
     kill everything and fail after this many seconds (None: no limit). `threads`: intra-op threads per
-    process on CPU. `env`: extra environment variables for the children. Raises :class:`JobFailed`.
+    process on CPU. `env`: extra environment variables for the children. `forward_signals`: pass a
+    SIGINT/SIGTERM the launcher receives on to every stage (when called from the main thread).
+    Raises :class:`JobFailed`.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
@@ -91,22 +104,29 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float
         ctx.set_forkserver_preload(_PRELOAD)
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="gpipe-launch-") as tmp:
-        procs = []
-        for rank in range(nprocs):
-            child_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
-                         "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
-                         "MASTER_PORT": str(port), TIMEOUT_ENV: str(timeout), THREADS_ENV: str(threads),
-                         ERROR_FILE_ENV: os.path.join(tmp, f"error{rank}.json"), **(env or {})}
-            p = ctx.Process(target=_child, args=(child_env, os.path.join(tmp, f"result{rank}.pkl"),
-                                                fn, args), name=f"gpipe-stage-{rank}", daemon=True)
-            p.start()
-            procs.append(p)
+        procs: list[Any] = []
+        # The launcher holds the only write end: when it dies, every stage reads EOF (see _child).
+        lifeline_r, lifeline_w = ctx.Pipe(duplex=False)
         try:
-            failure = _watch(procs, tmp, grace, job_timeout)
+            for rank in range(nprocs):
+                child_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
+                             "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
+                             "MASTER_PORT": str(port), TIMEOUT_ENV: str(timeout), THREADS_ENV: str(threads),
+                             ERROR_FILE_ENV: os.path.join(tmp, f"error{rank}.json"), **(env or {})}
+                p = ctx.Process(  # type: ignore[attr-defined]
+                    target=_child, args=(child_env, os.path.join(tmp, f"result{rank}.pkl"), fn, args,
+                                         lifeline_r), name=f"gpipe-stage-{rank}", daemon=True)
+                p.start()
+                procs.append(p)
+            lifeline_r.close()
+            with _forwarding(procs, forward_signals):
+                failure = _watch(procs, tmp, grace, job_timeout)
         except BaseException:  # Ctrl-C or an error here: leave no stage process behind
             for p in procs:
                 _kill(p)
             raise
+        finally:
+            lifeline_w.close()
         if failure is not None:
             print(f"[gpipe-repro] job failed: {failure}", file=sys.stderr, flush=True)
             raise failure
@@ -117,9 +137,59 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float
         return results
 
 
-def _child(env: dict[str, str], result_path: str, fn: Callable[..., Any], args: tuple) -> None:
+def _child(env: dict[str, str], result_path: str, fn: Callable[..., Any], args: tuple,
+           lifeline: Any = None) -> None:
     os.environ.update(env)
+    os.setpgrp()    # this stage and what it starts (wandb-core) form one group, signalled together
+    if lifeline is not None:
+        threading.Thread(target=_die_with_launcher, args=(lifeline,), daemon=True,
+                         name="gpipe-lifeline").start()
     stage_main(_run_and_save, result_path, fn, args)
+
+
+def _die_with_launcher(lifeline: Any) -> None:
+    """Block on the launcher's pipe; EOF means the launcher is gone: end this stage's group now."""
+    try:
+        lifeline.recv()
+    except (EOFError, OSError):
+        pass
+    print(f"[gpipe-repro] rank {os.environ.get('RANK', '?')}: the launcher is gone, stopping",
+          file=sys.stderr, flush=True)
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _forwarding(procs: list[Any], enabled: bool) -> Iterator[None]:
+    """While the launcher watches: a SIGINT/SIGTERM it receives goes to every stage's group."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        print(f"\n[gpipe-repro] {signal.Signals(signum).name}: passed on to the {len(procs)} stage processes",
+              file=sys.stderr, flush=True)
+        for p in procs:
+            _signal_group(p, signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _signal_group(p: Any, signum: int) -> None:
+    """Send `signum` to stage process `p` and everything it started (its process group)."""
+    if p.pid is None:
+        return
+    try:
+        os.killpg(p.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(p.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _run_and_save(result_path: str, fn: Callable[..., Any], args: tuple) -> None:
@@ -165,11 +235,17 @@ def _watch(procs: list[Any], tmp: str, grace: float, job_timeout: float | None) 
 
 
 def _kill(p: Any) -> None:
-    p.terminate()
+    """End stage process `p` and its group (SIGTERM, then SIGKILL after a second)."""
+    _signal_group(p, signal.SIGTERM)
     p.join(1.0)
     if p.is_alive():
-        p.kill()
+        _signal_group(p, signal.SIGKILL)
         p.join(1.0)
+    elif p.pid is not None:
+        try:   # what the stage started (wandb-core) must not outlive it
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _cause(e: _Exit) -> str:
@@ -197,9 +273,10 @@ def _root_cause(failed: list[_Exit], killed: list[int]) -> JobFailed:
         first = min(failed, key=lambda e: e.record.time if e.record else e.seen)
         peer = first.record.peer if first.record else None
         if peer is not None and all(p.rank != peer for p in failed):
-            others = "; ".join(f"rank {e.rank}: {_cause(e)}" for e in sorted(failed, key=lambda e: e.rank))
+            lost = "; ".join(f"rank {e.rank}: {_cause(e).splitlines()[0]}"
+                             for e in sorted(failed, key=lambda e: e.rank))
             return JobFailed(peer, "stopped answering (its neighbours timed out waiting for it)",
-                             f"other ranks: {others}")
+                             f"other ranks: {lost}")
     others = [f"rank {e.rank}: {_cause(e).splitlines()[0]}" for e in sorted(failed, key=lambda e: e.rank)
               if e is not first]
     others += [f"rank {r}: still running after the failure, killed" for r in killed]

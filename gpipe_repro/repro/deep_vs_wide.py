@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shutil
 from pathlib import Path
 from typing import Any
 
 from gpipe_repro.models.translation import count_non_embedding
 from gpipe_repro.paper import CITATION, DEEP_VS_WIDE_CLAIM, LARGE_BATCH, TRANSLATION_MODELS
 from gpipe_repro.report.records import markdown_table, measured, read_json, write_json, write_markdown
+from gpipe_repro.train.checkpoints import latest_checkpoint
 from gpipe_repro.train.config import RunConfig
 from gpipe_repro.train.loop import train
+from gpipe_repro.train.run_dir import clear_run
 from gpipe_repro.train.tasks.translation import TranslationBatches, TranslationConfig, TranslationTask, preset
 
 OUT = Path("results/translation")
@@ -80,9 +81,10 @@ def run_model(label: str, task: TranslationConfig, run: RunConfig, rerun: bool) 
             return summary
         rerun = summary.get("status") == "finished"      # finished with other settings: replace it
     if rerun and run.run_dir.is_dir():
-        shutil.rmtree(run.run_dir)     # asked for (--rerun): start from scratch, old checkpoints too
+        clear_run(run.run_dir)         # asked for (--rerun): start from scratch; only the run's own files
     print(f"{label}: training {shape_name((task.L, task.H, task.A))} in {run.run_dir}")
-    train(TranslationTask(task), dataclasses.replace(run, resume=not rerun))
+    resume = not rerun and latest_checkpoint(run.checkpoint_dir) is not None
+    train(TranslationTask(task), dataclasses.replace(run, resume=resume))
     return read_json(summary_path)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from gpipe_repro.paper import IMAGENET, TRANSFER
 from gpipe_repro.report.records import markdown_table, measured, read_json, write_json, write_markdown
 from gpipe_repro.train.curves import plot_loss_comparison
+from gpipe_repro.train.checkpoints import latest_checkpoint
 from gpipe_repro.train.loop import train
 from gpipe_repro.train.tasks.image_classification import AmoebaNetTask, preset
 
@@ -35,7 +36,8 @@ def cpu_run(rerun: bool) -> dict[str, Any]:
     run, task = preset("cpu")
     summary_path = run.run_dir / "summary.json"
     if rerun or not summary_path.is_file() or read_json(summary_path).get("status") != "finished":
-        train(AmoebaNetTask(task), dataclasses.replace(run, resume=not rerun))
+        resume = not rerun and latest_checkpoint(run.checkpoint_dir) is not None
+        train(AmoebaNetTask(task), dataclasses.replace(run, resume=resume))
     return read_json(summary_path)
 
 

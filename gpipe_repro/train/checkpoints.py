@@ -24,20 +24,28 @@ steps, so it can save and exit cleanly; a second one aborts at once.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import re
+import shutil
 import signal
+import sys
 import threading
-from collections.abc import Iterator, Mapping
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import FrameType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from gpipe_repro.report.records import atomic_write
+from gpipe_repro.train.config import RESUME_MUST_MATCH, RunConfig
+
+if TYPE_CHECKING:
+    from gpipe_repro.train.task import Task
 
 CHECKPOINT_FORMAT = 1
 _NAME = re.compile(r"^step-(\d+)\.pt$")
@@ -72,15 +80,48 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used; the message names the file and what to do."""
+
+
+class DiskFullError(OSError):
+    """A checkpoint could not be written for lack of space; the previous checkpoints are intact."""
+
+
+def _disk_full(error: BaseException, directory: Path) -> bool:
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # torch's zip writer reports a short write as "unexpected pos N vs M", not as ENOSPC
+    if isinstance(error, RuntimeError) and "unexpected pos" in str(error):
+        try:
+            return shutil.disk_usage(directory).free < 64 * 2**20
+        except OSError:
+            return True
+    return False
+
+
 def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *,
                     keep_last: int | None = 3) -> Path:
     """Write `state` with `torch.save`, atomically; then delete all but the `keep_last` newest
-    `step-*.pt` files in the same directory (None keeps everything). Returns the path."""
+    `step-*.pt` files in the same directory (None keeps everything). Returns the path.
+
+    A full disk raises :class:`DiskFullError` saying so; the half-written file is removed and the
+    previous checkpoints are left as they were (nothing is pruned before a save succeeds)."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
     path = Path(path)
-    with atomic_write(path, "wb") as f:
-        torch.save(dict(state), f)
+    try:
+        with atomic_write(path, "wb") as f:
+            torch.save(dict(state), f)
+    except (OSError, RuntimeError) as e:
+        if not _disk_full(e, path.parent):
+            raise
+        previous = [p for p in list_checkpoints(path.parent) if p != path]
+        kept = (f"the previous checkpoint {previous[-1]} is intact" if previous
+                else "no earlier checkpoint exists")
+        raise DiskFullError(errno.ENOSPC, f"no space left on the device to write the checkpoint {path} "
+                            f"({_free(path.parent)} free); {kept}. Free some disk space (or point --out "
+                            "to another disk) and continue with --resume") from e
     if keep_last is not None and _NAME.match(path.name):
         for old in list_checkpoints(path.parent)[:-keep_last]:
             if old != path:
@@ -88,13 +129,76 @@ def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *,
     return path
 
 
+def _free(directory: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(directory).free / 2**20:.0f} MiB"
+    except OSError:
+        return "unknown space"
+
+
 def load_checkpoint(path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu",
                     weights_only: bool = True) -> dict[str, Any]:
-    """Read a checkpoint (tensors land on `map_location`; move the model afterwards)."""
+    """Read a checkpoint (tensors land on `map_location`; move the model afterwards).
+
+    A file that is empty, cut short, or not a checkpoint at all raises :class:`CheckpointError`
+    naming the file and saying what to do (never torch's bare zip or unpickling error)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    return torch.load(path, map_location=map_location, weights_only=weights_only)
+    advice = ("delete or move it away; a run directory keeps the previous checkpoint beside it, which "
+              "--resume then continues from")
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"the checkpoint {path} is empty (0 bytes; the write was cut off): {advice}")
+    if not zipfile.is_zipfile(path):   # torch.save's format; a cut-off file lacks the zip directory
+        raise CheckpointError(f"the checkpoint {path} is truncated or not a torch checkpoint ({size} bytes, "
+                              f"no complete zip archive): {advice}")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except Exception as e:  # noqa: BLE001 - every reason to fail is reported the same way, with the file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"the checkpoint {path} cannot be read ({type(e).__name__}: {first[:200]}): "
+                              f"{advice}") from e
+
+
+def _check_training_checkpoint(checkpoint: Any, path: Path) -> dict[str, Any]:
+    keys = ("format", "step", "state", "rng", "extra")
+    if not isinstance(checkpoint, dict) or any(k not in checkpoint for k in keys):
+        held = sorted(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise CheckpointError(f"{path} is not a gpipe-repro training checkpoint (it holds {held}, not "
+                              f"{list(keys)}): move it out of {path.parent}")
+    if checkpoint["format"] != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} has checkpoint format {checkpoint['format']!r}, this version reads "
+                              f"{CHECKPOINT_FORMAT}: resume it with the version that wrote it")
+    return checkpoint
+
+
+def load_latest_checkpoint(directory: str | os.PathLike[str], *,
+                           warn: Callable[[str], None] | None = None) -> tuple[dict[str, Any], Path]:
+    """The newest readable training checkpoint in `directory` and its path.
+
+    A newer file that cannot be read (cut short, empty, foreign) is skipped with a warning naming it,
+    and the next older one is used. No checkpoint at all, or none readable, raises naming the
+    directory (FileNotFoundError / CheckpointError)."""
+    directory = Path(directory)
+    found = list_checkpoints(directory)
+    if not found:
+        raise FileNotFoundError(f"--resume: no checkpoint in {directory} (nothing to continue): check "
+                                "--name / --out, or leave out --resume to start a new run")
+    warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr, flush=True))
+    problems = []
+    for path in reversed(found):
+        try:
+            checkpoint = _check_training_checkpoint(load_checkpoint(path), path)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        for problem in problems:
+            warn(f"{problem}; resuming from the older {path.name} instead")
+        return checkpoint, path
+    raise CheckpointError(f"no checkpoint in {directory} can be read:\n  " + "\n  ".join(problems)
+                          + "\nstart a new run (another --name / --out), or move the files out of "
+                          + str(directory))
 
 
 # ----------------------------------------------------------------------------- random state
@@ -175,6 +279,28 @@ def restore_training_state(checkpoint: Mapping[str, Any], stateful: Mapping[str,
         gen.set_state(saved_gens[name].cpu())
     restore_rng_state(checkpoint["rng"])
     return int(checkpoint["step"])
+
+
+# ----------------------------------------------------------------------------- resuming
+
+def check_resumable(saved: dict[str, Any], config: RunConfig, task: Task) -> list[str]:
+    """Refuse to resume a checkpoint made with settings that change what the run computes, listing
+    every difference. The run's length may change (an explicit `--steps` / `--epochs` extends it):
+    that is returned as a note for the caller to print, not refused."""
+    run = saved["run"]
+    diffs = [f"{k}: saved {run.get(k)!r}, now {getattr(config, k)!r}" for k in RESUME_MUST_MATCH
+             if run.get(k) != getattr(config, k) and not (k == "balance" and getattr(config, k) is None)]
+    now = task.config()
+    diffs += [f"{k}: saved {saved['task'].get(k)!r}, now {now.get(k)!r}"
+              for k in sorted(set(now) | set(saved["task"])) if saved["task"].get(k) != now.get(k)]
+    if diffs:
+        raise ValueError("cannot resume: the checkpoint was made with different settings:\n  "
+                         + "\n  ".join(diffs) + "\nresume with the original settings, or start a new "
+                         "run (leave out --resume, or another --name / --out)")
+    length = [f"{k} {run.get(k)!r} -> {getattr(config, k)!r}" for k in ("steps", "epochs")
+              if run.get(k) != getattr(config, k)]
+    return [f"the run's length changes ({', '.join(length)}); the learning-rate schedule follows the "
+            "new length from here"] if length else []
 
 
 # ----------------------------------------------------------------------------- Ctrl-C

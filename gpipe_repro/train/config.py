@@ -43,6 +43,7 @@ class RunConfig:
     launcher: str = "local"             # distributed only: "local" (spawn here) | "torchrun"
     device: str = "cpu"                 # "cpu" | "cuda" (cell k on cuda:k mod #GPUs) | "auto"
     threads: int | None = None          # torch CPU threads; None: torch's default (one per core)
+    timeout: float = 600.0              # distributed only: seconds a stage waits for a silent peer
     optimizer: str | None = None        # None: the task's recipe; else one of optim.OPTIMIZERS
     lr: float | None = None             # None: the task's recipe (peak rate, after warm-up)
     # -- how long, how often
@@ -62,30 +63,42 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (isinstance(self.partitions, int) and self.partitions >= 1, f"partitions (K) must be >= 1, got {self.partitions}"),
-            (isinstance(self.micro_batches, int) and self.micro_batches >= 1, f"micro_batches (M) must be >= 1, got {self.micro_batches}"),
-            (self.batch_size >= self.micro_batches, f"batch_size {self.batch_size} < micro_batches {self.micro_batches}: every micro-batch needs an example; raise --batch-size or lower --m"),
-            (self.checkpoint in CHECKPOINT_MODES, f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}"),
-            (self.schedule in SCHEDULES, f"schedule must be one of {sorted(SCHEDULES)}, got {self.schedule!r}"),
-            (self.partition_cost in PARTITION_COSTS, f"partition_cost must be one of {PARTITION_COSTS}, got {self.partition_cost!r}"),
+            (isinstance(self.partitions, int) and self.partitions >= 1,
+             f"partitions (K) must be >= 1, got {self.partitions}"),
+            (isinstance(self.micro_batches, int) and self.micro_batches >= 1,
+             f"micro_batches (M) must be >= 1, got {self.micro_batches}"),
+            (self.batch_size >= self.micro_batches,
+             f"batch_size {self.batch_size} < micro_batches {self.micro_batches}: every micro-batch "
+             "needs an example; raise --batch-size or lower --m"),
+            (self.checkpoint in CHECKPOINT_MODES,
+             f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}"),
+            (self.schedule in SCHEDULES,
+             f"schedule must be one of {sorted(SCHEDULES)}, got {self.schedule!r}"),
+            (self.partition_cost in PARTITION_COSTS,
+             f"partition_cost must be one of {PARTITION_COSTS}, got {self.partition_cost!r}"),
             (self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}, got {self.objective!r}"),
             (self.runtime in RUNTIMES, f"runtime must be one of {RUNTIMES}, got {self.runtime!r}"),
             (self.launcher in LAUNCHERS, f"launcher must be one of {LAUNCHERS}, got {self.launcher!r}"),
             (self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}"),
-            (self.wandb is None or self.wandb in WANDB_MODES, f"wandb must be one of {WANDB_MODES}, got {self.wandb!r}"),
+            (self.wandb is None or self.wandb in WANDB_MODES,
+             f"wandb must be one of {WANDB_MODES}, got {self.wandb!r}"),
             (self.steps is None or self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
             (self.epochs is None or self.epochs > 0, f"epochs must be > 0, got {self.epochs}"),
             (self.steps is not None or self.epochs is not None, "give the run a length: steps or epochs"),
-            (min(self.eval_every, self.save_every) >= 0, "eval_every and save_every must be >= 0 (0: only at the end)"),
+            (min(self.eval_every, self.save_every) >= 0,
+             "eval_every and save_every must be >= 0 (0: only at the end)"),
             (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}"),
             (self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}"),
-            (self.log_every >= 1 and self.timeline_every >= 0, "log_every must be >= 1 and timeline_every >= 0"),
+            (self.timeout > 0, f"timeout must be > 0 seconds, got {self.timeout}"),
+            (self.log_every >= 1 and self.timeline_every >= 0,
+             "log_every must be >= 1 and timeline_every >= 0"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
         if self.balance is not None and len(self.balance) != self.partitions:
-            raise ValueError(f"balance {self.balance} has {len(self.balance)} cells but partitions={self.partitions}")
+            raise ValueError(f"balance {self.balance} has {len(self.balance)} cells but "
+                             f"partitions={self.partitions}")
 
     @property
     def run_dir(self) -> Path:
@@ -112,5 +125,6 @@ class RunConfig:
 
 # Settings that must match for a checkpoint to be resumed: they change what the run computes.
 # (Cadence, logging, the runtime and the device may change between a run and its resumption.)
+# (`steps` / `epochs` may change: an explicit new length extends the run; see loop.check_resumable.)
 RESUME_MUST_MATCH = ("partitions", "micro_batches", "batch_size", "balance", "partition_cost",
-                     "objective", "seed")
+                     "objective", "seed", "optimizer", "lr")

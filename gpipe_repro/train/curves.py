@@ -32,6 +32,11 @@ def smoothed(values: Sequence[float], beta: float = 0.9) -> list[float]:
     return out
 
 
+def is_score(key: str) -> bool:
+    """Metrics on a 0-100 scale (accuracy in %, BLEU), drawn on their own axis apart from losses."""
+    return any(part.startswith(("top", "bleu", "acc")) for part in key.lower().split("/")[1:])
+
+
 def plot_run_curves(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str) -> Path:
     """Four panels: training loss (raw and smoothed), evaluation metrics, learning rate, samples/s."""
     plt = _pyplot()
@@ -44,12 +49,20 @@ def plot_run_curves(rows: Sequence[Mapping[str, Any]], path: str | Path, title: 
     ax.legend()
     ax = axes[0][1]
     eval_keys = sorted({k for r in rows for k in r if k.startswith("eval/") and not k.endswith("_s")})
-    for i, key in enumerate(k for k in eval_keys if k != "eval/loss"):
-        s, v = series(rows, key)
-        ax.plot(s, v, marker="o", color=f"C{i + 1}", label=key)
+    scores = [k for k in eval_keys if is_score(k)]            # accuracy %, BLEU: 0-100
+    others = [k for k in eval_keys if not is_score(k)]        # losses, NLL: another unit, another axis
+    for i, key in enumerate(scores):
+        ax.plot(*series(rows, key), marker="o", color=f"C{i + 1}", label=key)
+    if scores:
+        ax.set_ylabel("score (0-100)")
+        ax.legend(loc="upper left")
+    if others:
+        right = ax.twinx() if scores else ax
+        for i, key in enumerate(others, start=len(scores) + 1):
+            right.plot(*series(rows, key), marker="s", ls="--", color=f"C{i}", label=key)
+        right.set_ylabel(" / ".join(k.removeprefix("eval/") for k in others))
+        right.legend(loc="upper right" if scores else "best")
     ax.set_title("evaluation")
-    if eval_keys:
-        ax.legend()
     ax = axes[1][0]
     ax.plot(*series(rows, "train/lr"), color="C3")
     ax.set_title("learning rate")

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from gpipe_repro.train.config import RunConfig
     from gpipe_repro.train.loop import RunSummary, Task
 
-# Seconds a stage process waits for a silent peer. Longer than the runtime's 30 s default: rank 0
-# writes checkpoints and evaluates while the others wait at their next receive.
+# Seconds a stage process waits for a silent peer (`RunConfig.timeout`, `--timeout`). Longer than the
+# runtime's 30 s default: rank 0 writes checkpoints and evaluates while the others wait.
 TRAINING_TIMEOUT_S = 600.0
 
 
@@ -120,11 +120,11 @@ def launch(task_factory: Callable[[], Task], config: RunConfig) -> RunSummary:
     K new processes, so it must be picklable (a class and its config, e.g.
     `functools.partial(AmoebaNetTask, settings)`).
     """
-    from gpipe_repro.train.checkpoints import graceful_interrupt
     from gpipe_repro.train.loop import train
 
     if config.runtime == "local":
         return train(task_factory(), config)
+    preflight(task_factory, config)
     if config.launcher == "torchrun":
         import os
         if "RANK" not in os.environ:
@@ -135,9 +135,34 @@ def launch(task_factory: Callable[[], Task], config: RunConfig) -> RunSummary:
         return stage_main(_train_rank, task_factory, config)
     from gpipe_repro.distributed.launcher import launch_local
 
-    # The first Ctrl-C is for the stage processes (they save and stop together); the launcher
-    # keeps watching them instead of dying and taking them down unsaved.
-    with graceful_interrupt():
-        results = launch_local(_train_rank, config.partitions, task_factory, config,
-                               timeout=TRAINING_TIMEOUT_S, threads=config.threads or 1)
+    # A SIGINT/SIGTERM to the launcher is passed on to every stage process (they finish the step,
+    # save and stop together); the launcher keeps watching them meanwhile (see launch_local).
+    results = launch_local(_train_rank, config.partitions, task_factory, config,
+                           timeout=config.timeout, threads=config.threads or 1)
     return results[0]
+
+
+def preflight(task_factory: Callable[[], Task], config: RunConfig) -> None:
+    """The checks a distributed run makes once, in the launcher, before any stage process starts:
+    K against the model's layers, the run directory, and (with --resume) the checkpoint and its
+    settings. A mistake is one clear error here instead of K tracebacks from K processes."""
+    from gpipe_repro.train.checkpoints import load_latest_checkpoint
+    from gpipe_repro.train.loop import check_resumable
+    from gpipe_repro.train.run_dir import check_run_dir
+
+    task = task_factory()
+    if config.resume:
+        checkpoint, _ = load_latest_checkpoint(config.checkpoint_dir)
+        check_resumable(checkpoint["extra"], config, task)
+    check_run_dir(config.run_dir, task.name, resume=config.resume)
+    try:
+        with torch.device("meta"):
+            layers = len(task.build_layers())
+    except Exception:  # noqa: BLE001 - a model that cannot be built on meta is checked by the ranks
+        return
+    if config.partitions > layers:
+        raise ValueError(f"--k {config.partitions}: the model has {layers} layers, and each of the K cells "
+                         f"needs at least one; use --k {layers} or fewer (no process was started)")
+    if config.balance is not None and sum(config.balance) != layers:
+        raise ValueError(f"balance {config.balance} covers {sum(config.balance)} layers, the model has "
+                         f"{layers}")

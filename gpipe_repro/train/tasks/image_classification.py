@@ -50,7 +50,7 @@ from gpipe_repro.train.optim import OptimizerConfig, topk_correct
 class AmoebaNetConfig:
     """What the AmoebaNet task trains, on which data, with which recipe."""
 
-    dataset: str = "mnist-sample"       # mnist-sample | digits | cifar10 | cifar100 | hub:<id> | folder:<root>
+    dataset: str = "mnist-sample"       # mnist-sample | digits | cifar10 | cifar100 | hub:<id> | folder:<dir>
     image_size: int | None = None       # square size fed to the model; None: the dataset's own
     genotype: str = "B"
     L: int = 6                          # normal cells (L/3 per stack)
@@ -130,6 +130,11 @@ class AmoebaNetTask(Task):
                 "input_shape": list(self.train_set.shape), "train_size": len(self.train_set),
                 "test_size": len(self.test_set)}
 
+    def describe_data(self) -> str:
+        c, h, w = self.train_set.shape
+        return (f"{self.settings.dataset}: {len(self.train_set):,} training / {len(self.test_set):,} test "
+                f"images, {c}x{h}x{w}, {self.train_set.num_classes} classes")
+
     def build_layers(self) -> nn.Sequential:
         s = self.settings
         channels, size, _ = self.train_set.shape
@@ -170,7 +175,8 @@ class AmoebaNetTask(Task):
             name="rmsprop", lr=s.lr_per_32 * batch_size / 32, weight_decay=s.weight_decay,
             momentum=AMOEBANET_RECIPE["momentum"], rmsprop_decay=AMOEBANET_RECIPE["rmsprop_decay"],
             eps=AMOEBANET_RECIPE["epsilon"], schedule=s.lr_schedule,
-            warmup_steps=min(round(s.warmup_epochs * steps_per_epoch), total_steps - 1), decay_rate=s.lr_decay,
+            warmup_steps=min(round(s.warmup_epochs * steps_per_epoch), total_steps - 1),
+            decay_rate=s.lr_decay,
             decay_steps=max(1, round(s.lr_decay_epochs * steps_per_epoch)), total_steps=total_steps)
 
     def before_step(self, step: int, total_steps: int) -> None:
@@ -200,7 +206,7 @@ def evaluate_classifier(pipe: GPipe, dataset: ImageDataset, batch_size: int) -> 
     batches = list(eval_batches(dataset, batch_size))
     correct = {1: 0, 5: 0}
     loss_sum, n = 0.0, 0
-    for (x, y), out in zip(batches, pipelined_outputs(pipe, (b[0] for b in batches))):
+    for (_, y), out in zip(batches, pipelined_outputs(pipe, (b[0] for b in batches))):
         logits = main_logits(out).float().cpu()
         for k, c in topk_correct(logits, y, (1, 5)).items():
             correct[k] += c
@@ -212,10 +218,32 @@ def evaluate_classifier(pipe: GPipe, dataset: ImageDataset, batch_size: int) -> 
 # ----------------------------------------------------------------------------- presets
 
 PRESETS: dict[str, str] = {
-    "cpu": "AmoebaNet-B (3, 16) on the offline MNIST sample (28x28), K=4, M=4, 6 epochs: ~5 minutes on 2 cores",
+    "cpu": "AmoebaNet-B (3, 16) on the offline MNIST sample (28x28), K=4, M=4, 6 epochs: ~5 min on 2 cores",
     "paper": "AmoebaNet-B (18, 512) at 480x480 on 4 GPUs, M=32, the paper's recipe (CIFAR-10 by default)",
     "smoke": "AmoebaNet-B (3, 8) on scikit-learn digits (8x8), a few steps: checks that everything runs",
 }
+
+
+def describe_presets() -> str:
+    """Every preset with what it is and the values it sets (what `--preset list` prints)."""
+    lines = []
+    for name, what in PRESETS.items():
+        run, task = preset(name)
+        length = f"steps {run.steps}" if run.steps is not None else f"epochs {run.epochs:g}"
+        lines += [f"{name}: {what}",
+                  f"  pipeline: K={run.partitions}, M={run.micro_batches}, batch {run.batch_size}, {length}, "
+                  f"checkpoint {run.checkpoint}, partition cost {run.partition_cost}, device {run.device}, "
+                  f"threads {run.threads or 'default'}",
+                  f"  model and data: AmoebaNet-{task.genotype} (L={task.L}, F={task.F}) on {task.dataset}"
+                  + (f" at {task.image_size}x{task.image_size}" if task.image_size else ""),
+                  f"  recipe: lr {task.lr_per_32:g} per 32 examples, warm-up {task.warmup_epochs:g} epochs, "
+                  f"decay x{task.lr_decay:g} every {task.lr_decay_epochs:g} epochs, "
+                  f"dropout {task.dropout:g}, "
+                  f"drop-path {task.drop_path:g}, label smoothing {task.label_smoothing:g}",
+                  f"  cadence: evaluate every {run.eval_every or 'end'}, "
+                  f"save every {run.save_every or 'end'} steps",
+                  ""]
+    return "\n".join(lines + ["Any option given on the command line overrides the preset's value."])
 
 
 def preset(name: str) -> tuple[RunConfig, AmoebaNetConfig]:
@@ -235,9 +263,11 @@ def preset(name: str) -> tuple[RunConfig, AmoebaNetConfig]:
     if name == "paper":
         return (RunConfig(name="amoebanet-paper", partitions=4, micro_batches=32, batch_size=256, epochs=20,
                           eval_every=1000, save_every=1000, timeline_every=100, device="cuda"),
-                AmoebaNetConfig(dataset="cifar10", image_size=480, L=18, F=512, bn_momentum=1 - AMOEBANET_RECIPE["bn_decay"]))
+                AmoebaNetConfig(dataset="cifar10", image_size=480, L=18, F=512,
+                                bn_momentum=1 - AMOEBANET_RECIPE["bn_decay"]))
     if name == "smoke":
         return (RunConfig(name="amoebanet-smoke", partitions=2, micro_batches=4, batch_size=32, steps=8,
                           eval_every=4, save_every=4, timeline_every=4, threads=1),
                 AmoebaNetConfig(dataset="digits", L=3, F=8, warmup_epochs=0.0, eval_batch_size=400))
-    raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)} "
+                     "(`--preset list` shows their values)")

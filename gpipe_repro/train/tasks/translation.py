@@ -112,10 +112,13 @@ class TranslationConfig:
              f"T(L,H,A) needs positive sizes, got L={self.L} H={self.H} A={self.A} "
              f"d_model={self.d_model} head_dim={self.head_dim}"),
             (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
-            (0.0 <= self.label_smoothing < 1.0, f"label_smoothing must be in [0, 1), got {self.label_smoothing}"),
-            (self.logit_clip is None or self.logit_clip > 0, f"logit_clip must be > 0, got {self.logit_clip}"),
+            (0.0 <= self.label_smoothing < 1.0,
+             f"label_smoothing must be in [0, 1), got {self.label_smoothing}"),
+            (self.logit_clip is None or self.logit_clip > 0,
+             f"logit_clip must be > 0, got {self.logit_clip}"),
             (self.beam >= 1, f"beam must be >= 1, got {self.beam}"),
-            (self.eval_split in ("valid", "test"), f"eval_split must be valid or test, got {self.eval_split!r}"),
+            (self.eval_split in ("valid", "test"),
+             f"eval_split must be valid or test, got {self.eval_split!r}"),
             (self.eval_sentences is None or self.eval_sentences >= 1, "eval_sentences must be >= 1 or None"),
             (self.max_len >= 4, f"max_len must be >= 4, got {self.max_len}"),
             (self.languages is None or len(self.languages) >= 1, "give at least one language"),
@@ -274,8 +277,11 @@ class TranslationTask(Task):
         manifest = Manifest.load(self.corpus_dir)
         unknown = sorted(set(config.languages or ()) - set(manifest.languages))
         if unknown:
-            raise ValueError(f"corpus {manifest.name} has no language(s) {unknown}; it has "
-                             f"{', '.join(sorted(manifest.languages))}")
+            raise ValueError(f"corpus {manifest.name} has no language(s) {unknown} (the languages "
+                             f"asked for, by --languages or by the preset's own list); it has "
+                             f"{', '.join(sorted(manifest.languages))}: pass --languages with some of "
+                             f"those (e.g. --languages {sorted(manifest.languages)[0]}), or "
+                             "--languages all")
         self.languages: list[str] = list(config.languages or sorted(manifest.languages))
         self.tokenizer = prepare_tokenizer(self.corpus_dir, config.vocab_size, self.languages)
         self.train_data = encode_split(self.corpus_dir, self.tokenizer, "train", self.languages,
@@ -285,6 +291,11 @@ class TranslationTask(Task):
             raise ValueError(f"no training pair of {empty} fits max_len={config.max_len}: raise "
                              "--max-len or drop those languages")
         self.train_sizes = {lang: len(d) for lang, d in self.train_data.items()}
+        corpus_sizes = manifest.sizes("train")
+        self.too_long = {lang: corpus_sizes[lang] - n for lang, n in self.train_sizes.items()
+                         if corpus_sizes.get(lang, n) > n}
+        self.corpus_dropped: dict[str, int] = dict(manifest.config.get("dropped") or {})
+        self.corpus_name = manifest.name
         self.groups = resource_groups(self.train_sizes)
         self.eval_items = self._eval_items()
         self.batches: TranslationBatches | None = None
@@ -306,6 +317,23 @@ class TranslationTask(Task):
         return items
 
     # -- what the loop asks for ---------------------------------------------------------------
+    def describe_data(self) -> str:
+        """The corpus, its training pairs, and every pair left out (by the build, by --max-len)."""
+        kept = sum(self.train_sizes.values())
+        long = sum(self.too_long.values())
+        line = (f"corpus {self.corpus_name} ({self.corpus_dir}): {kept:,} training pairs in "
+                f"{len(self.languages)} languages ({', '.join(self.languages[:8])}"
+                f"{', ...' if len(self.languages) > 8 else ''})")
+        if long:
+            worst = max(self.too_long, key=lambda lang: self.too_long[lang])
+            line += (f"; {long:,} pairs ({long / (kept + long):.1%}) longer than --max-len "
+                     f"{self.settings.max_len} pieces left out (most in {worst}: {self.too_long[worst]:,}); "
+                     "raise --max-len to keep them")
+        if self.corpus_dropped:
+            line += "; left out when the corpus was built: " + ", ".join(
+                f"{n:,} {reason}" for reason, n in self.corpus_dropped.items())
+        return line
+
     def config(self) -> dict[str, Any]:
         return {**self.settings.to_dict(), "vocab_size_actual": self.tokenizer.vocab_size,
                 "tokenizer": self.tokenizer.model_file.parent.name, "train_sizes": self.train_sizes,

@@ -1,0 +1,85 @@
+"""The engine as the run loop uses it: building the `GPipe`, its state for checkpoints, pipelined
+evaluation, and where inputs go.
+
+In a distributed run each stage process builds only its own cell (`ranks.join` gives the rank); the
+checkpointed state is the whole pipeline's, gathered on rank 0 (`PipelineState`).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe_repro.engine.boundary import to_device
+from gpipe_repro.engine.gpipe import GPipe
+from gpipe_repro.engine.stage import LossFn
+from gpipe_repro.train import ranks
+from gpipe_repro.train.config import RunConfig
+from gpipe_repro.train.instrumentation import memory_metrics
+from gpipe_repro.train.optim import OptimizerConfig, optimizer_factory
+
+
+def resolve_devices(device: str, partitions: int) -> list[torch.device] | None:
+    """One device per cell: None (the layers' device, the CPU) or cuda:(k mod #GPUs)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return None
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but torch sees no CUDA device "
+                           f"(torch {torch.__version__}); use --device cpu")
+    count = torch.cuda.device_count()
+    return [torch.device("cuda", k % count) for k in range(partitions)]
+
+
+def build_pipeline(layers: nn.Sequential, config: RunConfig, loss_fn: LossFn, loss_reduction: str,
+                   optimizer: OptimizerConfig, sample: Any = None, balance: list[int] | None = None,
+                   devices: list[torch.device] | None = None) -> GPipe:
+    """The engine: every cell in this process on `devices` (runtime "local"), or this process's cell
+    of a job of K stage processes (runtime "distributed"; the device is the rank's, see `ranks.join`)."""
+    return GPipe(layers, partitions=config.partitions, micro_batches=config.micro_batches,
+                 checkpoint=config.checkpoint, balance=balance or config.balance,
+                 cost=config.partition_cost, sample=sample, objective=config.objective,
+                 devices=None if config.runtime == "distributed" else devices, loss_fn=loss_fn,
+                 loss_reduction=loss_reduction, optimizer=optimizer_factory(optimizer),
+                 schedule=config.schedule, seed=config.seed, runtime=config.runtime)
+
+
+class PipelineState:
+    """`GPipe.training_state()` under the `state_dict` names `checkpointing.training_state` uses.
+
+    In a distributed run it is the whole pipeline's state, gathered on rank 0 (None on the other
+    ranks, which do not write), and each rank loads its own cell's part of it.
+    """
+
+    def __init__(self, pipe: GPipe) -> None:
+        self.pipe = pipe
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return ranks.gather_training_state(self.pipe)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pipe.load_training_state(ranks.own_part(state, self.pipe))
+
+
+def pipelined_outputs(pipe: GPipe, batches: Iterator[Any]) -> Iterator[Any]:
+    """`pipe.forward` over batches in eval mode (training mode restored afterwards)."""
+    was_training = pipe.training
+    pipe.eval()
+    try:
+        for x in batches:
+            yield pipe.forward(x)
+    finally:
+        pipe.train(was_training)
+
+
+def place(x: Any, y: Any, pipe: GPipe) -> tuple[Any, Any]:
+    """Inputs to the first cell's device, targets to the last cell's (where the loss runs)."""
+    return to_device(x, pipe.devices[0]), to_device(y, pipe.devices[-1])
+
+
+def pipeline_memory(pipe: GPipe) -> dict[str, float]:
+    """Peak memory and parameter/optimizer bytes of this process's cells, per device."""
+    return memory_metrics(list(pipe.cells), pipe.optimizers, pipe.devices)  # type: ignore[arg-type]

@@ -1,0 +1,199 @@
+"""Where a training run writes, and the rule that nothing a user owns is ever deleted or overwritten.
+
+Three ways to choose the directory (`resolve_run_dir`, used by `gpipe-repro run`):
+
+- by default a **fresh** directory `runs/<name>`, or `runs/<name>-2`, `-3`, ... if that one exists,
+  so a run never touches an earlier one nor the repository's published results;
+- `--record`: the result of record, `results/training/<name>` (what `make train-amoebanet` does);
+- `--out DIR`: exactly DIR, which must be empty, absent, or a previous run of the same task.
+
+With `--resume` and no `--out`, the newest `runs/<name>[-N]` holding checkpoints is continued
+(`results/training/<name>` with `--record`); none is an error naming where it looked.
+
+Ownership. A run directory holds a manifest, `gpipe-run.json`, listing every file the run created
+(checkpoints, metrics, W&B's offline files, summary, curves). Starting a new run in the directory of a
+finished one of the same task deletes exactly those files and keeps everything else; a non-empty
+directory without a manifest (or of another task) is refused, naming a few of the files it holds. A
+directory written before manifests existed is recognized by its `summary.json` / `run.json`; then only
+the loop's own file names count as the run's (`LEGACY_FILES`, `checkpoints/step-*.pt`, `LEGACY_DIRS`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "gpipe-run.json"
+RUNS_DIR = Path("runs")
+RECORD_DIR = Path("results") / "training"
+LEGACY_FILES = ("metrics.jsonl", "run.json", "summary.json", "summary.md", "curves.png")
+LEGACY_DIRS = ("wandb/", "tables/", "images/")     # RunLogger's folders
+_CHECKPOINT = re.compile(r"^checkpoints/step-\d+\.pt$")
+
+
+def _files(run_dir: Path) -> set[str]:
+    """Every file (and symlink) under `run_dir`, as POSIX paths relative to it."""
+    found: set[str] = set()
+    for root, dirs, files in os.walk(run_dir):
+        rel = Path(root).relative_to(run_dir)
+        for name in files + [d for d in dirs if (Path(root) / d).is_symlink()]:
+            found.add((rel / name).as_posix())
+    return found
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def run_owner(run_dir: Path) -> tuple[str | None, set[str]]:
+    """(the task of the run that wrote `run_dir`, the files that run created) or (None, set())."""
+    manifest = _read(run_dir / MANIFEST)
+    if manifest is not None and manifest.get("kind") == "training-run":
+        return manifest.get("task"), set(manifest.get("files", [])) | {MANIFEST}
+    summary = _read(run_dir / "summary.json") or {}
+    run = _read(run_dir / "run.json") or {}
+    task = summary.get("task") if summary.get("kind") == "training-run" else None
+    task = task or (run.get("config") or {}).get("task_name")
+    if task is None:
+        return None, set()
+    ours = {f for f in _files(run_dir) if f in LEGACY_FILES or _CHECKPOINT.match(f)
+            or f.startswith(LEGACY_DIRS)}
+    return task, ours
+
+
+def _has_checkpoints(run_dir: Path) -> bool:
+    return any((run_dir / "checkpoints").glob("step-*.pt")) if (run_dir / "checkpoints").is_dir() else False
+
+
+def _finished(run_dir: Path) -> bool:
+    return (_read(run_dir / "summary.json") or {}).get("status") == "finished"
+
+
+def check_run_dir(run_dir: Path, task: str, *, resume: bool) -> None:
+    """Raise (changing nothing) unless a run of `task` may write into `run_dir`.
+
+    A resumed run needs a checkpoint there; a new one needs the directory absent, empty, or a
+    finished previous run of the same task (whose files it will replace, and only those).
+    """
+    if resume:
+        if not _has_checkpoints(run_dir):
+            raise FileNotFoundError(
+                f"--resume: no checkpoint in {run_dir / 'checkpoints'} (nothing to continue): check "
+                "--name / --out, or leave out --resume to start a new run")
+        owner, _ = run_owner(run_dir)
+        if owner is not None and owner != task:
+            raise FileExistsError(f"--resume: {run_dir} holds a `{owner}` run, not a `{task}` run")
+        return
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise FileExistsError(f"{run_dir} is a file, not a directory: choose another --out")
+    present = _files(run_dir)
+    if not present:
+        return
+    owner, ours = run_owner(run_dir)
+    if owner != task:
+        shown = ", ".join(sorted(present)[:4]) + (", ..." if len(present) > 4 else "")
+        what = "is not a previous training run" if owner is None else f"holds a `{owner}` run"
+        raise FileExistsError(
+            f"{run_dir} {what} and is not empty ({len(present)} files: {shown}); nothing was "
+            f"changed. Give --out an empty or new directory, or leave out --out to write to a fresh "
+            f"{RUNS_DIR}/<name>-N")
+    if _has_checkpoints(run_dir) and not _finished(run_dir):
+        newest = sorted((run_dir / "checkpoints").glob("step-*.pt"))[-1].name
+        raise FileExistsError(
+            f"{run_dir} holds an unfinished run (checkpoints up to {newest}): continue it with "
+            "--resume, or choose another --name / --out")
+
+
+def clear_run(run_dir: Path) -> list[str]:
+    """Delete what a previous run created in `run_dir` (its manifest's files, checkpoints included,
+    finished or not) and nothing else; empty folders it made go too. Returns the files deleted."""
+    if not run_dir.is_dir():
+        return []
+    present = _files(run_dir)
+    _, ours = run_owner(run_dir)
+    deleted = sorted(ours & present)
+    for rel in deleted:
+        (run_dir / rel).unlink(missing_ok=True)
+    for root, dirs, _ in sorted(os.walk(run_dir), key=lambda t: -len(t[0])):
+        for d in dirs:
+            candidate = Path(root) / d
+            rel = candidate.relative_to(run_dir).as_posix()
+            if any(f.startswith(rel + "/") for f in ours) and not any(candidate.iterdir()):
+                candidate.rmdir()
+    if not any(run_dir.iterdir()):
+        run_dir.rmdir()
+    return deleted
+
+
+class RunDirectory:
+    """A run directory this process writes (rank 0 only): claimed, and its manifest kept current."""
+
+    def __init__(self, path: Path, task: str, *, resume: bool) -> None:
+        """Check (`check_run_dir`), then make the directory ready: a new run deletes the files of
+        the finished previous run it replaces (those listed in its manifest) and nothing else."""
+        check_run_dir(path, task, resume=resume)
+        self.path, self.task = path, task
+        present = _files(path) if path.is_dir() else set()
+        _, ours = run_owner(path) if present else (None, set())
+        if not resume:
+            clear_run(path)
+        self.foreign = (present - ours) if present else set()
+        path.mkdir(parents=True, exist_ok=True)
+        self.update()
+
+    def update(self) -> None:
+        """Rewrite the manifest: every file now under the directory that was not there before the
+        run (the user's files stay the user's)."""
+        files = sorted((_files(self.path) - self.foreign) | {MANIFEST})
+        tmp = self.path / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps({"kind": "training-run", "task": self.task, "files": files}, indent=1))
+        os.replace(tmp, self.path / MANIFEST)
+
+
+def numbered(base: Path, name: str) -> list[Path]:
+    """`base/name`, `base/name-2`, ... that exist, oldest first."""
+    found = []
+    if (base / name).is_dir():
+        found.append((1, base / name))
+    pattern = re.compile(rf"^{re.escape(name)}-(\d+)$")
+    if base.is_dir():
+        found += [(int(m.group(1)), p) for p in base.iterdir() if (m := pattern.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def fresh_run_dir(name: str, base: Path = RUNS_DIR) -> Path:
+    """`base/name` if it does not exist yet, else `base/name-N` with N one above the highest."""
+    existing = numbered(base, name)
+    if not existing:
+        return base / name
+    last = existing[-1].name
+    n = int(last.rsplit("-", 1)[1]) if last != name else 1
+    return base / f"{name}-{n + 1}"
+
+
+def resolve_run_dir(name: str, *, out: str | None, record: bool, resume: bool) -> Path:
+    """The directory a `gpipe-repro run` writes to (see the module docstring)."""
+    if out is not None and record:
+        raise ValueError("--record writes the result of record to results/training/<name>; --out "
+                         "writes elsewhere: give one of them")
+    if out is not None:
+        return Path(out)
+    if record:
+        return RECORD_DIR / name
+    if resume:
+        candidates = [p for p in numbered(RUNS_DIR, name) if _has_checkpoints(p)]
+        if not candidates:
+            raise FileNotFoundError(
+                f"--resume: no run named {name!r} with checkpoints in {RUNS_DIR.resolve()} (looked for "
+                f"{RUNS_DIR / name} and {RUNS_DIR / name}-N): check --name, give the run's directory "
+                "with --out, or leave out --resume to start a new run")
+        return candidates[-1]
+    return fresh_run_dir(name)

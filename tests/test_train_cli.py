@@ -1,0 +1,164 @@
+"""`gpipe-repro run` as a user types it (issue 16): the headline command's batch follows M, micro-batches
+too small for BatchNorm are refused with a suggestion, presets are listed with their values, a
+distributed mistake is one line before any process starts, and exit codes say how a run ended."""
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from gpipe_repro.cli import app
+from gpipe_repro.commands.run import MIN_BATCHNORM_MICRO_BATCH, exit_code_of
+from gpipe_repro.train import ranks
+
+
+@pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Any]:
+    """Capture what `gpipe-repro run` would train instead of training it."""
+    monkeypatch.chdir(tmp_path)
+    seen: list[Any] = []
+
+    def fake_launch(task_factory: Any, config: Any) -> Any:
+        seen.append(config)
+        return type("Summary", (), {"status": "finished"})()
+
+    monkeypatch.setattr(ranks, "launch", fake_launch)
+    return seen
+
+
+def test_the_headline_command_keeps_micro_batches_batchnorm_can_use(launched: list[Any]) -> None:
+    result = CliRunner().invoke(app, ["run", "amoebanet", "--k", "4", "--m", "32"])
+    assert result.exit_code == 0, result.output
+    config = launched[0]
+    assert (config.partitions, config.micro_batches) == (4, 32)
+    assert config.batch_size // config.micro_batches >= MIN_BATCHNORM_MICRO_BATCH
+    assert "the batch follows --m" in result.output
+    assert Path(config.out_dir) == Path("runs/amoebanet-cpu")          # not the published results
+
+
+def test_an_explicit_batch_is_kept_and_too_small_micro_batches_are_refused(launched: list[Any]) -> None:
+    runner = CliRunner()
+    result = runner.invoke(app, ["run", "amoebanet", "--k", "4", "--m", "32", "--batch-size", "64"])
+    assert result.exit_code == 2 and not launched
+    assert "2 examples per micro-batch" in result.output
+    assert f"--batch-size {32 * MIN_BATCHNORM_MICRO_BATCH}" in result.output
+    result = runner.invoke(app, ["run", "amoebanet", "--m", "32", "--batch-size", "64",
+                                 "--small-micro-batches"])
+    assert result.exit_code == 0 and launched[-1].batch_size == 64
+
+
+def test_record_writes_the_results_of_record_only_when_asked(launched: list[Any]) -> None:
+    assert CliRunner().invoke(app, ["run", "amoebanet", "--record"]).exit_code == 0
+    assert Path(launched[-1].out_dir) == Path("results/training/amoebanet-cpu")
+
+
+def test_presets_are_listed_with_their_values() -> None:
+    result = CliRunner().invoke(app, ["run", "amoebanet", "--preset", "list"])
+    assert result.exit_code == 0
+    for expected in ("cpu:", "paper:", "smoke:", "K=4, M=4, batch 64", "L=18, F=512"):
+        assert expected in result.output
+
+
+def test_a_distributed_mistake_is_one_line_before_any_process_starts(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpipe_repro.distributed import launcher
+    monkeypatch.setattr(launcher, "launch_local", lambda *a, **k: pytest.fail("a process was started"))
+    start = time.perf_counter()
+    result = CliRunner().invoke(app, ["run", "amoebanet", "--preset", "smoke", "--k", "50", "--runtime",
+                                      "distributed", "--out", str(tmp_path / "run"), "--wandb", "disabled"])
+    assert result.exit_code == 2
+    assert "--k 50: the model has" in result.output and "no process was started" in result.output
+    assert len(result.output.strip().splitlines()) <= 3, result.output
+    assert time.perf_counter() - start < 60
+
+
+def test_exit_codes_say_how_the_run_ended() -> None:
+    def summary(status: str, signum: int | None = None) -> Any:
+        return type("S", (), {"status": status, "signal": signum})()
+
+    assert exit_code_of(summary("finished")) == 0
+    assert exit_code_of(summary("interrupted", signal.SIGINT)) == 130
+    assert exit_code_of(summary("interrupted", signal.SIGTERM)) == 143
+    assert exit_code_of(summary("interrupted")) == 1
+
+
+# ----------------------------------------------------------------------------- README and --help agree
+
+def readme_command_lines() -> list[list[str]]:
+    """Every `gpipe-repro ...` line in README.md's code blocks, as arguments (comments removed)."""
+    import re
+    import shlex
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lines = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            line = line.strip()
+            if line.startswith("gpipe-repro "):
+                lines.append(shlex.split(line.split("  #")[0].split(" # ")[0])[1:])
+    return lines
+
+
+def parse_only(args: list[str]) -> None:
+    """Parse a command line as the CLI would, without running the command (click's own parser,
+    the copy typer ships): an unknown option or a bad value raises."""
+    import typer.main
+    command: Any = typer.main.get_command(app)
+    ctx = command.make_context("gpipe-repro", list(args))
+    while hasattr(command, "resolve_command"):           # a group: descend to the subcommand
+        pending = list(getattr(ctx, "_protected_args", [])) + list(ctx.args)
+        name, sub, rest = command.resolve_command(ctx, pending)
+        assert sub is not None, f"unknown command {name!r} in {args}"
+        command, ctx = sub, sub.make_context(name, rest, parent=ctx)
+
+
+def test_every_readme_command_line_parses() -> None:
+    lines = readme_command_lines()
+    assert len(lines) >= 5
+    for args in lines:
+        parse_only(args)
+    with pytest.raises(Exception, match="bogus"):
+        parse_only(["run", "amoebanet", "--bogus"])
+
+
+def test_old_spellings_still_parse_and_the_same_flags_mean_the_same_everywhere() -> None:
+    for args in (["fit", "transformer-lm", "-K", "2", "-M", "8", "--batch", "4", "--json", "x.json"],
+                 ["plan", "transformer-lm", "--micro-batches", "4,8", "--batch", "8"],
+                 ["pipeline", "--partitions", "2", "--micro-batches", "4", "--batch", "64"],
+                 ["run", "amoebanet", "--batch", "64"]):
+        parse_only(args)
+    for command in (["fit", "transformer-lm"], ["pipeline"], ["run", "amoebanet"]):
+        result = CliRunner().invoke(app, [*command, "--help"], terminal_width=200)
+        for flag in ("--k", "--m", "--batch-size", "--out"):
+            assert flag in result.output, (command, flag)
+        assert "--partitions" not in result.output and "--micro-batches" not in result.output
+
+
+def test_a_run_reuses_the_vocabulary_corpus_build_made(tmp_path: Path) -> None:
+    from gpipe_repro.commands.run_transformer import corpus_vocabulary
+    corpus = tmp_path / "bible"
+    assert corpus_vocabulary("bible", str(tmp_path)) is None
+    (corpus / "spm8000").mkdir(parents=True)
+    (corpus / "spm4000-1langs-0123abcd").mkdir()          # a run's subset vocabulary: not the corpus's
+    assert corpus_vocabulary("bible", str(tmp_path)) == 8000
+    (corpus / "spm16000").mkdir()
+    assert corpus_vocabulary("bible", str(tmp_path)) is None   # ambiguous: the preset's size is used
+
+
+def test_every_visible_option_of_every_command_is_documented() -> None:
+    import typer.main
+    undocumented = []
+
+    def walk(command: Any, path: list[str]) -> None:
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, [*path, name])
+        for param in getattr(command, "params", []):
+            if param.param_type_name == "option" and not getattr(param, "hidden", False) \
+                    and not (param.help or "").strip():
+                undocumented.append(f"{' '.join(path)} {param.opts[0]}")
+
+    walk(typer.main.get_command(app), [])
+    assert not undocumented, undocumented

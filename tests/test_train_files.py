@@ -1,0 +1,193 @@
+"""What a run does to files (issue 16): nothing a user owns is deleted or overwritten, checkpoints that
+cannot be read are named and skipped, a full disk says so and leaves the previous checkpoint intact."""
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from gpipe_repro.cli import app
+from gpipe_repro.train import checkpoints
+from gpipe_repro.train.checkpoints import (
+    CheckpointError,
+    DiskFullError,
+    checkpoint_path,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
+from gpipe_repro.train.run_dir import MANIFEST, RunDirectory, check_run_dir, fresh_run_dir, resolve_run_dir
+
+USER_FILES = {"holiday.png": b"\x89PNG not really", "budget.csv": b"rent,900\n", "my_model.pt": b"weights"}
+
+
+def user_folder(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    for name, data in USER_FILES.items():
+        (path / name).write_bytes(data)
+    return path
+
+
+def assert_user_files_intact(path: Path) -> None:
+    for name, data in USER_FILES.items():
+        assert (path / name).read_bytes() == data, name
+
+
+def fake_state(step: int) -> dict:
+    """A training checkpoint's shape (what `training_state` returns), small."""
+    return {"format": checkpoints.CHECKPOINT_FORMAT, "step": step, "state": {"w": torch.arange(4.0) + step},
+            "generators": {}, "rng": {}, "extra": {"run": {}, "task": {}}}
+
+
+# ----------------------------------------------------------------------------- run directories
+
+def test_out_refuses_a_folder_of_user_files_and_changes_nothing(tmp_path: Path) -> None:
+    folder = user_folder(tmp_path / "mine")
+    result = CliRunner().invoke(app, ["run", "amoebanet", "--preset", "smoke", "--out", str(folder),
+                                      "--wandb", "disabled", "--no-progress"])
+    assert result.exit_code == 2
+    assert "is not a previous training run" in result.output and "holiday.png" in result.output
+    assert sorted(p.name for p in folder.iterdir()) == sorted(USER_FILES)
+    assert_user_files_intact(folder)
+
+
+def test_a_new_run_replaces_only_the_files_the_previous_run_created(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    first = RunDirectory(run, "amoebanet", resume=False)
+    (run / "checkpoints").mkdir()
+    torch.save({}, run / "checkpoints" / "step-00000004.pt")
+    (run / "summary.json").write_text(json.dumps({"kind": "training-run", "task": "amoebanet",
+                                                  "status": "finished"}))
+    (run / "wandb" / "offline-run-1").mkdir(parents=True)
+    (run / "wandb" / "offline-run-1" / "run.wandb").write_text("x")
+    first.update()
+    user_folder(run)                                    # the user adds files after the run
+    (run / "checkpoints" / "notes.txt").write_text("mine too")
+
+    RunDirectory(run, "amoebanet", resume=False)        # a new run of the same task here
+    assert_user_files_intact(run)
+    assert (run / "checkpoints" / "notes.txt").read_text() == "mine too"
+    assert not (run / "summary.json").exists() and not (run / "wandb").exists()
+    assert not list_checkpoints(run / "checkpoints")
+    with pytest.raises(FileExistsError, match="holds a `amoebanet` run"):
+        check_run_dir(run, "transformer", resume=False)
+
+
+def test_a_legacy_run_directory_without_manifest_keeps_foreign_files(tmp_path: Path) -> None:
+    run = user_folder(tmp_path / "amoebanet-cpu")
+    (run / "summary.json").write_text(json.dumps({"kind": "training-run", "task": "amoebanet",
+                                                  "status": "finished"}))
+    (run / "metrics.jsonl").write_text("{}\n")
+    RunDirectory(run, "amoebanet", resume=False)
+    assert_user_files_intact(run)
+    assert not (run / "metrics.jsonl").exists()
+    assert json.loads((run / MANIFEST).read_text())["files"] == [MANIFEST]
+
+
+def test_runs_go_to_a_fresh_directory_and_record_only_when_asked(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert fresh_run_dir("amoebanet-cpu") == Path("runs/amoebanet-cpu")
+    Path("runs/amoebanet-cpu").mkdir(parents=True)
+    fresh = resolve_run_dir("amoebanet-cpu", out=None, record=False, resume=False)
+    assert fresh == Path("runs/amoebanet-cpu-2")
+    Path("runs/amoebanet-cpu-7").mkdir()
+    assert fresh_run_dir("amoebanet-cpu") == Path("runs/amoebanet-cpu-8")
+    assert resolve_run_dir("amoebanet-cpu", out=None, record=True, resume=False) == \
+        Path("results/training/amoebanet-cpu")
+    with pytest.raises(FileNotFoundError, match="no run named 'amoebanet-cpu' with checkpoints"):
+        resolve_run_dir("amoebanet-cpu", out=None, record=False, resume=True)
+    save_checkpoint(checkpoint_path("runs/amoebanet-cpu-2/checkpoints", 3), fake_state(3))
+    resumed = resolve_run_dir("amoebanet-cpu", out=None, record=False, resume=True)
+    assert resumed == Path("runs/amoebanet-cpu-2")
+    with pytest.raises(ValueError, match="give one of them"):
+        resolve_run_dir("x", out="elsewhere", record=True, resume=False)
+
+
+def test_resume_without_a_checkpoint_names_the_directory(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["run", "amoebanet", "--preset", "smoke", "--out",
+                                      str(tmp_path / "typo"), "--resume", "--wandb", "disabled",
+                                      "--no-progress"])
+    assert result.exit_code == 2
+    assert "no checkpoint in" in result.output and "typo" in result.output
+    assert not (tmp_path / "typo").exists()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "foreign", "garbage"])
+def test_an_unreadable_latest_checkpoint_is_named_and_the_older_one_used(tmp_path: Path, damage: str) -> None:
+    directory = tmp_path / "checkpoints"
+    save_checkpoint(checkpoint_path(directory, 2), fake_state(2), keep_last=None)
+    latest = save_checkpoint(checkpoint_path(directory, 4), fake_state(4), keep_last=None)
+    data = latest.read_bytes()
+    if damage == "truncated":
+        latest.write_bytes(data[: len(data) // 2])
+    elif damage == "empty":
+        latest.write_bytes(b"")
+    elif damage == "foreign":
+        torch.save({"model": {"w": torch.zeros(2)}}, latest)    # someone's own weights file
+    else:
+        latest.write_bytes(b"not a checkpoint at all" * 10)
+
+    if damage != "foreign":
+        with pytest.raises(CheckpointError, match=str(latest).replace(".", r"\.")):
+            load_checkpoint(latest)
+    warnings: list[str] = []
+    checkpoint, path = load_latest_checkpoint(directory, warn=warnings.append)
+    assert path == checkpoint_path(directory, 2) and checkpoint["step"] == 2
+    assert len(warnings) == 1 and str(latest) in warnings[0] and "step-00000002.pt" in warnings[0]
+
+
+def test_no_readable_checkpoint_lists_every_file_and_what_to_do(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    checkpoint_path(directory, 1).write_bytes(b"")
+    with pytest.raises(CheckpointError, match="can be read") as caught:
+        load_latest_checkpoint(directory, warn=lambda m: None)
+    assert "step-00000001.pt" in str(caught.value) and "start a new run" in str(caught.value)
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        load_latest_checkpoint(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("how", ["ENOSPC", "torch short write"])
+def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path: Path, how: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    directory = tmp_path / "checkpoints"
+    previous = save_checkpoint(checkpoint_path(directory, 2), fake_state(2), keep_last=1)
+    before = previous.read_bytes()
+    real_save = torch.save
+
+    def full_disk(obj: object, f: object, *args: object, **kwargs: object) -> None:
+        f.write(b"PK\x03\x04 partial")   # type: ignore[attr-defined]
+        if how == "ENOSPC":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 553664 vs 553552")
+
+    monkeypatch.setattr(checkpoints.torch, "save", full_disk)
+    if how != "ENOSPC":
+        monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda p: type("U", (), {"free": 0})())
+    with pytest.raises(DiskFullError, match="no space left") as caught:
+        save_checkpoint(checkpoint_path(directory, 4), fake_state(4), keep_last=1)
+    assert str(previous) in str(caught.value) and "intact" in str(caught.value)
+    monkeypatch.setattr(checkpoints.torch, "save", real_save)
+    assert list_checkpoints(directory) == [previous] and previous.read_bytes() == before
+    assert sorted(p.name for p in directory.iterdir()) == [previous.name]    # no temporary left
+
+
+def test_clearing_a_run_for_a_rerun_keeps_what_the_user_added(tmp_path: Path) -> None:
+    from gpipe_repro.train.run_dir import clear_run
+    run = tmp_path / "run"
+    directory = RunDirectory(run, "transformer", resume=False)
+    save_checkpoint(checkpoint_path(run / "checkpoints", 2), fake_state(2))     # unfinished
+    directory.update()
+    user_folder(run / "notes")
+    deleted = clear_run(run)
+    assert "checkpoints/step-00000002.pt" in deleted and not (run / "checkpoints").exists()
+    assert_user_files_intact(run / "notes")
+    assert clear_run(tmp_path / "absent") == []
