@@ -50,6 +50,8 @@ PIPELINE_HELP = {
     "out": "run directory: empty, new, or a previous run of the same task (only its files are replaced)",
     "record": "write the result of record, results/training/<name> (what `make train-*` does)",
     "timeout": "distributed runs: seconds a stage waits for a silent peer before the job fails",
+    "precision": "fp32 | bf16 | fp16 (autocast per cell, fp32 master weights; fp16 adds loss scaling)",
+    "clip_grad_norm": "clip the global gradient norm (all cells) to this value (default: the task's recipe)",
     "wandb": "W&B mode: offline | online | disabled (default: $WANDB_MODE, else offline)",
 }
 
@@ -122,7 +124,8 @@ def apply_pipeline_options(run_config: Any, options: dict[str, Any], *, task: st
         optimizer=options["optimizer"], lr=options["lr"], seed=options["seed"],
         eval_every=options["eval_every"], save_every=options["save_every"],
         timeline_every=options["timeline_every"], name=options["name"], wandb=options["wandb"],
-        timeout=options.get("timeout"))
+        timeout=options.get("timeout"), precision=options.get("precision"),
+        clip_grad_norm=options.get("clip_grad_norm"))
     if options["epochs"] is not None and options["steps"] is None:
         config = dataclasses.replace(config, epochs=options["epochs"], steps=None)
     out = resolve_run_dir(config.name, out=options["out"], record=options.get("record", False),
@@ -208,6 +211,8 @@ def register(app: typer.Typer) -> None:
         out: Optional[str] = typer.Option(None, help=PIPELINE_HELP["out"]),
         record: bool = typer.Option(False, "--record", help=PIPELINE_HELP["record"]),
         timeout: Optional[float] = typer.Option(None, help=PIPELINE_HELP["timeout"]),
+        precision: Optional[str] = typer.Option(None, help=PIPELINE_HELP["precision"]),
+        clip_grad_norm: Optional[float] = typer.Option(None, help=PIPELINE_HELP["clip_grad_norm"]),
         wandb: Optional[str] = typer.Option(None, help=PIPELINE_HELP["wandb"]),
         resume: bool = typer.Option(False, "--resume", help="continue from the run's latest checkpoint"),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="show the progress bar"),

@@ -92,6 +92,8 @@ def transformer(
     out: Optional[str] = typer.Option(None, help=PIPELINE_HELP["out"]),
     record: bool = typer.Option(False, "--record", help=PIPELINE_HELP["record"]),
     timeout: Optional[float] = typer.Option(None, help=PIPELINE_HELP["timeout"]),
+    precision: Optional[str] = typer.Option(None, help=PIPELINE_HELP["precision"]),
+    clip_grad_norm: Optional[float] = typer.Option(None, help=PIPELINE_HELP["clip_grad_norm"]),
     wandb: Optional[str] = typer.Option(None, help=PIPELINE_HELP["wandb"]),
     resume: bool = typer.Option(False, "--resume", help="continue from the run's latest checkpoint"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show the progress bar"),

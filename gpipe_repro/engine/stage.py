@@ -358,7 +358,8 @@ class StageExecutor:
         :class:`~gpipe_repro.engine.gpipe.GPipe`)."""
         if self.loss_fn is None or self.targets is None or self.weights is None:
             raise RuntimeError("the last stage needs a loss_fn, targets and loss weights to train")
-        result = self.loss_fn(out, self.targets[m])
+        # Targets go where the last cell is (the caller may keep them on the CPU); never in place.
+        result = self.loss_fn(out, boundary.to_device(self.targets[m], self.device))
         count = None
         if isinstance(result, tuple):
             if len(result) != 2:

@@ -44,6 +44,8 @@ class RunConfig:
     device: str = "cpu"                 # "cpu" | "cuda" (cell k on cuda:k mod #GPUs) | "auto"
     threads: int | None = None          # torch CPU threads; None: torch's default (one per core)
     timeout: float = 600.0              # distributed only: seconds a stage waits for a silent peer
+    precision: str = "fp32"             # "fp32" | "bf16" | "fp16" (GPipe(precision=...))
+    clip_grad_norm: float | None = None  # one global gradient norm over all cells; None: no clipping
     optimizer: str | None = None        # None: the task's recipe; else one of optim.OPTIMIZERS
     lr: float | None = None             # None: the task's recipe (peak rate, after warm-up)
     # -- how long, how often
@@ -90,6 +92,10 @@ class RunConfig:
             (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}"),
             (self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}"),
             (self.timeout > 0, f"timeout must be > 0 seconds, got {self.timeout}"),
+            (self.precision in ("fp32", "bf16", "fp16"),
+             f"precision must be fp32, bf16 or fp16, got {self.precision!r}"),
+            (self.clip_grad_norm is None or self.clip_grad_norm > 0,
+             f"clip_grad_norm must be > 0 (or not given), got {self.clip_grad_norm}"),
             (self.log_every >= 1 and self.timeline_every >= 0,
              "log_every must be >= 1 and timeline_every >= 0"),
         ]
@@ -127,4 +133,4 @@ class RunConfig:
 # (Cadence, logging, the runtime and the device may change between a run and its resumption.)
 # (`steps` / `epochs` may change: an explicit new length extends the run; see loop.check_resumable.)
 RESUME_MUST_MATCH = ("partitions", "micro_batches", "batch_size", "balance", "partition_cost",
-                     "objective", "seed", "optimizer", "lr")
+                     "objective", "seed", "optimizer", "lr", "precision", "clip_grad_norm")

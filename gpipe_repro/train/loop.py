@@ -254,6 +254,10 @@ class _Run:
             metrics = {"train/loss": loss, "train/lr": lr, "train/samples_per_s": n / seconds,
                        "train/step_time_s": seconds,
                        "train/epoch": (step + 1) / self.batches.batches_per_epoch}
+            if getattr(pipe, "last_grad_norm", None) is not None:   # global norm (clipping / fp16)
+                metrics["train/grad_norm"] = pipe.last_grad_norm
+            if config.precision == "fp16":
+                metrics["train/loss_scale"] = pipe.loss_scale
         if sample_now and pipe.last_timeline is not None:
             sampled = timeline_metrics(pipe.last_timeline)
             accumulate(self.stats["pipeline"], sampled)

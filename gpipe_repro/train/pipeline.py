@@ -44,7 +44,8 @@ def build_pipeline(layers: nn.Sequential, config: RunConfig, loss_fn: LossFn, lo
                  cost=config.partition_cost, sample=sample, objective=config.objective,
                  devices=None if config.runtime == "distributed" else devices, loss_fn=loss_fn,
                  loss_reduction=loss_reduction, optimizer=optimizer_factory(optimizer),
-                 schedule=config.schedule, seed=config.seed, runtime=config.runtime)
+                 schedule=config.schedule, seed=config.seed, runtime=config.runtime,
+                 precision=config.precision, clip_grad_norm=config.clip_grad_norm)
 
 
 class PipelineState:
