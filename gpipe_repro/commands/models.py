@@ -81,8 +81,8 @@ def register(app: typer.Typer) -> None:
         if family is None:
             table = Table("family", "description", "default size", title="model families")
             for f in FAMILIES.values():
-                size = ", ".join(f"{k}={v}" for k, v in f.defaults.items()) or "(builder defaults)"
-                table.add_row(f.name, f.description, size)
+                defaults = ", ".join(f"{k}={v}" for k, v in f.defaults.items()) or "(builder defaults)"
+                table.add_row(f.name, f.description, defaults)
             console.print(table)
             return
         try:

@@ -326,10 +326,10 @@ def _make_splits(name: str, train: tuple[torch.Tensor, torch.Tensor],
                  test: tuple[torch.Tensor, torch.Tensor], class_names: tuple[str, ...],
                  pixel_scale: float, image_size: int | None) -> ImageSplits:
     mean, std = NORMALIZATION.get(name) or channel_stats(train[0], pixel_scale)
-    common = dict(name=name, class_names=class_names, mean=mean, std=std, pixel_scale=pixel_scale,
-                  image_size=image_size)
-    return ImageSplits(ImageDataset(split="train", pixels=train[0], labels=train[1], **common),
-                       ImageDataset(split="test", pixels=test[0], labels=test[1], **common))
+    def dataset(split: str, pixels: torch.Tensor, labels: torch.Tensor) -> ImageDataset:
+        return ImageDataset(split=split, pixels=pixels, labels=labels, name=name, class_names=class_names,
+                            mean=mean, std=std, pixel_scale=pixel_scale, image_size=image_size)
+    return ImageSplits(dataset("train", *train), dataset("test", *test))
 
 
 def _split_in_memory(name: str, pixels: torch.Tensor, labels: torch.Tensor,
@@ -505,6 +505,7 @@ def load_image_folder(root: str | os.PathLike[str], *, image_size: int | None = 
         pixels, labels = read(root)
         return _split_in_memory(name, pixels, labels, class_names, 255.0, image_size, test_fraction,
                                 split_seed)
+    assert test_dir is not None  # train_dir != root only when a test folder exists (above)
     return _make_splits(name, read(train_dir), read(test_dir), class_names, 255.0, image_size)
 
 
@@ -541,7 +542,7 @@ def _resize_center_crop(image: Any, size: int) -> Any:
 
     w, h = image.size
     scale = size / min(w, h)
-    image = image.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BILINEAR)
+    image = image.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.Resampling.BILINEAR)
     w, h = image.size
     left, top = (w - size) // 2, (h - size) // 2
     return image.crop((left, top, left + size, top + size))

@@ -80,8 +80,10 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
         if threads > 0:
             torch.set_num_threads(threads)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                **({"device_id": device} if backend == "nccl" else {}))
+        if backend == "nccl":
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device)
+        else:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     _context = StageContext(dist.get_rank(), dist.get_world_size(), local_rank, backend, device,
                             timeout_s)
     return _context

@@ -6,9 +6,9 @@ and bool tensors (token ids, masks) and plain values travel forward only. This i
 `torch.utils.checkpoint`, and for the same reason: a checkpointed forward runs under `no_grad`, where
 nothing requires grad, so "does this output require grad" cannot be known until the recompute. The
 producer drops a gradient that arrives for an output it did not differentiate (a float mask, say),
-so the rule costs at most a little wasted work, never a wrong gradient. Dicts and arbitrary objects are refused with an error
-naming the fix, because the distributed runtime must be able to describe every value by shape and
-dtype (tensors) or by value (plain leaves).
+so the rule costs at most a little wasted work, never a wrong gradient. Dicts and arbitrary objects
+are refused with an error naming the fix, because the distributed runtime must be able to describe
+every value by shape and dtype (tensors) or by value (plain leaves).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["PLAIN", "check", "tensors", "map_tensors", "carries_grad", "detach", "attach", "to_device", "grad_pairs", "input_grads"]
+__all__ = ["PLAIN", "check", "tensors", "map_tensors", "carries_grad", "detach", "attach", "to_device",
+           "grad_pairs", "input_grads"]
 
 PLAIN = (type(None), bool, int, float, str)
 
@@ -85,7 +86,8 @@ def to_device(value: Any, device: torch.device) -> Any:
     return map_tensors(value, lambda t: t.to(device, non_blocking=True))
 
 
-def grad_pairs(outputs: Any, grads: list[torch.Tensor | None]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def grad_pairs(outputs: Any,
+               grads: list[torch.Tensor | None]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(output tensors, incoming gradients) for outputs that carry one and were differentiated."""
     outs = [t for t in tensors(outputs) if carries_grad(t)]
     if len(outs) != len(grads):

@@ -221,7 +221,7 @@ def _greedy_share(costs: list[float], k: int) -> list[int]:
     total = sum(costs) or 1.0
     n = len(costs)
     cuts, acc = [], 0.0
-    for i, c in enumerate(costs):
+    for c in costs:
         acc += c
         cell = min(int(acc / total * k - 1e-12), k - 1)
         cuts.append(cell)

@@ -118,7 +118,8 @@ class Schedule:
 
     def checkpointed(self, stage: int) -> frozenset[int]:
         """Micro-batches whose forward on `stage` is re-materialized (it has a RECOMPUTE)."""
-        return frozenset(a.microbatch for a in self.stages[stage] if a.kind is ActionKind.RECOMPUTE)
+        return frozenset(a.microbatch for a in self.stages[stage]
+                         if a.kind is ActionKind.RECOMPUTE and a.microbatch is not None)
 
     def validate(self) -> None:
         """Raise ScheduleError unless every action is well placed and the whole runs to completion."""
@@ -270,8 +271,8 @@ def _validate_stage(s: int, k: int, m_count: int, actions: tuple[Action, ...], t
               (ActionKind.BACKWARD, ActionKind.SEND_GRAD)]
     for mb in range(m_count):
         for first, then in before:
-            a, b = pos.get((first, mb)), pos.get((then, mb))
-            if a is not None and b is not None and a > b:
+            i, j = pos.get((first, mb)), pos.get((then, mb))
+            if i is not None and j is not None and i > j:
                 raise ScheduleError(f"{where}: {Action(then, s, mb)} comes before {Action(first, s, mb)}",
                                     at=[Action(then, s, mb), Action(first, s, mb)])
         if (ActionKind.BACKWARD, mb) in pos and pos[(ActionKind.BACKWARD, mb)] > pos.get(

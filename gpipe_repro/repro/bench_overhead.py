@@ -23,6 +23,8 @@ import copy
 import os
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,6 +41,10 @@ def model(width: int, depth: int, inplace: bool = False) -> list[nn.Module]:
         layers += [nn.Linear(width, width), nn.ReLU(inplace=inplace)]
     return layers + [nn.Linear(width, 10)]
 
+
+
+def _train_step_of(pipe: GPipe, x: torch.Tensor, y: torch.Tensor) -> Callable[[], Any]:
+    return lambda: pipe.train_step(x, y)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -80,8 +86,8 @@ def main() -> None:
     variants["clip"] = GPipe(copy.deepcopy(list(plain)), partitions=1, micro_batches=1, checkpoint="never",
                              loss_fn=loss_fn, optimizer=opt_factory, clip_grad_norm=1.0)
     times: dict[str, list[float]] = {"plain": [], "plain clip": [], **{m: [] for m in variants}}
-    steps = {"plain": plain_step, "plain clip": plain_clip_step,
-             **{m: (lambda p=p: p.train_step(x, y)) for m, p in variants.items()}}
+    steps: dict[str, Callable[[], Any]] = {"plain": plain_step, "plain clip": plain_clip_step,
+             **{m: _train_step_of(p, x, y) for m, p in variants.items()}}
     load_before = os.getloadavg()
     names = list(steps)
     for i in range(args.warmup + args.steps):

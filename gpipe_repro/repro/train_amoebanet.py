@@ -23,8 +23,8 @@ from typing import Any
 
 from gpipe_repro.paper import IMAGENET, TRANSFER
 from gpipe_repro.report.records import markdown_table, measured, read_json, write_json, write_markdown
-from gpipe_repro.train.curves import plot_loss_comparison
 from gpipe_repro.train.checkpoints import latest_checkpoint
+from gpipe_repro.train.curves import plot_loss_comparison
 from gpipe_repro.train.loop import train
 from gpipe_repro.train.tasks.image_classification import AmoebaNetTask, preset
 

@@ -58,7 +58,8 @@ class RMSpropTF(torch.optim.Optimizer):
                                   "weight_decay": weight_decay})
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        # (torch's stub declares two overloads; one signature with an optional closure is what it runs)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -22,7 +22,8 @@ from gpipe_repro.train.optim import OptimizerConfig
 class Batches(Protocol):
     """Training batches forever (the loop counts steps), with a position that can be saved."""
 
-    batches_per_epoch: int
+    @property
+    def batches_per_epoch(self) -> int: ...
 
     def __next__(self) -> tuple[Any, Any]: ...
     def state_dict(self) -> dict[str, Any]: ...

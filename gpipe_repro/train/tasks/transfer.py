@@ -125,7 +125,7 @@ def transfer_runs(config: TransferConfig) -> dict[str, Any]:
     checkpoint = pretrained_checkpoint(config.source)
     pre = pretraining_config(checkpoint)
     size = pre["input_shape"][1]
-    variants = {"pretrained": str(checkpoint)}
+    variants: dict[str, str | None] = {"pretrained": str(checkpoint)}
     if config.baseline:
         variants["scratch"] = None
     results: dict[str, Any] = {"pretrained_from": str(checkpoint), "pretraining": pre, "runs": {}}
