@@ -10,6 +10,7 @@ from torch import nn
 
 from gpipe_repro.sim import calibration as cal
 from gpipe_repro.sim.calibration import DEVICES, Workload, calibrate, robust_seconds, trace_shapes
+from gpipe_repro.sim.calibration import run as cal_run
 
 TINY_LM = Workload.create("tiny LM", "transformer-lm", "tokens", (8,), 50, L=5, d_model=16,
                           d_ff=32, num_heads=2, vocab_size=50)
@@ -45,7 +46,7 @@ def test_a_48_layer_model_costs_one_layers_profiling(monkeypatch: pytest.MonkeyP
         return real(layer, x, device, repeats=1, warmup=0, **{k: v for k, v in kw.items()
                                                               if k not in ("repeats",)})
 
-    monkeypatch.setattr(cal, "time_layer_actions", counting)
+    monkeypatch.setattr(cal_run, "time_layer_actions", counting)
     deep = Workload.create("deep", "transformer-lm", "tokens", (4,), 20, L=48, d_model=8, d_ff=16,
                            num_heads=2, vocab_size=20)
     calib = calibrate(deep, [2], repeats=1)
@@ -78,7 +79,7 @@ def test_calibrations_are_cached_per_size(monkeypatch: pytest.MonkeyPatch,
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("a cached size was measured again")
 
-    monkeypatch.setattr(cal, "_calibrate_size", fail)
+    monkeypatch.setattr(cal_run, "_calibrate_size", fail)
     again = calibrate(TINY_LM, [2], repeats=1)
     assert again.at(2) == first.at(2) and again.groups == first.groups
     with pytest.raises(AssertionError, match="measured again"):

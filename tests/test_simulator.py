@@ -189,8 +189,11 @@ def test_the_throughput_table_end_to_end_on_synthetic_costs(monkeypatch: pytest.
         return {"step_time_s": sim.step_time * 1.1, "step_times": [sim.step_time * 1.1],
                 "timeline": sim.timeline}
 
-    monkeypatch.setattr(tp, "calibrate", fake_calibrate)
-    monkeypatch.setattr(tp, "usable_cores", lambda: 2)
+    from gpipe_repro.repro.throughput import measure, rows, settings, table
+    monkeypatch.setattr(table, "calibrate", fake_calibrate)
+    monkeypatch.setattr(rows, "calibrate", fake_calibrate)
+    monkeypatch.setattr(measure, "usable_cores", lambda: 2)
+    monkeypatch.setattr(settings, "usable_cores", lambda: 2)
     settings = tp.SweepSettings(link="ideal", measure=True)
     payload = tp.run_throughput_table(settings, measure=fake_measure)
     t2 = {(r["K"], r["M"]): r for r in payload["table2"]["transformer"]}

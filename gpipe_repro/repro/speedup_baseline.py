@@ -34,7 +34,7 @@ MEASURED_M = 4
 
 
 def ci_workloads() -> dict[str, Any]:
-    from gpipe_repro.sim.calibration import Workload
+    from gpipe_repro.models.workload import Workload
 
     return {
         "amoebanet": Workload.create("AmoebaNet-D (6, 16), 32x32 (CI)", "amoebanet-d", "image",
@@ -47,7 +47,7 @@ def ci_workloads() -> dict[str, Any]:
 
 
 def measured_workload() -> Any:
-    from gpipe_repro.sim.calibration import Workload
+    from gpipe_repro.models.workload import Workload
 
     return Workload.create("Transformer-6 (d 128, seq 32; CI measured)", "transformer-lm", "tokens",
                            (32,), 128, L=6, d_model=128, d_ff=512, num_heads=4, vocab_size=128)
@@ -69,7 +69,8 @@ def flop_calibrations() -> dict[str, Any]:
 def flop_speedups(calibrations: dict[str, Any] | None = None,
                   perturb: Perturb | None = None) -> dict[str, float]:
     """The deterministic sweep: "model K=k M=m" -> normalized throughput (K=2, M=1 = 1)."""
-    from gpipe_repro.repro.throughput import SweepSettings, platform_for, simulate_rows
+    from gpipe_repro.repro.throughput import SweepSettings, simulate_rows
+    from gpipe_repro.sim.platform import platform_for
 
     settings = SweepSettings(microbatch=(("amoebanet", 4), ("transformer", 4)), checkpoint="always",
                              recompute_ahead=False, objective="bottleneck")

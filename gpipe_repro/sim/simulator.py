@@ -28,7 +28,7 @@ from gpipe_repro.engine.microbatch import split_sizes
 from gpipe_repro.engine.partition import check_balance
 from gpipe_repro.engine.schedule import Action, ActionKind, Schedule
 from gpipe_repro.engine.timeline import Event, Timeline
-from gpipe_repro.sim.calibration import Calibration, LayerCost
+from gpipe_repro.sim.calibration.costs import Calibration, LayerCost
 from gpipe_repro.sim.links import LinkModel
 
 
