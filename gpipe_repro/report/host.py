@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
+from typing import Any
 
 
 def usable_cores() -> int:
@@ -34,3 +36,39 @@ def wait_for_idle(timeout: float, threshold: float = 0.9) -> float:
     return idle
 
 
+
+
+IDLE_CLEAN = 0.9
+"""A measurement is *clean* when at least this share of the host's CPU time was idle in the second
+before it (other processes would share the cores with it, which nothing downstream can correct)."""
+BUSY_MARK = "†"
+
+
+def conditions() -> dict[str, Any]:
+    """The host's state just before a measurement: idle fraction over the last second, 1-minute load
+    average, usable cores. Attach it to every measured number (see :func:`is_clean`)."""
+    idle = host_idle_fraction()
+    return {"idle_fraction_before": idle, "load_average_before": os.getloadavg()[0],
+            "usable_cores": usable_cores()}
+
+
+def is_clean(cond: Mapping[str, Any] | None) -> bool | None:
+    """True/False for a measurement with recorded conditions; None where none were recorded (a
+    result written before conditions were recorded: its cleanliness is unknown)."""
+    if not cond or cond.get("idle_fraction_before") is None:
+        return None
+    idle = cond["idle_fraction_before"]
+    assert isinstance(idle, (int, float))
+    return idle >= IDLE_CLEAN
+
+
+def busy_note(cond: Mapping[str, Any] | None) -> str:
+    """"" for a clean measurement; otherwise the visible mark and why (for tables and captions)."""
+    clean = is_clean(cond)
+    if clean:
+        return ""
+    if clean is None:
+        return f" {BUSY_MARK}(host state not recorded)"
+    assert cond is not None
+    return (f" {BUSY_MARK}busy (idle {float(cond['idle_fraction_before']):.0%}"
+            f", load {float(cond.get('load_average_before') or 0.0):.1f})")

@@ -8,7 +8,7 @@ from typing import Any
 
 from gpipe_repro.distributed.measure import measure_pipeline
 from gpipe_repro.models.workload import Workload
-from gpipe_repro.report.host import usable_cores, wait_for_idle
+from gpipe_repro.report.host import conditions, is_clean, usable_cores, wait_for_idle
 from gpipe_repro.repro.throughput.rows import Row, normalize
 from gpipe_repro.repro.throughput.settings import SweepSettings
 
@@ -37,19 +37,20 @@ def measure_rows(rows: list[Row], workload: Workload, measure: MeasureFn, max_k:
             continue
         if progress:
             progress(f"measuring {r.model} K={r.K} M={r.M} on {r.K} processes")
-        idle = wait_for_idle(wait_idle) if wait_idle > 0 else None
-        load = os.getloadavg()[0]
+        if wait_idle > 0:
+            wait_for_idle(wait_idle)
+        host = conditions()
         result = measure(workload, r.balance, r.M, r.batch, checkpoint)
+        host["load_average_after"] = os.getloadavg()[0]
+        host["clean"] = is_clean(host)
         r.measured = {"step_time_s": result["step_time_s"],
                       "step_times_s": result.get("step_times"),
-                      "throughput": r.batch / result["step_time_s"],
-                      "load_average": [load, os.getloadavg()[0]], "host_idle_before": idle}
+                      "throughput": r.batch / result["step_time_s"], "host": host}
         if result.get("timeline") is not None:
             timelines[(r.K, r.M)] = result["timeline"]
     if any(r.measured for r in rows):
         normalize(rows, base or (min(r.K for r in rows), min(r.M for r in rows)))
     return timelines
-
 
 
 def distributed_measure(settings: SweepSettings, warmup: int = 2) -> MeasureFn:

@@ -8,6 +8,7 @@ from typing import Any
 
 from gpipe_repro.engine.partition import cell_costs, partition
 from gpipe_repro.models.workload import Workload
+from gpipe_repro.report.host import is_clean
 from gpipe_repro.repro.throughput.settings import SweepSettings
 from gpipe_repro.sim.calibration import Calibration, calibrate
 from gpipe_repro.sim.devices import DEVICES
@@ -80,6 +81,10 @@ def normalize(rows: list[Row], base: tuple[int, int]) -> None:
         r.simulated["normalized"] = r.simulated["throughput"] / ref.simulated["throughput"]
         if r.measured is not None and ref.measured is not None:
             r.measured["normalized"] = r.measured["throughput"] / ref.measured["throughput"]
+            # A ratio is as clean as the less clean of its two measurements.
+            states = [is_clean(x.get("host")) for x in (r.measured, ref.measured)]
+            r.measured["normalized_clean"] = (False if False in states else
+                                              None if None in states else True)
         if r.flop_model is not None and ref.flop_model is not None:
             r.flop_model["normalized"] = r.flop_model["throughput"] / ref.flop_model["throughput"]
 

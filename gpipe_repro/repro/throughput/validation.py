@@ -9,7 +9,7 @@ from typing import Any
 
 from gpipe_repro.engine.partition import partition
 from gpipe_repro.engine.schedule import make_schedule
-from gpipe_repro.report.host import usable_cores, wait_for_idle
+from gpipe_repro.report.host import conditions, usable_cores, wait_for_idle
 from gpipe_repro.repro.throughput.measure import MeasureFn
 from gpipe_repro.repro.throughput.settings import MODELS, SweepSettings
 from gpipe_repro.repro.throughput.workloads import PAPER_WORKLOADS, SCALED_WORKLOADS
@@ -62,8 +62,10 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                 for m in ms:
                     say(f"validating {model} K={k} M={m} checkpoint={checkpoint}")
                     sim = platform.simulate(calib, balance, m, m * b, settings, checkpoint)
-                    idle = wait_for_idle(settings.wait_idle) if settings.wait_idle > 0 else None
-                    load = os.getloadavg()[0]
+                    if settings.wait_idle > 0:
+                        wait_for_idle(settings.wait_idle)
+                    host = conditions()
+                    idle, load = host["idle_fraction_before"], host["load_average_before"]
                     measured = measure(workloads[model], balance, m, m * b, checkpoint)
                     meas_tp = m * b / measured["step_time_s"]
                     replay = None
