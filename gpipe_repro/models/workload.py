@@ -9,6 +9,8 @@ mini-batch a memory plan assumes (None where the caller picks the sizes, as cali
 from __future__ import annotations
 
 import hashlib
+import importlib
+import inspect
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -16,12 +18,43 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from gpipe_repro.models import build, get_family
 from gpipe_repro.models.amoebanet import amoebanet_loss
 from gpipe_repro.models.transformer_lm import lm_loss
 
-KINDS = ("image", "tokens")
+KINDS = ("image", "tokens", "features")
+"""What a workload is fed: ``image`` (float images, class targets, AmoebaNet's loss), ``tokens``
+(token ids, next-token targets, the language-model loss), ``features`` (float inputs of any shape,
+class targets, cross-entropy): the kind for a user's own model."""
+
+
+def _factory(spec: str) -> Callable[..., Any]:
+    """The callable named by ``"package.module:function"`` (imported here; nothing is built)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"a model factory is given as 'module:function', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {module_name!r} for the model factory {spec!r}: {e}; "
+                         "is it on PYTHONPATH (or in the current directory)?") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{module_name!r} has no function {attr!r} (model factory {spec!r})")
+    return fn
+
+
+def _factory_source_hash(spec: str) -> str:
+    """A digest of the factory module's source: a calibration cached for one version of a user's
+    model is not reused for another."""
+    module = importlib.import_module(spec.partition(":")[0])
+    try:
+        text = inspect.getsource(module)
+    except (OSError, TypeError):
+        return "unknown"
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -45,11 +78,19 @@ class Workload:
             raise ValueError(f"workload kind must be one of {KINDS}, got {kind!r}")
         if batch is not None and batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
-        known = get_family(family).options()
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise ValueError(f"{family} has no option {', '.join(unknown)}; its options are: "
-                             f"{', '.join(known)}")
+        if ":" in family:           # a user's factory, "module:function"
+            params = inspect.signature(_factory(family)).parameters
+            if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                unknown = sorted(set(options) - set(params))
+                if unknown:
+                    raise ValueError(f"{family} takes no option {', '.join(unknown)}; it takes: "
+                                     f"{', '.join(params) or 'none'}")
+        else:
+            known = get_family(family).options()
+            unknown = sorted(set(options) - set(known))
+            if unknown:
+                raise ValueError(f"{family} has no option {', '.join(unknown)}; its options are: "
+                                 f"{', '.join(known)}")
         return cls(name, family, tuple(sorted(options.items())), kind, tuple(input_shape), classes,
                    batch)
 
@@ -58,27 +99,34 @@ class Workload:
         return replace(self, batch=batch)
 
     def key(self) -> str:
-        """A stable identifier of everything that determines the costs."""
-        text = json.dumps([self.family, self.options, self.kind, self.input_shape, self.classes])
+        """A stable identifier of everything that determines the costs (for a user's factory, its
+        module's source too)."""
+        parts: list[Any] = [self.family, self.options, self.kind, self.input_shape, self.classes]
+        if ":" in self.family:
+            parts.append(_factory_source_hash(self.family))
+        text = json.dumps(parts, default=repr)
         return hashlib.sha1(text.encode()).hexdigest()[:12]
 
     def build(self, device: torch.device | str = "cpu", seed: int = 0) -> list[nn.Module]:
         """The model's layers (on ``meta`` nothing is allocated)."""
         torch.manual_seed(seed)
         with torch.device(device):
+            if ":" in self.family:
+                return list(_factory(self.family)(**dict(self.options)))
             return list(build(self.family, **dict(self.options)))
 
     def sample(self, batch: int, device: torch.device | str = "cpu",
                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """A synthetic (inputs, targets) batch of `batch` examples (on ``meta``: shapes only, nothing
         allocated)."""
+        floats = self.kind in ("image", "features")
         if torch.device(device).type == "meta":
-            dtype = torch.float32 if self.kind == "image" else torch.long
-            y_shape = (batch,) if self.kind == "image" else (batch, *self.input_shape)
+            dtype = torch.float32 if floats else torch.long
+            y_shape = (batch,) if floats else (batch, *self.input_shape)
             return (torch.empty((batch, *self.input_shape), dtype=dtype, device="meta"),
                     torch.empty(y_shape, dtype=torch.long, device="meta"))
         g = torch.Generator().manual_seed(seed)
-        if self.kind == "image":
+        if floats:
             x = torch.randn((batch, *self.input_shape), generator=g)
             y = torch.randint(0, self.classes, (batch,), generator=g)
         else:
@@ -87,8 +135,11 @@ class Workload:
         return x.to(device), y.to(device)
 
     def loss_fn(self) -> Callable[[Any, torch.Tensor], torch.Tensor]:
-        """The training loss: cross-entropy on classes (images) or next tokens (language models)."""
-        return amoebanet_loss if self.kind == "image" else lm_loss
+        """The training loss: AmoebaNet's (images), the language models' (tokens), cross-entropy
+        (features)."""
+        losses: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
+            "image": amoebanet_loss, "tokens": lm_loss, "features": F.cross_entropy}
+        return losses[self.kind]
 
     def planner_inputs(self) -> tuple[list[nn.Module], torch.Tensor, torch.Tensor,
                                       Callable[[Any, torch.Tensor], torch.Tensor]]:

@@ -19,6 +19,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from gpipe_repro.report.host import usable_cores
 from gpipe_repro.repro.throughput import (
     MODELS,
     VALIDATION_MS,
@@ -29,6 +30,7 @@ from gpipe_repro.repro.throughput import (
     render_validation_summary,
     validate_simulator,
 )
+from gpipe_repro.repro.throughput.validation import unvalidated_note
 
 DEFAULTS = SweepSettings(checkpoint="always", recompute_ahead=False, link="gloo-loopback",
                          device="cpu", threads=1, measure_steps=5, wait_idle=30.0)
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     ap.add_argument("--ms", nargs="+", type=int, default=list(VALIDATION_MS))
     ap.add_argument("--ks", nargs="+", type=int, default=None,
-                    help="default: 2, plus 4 and 8 on hosts with >= 16 cores")
+                    help="default: every K in 2, 4, 8 up to the usable cores")
     ap.add_argument("--steps", type=int, default=DEFAULTS.measure_steps)
     ap.add_argument("--wait-idle", type=float, default=DEFAULTS.wait_idle,
                     help="seconds to wait for an idle host before each measurement (default "
@@ -57,10 +59,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     settings = replace(DEFAULTS, measure_steps=args.steps, wait_idle=args.wait_idle)
     measure = distributed_measure(settings)
     console = Console(stderr=True)
-    if measure is None:
-        console.print("[red]the distributed runtime (gpipe_repro.distributed) is missing: nothing "
-                      "to validate against[/red]")
-        sys.exit(1)
+    cores = usable_cores()
+    too_big = [k for k in (args.ks or []) if k > cores]
+    if too_big:
+        sys.exit(f"error: K={too_big} needs more stage processes than the {cores} usable cores; "
+                 f"use --ks with values <= {cores}")
     with console.status("validating") as status:
         result = validate_simulator(settings, measure, models=args.models, ks=args.ks, ms=args.ms,
                                     progress=lambda msg: status.update(msg))
@@ -73,7 +76,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                        f"{kind}: {key.replace('_', ' ')}")
         result["gantt_config"] = key
     write_json(out / "validation.json", result)
+    ks_run = sorted({r["K"] for r in result["rows"]})
     text = ["# Simulator validation", "", render_validation_summary(result), "",
+            unvalidated_note(ks_run, cores), "",
             f"Gantt charts of `{result.get('gantt_config')}`: "
             "![measured](validation_gantt_measured.png) ![simulated](validation_gantt_simulated.png)"]
     write_markdown(out / "validation.md", "\n".join(text))

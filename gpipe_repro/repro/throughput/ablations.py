@@ -5,10 +5,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpipe_repro.engine.partition import OBJECTIVES, partition
+from gpipe_repro.engine.partition import OBJECTIVES
 from gpipe_repro.repro.throughput.rows import balance_efficiency
 from gpipe_repro.repro.throughput.settings import SweepSettings
 from gpipe_repro.sim.calibration import Calibration
+from gpipe_repro.sim.partition_choice import choose_partition
 from gpipe_repro.sim.platform import Platform
 from gpipe_repro.sim.simulator import theoretical_bubble
 
@@ -31,7 +32,8 @@ def bubble_curves(calib: Calibration, settings: SweepSettings, platform: Platfor
     costs = calib.partition_costs(b, settings.checkpoint)
     curves = []
     for k in ks:
-        balance = partition(costs, k, settings.objective)
+        balance = choose_partition(costs, k, settings.objective,
+                                   measured=calib.method == "time")
         sims = [platform.simulate(calib, balance, m, m * b, settings) for m in ms]
         curves.append(BubbleCurve(k, list(ms), [s.bubble_fraction for s in sims],
                                   [theoretical_bubble(k, m) for m in ms]))
@@ -44,10 +46,12 @@ def objective_ablation(calib: Calibration, settings: SweepSettings, platform: Pl
     public heuristic (lingvo's cumulative-cost cut, "greedy") and equal layer counts."""
     b = dict(settings.microbatch)[model]
     costs = calib.partition_costs(b, settings.checkpoint)
-    base = platform.simulate(calib, partition(costs, 2, settings.objective), 1, b, settings)
+    base = platform.simulate(calib, choose_partition(costs, 2, settings.objective,
+                                                     measured=calib.method == "time"), 1, b, settings)
     out = []
     for objective in OBJECTIVES:
-        balance = partition(costs, k, objective)
+        balance = choose_partition(costs, k, objective,
+                                   measured=calib.method == "time")
         sim = platform.simulate(calib, balance, m, m * b, settings)
         out.append({"objective": objective, "balance": balance,
                     "balance_efficiency": balance_efficiency(costs, balance),
@@ -64,7 +68,8 @@ def schedule_ablation(calib: Calibration, settings: SweepSettings, platform: Pla
     for checkpoint in ("always", "except_last", "never"):
         costs = calib.partition_costs(b, checkpoint)
         for ahead in ((False, True) if checkpoint != "never" else (False,)):
-            base, top = (platform.simulate(calib, partition(costs, kk, settings.objective), mm,
+            base, top = (platform.simulate(calib, choose_partition(costs, kk, settings.objective,
+                                                                   measured=calib.method == "time"), mm,
                                            mm * b, settings, checkpoint, ahead)
                          for kk, mm in ((2, 1), (k, m)))
             out.append({"checkpoint": checkpoint, "recompute_ahead": ahead,

@@ -6,12 +6,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from gpipe_repro.engine.partition import cell_costs, partition
+from gpipe_repro.engine.partition import cell_costs
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import is_clean
 from gpipe_repro.repro.throughput.settings import SweepSettings
 from gpipe_repro.sim.calibration import Calibration, calibrate
 from gpipe_repro.sim.devices import DEVICES
+from gpipe_repro.sim.partition_choice import choose_partition
 from gpipe_repro.sim.platform import Platform
 from gpipe_repro.sim.simulator import theoretical_bubble
 
@@ -62,7 +63,8 @@ def simulate_rows(model: str, calib: Calibration, settings: SweepSettings, platf
         for m in ms:
             b, n = microbatch(m), batch(m)
             costs = calib.partition_costs(b, settings.checkpoint)
-            balance = partition(costs, k, settings.objective)
+            balance = choose_partition(costs, k, settings.objective,
+                                       measured=calib.method == "time")
             sim = platform.simulate(calib, balance, m, n, settings)
             rows.append(Row(model, k, m, b, n, balance, balance_efficiency(costs, balance),
                             sim.summary(),

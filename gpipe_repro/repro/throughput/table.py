@@ -5,7 +5,6 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
-from gpipe_repro.engine.partition import partition
 from gpipe_repro.repro.throughput.ablations import bubble_curves, objective_ablation, schedule_ablation
 from gpipe_repro.repro.throughput.measure import MeasureFn, distributed_measure, measurable_k, measure_rows
 from gpipe_repro.repro.throughput.rows import Row, attach_flop_model, flop_model_rows, simulate_rows
@@ -19,6 +18,7 @@ from gpipe_repro.repro.throughput.workloads import (
     SCALED_WORKLOADS,
 )
 from gpipe_repro.sim.calibration import Calibration, calibrate
+from gpipe_repro.sim.partition_choice import choose_partition
 from gpipe_repro.sim.platform import platform_for
 
 
@@ -100,9 +100,9 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
     curves = bubble_curves(calibrations["transformer"], settings, platform, "transformer",
                            ks=settings.ks)
     gantt_k = 4 if 4 in settings.ks else max(settings.ks)
-    gantt_balance = partition(calibrations["transformer"].partition_costs(
+    gantt_balance = choose_partition(calibrations["transformer"].partition_costs(
         settings.microbatch_size("transformer", 8), settings.checkpoint), gantt_k,
-        settings.objective) \
+        settings.objective, measured=calibrations["transformer"].method == "time") \
         if settings.microbatch_size("transformer", 8) in calibrations["transformer"].costs else None
     gantt = None
     if gantt_balance is not None:

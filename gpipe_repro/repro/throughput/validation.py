@@ -7,13 +7,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from gpipe_repro.engine.partition import partition
 from gpipe_repro.engine.schedule import make_schedule
 from gpipe_repro.report.host import conditions, usable_cores, wait_for_idle
 from gpipe_repro.repro.throughput.measure import MeasureFn
 from gpipe_repro.repro.throughput.settings import MODELS, SweepSettings
 from gpipe_repro.repro.throughput.workloads import PAPER_WORKLOADS, SCALED_WORKLOADS
 from gpipe_repro.sim.calibration import calibrate
+from gpipe_repro.sim.partition_choice import choose_partition
 from gpipe_repro.sim.platform import platform_for
 from gpipe_repro.sim.simulator import replay_costs, simulate
 
@@ -22,12 +22,26 @@ VALIDATION_CHECKPOINTS = ("always", "never")
 VALIDATION_TARGETS = {"median": 0.05, "max": 0.10}
 
 
+VALIDATION_KS = (2, 4, 8)
+
+
 def validation_ks(cores: int) -> list[int]:
-    """K values real processes can run here: K=2, and 4 and 8 on hosts with >= 16 cores."""
-    ks = [2] if cores >= 2 else []
-    if cores >= 16:
-        ks += [4, 8]
-    return ks
+    """The K values of the tables (2, 4, 8) that real stage processes can run here, one core each:
+    every K <= `cores`. A bigger host validates K=4 and K=8 with no change."""
+    return [k for k in VALIDATION_KS if k <= cores]
+
+
+def unvalidated_note(ks: Sequence[int], cores: int) -> str:
+    """Why the K values of the tables above the largest validated one are not validated here."""
+    missing = [k for k in VALIDATION_KS if k not in ks]
+    if not missing:
+        return ""
+    return (f"**K = {', '.join(map(str, missing))} not validated here.** A measured K-stage pipeline "
+            f"needs K stage processes computing at once, one per core; this host has {cores} usable "
+            f"core(s), so K > {cores} would time-share cores and measure the operating system's "
+            "scheduling, not the pipeline. Those configurations are simulated only. `make "
+            f"validate-sim` takes every K <= usable cores, so a host with >= {max(missing)} cores "
+            "validates them with no change.")
 
 
 def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
@@ -58,7 +72,8 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                           neighbours=settings.busy_neighbours())
         for checkpoint in checkpoints:
             for k in ks:
-                balance = partition(calib.partition_costs(b, checkpoint), k, settings.objective)
+                balance = choose_partition(calib.partition_costs(b, checkpoint), k, settings.objective,
+                                           measured=calib.method == "time")
                 for m in ms:
                     say(f"validating {model} K={k} M={m} checkpoint={checkpoint}")
                     sim = platform.simulate(calib, balance, m, m * b, settings, checkpoint)
