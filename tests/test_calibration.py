@@ -122,3 +122,23 @@ def test_unknown_method_and_missing_gpu_say_what_to_do() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="--device cpu"):
             calibrate(TINY_LM, [2], device="cuda")
+
+
+def test_rounds_keep_the_median_round_and_key_the_cache(monkeypatch: pytest.MonkeyPatch,
+                                                        private_cache: Path) -> None:
+    """A burst of load during one round of one layer does not reach the calibration."""
+    rounds = iter(range(1000))
+
+    def fake(layer: nn.Module, x: object, device: object, **kw: object) -> tuple[float, ...]:
+        n = next(rounds)
+        slow = 50.0 if n == 4 else 1.0           # round 2 of layer 1 (of 3 timed) hit a burst
+        return (slow * 1e-3, 1e-3, 1e-3, 2e-3, 1e-4)
+
+    monkeypatch.setattr(cal_run, "time_layer_actions", fake)
+    c = calibrate(TINY_LM, [2], repeats=1, rounds=3)
+    assert all(cost.forward == pytest.approx(1e-3) for cost in c.at(2))
+    names = {p.name for p in (private_cache / "calibration").glob("*.json")}
+    calibrate(TINY_LM, [2], repeats=1, rounds=1)
+    assert len({p.name for p in (private_cache / "calibration").glob("*.json")} - names) == 1
+    with pytest.raises(ValueError, match="rounds"):
+        calibrate(TINY_LM, [2], rounds=0)

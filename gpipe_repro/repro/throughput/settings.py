@@ -26,7 +26,8 @@ class SweepSettings:
     link: str = "gloo-loopback"
     device: str = "cpu"
     method: str = "time"
-    repeats: int = 20
+    repeats: int = 10                   # timings per layer action and round (trimmed mean)
+    calibration_rounds: int = 3         # rounds per layer, interleaved; the median round is kept
     threads: int | None = 1             # torch threads per stage (None: leave as is, e.g. GPU)
     neighbours: int | None = None       # busy cores while timing (None: the pipeline's, see below)
     paper_size: bool = False

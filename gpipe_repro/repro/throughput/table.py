@@ -47,8 +47,10 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
     platform = platform_for(settings.link)
     workloads = PAPER_WORKLOADS if settings.paper_size else SCALED_WORKLOADS
     workloads3 = PAPER_TABLE3_WORKLOADS if settings.paper_size else SCALED_TABLE3_WORKLOADS
-    calib_kw: dict[str, Any] = dict(method=settings.method, device=settings.device, threads=settings.threads,
-                    repeats=settings.repeats, neighbours=settings.busy_neighbours())
+    calib_kw: dict[str, Any] = dict(method=settings.method, device=settings.device,
+                                    threads=settings.threads, repeats=settings.repeats,
+                                    neighbours=settings.busy_neighbours(),
+                                    rounds=settings.calibration_rounds)
 
     calibrations: dict[str, Calibration] = {}
     table2: dict[str, list[Row]] = {}

@@ -69,7 +69,7 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
         calib = calibrate(workloads[model], [b], method="time", device=settings.device,
                           threads=settings.threads, repeats=settings.repeats, progress=say,
                           use_cache=not fresh_calibration,
-                          neighbours=settings.busy_neighbours())
+                          neighbours=settings.busy_neighbours(), rounds=settings.calibration_rounds)
         for checkpoint in checkpoints:
             for k in ks:
                 balance = choose_partition(calib.partition_costs(b, checkpoint), k, settings.objective,
