@@ -327,3 +327,18 @@ def test_the_partition_choice_does_not_flip_on_a_near_tie() -> None:
     other[5] *= 1.01
     assert partition(one, 2) != partition(other, 2)                 # the exact cut flips
     assert choose_partition(one, 2) == choose_partition(other, 2)   # the choice does not
+
+
+def test_two_tables_are_compared_cell_by_cell_and_partition_by_partition() -> None:
+    from gpipe_repro.repro.compare_tables import compare, render
+
+    def table(x: float, balance: list[int]) -> dict[str, Any]:
+        return {"table2": {"transformer": [
+            {"K": 2, "M": 1, "balance": [2, 2], "simulated": {"normalized": 1.0}},
+            {"K": 8, "M": 32, "balance": balance, "simulated": {"normalized": x}}]}}
+
+    same = compare(table(5.0, [1] * 8), table(5.05, [1] * 8))
+    assert same["max_abs_difference"] == pytest.approx(0.01) and same["partitions_agree"]
+    assert "**met**" in render(same, "a", "b", "idle")
+    moved = compare(table(6.36, [4, 4, 3, 2, 2, 2, 3, 4]), table(5.57, [4, 3, 3, 3, 3, 2, 2, 4]))
+    assert not moved["partitions_agree"] and "NOT met" in render(moved, "a", "b", "busy")

@@ -5,6 +5,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
+from gpipe_repro.report.host import conditions, is_clean
 from gpipe_repro.repro.throughput.ablations import bubble_curves, objective_ablation, schedule_ablation
 from gpipe_repro.repro.throughput.measure import MeasureFn, distributed_measure, measurable_k, measure_rows
 from gpipe_repro.repro.throughput.rows import Row, attach_flop_model, flop_model_rows, simulate_rows
@@ -44,6 +45,7 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
     settings.validate()
     say = progress or (lambda msg: None)
     say(f"link model: {settings.link}")
+    host = conditions()          # how clean the calibration's conditions were
     platform = platform_for(settings.link)
     workloads = PAPER_WORKLOADS if settings.paper_size else SCALED_WORKLOADS
     workloads3 = PAPER_TABLE3_WORKLOADS if settings.paper_size else SCALED_TABLE3_WORKLOADS
@@ -121,6 +123,7 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
                 for model in MODELS}
     return {
         "settings": asdict(settings),
+        "host": {**host, "clean": is_clean(host)},
         "link": platform.to_json(),
         "workloads": {"table2": {m: workloads[m].name for m in MODELS},
                       "table3": {m: workloads3[m].name for m in MODELS},
