@@ -215,3 +215,17 @@ def test_the_timeline_checks_see_a_serialized_pipeline(distributed: Any) -> None
     serial = Timeline(t.num_stages, events)
     assert tc.overlap_fraction(serial, concurrent_pairs(M)) == 0.0
     assert tc.replay_ratio(serial, reference_schedule(K, M)) > REPLAY_BOUNDS[1]
+
+
+def test_the_order_check_names_the_first_difference() -> None:
+    from gpipe_repro.engine.timeline import Event, Timeline
+
+    order = reference_order(2, 2)
+    events = [Event(s, kind, mb, float(i), i + 0.5) for s, acts in enumerate(order)
+              for i, (kind, mb) in enumerate(acts)]
+    good = Timeline(2, events + [Event(0, "agree", None, 9.5, 9.6)])   # extra kinds are ignored
+    assert tc.order_violations(good, order) == []
+    swapped = [Event(e.stage, e.kind, 1 - e.microbatch if e.kind == "backward" and e.stage == 0
+                     else e.microbatch, e.start, e.end) for e in events]
+    [msg] = tc.order_violations(Timeline(2, swapped), order)
+    assert msg.startswith("stage 0: action 5 is ('backward', 0), expected ('backward', 1)")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -46,47 +47,43 @@ OUT = ROOT / "results" / "ci"
 
 @dataclass(frozen=True)
 class Mutation:
-    """A breakage: replace `old` (which must occur exactly once) by `new` in `path`."""
+    """A breakage: the regular expression `pattern` (multi-line mode; it must match exactly once in
+    `path`, whatever the indentation) is replaced by `replacement` (``\\1`` etc. refer to groups)."""
 
     name: str
     path: str
-    old: str
-    new: str
+    pattern: str
+    replacement: str
     what: str
 
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "schedule serialized", "gpipe_repro/distributed/runtime.py",
-        "                if a.kind in COMPUTE:\n                    self.transport.release_sent()\n"
-        "                ex.execute(a)\n",
-        "                if a.kind in COMPUTE:\n                    self.transport.release_sent()\n"
-        "                    import fcntl\n"
-        "                    _lock = open('/tmp/gpipe-repro-mutation-serialize.lock', 'w')\n"
-        "                    fcntl.flock(_lock, fcntl.LOCK_EX)\n"
-        "                ex.execute(a)\n"
-        "                if a.kind in COMPUTE:\n                    _lock.close()\n",
+        r"^([ \t]*)ex\.execute\(a\)\n",
+        "\\1if a.kind in COMPUTE:\n"
+        "\\1    import fcntl\n"
+        "\\1    _lock = open('/tmp/gpipe-repro-mutation-serialize.lock', 'w')\n"
+        "\\1    fcntl.flock(_lock, fcntl.LOCK_EX)\n"
+        "\\1ex.execute(a)\n"
+        "\\1if a.kind in COMPUTE:\n"
+        "\\1    _lock.close()\n",
         "one lock held by every stage process around each compute action"),
     Mutation(
         "one core", "gpipe_repro/distributed/measure.py",
-        "    from gpipe_repro.engine.gpipe import GPipe\n\n    built = layers()",
-        "    from gpipe_repro.engine.gpipe import GPipe\n\n"
-        "    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n    built = layers()",
+        r"^([ \t]*)built = layers\(\) if callable\(layers\) else layers\n",
+        "\\1os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "\\1built = layers() if callable(layers) else layers\n",
         "every stage process pins itself to the same core"),
     Mutation(
         "equal partitions", "gpipe_repro/engine/partition.py",
-        '    """Return a balance (layers per cell) of `costs` into `partitions` cells under '
-        '`objective`."""\n    n = len(costs)\n',
-        '    """Return a balance (layers per cell) of `costs` into `partitions` cells under '
-        '`objective`."""\n    n = len(costs)\n    objective, memory, memory_cap = "equal", None, None\n',
+        r"^([ \t]*)(\"\"\"Return a balance \(layers per cell\)[^\n]*\n)\1n = len\(costs\)\n",
+        "\\1\\2\\1n = len(costs)\n\\1objective, memory, memory_cap = 'equal', None, None\n",
         "the partitioner cuts equal layer counts whatever the costs"),
     Mutation(
         "recompute doubled", "gpipe_repro/engine/stage.py",
-        "        with torch.enable_grad(), recomputing():\n"
-        "            self.graphs[m] = self._run(self.inputs[m], m)\n",
-        "        with torch.enable_grad(), recomputing():\n"
-        "            self._run(self.inputs[m], m)\n"
-        "            self.graphs[m] = self._run(self.inputs[m], m)\n",
+        r"^([ \t]*)(self\.graphs\[m\] = )(self\._run\(self\.inputs\[m\], m[^\n]*\))\n",
+        "\\1\\3\n\\1\\2\\3\n",
         "each RECOMPUTE runs the cell's forward twice"),
 )
 HEALTHY = "healthy, CPU hog"
@@ -106,12 +103,13 @@ def copy_tree(dest: Path, mutation: Mutation | None) -> Path:
                  dest / "results" / "baselines" / "speedups.json")
     if mutation is not None:
         target = dest / mutation.path
-        text = target.read_text()
-        if text.count(mutation.old) != 1:
-            raise RuntimeError(f"mutation {mutation.name!r} no longer applies: the text it replaces "
-                               f"occurs {text.count(mutation.old)} times in {mutation.path} "
-                               "(update MUTATIONS in gpipe_repro/repro/regression_detector.py)")
-        target.write_text(text.replace(mutation.old, mutation.new))
+        text, count = re.subn(mutation.pattern, mutation.replacement, target.read_text(),
+                              flags=re.MULTILINE)
+        if count != 1:
+            raise RuntimeError(f"mutation {mutation.name!r} no longer applies: its pattern matches "
+                               f"{count} times in {mutation.path} (update MUTATIONS in "
+                               "gpipe_repro/repro/regression_detector.py)")
+        target.write_text(text)
     return dest
 
 

@@ -34,6 +34,9 @@ normalize), ``measure`` (real processes), ``targets`` (the paper's numbers), ``a
 """
 from __future__ import annotations
 
+# Moved out by the #14 split (simulator configuration and host probing are not the experiment);
+# still importable from here.
+from gpipe_repro.report.host import host_idle_fraction, usable_cores, wait_for_idle
 from gpipe_repro.repro.throughput.ablations import (
     BubbleCurve,
     bubble_curves,
@@ -79,6 +82,7 @@ from gpipe_repro.repro.throughput.workloads import (
     SCALED_TABLE3_WORKLOADS,
     SCALED_WORKLOADS,
 )
+from gpipe_repro.sim.platform import Platform, platform_for
 
 __all__ = [
     "BubbleCurve", "bubble_curves", "objective_ablation", "schedule_ablation",
@@ -92,4 +96,5 @@ __all__ = [
     "VALIDATION_CHECKPOINTS", "VALIDATION_MS", "VALIDATION_TARGETS", "validate_simulator", "validation_ks",
     "PAPER_MICROBATCH", "PAPER_TABLE3_WORKLOADS", "PAPER_WORKLOADS", "SCALED_MICROBATCH",
     "SCALED_TABLE3_WORKLOADS", "SCALED_WORKLOADS",
+    "Platform", "platform_for", "host_idle_fraction", "usable_cores", "wait_for_idle",
 ]
