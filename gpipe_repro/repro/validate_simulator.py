@@ -36,6 +36,26 @@ DEFAULTS = SweepSettings(checkpoint="always", recompute_ahead=False, link="gloo-
                          device="cpu", threads=1, measure_steps=5, wait_idle=30.0)
 
 
+def render_pages(out: Path) -> None:
+    """validation.md from validation.json, and throughput_table.md (which includes its summary)."""
+    from gpipe_repro.report.records import read_json, write_markdown
+
+    path = out / "validation.json"
+    if not path.exists():
+        sys.exit(f"error: no {path}: run `make validate-sim` first")
+    result = read_json(path)
+    ks_run = sorted({r["K"] for r in result["rows"]})
+    cores = int(result.get("environment", {}).get("cores") or usable_cores())
+    text = ["# Simulator validation", "", render_validation_summary(result), "",
+            unvalidated_note(ks_run, cores), "",
+            f"Gantt charts of `{result.get('gantt_config')}`: "
+            "![measured](validation_gantt_measured.png) ![simulated](validation_gantt_simulated.png)"]
+    write_markdown(out / "validation.md", "\n".join(text))
+    table = out / "throughput_table.json"
+    if table.exists():
+        write_markdown(out / "throughput_table.md", render_markdown(read_json(table), result))
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap = argparse.ArgumentParser(prog=prog or "python -m experiments.validate_simulator",
                                  description=__doc__.splitlines()[0])
@@ -49,12 +69,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                          "%(default)s; a shared host's other processes slow the stage processes "
                          "down in a way no calibration can know)")
     ap.add_argument("--out", default="results/throughput")
+    ap.add_argument("--render-only", action="store_true",
+                    help="measure nothing: rewrite validation.md and throughput_table.md from the "
+                         "JSON files already in --out (after a change to how they are rendered)")
     args = ap.parse_args(argv)
+    if args.render_only:
+        render_pages(Path(args.out))
+        return
 
     from rich.console import Console
 
     from gpipe_repro.engine.timeline import Timeline
-    from gpipe_repro.report.records import read_json, write_json, write_markdown
+    from gpipe_repro.report.records import write_json
 
     settings = replace(DEFAULTS, measure_steps=args.steps, wait_idle=args.wait_idle)
     measure = distributed_measure(settings)
@@ -76,16 +102,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                        f"{kind}: {key.replace('_', ' ')}")
         result["gantt_config"] = key
     write_json(out / "validation.json", result)
-    ks_run = sorted({r["K"] for r in result["rows"]})
-    text = ["# Simulator validation", "", render_validation_summary(result), "",
-            unvalidated_note(ks_run, cores), "",
-            f"Gantt charts of `{result.get('gantt_config')}`: "
-            "![measured](validation_gantt_measured.png) ![simulated](validation_gantt_simulated.png)"]
-    write_markdown(out / "validation.md", "\n".join(text))
-    table = out / "throughput_table.json"
-    if table.exists():
-        write_markdown(out / "throughput_table.md",
-                       render_markdown(read_json(table), read_json(out / "validation.json")))
+    render_pages(out)
     s = result["summary"]
     console.print(f"median |error| {s['median_abs_error'] * 100:.1f}%, worst "
                   f"{s['max_abs_error'] * 100:.1f}% over {len(result['rows'])} configurations: "
