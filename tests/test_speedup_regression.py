@@ -229,3 +229,17 @@ def test_the_order_check_names_the_first_difference() -> None:
                      else e.microbatch, e.start, e.end) for e in events]
     [msg] = tc.order_violations(Timeline(2, swapped), order)
     assert msg.startswith("stage 0: action 5 is ('backward', 0), expected ('backward', 1)")
+
+
+def test_check_speedups_says_not_comparable_on_a_busy_host() -> None:
+    from gpipe_repro.repro.check_speedups import verdict
+
+    def result(*reps: tuple[float, bool]) -> dict[str, Any]:
+        return {"repetitions": [{"speedup": s, "clean": c} for s, c in reps]}
+
+    base = {"speedup": 1.56}
+    state, why = verdict(result((1.10, False), (1.05, False), (1.55, True)), base)
+    assert state == "not comparable" and why.startswith("host busy: not comparable")
+    assert verdict(result((1.52, True), (1.60, True), (1.0, False)), base)[0] == "pass"
+    assert verdict(result((1.05, True), (1.02, True)), base)[0] == "fail"
+    assert verdict(result((2.5, True), (2.4, True)), base)[0] == "fail"      # two-sided

@@ -36,7 +36,7 @@ def measure(runs: int, steps: int = 4) -> dict[str, Any]:
     for i in range(runs):
         idle = host_idle_fraction()
         load = os.getloadavg()[0]
-        r = sb.measured_speedup(steps=steps)
+        r = sb.measured_speedup(steps=steps, many_first=i % 2 == 1)
         reps.append({**r, "idle_fraction_before": idle, "load_average_before": load,
                      "clean": idle >= IDLE_CLEAN})
         print(f"repetition {i + 1}/{runs}: speedup {r['speedup']:.3f}  (host idle {idle:.0%}, "
