@@ -7,7 +7,7 @@ export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help venv test throughput-table memory-table validate-sim bench-overhead bench-runtime \
-        deep-vs-wide train-amoebanet corpus baseline gpu-check clean
+        deep-vs-wide train-amoebanet corpus baseline gpu-check check-speedups check-regression-detector clean
 
 help:
 	@echo "make throughput-table  the paper's Table 2/3 (K x M speedups), results/throughput/"
@@ -18,7 +18,9 @@ help:
 	@echo "make bench-runtime     distributed runtime vs K=1 and vs torch.distributed.pipelining"
 	@echo "make train-amoebanet   AmoebaNet-B on the offline MNIST sample (CPU preset)"
 	@echo "make deep-vs-wide      deep vs wide multilingual translation, results/translation/"
-	@echo "make baseline          regenerate the CI speedup baseline on purpose"
+	@echo "make baseline          regenerate the CI speedup baseline on purpose (prints the diff)"
+	@echo "make check-speedups    benchmark: measured K=2 speedups vs the committed baseline (RUNS=8)"
+	@echo "make check-regression-detector  the CI regression vs 4 breakages (RUNS=10), results/ci/"
 	@echo "make gpu-check         engine, memory planner and cost model on one GPU, results/gpu/<device>/"
 
 $(STAMP): pyproject.toml constraints.txt
@@ -64,6 +66,13 @@ baseline: $(STAMP)
 GPU ?= cuda:0
 gpu-check: $(STAMP)
 	$(VENV)/bin/gpipe-repro gpu-check --device $(GPU) $(GPU_CHECK_ARGS)
+
+RUNS ?=
+check-speedups: $(STAMP)
+	$(PY) -m experiments.check_speedups $(if $(RUNS),--runs $(RUNS))
+
+check-regression-detector: $(STAMP)
+	$(PY) -m experiments.check_regression_detector $(if $(RUNS),--runs $(RUNS))
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -10,6 +10,7 @@ from torch import nn
 
 from gpipe_repro.sim import calibration as cal
 from gpipe_repro.sim.calibration import DEVICES, Workload, calibrate, robust_seconds, trace_shapes
+from gpipe_repro.sim.calibration import run as cal_run
 
 TINY_LM = Workload.create("tiny LM", "transformer-lm", "tokens", (8,), 50, L=5, d_model=16,
                           d_ff=32, num_heads=2, vocab_size=50)
@@ -45,7 +46,7 @@ def test_a_48_layer_model_costs_one_layers_profiling(monkeypatch: pytest.MonkeyP
         return real(layer, x, device, repeats=1, warmup=0, **{k: v for k, v in kw.items()
                                                               if k not in ("repeats",)})
 
-    monkeypatch.setattr(cal, "time_layer_actions", counting)
+    monkeypatch.setattr(cal_run, "time_layer_actions", counting)
     deep = Workload.create("deep", "transformer-lm", "tokens", (4,), 20, L=48, d_model=8, d_ff=16,
                            num_heads=2, vocab_size=20)
     calib = calibrate(deep, [2], repeats=1)
@@ -78,7 +79,7 @@ def test_calibrations_are_cached_per_size(monkeypatch: pytest.MonkeyPatch,
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("a cached size was measured again")
 
-    monkeypatch.setattr(cal, "_calibrate_size", fail)
+    monkeypatch.setattr(cal_run, "_calibrate_size", fail)
     again = calibrate(TINY_LM, [2], repeats=1)
     assert again.at(2) == first.at(2) and again.groups == first.groups
     with pytest.raises(AssertionError, match="measured again"):
@@ -121,3 +122,23 @@ def test_unknown_method_and_missing_gpu_say_what_to_do() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="--device cpu"):
             calibrate(TINY_LM, [2], device="cuda")
+
+
+def test_rounds_keep_the_median_round_and_key_the_cache(monkeypatch: pytest.MonkeyPatch,
+                                                        private_cache: Path) -> None:
+    """A burst of load during one round of one layer does not reach the calibration."""
+    rounds = iter(range(1000))
+
+    def fake(layer: nn.Module, x: object, device: object, **kw: object) -> tuple[float, ...]:
+        n = next(rounds)
+        slow = 50.0 if n == 4 else 1.0           # round 2 of layer 1 (of 3 timed) hit a burst
+        return (slow * 1e-3, 1e-3, 1e-3, 2e-3, 1e-4)
+
+    monkeypatch.setattr(cal_run, "time_layer_actions", fake)
+    c = calibrate(TINY_LM, [2], repeats=1, rounds=3)
+    assert all(cost.forward == pytest.approx(1e-3) for cost in c.at(2))
+    names = {p.name for p in (private_cache / "calibration").glob("*.json")}
+    calibrate(TINY_LM, [2], repeats=1, rounds=1)
+    assert len({p.name for p in (private_cache / "calibration").glob("*.json")} - names) == 1
+    with pytest.raises(ValueError, match="rounds"):
+        calibrate(TINY_LM, [2], rounds=0)

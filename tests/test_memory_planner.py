@@ -14,9 +14,9 @@ import torch
 from gpipe_repro.memory.planner import MemoryPlanner
 from gpipe_repro.memory.profile import profile_layer
 from gpipe_repro.memory.scaling import activation_grid, fit_paper_model, is_monotone
-from gpipe_repro.memory.signature import compress, microbatch_sig
 from gpipe_repro.memory.trace import trace_step
 from gpipe_repro.memory.validation import Workload, small_workloads
+from gpipe_repro.models.signature import compress, microbatch_sig
 
 
 @functools.lru_cache(maxsize=1)

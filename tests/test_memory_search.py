@@ -14,7 +14,7 @@ from gpipe_repro.memory.search import (
     search_transformer,
     transformer_planner,
 )
-from gpipe_repro.memory.signature import compress, layer_key
+from gpipe_repro.models.signature import compress, layer_key
 from gpipe_repro.paper import TABLE1_TRANSFORMER
 
 

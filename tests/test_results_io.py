@@ -225,3 +225,74 @@ def test_offline_wandb_run_is_quick_and_lands_locally(wandb_sandbox: Path) -> No
     assert list(wandb_run.glob("run-*.wandb")), "wandb wrote no offline run file"
     assert [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1.0, 0.5, 1.0 / 3]
     assert elapsed < 30, f"offline W&B init+finish took {elapsed:.1f}s"
+
+
+# ----------------------------------------------------------------------------- measured-cell cleanliness
+
+def _row(k: int, m: int, throughput: float, idle: float | None) -> dict:
+    host = None if idle is None else {"idle_fraction_before": idle, "load_average_before": 3.0}
+    return {"model": "transformer", "K": k, "M": m, "microbatch": 4, "batch": 4 * m, "balance": [1, 1],
+            "balance_efficiency": 1.0,
+            "simulated": {"throughput": throughput, "normalized": 1.0, "bubble_fraction": 0.1},
+            "measured": {"throughput": throughput, "host": host}, "bubble_theory": 0.1}
+
+
+def test_a_busy_measured_cell_is_marked_in_markdown_and_wandb_and_a_clean_one_is_not() -> None:
+    from gpipe_repro.repro.throughput.outputs import _host_label
+    from gpipe_repro.repro.throughput.report import _detail, _paper_layout, any_busy, measured_note
+    from gpipe_repro.repro.throughput.rows import Row, normalize
+
+    rows = [Row("transformer", 2, m, 4, 4 * m, [1, 1], 1.0, {"throughput": 10.0 * m, "bubble_fraction": 0.1},
+                {"throughput": 10.0 * m, "host": {"idle_fraction_before": idle,
+                                                  "load_average_before": 0.2}})
+            for m, idle in ((1, 0.97), (4, 0.95), (32, 0.40))]
+    normalize(rows, (2, 1))
+    assert [r.measured["normalized_clean"] for r in rows if r.measured] == [True, True, False]
+    payload = {"table2": {"transformer": [{**r.to_json()} for r in rows]}}
+    md = _paper_layout(payload["table2"]["transformer"])
+    assert "measured 4.00 " in md and "measured 4.00 †" not in md   # clean: a plain number
+    assert "measured 32.00 †busy (idle 40%, load 0.2)" in md   # busy: visibly marked
+    assert "†busy" in _detail(payload["table2"]["transformer"], "flop")
+    assert any_busy(payload)
+    assert _host_label(payload["table2"]["transformer"][1]["measured"]) == "clean"
+    assert _host_label(payload["table2"]["transformer"][2]["measured"]).startswith("BUSY")
+    # A ratio against a busy reference is not clean either; an unrecorded host state is marked.
+    assert "reference" in measured_note({"normalized_clean": False, "host": {"idle_fraction_before": 1.0}},
+                                        normalized=True)
+    assert "not recorded" in measured_note({"throughput": 1.0})
+
+
+def test_a_simulation_only_run_never_replaces_a_measured_table(tmp_path: Path) -> None:
+    from gpipe_repro.repro.throughput.outputs import check_overwrite, write_outputs
+
+    measured_table = {"table2": {"transformer": [_row(2, 1, 10.0, 0.95)]}, "table3": {}}
+    write_json(tmp_path / "throughput_table.json", measured_table)
+    before = (tmp_path / "throughput_table.json").read_bytes()
+    with pytest.raises(FileExistsError, match="--out DIR"):
+        check_overwrite(tmp_path, measuring=False)
+    check_overwrite(tmp_path, measuring=True)                 # measured replaces measured
+    check_overwrite(tmp_path / "elsewhere", measuring=False)  # nothing there to lose
+    simulated_only = {"table2": {"transformer": [{**_row(2, 1, 10.0, None), "measured": None}]}}
+    with pytest.raises(FileExistsError):
+        write_outputs(simulated_only, tmp_path, log_wandb=False)
+    assert (tmp_path / "throughput_table.json").read_bytes() == before
+
+
+def test_the_page_says_which_command_made_it() -> None:
+    from gpipe_repro.repro.throughput.report import generated_by
+
+    assert generated_by({}) == "`make throughput-table`"
+    assert generated_by({"command": {"prog": "p", "argv": []}}) == "`make throughput-table`"
+    text = generated_by({"command": {"prog": "gpipe-repro throughput-table", "argv": ["--no-measure"]}})
+    assert text == "`gpipe-repro throughput-table --no-measure` (not `make throughput-table`)"
+
+
+def test_busy_measured_points_are_drawn_apart(tmp_path: Path) -> None:
+    from gpipe_repro.report.plots import plot_speedups
+
+    rows = [{**_row(2, m, 10.0 * m, None), "measured": {"normalized": float(m),
+                                                         "normalized_clean": m != 4}}
+            for m in (1, 4)]
+    for r in rows:
+        r["simulated"]["normalized"] = float(r["M"])
+    assert plot_speedups({"transformer": rows}, tmp_path / "s.png").stat().st_size > 0

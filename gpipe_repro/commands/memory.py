@@ -34,7 +34,7 @@ def _planner(family: str, batch: Optional[int], extra: list[str], attention: str
         work = workload(family, batch, **parse_options(extra))
     except (ValueError, TypeError) as e:
         raise typer.BadParameter(str(e)) from e
-    planner = MemoryPlanner(work.layers, work.sample, work.target, work.loss_fn,
+    planner = MemoryPlanner(*work.planner_inputs(),
                             optimizer=rmsprop_foreach, attention=attention, optimizer_foreach=True)
     return work, planner
 
@@ -120,7 +120,7 @@ def register(app: typer.Typer) -> None:
                                   f"{memory:g} GiB per device (simulated)")
         if engine:
             from gpipe_repro.memory.trace import trace_step
-            traced = trace_step(work.layers, work.sample, work.target, work.loss_fn, partitions,
+            traced = trace_step(*work.planner_inputs(), partitions,
                                 micro_batches, checkpoint, balance=plan.balance,
                                 optimizer=planner.optimizer, fake=True, attention=attention)
             data = [s.parts.get("data", 0) for s in plan.stages]

@@ -4,6 +4,7 @@ simulator's check against real stage processes.
     gpipe-repro throughput-table                     # same as `make throughput-table`
     gpipe-repro throughput-table --paper-size --device cuda
     gpipe-repro validate-sim                         # same as `make validate-sim`
+    gpipe-repro throughput --model pkg.mod:factory --input-shape 784 --k 2 --m 8   # your own model
 
 Both pass their options through to the experiment modules (`--help` there lists them), so the
 command line and the Makefile targets can never drift apart.
@@ -23,6 +24,14 @@ def register(app: typer.Typer) -> None:
         from gpipe_repro.repro.throughput_table import main
 
         main(list(ctx.args), prog="gpipe-repro throughput-table")
+
+    @app.command("throughput", context_settings=_PASS_THROUGH, add_help_option=False)
+    def throughput(ctx: typer.Context) -> None:
+        """Simulate your own model (--model module:factory --input-shape ... --k K --m M): step time,
+        speedup, and a real run where K fits the host (--help)."""
+        from gpipe_repro.repro.simulate_model import main
+
+        main(list(ctx.args), prog="gpipe-repro throughput")
 
     @app.command("validate-sim", context_settings=_PASS_THROUGH, add_help_option=False)
     def validate_sim(ctx: typer.Context) -> None:

@@ -14,7 +14,9 @@ with a broadcast, so the ranks agree to within microseconds).
 """
 from __future__ import annotations
 
+import os
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_repro.engine.timeline import Timeline
+from gpipe_repro.engine.timeline import Event, Timeline
 
 LayersArg = Sequence[nn.Module] | Callable[[], Sequence[nn.Module]]
 
@@ -35,6 +37,10 @@ class PipelineMeasurement:
     timeline: Timeline               # the measured step whose time is closest to the median
     losses: list[float]              # every step's loss, warm-up included
     config: dict[str, Any] = field(default_factory=dict)
+    timelines: list[Timeline] = field(default_factory=list)   # every measured step's timeline
+    cpus: list[list[int]] = field(default_factory=list)       # per rank: the cores it may run on
+    cpu_seconds: list[list[float]] = field(default_factory=list)  # per rank, per step: CPU time
+    cpu_timelines: list[Timeline] = field(default_factory=list)  # per step: actions in thread CPU time
 
 
 def sgd(params: Any) -> torch.optim.Optimizer:
@@ -69,15 +75,22 @@ def measure_pipeline(layers: LayersArg, balance: Sequence[int], micro_batches: i
     times = [max(rank[0][i] for rank in per_rank) for i in range(steps)]
     median = statistics.median(times)
     closest = min(range(steps), key=lambda i: abs(times[i] - median))
-    timeline = per_rank[0][1][closest]
-    timeline.meta.update({"step_time_s": times[closest], **config})
-    return PipelineMeasurement(times, median, timeline, per_rank[0][2], config)
+    for i, t in enumerate(per_rank[0][1]):
+        t.meta.update({"step_time_s": times[i], **config,
+                       "rank_cpus": [rank[3] for rank in per_rank],
+                       "rank_cpu_seconds": [rank[4][i] for rank in per_rank]})
+    cpu_timelines = [Timeline(len(balance), [e for rank in per_rank for e in rank[5][i]],
+                              {"clock": "thread CPU time of each action"}) for i in range(steps)]
+    return PipelineMeasurement(times, median, per_rank[0][1][closest], per_rank[0][2], config,
+                               timelines=list(per_rank[0][1]), cpus=[rank[3] for rank in per_rank],
+                               cpu_seconds=[rank[4] for rank in per_rank], cpu_timelines=cpu_timelines)
 
 
 def _measure_rank(layers: LayersArg, config: dict[str, Any], batch: tuple[Any, Any],
                   loss_fn: Callable[[Any, Any], torch.Tensor],
                   optimizer: Callable[[Any], torch.optim.Optimizer]
-                  ) -> tuple[list[float], list[Timeline], list[float]]:
+                  ) -> tuple[list[float], list[Timeline], list[float], list[int], list[float],
+                             list[list[Event]]]:
     from gpipe_repro.engine.gpipe import GPipe
 
     built = layers() if callable(layers) else layers
@@ -89,13 +102,45 @@ def _measure_rank(layers: LayersArg, config: dict[str, Any], batch: tuple[Any, A
     pipe.stage_process.transport.prepost = config["prepost"] and pipe.stage_process.transport.prepost
     pipe.record_timeline = True
     inputs, targets = batch
-    times, timelines, losses = [], [], []
+    times: list[float] = []
+    timelines: list[Timeline] = []
+    losses: list[float] = []
+    cpu: list[float] = []
+    cpu_events: list[list[Event]] = []
     for i in range(config["warmup"] + config["steps"]):
+        sink: list[Event] = []
+        record_cpu_times(pipe.stage_process.executor, sink)
+        cpu0 = time.process_time()
         losses.append(pipe.train_step(inputs, targets))
         if i >= config["warmup"]:
+            cpu.append(time.process_time() - cpu0)
             times.append(pipe.stage_process.last_step_time)
+            assert pipe.last_timeline is not None
             timelines.append(pipe.last_timeline)
-    return times, timelines, losses
+            cpu_events.append(sink)
+    return times, timelines, losses, _allowed_cpus(), cpu, cpu_events
+
+
+def record_cpu_times(executor: Any, sink: list[Event]) -> None:
+    """From now on, append to `sink` one Event per action `executor` runs, timed by the thread's CPU
+    clock (time.thread_time) instead of the wall clock: what the action computed, without the time
+    the OS gave the core to other processes. With one intra-op thread per stage (the measured runs'
+    setting), that is the action's whole CPU cost."""
+    run = type(executor).execute
+
+    def execute(action: Any) -> None:
+        c0 = time.thread_time()
+        run(executor, action)
+        sink.append(Event(executor.stage, action.kind.value, action.microbatch, c0, time.thread_time()))
+
+    executor.execute = execute
+
+
+def _allowed_cpus() -> list[int]:
+    """The cores this process may run on (every core where the OS cannot say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def _batch_size(inputs: Any) -> int:

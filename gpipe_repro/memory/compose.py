@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from gpipe_repro.engine.schedule import ActionKind, Schedule
 from gpipe_repro.memory.profile import LayerProfile
-from gpipe_repro.memory.signature import ValueSig
+from gpipe_repro.models.signature import ValueSig
 
 PARAMS, BUFFERS, GRADS, OPTIMIZER = "params", "buffers", "grads", "optimizer"
 STASH, ACTIVATIONS, DATA = "stash", "activations", "data"

@@ -43,7 +43,7 @@ from gpipe_repro.memory.compose import (
     walk_stage,
 )
 from gpipe_repro.memory.profile import LayerProfile, LossLayer, OptimizerFactory, ProfileCache, rmsprop
-from gpipe_repro.memory.signature import LayerRun, compress, layer_key, microbatch_sig
+from gpipe_repro.models.signature import LayerRun, compress, layer_key, microbatch_sig
 
 GiB = 2 ** 30
 

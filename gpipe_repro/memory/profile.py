@@ -42,8 +42,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm
 from gpipe_repro.memory.fake import fake_module
-from gpipe_repro.memory.signature import TensorSig, ValueSig, layer_key, make_value, value_sig
 from gpipe_repro.memory.tracker import MemoryTracker, storage_of
+from gpipe_repro.models.signature import TensorSig, ValueSig, layer_key, make_value, value_sig
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 ATTENTION = ("fused", "math")

@@ -26,7 +26,7 @@ import torch
 
 from gpipe_repro.memory.planner import MemoryPlan, MemoryPlanner
 from gpipe_repro.memory.profile import ProfileCache, rmsprop, rmsprop_foreach
-from gpipe_repro.memory.signature import LayerRun, compress
+from gpipe_repro.models.signature import LayerRun, compress
 from gpipe_repro.paper import TABLE1_AMOEBANET, TABLE1_TRANSFORMER
 
 

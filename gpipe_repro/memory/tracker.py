@@ -31,6 +31,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpipe_repro.models.signature import storage_of
+
 EXTERNAL = "external"
 Label = Hashable
 
@@ -64,14 +66,6 @@ class DeviceMemory:
     peak_at: str = ""              # the label of the mark in progress when the peak was reached
     window_peak: int = 0           # peak since the last mark
     timeline: list[Mark] = field(default_factory=list)
-
-
-def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
-    """The storage behind a tensor, or None for tensors without one (sparse, nested, ...)."""
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
 
 
 def value_tensors(value: Any) -> list[torch.Tensor]:

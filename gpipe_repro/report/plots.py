@@ -25,7 +25,8 @@ def _pyplot() -> Any:
 def plot_speedups(tables: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path,
                   title: str = "Normalized training throughput (K=2, M=1 = 1)") -> Path:
     """One panel per model: our simulated speedup against K for each M (solid), our measured points
-    (filled, large), the paper's (dashed, hollow) and torchgpipe's (dotted) where known."""
+    (filled, large; hollow, red-edged and labelled "busy" where the host was not idle or its state
+    was not recorded), the paper's (dashed, hollow) and torchgpipe's (dotted) where known."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(tables), figsize=(5.5 * len(tables), 4.2), squeeze=False)
     for ax, (model, rows) in zip(axes[0], tables.items()):
@@ -37,11 +38,20 @@ def plot_speedups(tables: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
             marker = _MARKERS.get(m, "o")
             ax.plot(ks, [r["simulated"]["normalized"] for r in sel], "-", marker=marker, color=color,
                     label=f"M={m} simulated")
-            meas = [(r["K"], r["measured"]["normalized"]) for r in sel
-                    if r.get("measured") and "normalized" in r["measured"]]
-            if meas:
-                ax.plot(*zip(*meas), linestyle="none", marker=marker, markersize=10, color=color,
+            meas = [(r["K"], r["measured"]["normalized"], r["measured"].get("normalized_clean"))
+                    for r in sel if r.get("measured") and "normalized" in r["measured"]]
+            clean = [(k, v) for k, v, ok in meas if ok]
+            busy = [(k, v) for k, v, ok in meas if not ok]
+            if clean:
+                ax.plot(*zip(*clean), linestyle="none", marker=marker, markersize=10, color=color,
                         markeredgecolor="black", label=f"M={m} measured")
+            if busy:   # visibly not clean: hollow, red-edged, labelled
+                ax.plot(*zip(*busy), linestyle="none", marker=marker, markersize=11, mfc="none",
+                        markeredgecolor="red", markeredgewidth=1.8,
+                        label=f"M={m} measured, BUSY host (not clean)")
+                for k, v in busy:
+                    ax.annotate("busy", (k, v), textcoords="offset points", xytext=(6, -10),
+                                fontsize=7, color="red")
             pap = [(r["K"], r["paper"]) for r in sel if r.get("paper") is not None]
             if pap:
                 ax.plot(*zip(*pap), "--", marker=marker, mfc="none", color=color, alpha=0.8,

@@ -15,10 +15,12 @@ gantt.png}.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 
 from gpipe_repro.engine.partition import OBJECTIVES
 from gpipe_repro.repro.throughput import PAPER_MICROBATCH, POLICIES, SweepSettings, run_with_progress
+from gpipe_repro.repro.throughput.outputs import check_overwrite
 from gpipe_repro.sim.links import LINK_NAMES
 
 DEFAULTS = SweepSettings(ks=(2, 4, 8), ms=(1, 4, 32), policy="micro", checkpoint="always",
@@ -65,11 +67,17 @@ def settings_from_args(argv: list[str] | None = None,
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     settings, out, wandb = settings_from_args(argv, prog)
     if settings.paper_size and settings.device == "cpu":
         print("warning: --paper-size on a CPU calibrates and measures the paper's full models; this "
               "takes hours. Use --device cuda on a GPU host.", flush=True)
-    run_with_progress(settings, out, log_wandb=wandb)
+    try:
+        check_overwrite(out, measuring=settings.measure)
+    except FileExistsError as e:
+        sys.exit(f"error: {e}")
+    run_with_progress(settings, out, log_wandb=wandb,
+                      command={"prog": prog or "python -m experiments.throughput_table", "argv": argv})
 
 
 if __name__ == "__main__":

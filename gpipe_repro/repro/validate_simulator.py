@@ -19,6 +19,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from gpipe_repro.report.host import usable_cores
 from gpipe_repro.repro.throughput import (
     MODELS,
     VALIDATION_MS,
@@ -29,9 +30,30 @@ from gpipe_repro.repro.throughput import (
     render_validation_summary,
     validate_simulator,
 )
+from gpipe_repro.repro.throughput.validation import unvalidated_note
 
 DEFAULTS = SweepSettings(checkpoint="always", recompute_ahead=False, link="gloo-loopback",
                          device="cpu", threads=1, measure_steps=5, wait_idle=30.0)
+
+
+def render_pages(out: Path) -> None:
+    """validation.md from validation.json, and throughput_table.md (which includes its summary)."""
+    from gpipe_repro.report.records import read_json, write_markdown
+
+    path = out / "validation.json"
+    if not path.exists():
+        sys.exit(f"error: no {path}: run `make validate-sim` first")
+    result = read_json(path)
+    ks_run = sorted({r["K"] for r in result["rows"]})
+    cores = int(result.get("environment", {}).get("cores") or usable_cores())
+    text = ["# Simulator validation", "", render_validation_summary(result), "",
+            unvalidated_note(ks_run, cores), "",
+            f"Gantt charts of `{result.get('gantt_config')}`: "
+            "![measured](validation_gantt_measured.png) ![simulated](validation_gantt_simulated.png)"]
+    write_markdown(out / "validation.md", "\n".join(text))
+    table = out / "throughput_table.json"
+    if table.exists():
+        write_markdown(out / "throughput_table.md", render_markdown(read_json(table), result))
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
@@ -40,27 +62,34 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     ap.add_argument("--ms", nargs="+", type=int, default=list(VALIDATION_MS))
     ap.add_argument("--ks", nargs="+", type=int, default=None,
-                    help="default: 2, plus 4 and 8 on hosts with >= 16 cores")
+                    help="default: every K in 2, 4, 8 up to the usable cores")
     ap.add_argument("--steps", type=int, default=DEFAULTS.measure_steps)
     ap.add_argument("--wait-idle", type=float, default=DEFAULTS.wait_idle,
                     help="seconds to wait for an idle host before each measurement (default "
                          "%(default)s; a shared host's other processes slow the stage processes "
                          "down in a way no calibration can know)")
     ap.add_argument("--out", default="results/throughput")
+    ap.add_argument("--render-only", action="store_true",
+                    help="measure nothing: rewrite validation.md and throughput_table.md from the "
+                         "JSON files already in --out (after a change to how they are rendered)")
     args = ap.parse_args(argv)
+    if args.render_only:
+        render_pages(Path(args.out))
+        return
 
     from rich.console import Console
 
     from gpipe_repro.engine.timeline import Timeline
-    from gpipe_repro.report.records import read_json, write_json, write_markdown
+    from gpipe_repro.report.records import write_json
 
     settings = replace(DEFAULTS, measure_steps=args.steps, wait_idle=args.wait_idle)
     measure = distributed_measure(settings)
     console = Console(stderr=True)
-    if measure is None:
-        console.print("[red]the distributed runtime (gpipe_repro.distributed) is missing: nothing "
-                      "to validate against[/red]")
-        sys.exit(1)
+    cores = usable_cores()
+    too_big = [k for k in (args.ks or []) if k > cores]
+    if too_big:
+        sys.exit(f"error: K={too_big} needs more stage processes than the {cores} usable cores; "
+                 f"use --ks with values <= {cores}")
     with console.status("validating") as status:
         result = validate_simulator(settings, measure, models=args.models, ks=args.ks, ms=args.ms,
                                     progress=lambda msg: status.update(msg))
@@ -73,14 +102,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                        f"{kind}: {key.replace('_', ' ')}")
         result["gantt_config"] = key
     write_json(out / "validation.json", result)
-    text = ["# Simulator validation", "", render_validation_summary(result), "",
-            f"Gantt charts of `{result.get('gantt_config')}`: "
-            "![measured](validation_gantt_measured.png) ![simulated](validation_gantt_simulated.png)"]
-    write_markdown(out / "validation.md", "\n".join(text))
-    table = out / "throughput_table.json"
-    if table.exists():
-        write_markdown(out / "throughput_table.md",
-                       render_markdown(read_json(table), read_json(out / "validation.json")))
+    render_pages(out)
     s = result["summary"]
     console.print(f"median |error| {s['median_abs_error'] * 100:.1f}%, worst "
                   f"{s['max_abs_error'] * 100:.1f}% over {len(result['rows'])} configurations: "

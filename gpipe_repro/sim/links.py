@@ -180,7 +180,7 @@ def measure_gloo_loopback(*, refresh: bool = False, cache: Path | None = None) -
     """This host's gloo loopback link, measured by ping-pong once and cached on disk."""
     import torch
 
-    from gpipe_repro.sim.calibration import cache_dir
+    from gpipe_repro.sim.cache import cache_dir
 
     key = f"gloo-loopback-{socket.gethostname()}-torch{torch.__version__}.json"
     path = cache or cache_dir() / "links" / key
@@ -244,7 +244,7 @@ def measure_runtime_overheads(*, refresh: bool = False, cache: Path | None = Non
     import torch
 
     from gpipe_repro.distributed.measure import measure_pipeline
-    from gpipe_repro.sim.calibration import cache_dir
+    from gpipe_repro.sim.cache import cache_dir
 
     key = f"runtime-overheads-{socket.gethostname()}-torch{torch.__version__}.json"
     path = cache or cache_dir() / "links" / key

@@ -28,7 +28,7 @@ from gpipe_repro.engine.microbatch import split_sizes
 from gpipe_repro.engine.partition import check_balance
 from gpipe_repro.engine.schedule import Action, ActionKind, Schedule
 from gpipe_repro.engine.timeline import Event, Timeline
-from gpipe_repro.sim.calibration import Calibration, LayerCost
+from gpipe_repro.sim.calibration.costs import Calibration, LayerCost
 from gpipe_repro.sim.links import LinkModel
 
 
@@ -153,10 +153,12 @@ def simulate(schedule: Schedule, costs: PipelineCosts, link: LinkModel,
 
 
 def simulate_config(calibration: Calibration, balance: Sequence[int], num_microbatches: int,
-                    batch_size: int, link: LinkModel, *, checkpoint: str = "always",
-                    recompute_ahead: bool = True, schedule: str = "gpipe",
+                    batch_size: int, link: LinkModel, *, checkpoint: str = "except_last",
+                    recompute_ahead: bool = False, schedule: str = "gpipe",
                     setup: float = 0.0, teardown: float = 0.0) -> Simulation:
-    """One step of a (balance, M, N) configuration from per-layer calibrated costs."""
+    """One step of a (balance, M, N) configuration from per-layer calibrated costs. The defaults are
+    :class:`gpipe_repro.GPipe`'s (re-materialize every micro-batch but the last, recompute after the
+    gradient arrives), so a simulation with defaults is of a pipeline built with defaults."""
     from gpipe_repro.engine.schedule import make_schedule
 
     sizes = split_sizes(batch_size, num_microbatches)

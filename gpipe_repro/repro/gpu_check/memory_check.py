@@ -130,14 +130,15 @@ def lone_cell(row: tuple[str, str, dict[str, int], int, int, str], settings: Any
     label, family, options, k, m, ckpt = row
     batch = settings.memory_batch.get(family)
     work = _deps.memory_workload(family, batch, **{**options, **settings.memory_extra.get(family, {})})
-    planner = _deps.MemoryPlanner(work.layers, work.sample, work.target, work.loss_fn,
+    layers, sample, target, loss_fn = work.planner_inputs()
+    planner = _deps.MemoryPlanner(layers, sample, target, loss_fn,
                                   optimizer=_deps.rmsprop_foreach, attention="fused", optimizer_foreach=True)
     plan = planner.plan(k, m, ckpt)
     s = plan.bottleneck_stage
     first, count = sum(plan.balance[:s]), plan.balance[s]
     last = s == k - 1
     sizes = plan.microbatch_sizes
-    ins, outs = _meta_boundaries(work.layers, work.sample, sizes, first, count)
+    ins, outs = _meta_boundaries(layers, sample, sizes, first, count)
     record: dict[str, Any] = {"row": label, "model": work.describe(), "K": k, "M": m, "checkpoint": ckpt,
                               "balance": plan.balance, "stage": s, "layers": [first, first + count],
                               "planned_parts_bytes": dict(plan.stages[s].parts),
@@ -145,7 +146,7 @@ def lone_cell(row: tuple[str, str, dict[str, int], int, int, str], settings: Any
     free(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     cell = nn.Sequential(*[_deps.DeferredBatchNorm.convert(_deps.materialize(layer, device))
-                           for layer in work.layers[first:first + count]]).train()
+                           for layer in layers[first:first + count]]).train()
     opt = _deps.rmsprop_foreach(list(cell.parameters())) if any(True for _ in cell.parameters()) else None
     _deps.prime_optimizer(opt)
     data: list[torch.Tensor] = []

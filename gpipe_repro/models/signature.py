@@ -1,4 +1,6 @@
-"""Signatures: when are two layers, or two boundary values, the same for memory?
+"""Signatures: when are two layers, or two boundary values, the same (for memory and for time)?
+
+The one signature module: the memory planner and the simulator's calibration both ask it.
 
 Identical cells are traced once. A Transformer-L is an embedding, L equal layers and a head; an
 AmoebaNet stack repeats one cell. The planner profiles each distinct (layer, input) pair once and
@@ -11,6 +13,8 @@ composes the profiles, so a 1663-layer model costs four profiles, not 1663.
 - :class:`ValueSig`: a boundary value's structure, the shape/dtype/requires_grad of each tensor leaf,
   and which leaves share a storage (a layer may pass its input through, as AmoebaNet's cells do).
 - :func:`compress`: a layer sequence as runs of consecutive equal layers.
+- :func:`layer_signature`: a layer with the signatures of its input and output, as the calibration
+  groups layers: two layers with equal signatures cost the same time, so one is timed for all.
 """
 from __future__ import annotations
 
@@ -22,7 +26,13 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from gpipe_repro.memory.tracker import storage_of
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage behind a tensor, or None for tensors without one (sparse, nested, ...)."""
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -125,6 +135,12 @@ def layer_key(layer: nn.Module) -> tuple[Any, ...]:
     buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in layer.named_buffers())
     return (type(layer).__qualname__, type(layer).__module__, repr(layer), params, buffers,
             layer.training)
+
+
+def layer_signature(layer: nn.Module, x: Any, y: Any) -> str:
+    """A layer's :func:`layer_key` with the signatures of its input `x` and output `y`: layers with
+    equal signatures run the same ops on the same shapes, so they cost the same time."""
+    return repr((layer_key(layer), value_sig(x), value_sig(y)))
 
 
 @dataclass(frozen=True)

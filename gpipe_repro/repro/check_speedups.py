@@ -1,0 +1,92 @@
+"""`make check-speedups`: the wall-clock K=2 speedup against the committed measured baseline, as a
+benchmark (never a pytest threshold; issue #12).
+
+Each repetition measures K=2, M=1 and K=2, M=4 on two real stage processes
+(:func:`gpipe_repro.repro.speedup_baseline.measured_speedup`), alternating which goes first, after
+sampling how idle the host was over the second before. Only repetitions that started on an idle
+host (idle fraction >= ``IDLE_CLEAN``) count; when fewer than half did, the verdict is **"host busy:
+not comparable"** instead of pass or fail, because a speedup measured beside another busy process
+says nothing about the pipeline (a healthy one measured 1.06-1.15 there against 1.56 idle).
+
+    python -m experiments.check_speedups --runs 8          # compare with the committed baseline
+    python -m experiments.check_speedups --runs 8 --write  # record a new measured baseline (idle host only)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from typing import Any
+
+from gpipe_repro.report.host import host_idle_fraction, usable_cores
+from gpipe_repro.report.records import read_json, write_json
+from gpipe_repro.repro import speedup_baseline as sb
+
+IDLE_CLEAN = 0.9      # share of the host's CPU time idle in the second before a repetition
+BAND = 0.25           # relative band around the baseline speedup (two-sided)
+
+
+def measure(runs: int, steps: int = 4) -> dict[str, Any]:
+    """`runs` repetitions of the measured K=2 speedup, each with the host's idle fraction and load
+    average recorded before it."""
+    if runs < 1:
+        raise ValueError(f"--runs must be >= 1, got {runs}")
+    reps = []
+    for i in range(runs):
+        idle = host_idle_fraction()
+        load = os.getloadavg()[0]
+        r = sb.measured_speedup(steps=steps, many_first=i % 2 == 1)
+        reps.append({**r, "idle_fraction_before": idle, "load_average_before": load,
+                     "clean": idle >= IDLE_CLEAN})
+        print(f"repetition {i + 1}/{runs}: speedup {r['speedup']:.3f}  (host idle {idle:.0%}, "
+              f"load {load:.1f}{'' if idle >= IDLE_CLEAN else ', BUSY'})", flush=True)
+    return {"repetitions": reps, "idle_threshold": IDLE_CLEAN, "usable_cores": usable_cores()}
+
+
+def verdict(result: dict[str, Any], baseline: dict[str, Any] | None) -> tuple[str, str]:
+    """("pass" | "fail" | "not comparable", the sentence that says why)."""
+    reps = result["repetitions"]
+    clean = [r["speedup"] for r in reps if r["clean"]]
+    if len(clean) * 2 < len(reps) or not clean:
+        return ("not comparable", f"host busy: not comparable ({len(clean)} of {len(reps)} "
+                                  f"repetitions started on an idle host)")
+    now = statistics.median(clean)
+    if baseline is None:
+        return ("not comparable", f"no measured baseline committed; median speedup {now:.3f}")
+    base = baseline["speedup"]
+    lo, hi = base * (1 - BAND), base * (1 + BAND)
+    ok = lo <= now <= hi
+    return ("pass" if ok else "fail",
+            f"median speedup {now:.3f} over {len(clean)} clean repetitions; baseline {base:.3f}, "
+            f"band [{lo:.3f}, {hi:.3f}]: {'within' if ok else 'OUTSIDE'}")
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Command line: --runs N, --write."""
+    ap = argparse.ArgumentParser(prog=prog or "python -m experiments.check_speedups",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=8, help="interleaved repetitions (default 8)")
+    ap.add_argument("--write", action="store_true",
+                    help="record the median as the committed measured baseline (refused on a busy host)")
+    args = ap.parse_args(argv)
+    if usable_cores() < 2:
+        sys.exit("check-speedups needs 2 usable cores (one stage process per core)")
+    if not sb.BASELINE.exists():
+        sys.exit(f"no baseline at {sb.BASELINE}: run `make baseline` first")
+    payload = read_json(sb.BASELINE)
+    result = measure(args.runs)
+    state, why = verdict(result, payload.get("measured"))
+    if args.write:
+        clean = [r for r in result["repetitions"] if r["clean"]]
+        if len(clean) * 2 < len(result["repetitions"]) or not clean:
+            sys.exit(f"{why}: not writing a measured baseline taken on a busy host")
+        med = statistics.median(r["speedup"] for r in clean)
+        payload.pop("environment", None)
+        payload["measured"] = {"speedup": med, "config": clean[0]["config"], "band": BAND,
+                               "repetitions": result["repetitions"], "idle_threshold": IDLE_CLEAN}
+        write_json(sb.BASELINE, payload)
+        print(f"wrote the measured baseline ({med:.3f}) to {sb.BASELINE}")
+        return
+    print(why if state == "not comparable" else f"{state.upper()}: {why}")
+    sys.exit(1 if state == "fail" else 0)

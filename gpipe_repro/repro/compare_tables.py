@@ -1,0 +1,89 @@
+"""Do two throughput tables agree? Every simulated cell and every partition of two
+``throughput_table.json`` files, side by side (issue #12: two consecutive `make throughput-table` runs
+must agree within 2% on an idle host and within 5% with one busy process, with the same partitions).
+
+    python -m experiments.compare_throughput RUN_A/throughput_table.json RUN_B/throughput_table.json \\
+        --out results/throughput/reproducibility_idle.md
+
+Measured cells are not compared: they are wall-clock numbers and carry their own host conditions.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from gpipe_repro.report.records import markdown_table, read_json, write_markdown
+
+TARGETS = {"idle": 0.02, "busy": 0.05}
+
+
+def cells(payload: dict[str, Any]) -> dict[str, tuple[float, list[int]]]:
+    """"table model K=k M=m" -> (simulated normalized throughput, balance)."""
+    out = {}
+    for table in ("table2", "table3"):
+        for model, rows in (payload.get(table) or {}).items():
+            for r in rows:
+                out[f"{table} {model} K={r['K']} M={r['M']}"] = (r["simulated"]["normalized"],
+                                                                 list(r["balance"]))
+    return out
+
+
+def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Per cell: both values, relative difference, whether the partitions agree."""
+    ca, cb = cells(a), cells(b)
+    common = sorted(set(ca) & set(cb))
+    if not common:
+        raise ValueError("the two tables have no cell in common: compare two runs of the same sweep")
+    rows: list[dict[str, Any]] = [{"cell": key, "a": ca[key][0], "b": cb[key][0],
+             "relative_difference": cb[key][0] / ca[key][0] - 1.0,
+             "same_partition": ca[key][1] == cb[key][1], "partition_a": ca[key][1],
+             "partition_b": cb[key][1]} for key in common]
+    worst = max(abs(float(r["relative_difference"])) for r in rows)
+    return {"rows": rows, "max_abs_difference": worst,
+            "partitions_agree": all(r["same_partition"] for r in rows),
+            "only_in_one": sorted(set(ca) ^ set(cb))}
+
+
+def render(result: dict[str, Any], a_path: str, b_path: str, condition: str) -> str:
+    """The markdown page of one comparison."""
+    target = TARGETS[condition]
+    met = result["max_abs_difference"] <= target and result["partitions_agree"]
+    where = "an idle host" if condition == "idle" else "a host with one busy process"
+    head = (f"# Reproducibility of the simulated throughput table ({condition} host)\n\n"
+            f"Run A: `{a_path}`; run B: `{b_path}`. Largest difference over "
+            f"{len(result['rows'])} simulated cells: {result['max_abs_difference']:.2%} (target "
+            f"<= {target:.0%} on {where}); "
+            f"partitions {'all agree' if result['partitions_agree'] else 'DIFFER'}: "
+            f"**{'met' if met else 'NOT met'}**.\n\n")
+    body = [[r["cell"], f"{r['a']:.3f}", f"{r['b']:.3f}", f"{r['relative_difference']:+.2%}",
+             "yes" if r["same_partition"] else f"NO: {r['partition_a']} vs {r['partition_b']}"]
+            for r in result["rows"]]
+    return head + markdown_table(["cell", "A", "B", "difference", "same partition"], body,
+                                 align=["left", "right", "right", "right", "left"])
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Command line: A B --condition idle|busy --out FILE."""
+    ap = argparse.ArgumentParser(prog=prog or "python -m experiments.compare_throughput",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("a")
+    ap.add_argument("b")
+    ap.add_argument("--condition", choices=tuple(TARGETS), default="idle",
+                    help="the host state both runs were taken in (decides the target)")
+    ap.add_argument("--out", default=None, help="write the markdown here (default: print it)")
+    args = ap.parse_args(argv)
+    for p in (args.a, args.b):
+        if not Path(p).exists():
+            sys.exit(f"error: {p} does not exist (a throughput_table.json written by "
+                     "`gpipe-repro throughput-table --out DIR`)")
+    result = compare(read_json(args.a), read_json(args.b))
+    text = render(result, args.a, args.b, args.condition)
+    if args.out:
+        out = Path(args.out)
+        if out.exists() and out.resolve() in {Path(args.a).resolve(), Path(args.b).resolve()}:
+            sys.exit("error: --out would overwrite one of the tables being compared")
+        print(f"wrote {write_markdown(out, text)}")
+    else:
+        print(text)

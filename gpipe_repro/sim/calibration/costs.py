@@ -1,0 +1,66 @@
+"""Per-layer costs and a calibration (costs of one workload at several micro-batch sizes), with their JSON."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer costs on one micro-batch of a given size (seconds, FLOPs, bytes)."""
+
+    forward: float           # FORWARD that keeps its graph (a non-checkpointed micro-batch)
+    forward_nograd: float    # FORWARD of a checkpointed micro-batch (no_grad)
+    recompute: float         # RECOMPUTE (graph rebuilt, BatchNorm statistics not accumulated)
+    backward: float
+    optimizer: float         # the OPTIMIZER_STEP's extra seconds for this layer: committing its
+                             # BatchNorm statistics and updating its parameters (beyond the fixed
+                             # cost of the optimizer call, Calibration.optimizer_call)
+    forward_flops: float
+    flops: float             # forward + backward
+    params: int
+    output_bytes: int        # the layer's output: what crosses a boundary cut after it
+    grad_bytes: int          # the floating part of the output: what its gradient sends back
+
+
+@dataclass
+class Calibration:
+    """Per-layer costs of one workload at several micro-batch sizes on one device."""
+
+    workload: str
+    method: str                           # "time" or "flops"
+    device: str                           # "cpu: <model>, 1 thread", "cuda: H100", "flops: p100"
+    groups: list[int]                     # per layer: index of its group of identical layers
+    costs: dict[int, list[LayerCost]] = field(default_factory=dict)   # size -> per-layer costs
+    optimizer_call: float = 0.0           # fixed seconds of one optimizer step call, once per cell
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.groups)
+
+    def at(self, size: int) -> list[LayerCost]:
+        if size not in self.costs:
+            raise KeyError(f"no calibration at micro-batch size {size} (have {sorted(self.costs)}); "
+                           "calibrate at every micro-batch size the configuration uses")
+        return self.costs[size]
+
+    def partition_costs(self, size: int, checkpoint: str = "always") -> list[float]:
+        """Per-layer cost the partitioner balances: the seconds of the actions one micro-batch runs
+        through the layer (checkpointed forward + recompute + backward under re-materialization,
+        forward + backward without)."""
+        if checkpoint == "never":
+            return [c.forward + c.backward for c in self.at(size)]
+        return [c.forward_nograd + c.recompute + c.backward for c in self.at(size)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"workload": self.workload, "method": self.method, "device": self.device,
+                "groups": self.groups, "optimizer_call": self.optimizer_call,
+                "costs": {str(b): [asdict(c) for c in cs] for b, cs in self.costs.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Calibration:
+        return cls(data["workload"], data["method"], data["device"], list(data["groups"]),
+                   {int(b): [LayerCost(**c) for c in cs] for b, cs in data["costs"].items()},
+                   float(data.get("optimizer_call", 0.0)))
+
+

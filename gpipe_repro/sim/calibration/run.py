@@ -1,0 +1,181 @@
+"""calibrate(): per-layer costs of a workload at each micro-batch size, cached on disk."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gpipe_repro.engine import boundary
+from gpipe_repro.engine.layer_costs import activation_bytes, layer_flops
+from gpipe_repro.models.workload import Workload
+from gpipe_repro.report.provenance import cpu_model
+from gpipe_repro.sim.cache import cache_dir
+from gpipe_repro.sim.calibration.costs import Calibration, LayerCost
+from gpipe_repro.sim.calibration.neighbours import busy_neighbours
+from gpipe_repro.sim.calibration.shapes import materialize, materialize_value, trace_shapes
+from gpipe_repro.sim.calibration.timing import forward_flops, optimizer_call_overhead, time_layer_actions
+from gpipe_repro.sim.devices import DEVICES, DeviceModel
+
+METHODS = ("time", "flops")
+# Bump when what a calibration measures changes, so cached timings are not reused across the change.
+CALIBRATION_VERSION = 5
+
+
+def device_description(device: torch.device | str, threads: int, neighbours: int = 0) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    busy = f", {neighbours} busy neighbour core{'s' if neighbours != 1 else ''}" if neighbours else ""
+    return f"cpu: {cpu_model()}, {threads} thread{'s' if threads != 1 else ''}{busy}"
+
+
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """A digest of the source of the code whose cost a calibration times (the engine: the stage
+    executor, DeferredBatchNorm, the RNG seeding) and of the calibration itself."""
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha1()
+    for path in sorted([*(root / "engine").glob("*.py"), *Path(__file__).parent.glob("*.py")]):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _cache_file(workload: Workload, method: str, device_desc: str, size: int, repeats: int,
+                rounds: int = 1) -> Path:
+    host = platform.node() if method == "time" else ""
+    code = code_digest() if method == "time" else ""
+    key = json.dumps([CALIBRATION_VERSION, workload.key(), method, device_desc, size,
+                      torch.__version__, repeats, rounds, host, code])
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return cache_dir() / "calibration" / f"{workload.family}-{method}-b{size}-{digest}.json"
+
+
+def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
+              device: torch.device | str = "cpu", device_model: DeviceModel | None = None,
+              threads: int | None = 1, repeats: int = 20, use_cache: bool = True,
+              neighbours: int = 0, rounds: int = 1,
+              progress: Callable[[str], None] | None = None) -> Calibration:
+    """Per-layer costs of `workload` at each micro-batch size in `sizes` (see the module docstring).
+
+    method="time" measures on `device` with `threads` torch threads (None: leave as is), with
+    `neighbours` other cores busy training the same model (CPU only; see :func:`busy_neighbours`);
+    method="flops" counts FLOPs and converts them with `device_model` (default: "nominal").
+    `rounds` > 1 times every layer that many times, interleaved across layers, and keeps the median
+    round (robust to a burst of load during one layer's timing); the cache is keyed by it too.
+
+    Cached per (workload and its shapes, micro-batch size, method, device and thread count, host,
+    the source of the code whose cost is timed, torch version, repeats, rounds): a calibration is
+    reused only where it would measure the same thing again.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if method not in METHODS:
+        raise ValueError(f"calibration method must be one of {METHODS}, got {method!r}")
+    device = torch.device(device)
+    if method == "time" and device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no GPU: use --device cpu")
+    previous_threads = torch.get_num_threads()
+    if method == "time" and threads is not None and device.type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        used_threads = torch.get_num_threads()
+        if method == "flops":
+            device_model = device_model or DEVICES["nominal"]
+            desc = f"flops: {device_model.name}"
+        else:
+            neighbours = neighbours if device.type == "cpu" else 0
+            desc = device_description(device, used_threads, neighbours)
+        layers = workload.build("meta")
+        calib: Calibration | None = None
+        for size in sizes:
+            path = _cache_file(workload, method, desc, size, repeats, rounds)
+            cached_now = use_cache and path.exists()
+            if progress:
+                progress(f"calibrating {workload.name} at micro-batch {size} ({method}"
+                         f"{', cached' if cached_now else ''})")
+            if cached_now:
+                cached = Calibration.from_json(json.loads(path.read_text()))
+                calib = calib or Calibration(workload.name, method, desc, cached.groups,
+                                             optimizer_call=cached.optimizer_call)
+                calib.costs[size] = cached.costs[size]
+                continue
+            with busy_neighbours(workload, size, neighbours if method == "time" else 0):
+                one = _calibrate_size(workload, layers, size, method, device, device_model,
+                                      repeats, rounds)
+            one.device = desc
+            _write_cache(path, one)
+            calib = calib or Calibration(workload.name, method, desc, one.groups,
+                                         optimizer_call=one.optimizer_call)
+            calib.costs[size] = one.costs[size]
+        assert calib is not None, "no micro-batch sizes given"
+        return calib
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _write_cache(path: Path, calib: Calibration) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(calib.to_json()))
+    os.replace(tmp, path)
+
+
+def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, method: str,
+                    device: torch.device, device_model: DeviceModel | None,
+                    repeats: int, rounds: int = 1) -> Calibration:
+    inputs, target = workload.sample(size, "cpu")
+    ins, outs, groups = trace_shapes(layers, inputs)
+    call = optimizer_call_overhead(device) if method == "time" else 0.0
+    last = len(layers) - 1
+    # The layers to measure: one per group of identical layers, plus the first and the last (they
+    # differ in what they run: no input gradient, the loss).
+    timed: list[int] = []
+    seen: set[int] = set()
+    for i, g in enumerate(groups):
+        if g not in seen or i in (0, last):
+            timed.append(i)
+            if i not in (0, last):
+                seen.add(g)
+    timings: dict[int, list[tuple[float, float, float, float, float]]] = {i: [] for i in timed}
+    if method == "time":
+        # Rounds interleaved across layers: a burst of load on the host lands in one round of a
+        # few layers, and the median over rounds drops it.
+        for _ in range(rounds):
+            for i in timed:
+                real = materialize(layers[i], device)
+                x_real = boundary.to_device(inputs, device) if i == 0 else materialize_value(ins[i], device)
+                loss = (workload.loss_fn(), target.to(device)) if i == last else None
+                timings[i].append(time_layer_actions(real, x_real, device, index=i, first=i == 0,
+                                                     loss=loss, repeats=repeats))
+                del real, x_real
+    per_layer: dict[int, LayerCost] = {}
+    for i in timed:
+        layer, x, y = layers[i], ins[i], outs[i]
+        flops = layer_flops(layer, x)
+        fwd_flops = forward_flops(layer, x)
+        params = sum(p.numel() for p in layer.parameters())
+        if method == "flops":
+            assert device_model is not None
+            f = fwd_flops / device_model.flop_rate
+            b = (flops - fwd_flops) / device_model.flop_rate
+            o = 16 * params / device_model.memory_bandwidth
+            timing = (f, f, f, b, o)
+        else:
+            f, fng, r, b, o = (statistics.median(col) for col in zip(*timings[i]))
+            timing = (f, fng, r, b, max(0.0, o - call))
+        per_layer[i] = LayerCost(*timing, forward_flops=float(fwd_flops), flops=float(flops),
+                                 params=params, output_bytes=activation_bytes(y),
+                                 grad_bytes=sum(t.numel() * t.element_size()
+                                                for t in boundary.tensors(y) if t.is_floating_point()))
+    representative = {groups[i]: per_layer[i] for i in timed if i not in (0, last)}
+    costs = [per_layer[i] if i in per_layer else representative[g] for i, g in enumerate(groups)]
+    return Calibration(workload.name, method, "", groups, {size: costs}, call)

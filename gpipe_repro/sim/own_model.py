@@ -1,0 +1,139 @@
+"""Simulate your own model: per-layer costs calibrated on this device, the exact partitioner, and the
+runtime's own schedule in virtual time, for any K, M and re-materialization mode.
+
+::
+
+    from gpipe_repro.models.workload import Workload
+    from gpipe_repro.sim.own_model import simulate_model
+
+    work = Workload.create("my MLP", "mypackage.models:make_mlp", "features", (784,), 10, width=1024)
+    result = simulate_model(work, k=4, m=8, microbatch=32)
+    print(result.describe())
+
+or ``gpipe-repro throughput --model mypackage.models:make_mlp --input-shape 784 --classes 10
+--k 4 --m 8``. The factory returns an ``nn.Sequential`` (or a list of layers); its keyword arguments
+are the workload's options. The defaults are :class:`gpipe_repro.GPipe`'s (``checkpoint=
+"except_last"``, ``recompute_ahead=False``), so the simulated pipeline is the one ``GPipe(layers,
+partitions=K, micro_batches=M)`` builds.
+
+Step time is one training step of a mini-batch of ``M x microbatch`` examples. Speedup is the
+simulated throughput over that of the same mini-batch on one device with no pipeline and no
+re-materialization (K=1, M=1, ``checkpoint="never"``: plain training). Where K fits the host (one core
+per stage on a CPU), the configuration is also run for real on K stage processes and the simulator's
+error is reported beside it.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from gpipe_repro.engine.partition import OBJECTIVES
+from gpipe_repro.engine.schedule import CHECKPOINT_MODES
+from gpipe_repro.models.workload import Workload
+from gpipe_repro.report.host import conditions, is_clean, usable_cores
+from gpipe_repro.sim.calibration import calibrate
+from gpipe_repro.sim.links import LINK_NAMES
+from gpipe_repro.sim.partition_choice import choose_partition
+from gpipe_repro.sim.platform import platform_for
+from gpipe_repro.sim.simulator import simulate_config
+
+
+@dataclass
+class OwnModelResult:
+    """What :func:`simulate_model` found (seconds, samples per second)."""
+
+    workload: str
+    K: int
+    M: int
+    microbatch: int
+    checkpoint: str
+    recompute_ahead: bool
+    balance: list[int]
+    step_time_s: float
+    throughput: float
+    single_device_step_time_s: float
+    speedup: float
+    bubble_fraction: float
+    measured_step_time_s: float | None = None
+    relative_error: float | None = None        # simulated throughput / measured - 1
+    measured_host: dict[str, Any] | None = None
+
+    def describe(self) -> str:
+        """A few lines for a terminal."""
+        lines = [f"{self.workload}: K={self.K}, M={self.M}, micro-batch {self.microbatch} "
+                 f"(mini-batch {self.M * self.microbatch}), checkpoint {self.checkpoint}"
+                 f"{', recompute ahead' if self.recompute_ahead else ''}",
+                 f"  partition {self.balance}",
+                 f"  simulated step {self.step_time_s * 1e3:.1f} ms, {self.throughput:.1f} samples/s, "
+                 f"bubble {self.bubble_fraction:.1%}",
+                 f"  speedup {self.speedup:.2f}x over one device without a pipeline "
+                 f"(simulated {self.single_device_step_time_s * 1e3:.1f} ms per step)"]
+        if self.measured_step_time_s is not None and self.relative_error is not None:
+            busy = "" if is_clean(self.measured_host) else \
+                " (host was busy: not a clean measurement)"
+            lines.append(f"  measured on {self.K} stage processes: step "
+                         f"{self.measured_step_time_s * 1e3:.1f} ms; simulator error "
+                         f"{self.relative_error:+.1%}{busy}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """As a plain dictionary."""
+        return asdict(self)
+
+
+def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
+                   checkpoint: str = "except_last", recompute_ahead: bool = False,
+                   schedule: str = "gpipe", objective: str = "bottleneck",
+                   link: str = "gloo-loopback", device: str = "cpu", threads: int | None = 1,
+                   repeats: int = 20, method: str = "time", validate: bool | None = None,
+                   steps: int = 4) -> OwnModelResult:
+    """Calibrate `workload`, partition it into `k` cells and simulate one GPipe step of `m`
+    micro-batches of `microbatch` examples (see the module docstring).
+
+    `validate`: run the configuration on `k` real stage processes too (None: where `k` fits the
+    usable cores and the device is a CPU). All options are checked before any work starts."""
+    if k < 1 or m < 1 or microbatch < 1:
+        raise ValueError(f"k, m and microbatch must be >= 1, got k={k}, m={m}, microbatch={microbatch}")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if link not in LINK_NAMES:
+        raise ValueError(f"link must be one of {LINK_NAMES}, got {link!r}")
+    if validate and (device != "cpu" or k > usable_cores()):
+        raise ValueError(f"validation runs K={k} stage processes on one core each, but this host has "
+                         f"{usable_cores()} usable core(s): use k <= {usable_cores()} or validate=False")
+    layers = len(workload.build("meta"))
+    if k > layers:
+        raise ValueError(f"k={k} cells for a model of {layers} layers: use k <= {layers}")
+    n = m * microbatch
+    neighbours = max(0, min(usable_cores(), k) - 1) if device == "cpu" and method == "time" else 0
+    calib = calibrate(workload, sorted({microbatch, n}), method=method, device=device,
+                      threads=threads, repeats=repeats, neighbours=neighbours)
+    platform = platform_for(link)
+    balance = choose_partition(calib.partition_costs(microbatch, checkpoint), k, objective,
+                               measured=calib.method == "time")
+    sim = simulate_config(calib, balance, m, n, platform.link, checkpoint=checkpoint,
+                          recompute_ahead=recompute_ahead, schedule=schedule,
+                          setup=platform.setup, teardown=platform.teardown)
+    single = simulate_config(calib, [layers], 1, n, platform.link, checkpoint="never",
+                             recompute_ahead=False, schedule=schedule)
+    result = OwnModelResult(workload.name, k, m, microbatch, checkpoint, recompute_ahead, balance,
+                            sim.step_time, sim.throughput, single.step_time,
+                            sim.throughput / single.throughput, sim.bubble_fraction)
+    if validate is None:
+        validate = device == "cpu" and 2 <= k <= usable_cores()
+    if validate:
+        from gpipe_repro.distributed.measure import measure_pipeline
+
+        host = conditions()
+        measured = measure_pipeline(functools.partial(workload.build, "cpu"), balance, m,
+                                    workload.sample(n), checkpoint=checkpoint,
+                                    recompute_ahead=recompute_ahead, schedule=schedule,
+                                    loss_fn=workload.loss_fn(), steps=steps, warmup=2,
+                                    threads=threads or 1)
+        result.measured_step_time_s = float(measured.median_step_time)
+        result.relative_error = measured.median_step_time / sim.step_time - 1.0
+        result.measured_host = host
+    return result
