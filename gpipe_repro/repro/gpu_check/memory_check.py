@@ -130,15 +130,15 @@ def lone_cell(row: tuple[str, str, dict[str, int], int, int, str], settings: Any
     label, family, options, k, m, ckpt = row
     batch = settings.memory_batch.get(family)
     work = _deps.memory_workload(family, batch, **{**options, **settings.memory_extra.get(family, {})})
-    layers, sample, target, loss_fn = work.planner_inputs()
-    planner = _deps.MemoryPlanner(layers, sample, target, loss_fn,
+    layers, meta_sample, meta_target, loss_fn = work.planner_inputs()
+    planner = _deps.MemoryPlanner(layers, meta_sample, meta_target, loss_fn,
                                   optimizer=_deps.rmsprop_foreach, attention="fused", optimizer_foreach=True)
     plan = planner.plan(k, m, ckpt)
     s = plan.bottleneck_stage
     first, count = sum(plan.balance[:s]), plan.balance[s]
     last = s == k - 1
     sizes = plan.microbatch_sizes
-    ins, outs = _meta_boundaries(layers, sample, sizes, first, count)
+    ins, outs = _meta_boundaries(layers, meta_sample, sizes, first, count)
     record: dict[str, Any] = {"row": label, "model": work.describe(), "K": k, "M": m, "checkpoint": ckpt,
                               "balance": plan.balance, "stage": s, "layers": [first, first + count],
                               "planned_parts_bytes": dict(plan.stages[s].parts),
@@ -152,16 +152,16 @@ def lone_cell(row: tuple[str, str, dict[str, int], int, int, str], settings: Any
     data: list[torch.Tensor] = []
     microbatches = targets = weights = None
     if s == 0:
-        sample = _deps.materialize_value(work.sample, device)
+        sample = _deps.materialize_value(meta_sample, device)
         microbatches = [sample[a:a + n] for a, n in zip(_offsets(sizes), sizes)]
         data.append(sample)
     if last:
-        target = _deps.materialize_value(work.target, device)
+        target = _deps.materialize_value(meta_target, device)
         targets = [target[a:a + n] for a, n in zip(_offsets(sizes), sizes)]
         weights = [n / sum(sizes) for n in sizes]
         data.append(target)
     transport = NeighbourTransport(ins, outs, device)
-    executor = _deps.StageExecutor(cell, s, k, first, device, transport, work.loss_fn if last else None,
+    executor = _deps.StageExecutor(cell, s, k, first, device, transport, loss_fn if last else None,
                                    opt, settings.seed)
     schedule = _deps.make_schedule("gpipe", k, m, ckpt)
 
