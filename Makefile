@@ -6,12 +6,12 @@ STAMP := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv test throughput-table memory-table validate-sim bench-overhead bench-runtime \
+.PHONY: help venv test lint throughput-table memory-table validate-sim bench-overhead bench-runtime \
         deep-vs-wide train-amoebanet corpus baseline gpu-check check-speedups check-regression-detector clean
 
 help:
 	@echo "make throughput-table  the paper's Table 2/3 (K x M speedups), results/throughput/"
-	@echo "make test              the test suite"
+	@echo "make test              lint (ruff + mypy), then the test suite"
 	@echo "make memory-table      the paper's Table 1 (max model size), results/memory/"
 	@echo "make validate-sim      simulator vs real stage processes, results/throughput/validation.*"
 	@echo "make bench-overhead    engine (K=1,M=1) vs plain PyTorch step time"
@@ -32,8 +32,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+# ruff (style, imports, likely bugs) and mypy (types), configured in pyproject.toml; part of `make test`.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 throughput-table: $(STAMP)
 	$(PY) -m experiments.throughput_table

@@ -120,7 +120,8 @@ def register(app: typer.Typer) -> None:
                                   f"{memory:g} GiB per device (simulated)")
         if engine:
             from gpipe_repro.memory.trace import trace_step
-            traced = trace_step(*work.planner_inputs(), partitions,
+            layers, sample, target, loss_fn = work.planner_inputs()
+            traced = trace_step(layers, sample, target, loss_fn, partitions,
                                 micro_batches, checkpoint, balance=plan.balance,
                                 optimizer=planner.optimizer, fake=True, attention=attention)
             data = [s.parts.get("data", 0) for s in plan.stages]

@@ -9,7 +9,7 @@ even Transformer-1663 (84B parameters) costs seconds and no memory.
 """
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from gpipe_repro.models import get_family
 from gpipe_repro.models.workload import Workload
@@ -32,14 +32,14 @@ def workload(family: str, batch: int | None = None, **options: Any) -> Workload:
     if family in ("transformer-lm", "gpt2"):
         default_len = TABLE1_TRANSFORMER["seq_len"] if family == "transformer-lm" else 1024
         seq_len = int(options.pop("seq_len", default_len))
-        n = batch or (cast(int, TABLE1_TRANSFORMER["batch"]) if family == "transformer-lm" else 8)
+        n = batch or (TABLE1_TRANSFORMER["batch"] if family == "transformer-lm" else 8)
         shown = {**options, "seq_len": seq_len}
         kind, shape = "tokens", (seq_len,)  # type: tuple[str, tuple[int, ...]]
         classes = int(options.get("vocab_size") or get_family(family).options().get("vocab_size") or 2)
     else:
         size = int(options.get("image_size", TABLE1_AMOEBANET["image_size"]))
         options["image_size"] = size
-        n = batch or cast(int, TABLE1_AMOEBANET["batch"])
+        n = batch or TABLE1_AMOEBANET["batch"]
         shown = dict(options)
         kind, shape = "image", (int(options.get("in_channels", 3)), size, size)
         classes = int(options.get("num_classes") or get_family(family).options().get("num_classes") or 2)

@@ -115,7 +115,7 @@ def atomic_write(path: str | os.PathLike[str], mode: Literal["w", "wb"] = "w") -
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -177,21 +177,24 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, dig
         if len(row) != len(headers):
             raise ValueError(f"row {i} has {len(row)} cells, the table has {len(headers)} headers")
     cells = [[_format_cell(c, digits) for c in row] for row in rows]
+    aligns: list[Literal["left", "right", "center"]]
     if align is None:
-        align = ["right" if rows and all(_is_numeric_cell(row[j]) for row in rows) else "left"
-                 for j in range(len(headers))]
+        aligns = ["right" if rows and all(_is_numeric_cell(row[j]) for row in rows) else "left"
+                  for j in range(len(headers))]
     elif len(align) != len(headers):
         raise ValueError(f"align has {len(align)} entries, the table has {len(headers)} headers")
+    else:
+        aligns = list(align)
     widths = [max([len(headers[j]), 3] + [len(r[j]) for r in cells]) for j in range(len(headers))]
 
     def line(values: Sequence[str]) -> str:
         padded = [v.rjust(w) if a == "right" else v.ljust(w)
-                  for v, w, a in zip(values, widths, align, strict=True)]
+                  for v, w, a in zip(values, widths, aligns, strict=True)]
         return "| " + " | ".join(padded) + " |"
 
     rule = {"left": lambda w: "-" * w, "right": lambda w: "-" * (w - 1) + ":",
             "center": lambda w: ":" + "-" * (w - 2) + ":"}
-    separator = "| " + " | ".join(rule[a](w) for a, w in zip(align, widths, strict=True)) + " |"
+    separator = "| " + " | ".join(rule[a](w) for a, w in zip(aligns, widths, strict=True)) + " |"
     return "\n".join([line(headers), separator, *(line(r) for r in cells)])
 
 

@@ -112,7 +112,7 @@ class RunLogger:
         self._tables[name] = str(path.relative_to(self.dir))
         if self._run is not None:
             import wandb
-            self._run.log({name: wandb.Table(columns=headers, data=rows)})
+            self._run.log({name: wandb.Table(columns=list[str | int](headers), data=rows)})
         self._write_run_json("running")
         return path
 
@@ -223,7 +223,9 @@ def _init_wandb(mode: str, project: str, config: Mapping[str, Any], *, name: str
     settings = {key: value for key, value in _QUIET_SETTINGS.items() if not _set_by_env(key)}
     wandb_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return wandb.init(project=project, config=dict(config), mode=mode, dir=str(wandb_dir),
+        return wandb.init(project=project, config=dict(config),
+                          mode=mode,  # type: ignore[arg-type]  # one of WANDB_MODES, checked by the caller
+                          dir=str(wandb_dir),
                           name=name, group=group, tags=list(tags) if tags else None,
                           id=run_id, resume="allow" if run_id else None,
                           settings=wandb.Settings(**settings))

@@ -343,7 +343,8 @@ def run(args: argparse.Namespace) -> None:
                          full_t / makespan, makespan / ours_t, same_t, speedup_same / ideal, torch_t,
                          torch_t / ours_t])
     timelines = per_rank[0]["timelines"]
-    ahead_rows, ahead_records = [], []
+    ahead_rows: list[list[Any]] = []
+    ahead_records: list[dict[str, Any]] = []
     for m in MS:
         plain_t = med(step_times(per_rank, f"ours/on/{m}"))
         ahead_t = med(step_times(per_rank, f"ours_ahead/on/{m}"))
