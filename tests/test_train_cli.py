@@ -95,6 +95,7 @@ def readme_command_lines() -> list[list[str]]:
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     lines = []
     for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
+        block = re.sub(r"\\\n\s*", " ", block)   # a command continued with a backslash is one line
         for line in block.splitlines():
             line = line.strip()
             if line.startswith("gpipe-repro "):
