@@ -7,7 +7,7 @@ export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help venv test throughput-table memory-table validate-sim bench-overhead bench-runtime \
-        deep-vs-wide train-amoebanet corpus baseline clean
+        deep-vs-wide train-amoebanet corpus baseline gpu-check clean
 
 help:
 	@echo "make throughput-table  the paper's Table 2/3 (K x M speedups), results/throughput/"
@@ -19,6 +19,7 @@ help:
 	@echo "make train-amoebanet   AmoebaNet-B on the offline MNIST sample (CPU preset)"
 	@echo "make deep-vs-wide      deep vs wide multilingual translation, results/translation/"
 	@echo "make baseline          regenerate the CI speedup baseline on purpose"
+	@echo "make gpu-check         engine, memory planner and cost model on one GPU, results/gpu/<device>/"
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +59,11 @@ corpus: $(STAMP)
 
 baseline: $(STAMP)
 	$(PY) -m experiments.speedup_baseline --write
+
+# One NVIDIA GPU, < 10 minutes. GPU=cuda:1 picks another; GPU_CHECK_ARGS="--overwrite" replaces an earlier run.
+GPU ?= cuda:0
+gpu-check: $(STAMP)
+	$(VENV)/bin/gpipe-repro gpu-check --device $(GPU) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

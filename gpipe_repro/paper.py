@@ -7,21 +7,102 @@ live in the package (users do not have the paper's source files).
 """
 from __future__ import annotations
 
+from typing import TypedDict
+
+
+class Table1Row(TypedDict):
+    """One column of Table 1: the largest model that fit, its parameters and memory (GB as printed)."""
+
+    L: int
+    params: float
+    param_memory_gb: float
+    peak_activation_gb: float
+
+
+class AmoebaNetTable1Row(Table1Row):
+    """An AmoebaNet-D (L, D) column of Table 1."""
+
+    D: int
+
+
+class Table1AmoebaNet(TypedDict):
+    """Table 1's AmoebaNet-D half: the setting and a column per row name ("Naive-1", "Pipeline-K")."""
+
+    device_memory_gb: int
+    image_size: int
+    batch: int
+    rows: dict[str, AmoebaNetTable1Row]
+    headline: str
+
+
+class Table1Transformer(TypedDict):
+    """Table 1's Transformer-L half: the setting and a column per row name."""
+
+    device_memory_gb: int
+    d_model: int
+    d_ff: int
+    heads: int
+    vocab: int
+    seq_len: int
+    batch: int
+    rows: dict[str, Table1Row]
+    headline: str
+
+
+class ImageNetResult(TypedDict):
+    """The ImageNet result of v5 Table 4."""
+
+    model: str
+    params: float
+    top1: float
+    top5: float
+    partitions: int
+    image_size: int
+
+
+class AmoebaNetRecipe(TypedDict):
+    """The reference AmoebaNet training recipe (every value a number but the optimizer's name)."""
+
+    optimizer: str
+    rmsprop_decay: float
+    momentum: float
+    epsilon: float
+    lr_per_32_examples: float
+    lr_decay: float
+    lr_decay_epochs: float
+    warmup_epochs: float
+    weight_decay: float
+    label_smoothing: float
+    aux_weight: float
+    drop_path_keep_prob: float
+    dropout_keep_prob: float
+    grad_clip: float
+    bn_decay: float
+    bn_eps: float
+
+
 CITATION = "Huang et al., GPipe, arXiv:1811.06965 v5 (NeurIPS 2019)"
 
 # Table 1: maximum model size. Each parameter costs 12 bytes (weight + gradient + RMSProp state).
-TABLE1_AMOEBANET = {  # AmoebaNet-D (L, D), 8 GB per accelerator, 224x224, mini-batch 128
+# AmoebaNet-D (L, D), 8 GB per accelerator, 224x224, mini-batch 128
+TABLE1_AMOEBANET: Table1AmoebaNet = {
     "device_memory_gb": 8, "image_size": 224, "batch": 128,
     "rows": {
-        "Naive-1": {"L": 18, "D": 208, "params": 82e6, "param_memory_gb": 1.05, "peak_activation_gb": 6.26},
-        "Pipeline-1": {"L": 18, "D": 416, "params": 318e6, "param_memory_gb": 3.8, "peak_activation_gb": 3.46},
-        "Pipeline-2": {"L": 18, "D": 544, "params": 542e6, "param_memory_gb": 6.45, "peak_activation_gb": 8.11},
-        "Pipeline-4": {"L": 36, "D": 544, "params": 1.05e9, "param_memory_gb": 12.53, "peak_activation_gb": 15.21},
-        "Pipeline-8": {"L": 72, "D": 512, "params": 1.8e9, "param_memory_gb": 24.62, "peak_activation_gb": 26.24},
+        "Naive-1": {"L": 18, "D": 208, "params": 82e6,
+                    "param_memory_gb": 1.05, "peak_activation_gb": 6.26},
+        "Pipeline-1": {"L": 18, "D": 416, "params": 318e6,
+                       "param_memory_gb": 3.8, "peak_activation_gb": 3.46},
+        "Pipeline-2": {"L": 18, "D": 544, "params": 542e6,
+                       "param_memory_gb": 6.45, "peak_activation_gb": 8.11},
+        "Pipeline-4": {"L": 36, "D": 544, "params": 1.05e9,
+                       "param_memory_gb": 12.53, "peak_activation_gb": 15.21},
+        "Pipeline-8": {"L": 72, "D": 512, "params": 1.8e9,
+                       "param_memory_gb": 24.62, "peak_activation_gb": 26.24},
     },
     "headline": "25x larger AmoebaNet on 8 accelerators",
 }
-TABLE1_TRANSFORMER = {  # Transformer-L, Cloud TPUv3 16 GB per core, d 2048, ff 8192, 32 heads, vocab 32k
+# Transformer-L, Cloud TPUv3 16 GB per core, d 2048, ff 8192, 32 heads, vocab 32k
+TABLE1_TRANSFORMER: Table1Transformer = {
     "device_memory_gb": 16, "d_model": 2048, "d_ff": 8192, "heads": 32, "vocab": 32000,
     "seq_len": 1024, "batch": 32,
     "rows": {
@@ -66,16 +147,17 @@ TIME_BREAKDOWN = {"computation": 0.656, "re-computation": 0.225, "bubble": 0.041
                   "load imbalance": 0.032, "setup": 0.029, "optimizer update": 0.017}
 
 # Image classification (v5 Table 4): AmoebaNet-B (18, 512), 557M params, 480x480, 4 partitions.
-IMAGENET = {"model": "AmoebaNet-B (18, 512)", "params": 557e6, "top1": 84.4, "top5": 97.0,
-            "partitions": 4, "image_size": 480}
+IMAGENET: ImageNetResult = {"model": "AmoebaNet-B (18, 512)", "params": 557e6, "top1": 84.4,
+                            "top5": 97.0, "partitions": 4, "image_size": 480}
 TRANSFER = {"cifar10": 99.0, "cifar100": 91.3, "stanford_cars": 94.6, "oxford_pets": 95.9,
             "food101": 93.0, "fgvc_aircraft": 92.7, "birdsnap": 83.6}  # mean of 5 fine-tuning runs
 # Reference AmoebaNet recipe (tensorflow/tpu amoeba_net), a starting point NOT confirmed for GPipe.
-AMOEBANET_RECIPE = {"optimizer": "rmsprop", "rmsprop_decay": 0.9, "momentum": 0.9, "epsilon": 1.0,
-                    "lr_per_32_examples": 0.015, "lr_decay": 0.97, "lr_decay_epochs": 2.4,
-                    "warmup_epochs": 3, "weight_decay": 4e-5, "label_smoothing": 0.1,
-                    "aux_weight": 0.4, "drop_path_keep_prob": 0.7, "dropout_keep_prob": 0.5,
-                    "grad_clip": 10.0, "bn_decay": 0.9997, "bn_eps": 1e-3}
+AMOEBANET_RECIPE: AmoebaNetRecipe = {
+    "optimizer": "rmsprop", "rmsprop_decay": 0.9, "momentum": 0.9, "epsilon": 1.0,
+    "lr_per_32_examples": 0.015, "lr_decay": 0.97, "lr_decay_epochs": 2.4,
+    "warmup_epochs": 3, "weight_decay": 4e-5, "label_smoothing": 0.1,
+    "aux_weight": 0.4, "drop_path_keep_prob": 0.7, "dropout_keep_prob": 0.5,
+    "grad_clip": 10.0, "bn_decay": 0.9997, "bn_eps": 1e-3}
 
 # Machine translation (v5 section 5): T(L, H, A), d_model 1024, 64 channels per attention head.
 TRANSLATION_MODELS = {  # name: (L, H, A, params, partitions, average BLEU read off Figure 1b: approximate)

@@ -28,7 +28,9 @@ def test_fit_80b_transformer_is_fast_and_small() -> None:
     seconds = time.perf_counter() - t0
     rss_bytes = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024   # Linux: KiB
     assert out.returncode == 0, out.stderr[-2000:]
-    params = int(re.search(r"([\d,]+) parameters", out.stdout).group(1).replace(",", ""))
+    found = re.search(r"([\d,]+) parameters", out.stdout)
+    assert found is not None, out.stdout[-2000:]
+    params = int(found.group(1).replace(",", ""))
     assert params > 80e9
     assert "fits" in out.stdout and "does not fit" not in out.stdout
     assert seconds < 60

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from gpipe_repro.memory.planner import MemoryPlanner
@@ -40,3 +41,15 @@ def test_records_render_beside_the_paper(tmp_path: Path) -> None:
     grid = activation_grid(planner, (1, 2), (1, 2, 4))
     png = plot_activation_grid(grid, fit_paper_model(grid), tmp_path / "a.png", "t")
     assert png.stat().st_size > 1000
+
+
+def test_make_memory_table_entry_point_imports(capsys: pytest.CaptureFixture[str]) -> None:
+    """`make memory-table` runs experiments/memory_table.py, which imports the package's main (a
+    memory_table.py beside the memory_table/ package was shadowed by it and never importable)."""
+    import importlib
+
+    from gpipe_repro.repro.memory_table import main
+    assert importlib.import_module("experiments.memory_table").main is main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0 and "--micro-batches" in capsys.readouterr().out

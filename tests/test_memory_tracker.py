@@ -11,14 +11,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from gpipe_repro.memory.tracker import EXTERNAL, MemoryTracker
 
 
-def _modes() -> list[tuple[str, object]]:
+def _modes() -> list[tuple[str, FakeTensorMode | None]]:
     return [("real", None), ("fake", FakeTensorMode())]
 
 
 @pytest.mark.parametrize("name,mode", _modes())
-def test_allocation_free_and_views(name: str, mode: object) -> None:
-    ctx = mode if mode is not None else contextlib.nullcontext()
-    with ctx:  # type: ignore[attr-defined]
+def test_allocation_free_and_views(name: str, mode: FakeTensorMode | None) -> None:
+    ctx: contextlib.AbstractContextManager[object] = mode if mode is not None else contextlib.nullcontext()
+    with ctx:
         x = torch.ones(1000)                     # made before tracking: external
         with MemoryTracker() as tracker:
             y = x * 2                            # 4000 bytes
@@ -40,6 +40,7 @@ def test_real_and_fake_agree_on_a_training_step() -> None:
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
     results = []
     for mode in (None, FakeTensorMode()):
+        m: nn.Module
         if mode is None:
             m, x = model, torch.randn(16, 32)
         else:

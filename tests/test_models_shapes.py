@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -30,9 +31,9 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def run_layers(layers: nn.Sequential, x: object) -> list[object]:
-    """Every boundary value, checked against the engine's boundary rules."""
-    values = []
+def run_layers(layers: nn.Sequential, x: object) -> list[Any]:
+    """Every boundary value (a tensor or a tuple of them), checked against the engine's boundary rules."""
+    values: list[Any] = []
     for i, layer in enumerate(layers):
         x = layer(x)
         boundary.check(x, f"layer {i}")
@@ -159,9 +160,9 @@ def test_transformer_lm_shapes_and_causality() -> None:
 
 # -------------------------------------------------------------------------------------- T(L,H,A)
 
-def small_translation(**kwargs: object) -> nn.Sequential:
+def small_translation(**kwargs: Any) -> nn.Sequential:
     torch.manual_seed(0)
-    options = dict(d_model=32, head_dim=8, vocab_size=40, dropout=0.0)
+    options: dict[str, Any] = dict(d_model=32, head_dim=8, vocab_size=40, dropout=0.0)
     options.update(kwargs)
     return translation_transformer(2, 64, 4, **options).eval()
 

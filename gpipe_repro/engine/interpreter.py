@@ -88,8 +88,9 @@ def run_dataflow(schedule: Schedule, duration: Callable[[Action], float],
                 remaining -= 1
             progressed = True
         if not progressed:
-            stuck = [str(st[pc[s]]) + f"@stage{s}" for s, st in enumerate(schedule.stages) if pc[s] < len(st)]
+            blocked = [st[pc[s]] for s, st in enumerate(schedule.stages) if pc[s] < len(st)]
+            stuck = [f"{a}@stage{a.stage}" for a in blocked]
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks: every unfinished stage waits on a "
                                 f"receive whose send never comes or at a barrier another stage never reaches "
-                                f"({', '.join(stuck)})")
+                                f"({', '.join(stuck)})", schedule, blocked)
     return events

@@ -23,11 +23,23 @@ runtime) on the step's loss, its global gradient norm and whether any gradient o
 barrier: no stage passes its AGREE before every stage has reached its own, so no cell updates before
 every action of every stage has succeeded (all-or-nothing steps), and global clipping and the fp16
 overflow check read the agreed numbers.
+
+A schedule also has a text form, one line per stage, that round-trips (``Schedule.from_text(s.to_text())
+== s``), in the spirit of PyTorch pipelining's ``_Action.from_str`` / ``_dump_csv``::
+
+    schedule gpipe stages=2 micro_batches=2 training=1
+    stage 0: F0 sa0 F1 sa1 rg1 B1 rg0 B0 A U
+    stage 1: ra0 F0 ra1 F1 B1 sg1 B0 sg0 A U
+
+Tokens are an action's short name and its micro-batch (F forward, R recompute, B backward, A agree,
+U optimizer step, sa/ra send/receive activation, sg/rg send/receive gradient). tests/golden/ holds generated
+schedules in this form, and a :class:`ScheduleError` prints the schedule with the failing action marked.
 """
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
+import re
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -75,7 +87,20 @@ class Action:
 
 
 class ScheduleError(ValueError):
-    """A schedule that a runtime could not execute correctly."""
+    """A schedule that a runtime could not execute correctly.
+
+    With `schedule` the message is followed by the schedule in text form, the actions in `at` marked
+    ``>>F3<<`` and their lines flagged ``<-- ERROR`` (as PyTorch's ``_format_pipeline_order`` does)."""
+
+    def __init__(self, message: str, schedule: Schedule | None = None,
+                 at: Iterable[Action] = ()) -> None:
+        super().__init__(message)
+        self.message, self.schedule, self.at = message, schedule, tuple(at)
+
+    def __str__(self) -> str:
+        if self.schedule is None:
+            return self.message
+        return f"{self.message}\n{self.schedule.to_text(mark=self.at)}"
 
 
 @dataclass(frozen=True)
@@ -96,7 +121,12 @@ class Schedule:
         if len(self.stages) != k:
             raise ScheduleError(f"{len(self.stages)} action lists for {k} stages")
         for s, actions in enumerate(self.stages):
-            _validate_stage(s, k, m_count, actions, self.training)
+            try:
+                _validate_stage(s, k, m_count, actions, self.training)
+            except ScheduleError as e:
+                if e.schedule is None:
+                    raise ScheduleError(e.message, self, e.at) from None
+                raise
         from gpipe_repro.engine.interpreter import run_dataflow  # one executor of the dataflow semantics
         run_dataflow(self, duration=lambda a: 1.0)
 
@@ -116,6 +146,85 @@ class Schedule:
         return "\n".join(rows)
 
 
+    def to_text(self, mark: Iterable[Action] = ()) -> str:
+        """The schedule in its text form (see the module docstring); actions in `mark` are
+        bracketed ``>>F3<<`` and their lines end with ``<-- ERROR``."""
+        marked = set(mark)
+        lines = [f"schedule {self.name} stages={self.num_stages} micro_batches={self.num_microbatches} "
+                 f"training={int(self.training)}"]
+        for s, actions in enumerate(self.stages):
+            tokens = [f">>{a}<<" if a in marked else str(a) for a in actions]
+            flag = "   <-- ERROR" if any(a.stage == s for a in marked) else ""
+            lines.append(f"stage {s}: {' '.join(tokens)}{flag}".rstrip())
+        return "\n".join(lines)
+
+    @classmethod
+    def from_text(cls, text: str) -> Schedule:
+        """Parse :meth:`to_text`'s form (blank lines and ``#`` comments are ignored). Raises
+        ScheduleError naming the line for anything it cannot read; it does not validate (call
+        :meth:`validate` for that), so broken schedules can be written down and checked."""
+        lines = [(i + 1, ln.split("#", 1)[0].strip()) for i, ln in enumerate(text.splitlines())]
+        lines = [(i, ln) for i, ln in lines if ln]
+        if not lines or not lines[0][1].startswith("schedule "):
+            raise ScheduleError("schedule text must start with 'schedule NAME stages=K micro_batches=M "
+                                "training=1'")
+        head = lines[0][1].split()
+        fields = dict(f.split("=", 1) for f in head[2:] if "=" in f)
+        try:
+            k, m = int(fields["stages"]), int(fields["micro_batches"])
+            training = bool(int(fields.get("training", "1")))
+        except (KeyError, ValueError):
+            raise ScheduleError(f"line {lines[0][0]}: cannot read {lines[0][1]!r}: expected "
+                                "'schedule NAME stages=K micro_batches=M training=1'") from None
+        stages: dict[int, tuple[Action, ...]] = {}
+        for lineno, ln in lines[1:]:
+            label, sep, body = ln.partition(":")
+            if not sep or not re.fullmatch(r"stage \d+", label.strip()):
+                raise ScheduleError(f"line {lineno}: expected 'stage N: actions...', got {ln!r}")
+            s = int(label.split()[1])
+            if s in stages:
+                raise ScheduleError(f"line {lineno}: stage {s} is listed twice")
+            stages[s] = tuple(_parse_action(tok, s, lineno) for tok in body.replace("<-- ERROR", "").split())
+        if sorted(stages) != list(range(k)):
+            raise ScheduleError(f"the header says stages={k} but the text lists stages {sorted(stages)}")
+        return cls(head[1], k, m, tuple(stages[s] for s in range(k)), training)
+
+    def check_link_order(self) -> None:
+        """Raise ScheduleError unless every stage sends to a neighbour in the order the neighbour
+        receives. Backends that match point-to-point messages in order (NCCL ignores tags) need it;
+        the dataflow semantics (:mod:`gpipe_repro.engine.interpreter`) do not."""
+        sends: dict[tuple[int, int], list[Action]] = defaultdict(list)
+        recvs: dict[tuple[int, int], list[Action]] = defaultdict(list)
+        for actions in self.stages:
+            for a in actions:
+                if a.kind in SENDS:
+                    sends[(a.stage, a.peer().stage)].append(a.peer())
+                elif a.kind in RECVS:
+                    recvs[(a.peer().stage, a.stage)].append(a)
+        for (src, dst), order in sends.items():
+            got = recvs[(src, dst)]
+            if order != got:
+                i = next((i for i, (x, y) in enumerate(zip(order, got)) if x != y), min(len(order), len(got)))
+                at = [a for a in (order[i:i + 1] + got[i:i + 1])] + [a.peer() for a in order[i:i + 1]]
+                raise ScheduleError(f"schedule {self.name!r}: stage {src} sends to stage {dst} in a "
+                                    "different order than it receives; a backend that matches messages "
+                                    "in order (NCCL) would mismatch them", self, at)
+
+
+_FROM_SHORT = {short: kind for kind, short in _SHORT.items()}
+
+
+def _parse_action(token: str, stage: int, lineno: int) -> Action:
+    match = re.fullmatch(r">>(.*)<<|(.*)", token)
+    body = (match.group(1) or match.group(2)) if match else token
+    parsed = re.fullmatch(r"([A-Za-z_]+?)(\d*)", body)
+    if parsed is None or parsed.group(1) not in _FROM_SHORT:
+        raise ScheduleError(f"line {lineno}: unknown action {token!r}: use one of "
+                            f"{sorted(_FROM_SHORT)} followed by a micro-batch number")
+    kind, digits = _FROM_SHORT[parsed.group(1)], parsed.group(2)
+    return Action(kind, stage, int(digits) if digits else None)
+
+
 def _unit_compute(a: Action) -> float:
     return 1.0 if a.kind in COMPUTE else 0.0
 
@@ -124,14 +233,16 @@ def _validate_stage(s: int, k: int, m_count: int, actions: tuple[Action, ...], t
     where = f"stage {s}"
     for a in actions:
         if a.stage != s:
-            raise ScheduleError(f"{where} holds {a} of stage {a.stage}")
+            raise ScheduleError(f"{where} holds {a} of stage {a.stage}", at=[a])
         if a.kind not in (ActionKind.OPTIMIZER_STEP, ActionKind.AGREE) and not (
                 a.microbatch is not None and 0 <= a.microbatch < m_count):
-            raise ScheduleError(f"{where}: {a} names micro-batch {a.microbatch} outside 0..{m_count - 1}")
+            raise ScheduleError(f"{where}: {a} names micro-batch {a.microbatch} outside 0..{m_count - 1}",
+                                at=[a])
     counts = Counter((a.kind, a.microbatch) for a in actions)
     dup = [f"{_SHORT[kind]}{mb}" for (kind, mb), c in counts.items() if c > 1]
     if dup:
-        raise ScheduleError(f"{where}: actions repeated: {dup}")
+        raise ScheduleError(f"{where}: actions repeated: {dup}",
+                            at=[a for a in actions if counts[(a.kind, a.microbatch)] > 1])
     expected = {ActionKind.FORWARD: True, ActionKind.RECV_ACT: s > 0, ActionKind.SEND_ACT: s < k - 1,
                 ActionKind.BACKWARD: training, ActionKind.RECV_GRAD: training and s < k - 1,
                 ActionKind.SEND_GRAD: training and s > 0}
@@ -139,17 +250,22 @@ def _validate_stage(s: int, k: int, m_count: int, actions: tuple[Action, ...], t
         for mb in range(m_count):
             if ((kind, mb) in counts) != wanted:
                 state = "missing" if wanted else "not allowed"
-                raise ScheduleError(f"{where}: {Action(kind, s, mb)} is {state}")
+                raise ScheduleError(f"{where}: {Action(kind, s, mb)} is {state}",
+                                    at=[Action(kind, s, mb)])
     if not training and any(a.kind in (ActionKind.RECOMPUTE, ActionKind.OPTIMIZER_STEP, ActionKind.AGREE)
                             for a in actions):
-        raise ScheduleError(f"{where}: a forward-only schedule cannot recompute, agree or update")
+        raise ScheduleError(f"{where}: a forward-only schedule cannot recompute, agree or update", at=[
+            a for a in actions if a.kind in (ActionKind.RECOMPUTE, ActionKind.OPTIMIZER_STEP, ActionKind.AGREE)])
     if training and counts[(ActionKind.OPTIMIZER_STEP, None)] != 1:
-        raise ScheduleError(f"{where}: needs exactly one optimizer step")
+        raise ScheduleError(f"{where}: needs exactly one optimizer step",
+                            at=[a for a in actions if a.kind is ActionKind.OPTIMIZER_STEP])
     if training and counts[(ActionKind.AGREE, None)] != 1:
-        raise ScheduleError(f"{where}: needs exactly one AGREE (A) before its optimizer step")
+        raise ScheduleError(f"{where}: needs exactly one AGREE (A) before its optimizer step",
+                            at=[a for a in actions if a.kind in (ActionKind.AGREE, ActionKind.OPTIMIZER_STEP)])
     if training and [a.kind for a in actions][-2:] != [ActionKind.AGREE, ActionKind.OPTIMIZER_STEP]:
         raise ScheduleError(f"{where}: must end with AGREE (A) then the optimizer step (U): every "
-                            "action of the step comes before the barrier, the update after it")
+                            "action of the step comes before the barrier, the update after it",
+                            at=[a for a in actions if a.kind in (ActionKind.AGREE, ActionKind.OPTIMIZER_STEP)])
     pos = {(a.kind, a.microbatch): i for i, a in enumerate(actions)}
     before = [(ActionKind.RECV_ACT, ActionKind.FORWARD), (ActionKind.FORWARD, ActionKind.SEND_ACT),
               (ActionKind.FORWARD, ActionKind.RECOMPUTE), (ActionKind.RECOMPUTE, ActionKind.BACKWARD),
@@ -159,10 +275,12 @@ def _validate_stage(s: int, k: int, m_count: int, actions: tuple[Action, ...], t
         for first, then in before:
             a, b = pos.get((first, mb)), pos.get((then, mb))
             if a is not None and b is not None and a > b:
-                raise ScheduleError(f"{where}: {Action(then, s, mb)} comes before {Action(first, s, mb)}")
+                raise ScheduleError(f"{where}: {Action(then, s, mb)} comes before {Action(first, s, mb)}",
+                                    at=[Action(then, s, mb), Action(first, s, mb)])
         if (ActionKind.BACKWARD, mb) in pos and pos[(ActionKind.BACKWARD, mb)] > pos.get(
                 (ActionKind.OPTIMIZER_STEP, None), len(actions)):
-            raise ScheduleError(f"{where}: backward of micro-batch {mb} after the optimizer step")
+            raise ScheduleError(f"{where}: backward of micro-batch {mb} after the optimizer step",
+                                at=[Action(ActionKind.BACKWARD, s, mb)])
 
 
 def checkpointed_microbatches(mode: str, num_microbatches: int) -> frozenset[int]:

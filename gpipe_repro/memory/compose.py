@@ -154,7 +154,13 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
     for action in schedule.stages[stage]:
         m, kind, where = action.microbatch, action.kind, str(action)
         st.window = st.live
-        if kind is ActionKind.RECV_ACT:
+        if kind is ActionKind.OPTIMIZER_STEP:
+            st.touch(optimizer_transient, where, OPTIMIZER)
+            if have_state:  # DeferredBatchNorm commits and drops its statistics
+                st.add(ACTIVATIONS, -sum(p.state_bytes for p in cells[-1]))
+        elif m is None:     # every other action belongs to a micro-batch
+            raise ValueError(f"stage {stage}: action {where} has no micro-batch")
+        elif kind is ActionKind.RECV_ACT:
             sig = cells[m][0].in_sig
             inputs[m] = [st.new(b, STASH, ("stash", m)) for b in _group_copy_bytes(sig)]
         elif kind is ActionKind.FORWARD or kind is ActionKind.RECOMPUTE:
@@ -185,10 +191,6 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
                 st.release(holder)
         elif kind is ActionKind.SEND_GRAD:
             st.release(("gout", m))
-        elif kind is ActionKind.OPTIMIZER_STEP:
-            st.touch(optimizer_transient, where, OPTIMIZER)
-            if have_state:  # DeferredBatchNorm commits and drops its statistics
-                st.add(ACTIVATIONS, -sum(p.state_bytes for p in cells[-1]))
         if timeline:
             events.append((where, st.live, st.window))
     return StageMemory(stage, st.peak, st.peak_parts, st.peak_at, events, st.activation_high)

@@ -59,7 +59,9 @@ def fake_module(module: nn.Module, mode: FakeTensorMode, device: str = "cpu",
                 continue
             if id(p) not in memo:
                 memo[id(p)] = nn.Parameter(fake_tensor_like(p, mode, device), requires_grad=p.requires_grad)
-            m._parameters[name] = memo[id(p)]  # type: ignore[assignment]
+            fake = memo[id(p)]
+            assert isinstance(fake, nn.Parameter), "a parameter's fake is a Parameter (memo keys are ids)"
+            m._parameters[name] = fake
         for name, b in list(m._buffers.items()):
             if b is None:
                 continue

@@ -119,10 +119,14 @@ class MemoryPlanner:
                  target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
                  optimizer: OptimizerFactory | None = rmsprop, attention: str = "fused",
                  optimizer_foreach: bool = False, cache: ProfileCache | None = None) -> None:
-        items = list(layers)
+        items: list[nn.Module | LayerRun] = list(layers)
         if not items:
             raise ValueError("the model has no layers")
-        self.runs = items if isinstance(items[0], LayerRun) else compress(items)  # type: ignore[arg-type]
+        runs = [i for i in items if isinstance(i, LayerRun)]
+        modules = [i for i in items if not isinstance(i, LayerRun)]
+        if runs and modules:
+            raise TypeError("layers must be all modules or all LayerRuns, not a mix")
+        self.runs: list[LayerRun] = runs or compress(modules)
         if not isinstance(target, torch.Tensor):
             raise TypeError("the planner needs the target as one tensor (batch first)")
         self.sample, self.target = _meta(sample), _meta(target)

@@ -98,6 +98,8 @@ class LossLayer(nn.Module):
     computes it (:meth:`gpipe_repro.engine.stage.StageExecutor._loss`). The target is a buffer so that it
     is made fake with the layer; it is data, not counted as the layer's memory."""
 
+    target: torch.Tensor    # a buffer (registered in __init__)
+
     def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], target: torch.Tensor,
                  weight: float = 1.0) -> None:
         super().__init__()

@@ -132,7 +132,11 @@ class MemoryTracker(TorchDispatchMode):
     def _add(self, st: torch.UntypedStorage, device: Label | None, category: str) -> None:
         key = id(st)
         nbytes = self._size(st)
-        ref = weakref.ref(st, lambda _r, key=key: self._free(key))
+
+        def collected(_ref: weakref.ref[torch.UntypedStorage]) -> None:
+            self._free(key)
+
+        ref = weakref.ref(st, collected)
         self._serial += 1
         self._entries[key] = entry = _Entry(nbytes, device, category, ref, self._serial)
         if device is not None:

@@ -44,7 +44,8 @@ def small_workloads(seed: int = 0) -> list[Workload]:
     from gpipe_repro.models.transformer_lm import lm_loss, transformer_lm
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    mlp = [nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)) for _ in range(5)]
+    mlp: list[nn.Module] = [nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+                            for _ in range(5)]
     mlp.append(nn.Linear(64, 10))
     return [
         Workload("mlp", mlp, torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g),

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,8 @@ from gpipe_repro.models.transformer_lm import (
 )
 
 Boundary = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# A layer list, read more than once (an nn.Sequential is not a Sequence).
+Layers = Sequence[nn.Module] | nn.Sequential
 
 
 class TranslationEmbedding(nn.Module):
@@ -186,15 +189,16 @@ def translation_transformer(L: int, H: int = 8192, A: int = 16, *, d_model: int 
         with torch.no_grad():
             for m in model.modules():
                 if isinstance(m, FeedForward):
-                    for linear in (m[0], m[3]):
-                        linear.weight.mul_(1.0 / L)
+                    for linear in m:        # its two projections
+                        if isinstance(linear, nn.Linear):
+                            linear.weight.mul_(1.0 / L)
     model.add_module("output", OutputProjection(d_model, vocab_size,
                                                 embedding.embed if tie_embeddings else None,
                                                 logit_clip))
     return model
 
 
-def embedding_parameters(model: nn.Sequential) -> list[nn.Parameter]:
+def embedding_parameters(model: nn.Sequential) -> list[torch.Tensor]:
     """The vocabulary matrices (the shared embedding, and the output matrix if untied)."""
     emb = _find(model, TranslationEmbedding).embed.weight
     out = _find(model, OutputProjection).weight
@@ -211,14 +215,17 @@ def count_non_embedding(model: nn.Sequential) -> int:
 # Decoding on a plain (non-pipelined) layer list
 # --------------------------------------------------------------------------------------------
 
-def _find(layers: Sequence[nn.Module], kind: type[nn.Module]) -> nn.Module:
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _find(layers: Iterable[nn.Module], kind: type[_M]) -> _M:
     for layer in layers:
         if isinstance(layer, kind):
             return layer
     raise ValueError(f"no {kind.__name__} in this layer list; is it a translation_transformer()?")
 
 
-def encode(layers: Sequence[nn.Module], src_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(layers: Layers, src_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the embedding and the encoder once: (encoder output (N, S, d), src_mask (N, S))."""
     enc, src_mask = _find(layers, TranslationEmbedding).embed_source(src_ids)
     for layer in layers:
@@ -227,7 +234,7 @@ def encode(layers: Sequence[nn.Module], src_ids: torch.Tensor) -> tuple[torch.Te
     return _find(layers, EncoderNorm).ln(enc), src_mask
 
 
-def decode_logits(layers: Sequence[nn.Module], enc: torch.Tensor, src_mask: torch.Tensor,
+def decode_logits(layers: Layers, enc: torch.Tensor, src_mask: torch.Tensor,
                   tgt_prefix: torch.Tensor) -> torch.Tensor:
     """Logits (N, T, vocab) of the decoder on the target prefix (N, T), given the encoder output.
 
@@ -243,7 +250,7 @@ def decode_logits(layers: Sequence[nn.Module], enc: torch.Tensor, src_mask: torc
 
 
 @torch.no_grad()
-def greedy_decode(layers: Sequence[nn.Module], src_ids: torch.Tensor, bos_id: int, eos_id: int,
+def greedy_decode(layers: Layers, src_ids: torch.Tensor, bos_id: int, eos_id: int,
                   max_len: int, pad_id: int = 0) -> torch.Tensor:
     """Greedy translation: (N, <= max_len + 1) ids starting with `bos_id`, padded after `eos_id`."""
     enc, src_mask = encode(layers, src_ids)

@@ -101,12 +101,20 @@ def tokens_per_batch(task: TranslationTask, batch_size: int, steps: int, seed: i
     return stream.tokens / steps
 
 
+def fixed_steps(run: RunConfig) -> int:
+    """The run's step budget: the comparisons here need one (a run given in epochs has none)."""
+    if run.steps is None:
+        raise ValueError(f"run {run.name!r} has no step budget: give it steps (--steps), not epochs")
+    return run.steps
+
+
 # ----------------------------------------------------------------------------- deep vs wide
 
 def deep_vs_wide(out: Path = OUT, task: TranslationConfig = TASK, run: RunConfig = RUN,
                  models: dict[str, tuple[tuple[int, int, int], int, int]] = MODELS,
                  rerun: bool = False) -> dict[str, Any]:
     """Train `models` (label: ((L, H, A), K, M)) with one budget; write the comparison to `out`."""
+    steps = fixed_steps(run)
     summaries, counts, shapes = {}, {}, {}
     for label, (shape, k, m) in models.items():
         counts[label] = parameter_counts(TranslationTask(with_shape(task, shape)))
@@ -123,7 +131,7 @@ def deep_vs_wide(out: Path = OUT, task: TranslationConfig = TASK, run: RunConfig
                                                          out_dir=str(out / label), partitions=k,
                                                          micro_batches=m), rerun)
     reference = TranslationTask(with_shape(task, models["deep"][0]))
-    tokens = tokens_per_batch(reference, run.batch_size, run.steps, run.seed)
+    tokens = tokens_per_batch(reference, run.batch_size, steps, run.seed)
     result = comparison(summaries, counts, shapes, tokens, run)
     write_json(out / "deep_vs_wide.json", result)
     plot_gains(result, out / "deep_vs_wide.png")
@@ -138,6 +146,7 @@ def comparison(summaries: dict[str, dict[str, Any]], counts: dict[str, dict[str,
                shapes: dict[str, tuple[int, int, int]], tokens: float, run: RunConfig) -> dict[str, Any]:
     task = summaries["deep"]["config"]["task"]
     train_sizes, groups, eval_sizes = task["train_sizes"], task["groups"], task["eval_sizes"]
+    steps = fixed_steps(run)
     models = {}
     for label, summary in summaries.items():
         ev = summary["eval"]
@@ -176,10 +185,10 @@ def comparison(summaries: dict[str, dict[str, Any]], counts: dict[str, dict[str,
                            "partitions": TRANSLATION_MODELS[PAPER_WIDE][4],
                            "average_bleu_figure_1b": TRANSLATION_MODELS[PAPER_WIDE][5]},
                   "note": "average BLEU over 102 languages read off Figure 1b (approximate)"},
-        "budget": {"steps": run.steps, "sentences_per_batch": run.batch_size, "seed": run.seed,
+        "budget": {"steps": steps, "sentences_per_batch": run.batch_size, "seed": run.seed,
                    "target_tokens_per_batch": measured(tokens),
-                   "target_tokens_total": measured(tokens * run.steps),
-                   "sentences_drawn": run.steps * run.batch_size,
+                   "target_tokens_total": measured(tokens * steps),
+                   "sentences_drawn": steps * run.batch_size,
                    "training_pairs": sum(train_sizes.values()),
                    "threads": run.threads, "checkpoint": run.checkpoint,
                    "same_batches": "both runs draw the identical batch stream (same seed and batch size)"},
@@ -206,7 +215,8 @@ def deep_vs_wide_markdown(r: dict[str, Any]) -> str:
                m["nll"], m["final_train_loss"], m["train_time"], m["wall_time"]]
               for label, m in r["models"].items()]
     languages = [[lang, x["group"], x["train_pairs"], x["test_sentences_scored"],
-                  deep["bleu_by_language"][lang], wide["bleu_by_language"][lang], x["bleu_gain_deep_over_wide"]]
+                  deep["bleu_by_language"][lang], wide["bleu_by_language"][lang],
+                  x["bleu_gain_deep_over_wide"]]
                  for lang, x in r["languages"].items()]
     verdict = verdict_text(r)
     return "\n".join([
@@ -341,24 +351,26 @@ def large_batch(out: Path = OUT, task: TranslationConfig = TASK, run: RunConfig 
         rows[m] = run_model(f"M={m}", config, settings, rerun)
         tokens[m] = tokens_per_batch(reference, batch, steps, run.seed)
     paper = sorted(LARGE_BATCH.items())
+    runs: list[dict[str, Any]] = [
+        {"micro_batches": m, "sentences_per_batch": m * micro,
+         "target_tokens_per_batch": measured(tokens[m]),
+         "bleu": measured(s["eval"]["bleu"], paper=paper[i][1][0]),
+         "bleu_high": measured(s["eval"]["bleu_high"]), "bleu_low": measured(s["eval"]["bleu_low"]),
+         "nll": measured(s["eval"]["nll"], paper=paper[i][1][1], unit="nats/token"),
+         "train_time": measured(s["train_seconds"], unit="s"), "run_dir": s["run_dir"]}
+        for i, (m, s) in enumerate(rows.items())]
     result = {
         "kind": "large-batch", "citation": CITATION,
         "model": shape_name(shape), "d_model": task.d_model, "partitions": partitions,
         "micro_batch_sentences": micro, "steps": steps,
         "paper": {"setting": "German-English, Transformer Big; tokens per batch -> (BLEU, NLL)",
                   "rows": [{"tokens_per_batch": t, "bleu": b, "nll": n} for t, (b, n) in paper]},
-        "runs": [{"micro_batches": m, "sentences_per_batch": m * micro,
-                  "target_tokens_per_batch": measured(tokens[m]),
-                  "bleu": measured(s["eval"]["bleu"], paper=paper[i][1][0]),
-                  "bleu_high": measured(s["eval"]["bleu_high"]), "bleu_low": measured(s["eval"]["bleu_low"]),
-                  "nll": measured(s["eval"]["nll"], paper=paper[i][1][1], unit="nats/token"),
-                  "train_time": measured(s["train_seconds"], unit="s"), "run_dir": s["run_dir"]}
-                 for i, (m, s) in enumerate(rows.items())],
+        "runs": runs,
     }
     write_json(out / "large_batch.json", result)
     table = [[f"M={x['micro_batches']} ({x['sentences_per_batch']} sentences, "
               f"{x['target_tokens_per_batch']['value']:.0f} tokens)", x["bleu"], x["nll"],
-              f"{paper[i][0]:,} tokens", x["train_time"]] for i, x in enumerate(result["runs"])]
+              f"{paper[i][0]:,} tokens", x["train_time"]] for i, x in enumerate(runs)]
     write_markdown(out / "large_batch.md", "\n".join([
         "# Larger batches (measured, CPU scale)", "",
         f"The paper ({CITATION}) trained Transformer Big on German-English with 260K, 1M and 4M tokens "
@@ -390,7 +402,8 @@ def log_report(result: dict[str, Any], large: dict[str, Any] | None, out: Path =
                          [[lang, x["group"], x["train_pairs"],
                            result["models"]["deep"]["bleu_by_language"][lang]["value"],
                            result["models"]["wide"]["bleu_by_language"][lang]["value"],
-                           x["bleu_gain_deep_over_wide"]["value"]] for lang, x in result["languages"].items()],
+                           x["bleu_gain_deep_over_wide"]["value"]]
+                          for lang, x in result["languages"].items()],
                          method="measured")
         logger.log_image("bleu_gain_vs_training_size", out / "deep_vs_wide.png")
         summary = {f"{label}/{key}": m[key]["value"] for label, m in result["models"].items()

@@ -103,7 +103,8 @@ def report(cpu: dict[str, Any], equivalence: dict[str, Any]) -> None:
         markdown_table(["what", "value", "notes"], rows, digits=4), "",
         "Curves of the CPU preset run: [amoebanet-cpu/curves.png](amoebanet-cpu/curves.png). "
         "The same training with K=1 and K=4 (one plot): [k_equivalence.png](k_equivalence.png).",
-        "" if transfer is None else "Transfer protocol (Table 4): [transfer/transfer.md](transfer/transfer.md).",
+        "" if transfer is None else
+        "Transfer protocol (Table 4): [transfer/transfer.md](transfer/transfer.md).",
         "", "Reproduce: `make train-amoebanet`, `gpipe-repro run transfer`, "
         "`python -m experiments.train_amoebanet`."]))
 

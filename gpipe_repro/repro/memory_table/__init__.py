@@ -1,1 +1,48 @@
-"""The paper's Table 1 (maximum model size): the experiment, its domain rows and its report."""
+"""`make memory-table`: the GPipe paper's Table 1 (maximum model size), reproduced by the planner.
+
+Transformer-L (16 GiB per device) and AmoebaNet-D (L, D) (8 GiB) for Naive-1 and Pipeline-K, the
+peak activation per device against M and K, and the planner checked against real steps on this CPU.
+The package: :mod:`~gpipe_repro.repro.memory_table.experiment` (the experiment),
+:mod:`~gpipe_repro.repro.memory_table.table1` (its domain rows), :mod:`~gpipe_repro.repro.memory_table.report`
+(its report); this file only declares the settings.
+
+    python -m experiments.memory_table                  # < 10 min on 2 CPU cores
+    python -m experiments.memory_table --micro-batches 32 --no-amoebanet
+
+Writes results/memory/{memory_table.json, memory_table.md, max_params.png,
+activation_vs_microbatches.png}.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+from gpipe_repro.repro.memory_table.experiment import Settings, run, write
+from gpipe_repro.repro.memory_table.table1 import Table1Settings
+
+DEFAULTS = Settings(
+    table1=Table1Settings(micro_batches=8, transformer_ks=(1, 8, 32, 128), amoebanet_ks=(1, 2, 4, 8),
+                          attention_variants=("fused", "math")),
+    scaling_L=24, scaling_ks=(1, 2, 4, 8), scaling_ms=(1, 2, 4, 8, 16, 32),
+    validation_ks=(1, 2, 4), validation_checkpoints=("except_last", "never"),
+    validation_micro_batches=4)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--micro-batches", type=int, default=DEFAULTS.table1.micro_batches,
+                    help="M of every pipeline row (the paper does not state it)")
+    ap.add_argument("--no-amoebanet", action="store_true", help="skip the AmoebaNet rows (slowest)")
+    ap.add_argument("--out", type=Path, default=Path("results/memory"))
+    ap.add_argument("--no-wandb", action="store_true", help="do not log to W&B (local files only)")
+    args = ap.parse_args(argv)
+    settings = replace(DEFAULTS, table1=replace(DEFAULTS.table1, micro_batches=args.micro_batches),
+                       amoebanet=not args.no_amoebanet)
+    paths = write(run(settings), args.out, wandb=not args.no_wandb)
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from gpipe_repro.report.records import format_record, markdown_table
 
@@ -20,6 +20,12 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _labels_then_numbers(n: int) -> list[Literal["left", "right", "center"]]:
+    """Column alignment: a left-aligned label column, then `n` right-aligned value columns."""
+    right: Literal["right"] = "right"
+    return ["left", *[right] * n]
 
 
 def _rec(value: Any, digits: int = 3) -> str:
@@ -51,7 +57,7 @@ def table1_markdown(rows: Sequence[Mapping[str, Any]], size_keys: Sequence[str])
     lines.append(["largest device peak (GiB)"] + [_rec(r["max_device_peak_gib"]) for r in rows])
     lines.append(["micro-batches M"] + [str(r["micro_batches"]) for r in rows])
     lines.append(["params / Naive-1"] + [_rec(r.get("ratio_to_naive")) for r in rows])
-    return markdown_table(headers, lines, align=["left"] + ["right"] * len(rows))
+    return markdown_table(headers, lines, align=_labels_then_numbers(len(rows)))
 
 
 def variants_markdown(variants: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
@@ -60,7 +66,7 @@ def variants_markdown(variants: Mapping[str, Sequence[Mapping[str, Any]]]) -> st
     lines = [[label] + [_rec({**r["L"], "paper": None}) for r in rows] for label, rows in variants.items()]
     first = next(iter(variants.values()))
     lines.append(["paper"] + [str(r["L"].get("paper", "-")) for r in first])
-    return markdown_table(["setting"] + names, lines, align=["left"] + ["right"] * len(names))
+    return markdown_table(["setting"] + names, lines, align=_labels_then_numbers(len(names)))
 
 
 def paper_models_markdown(rows: Sequence[Mapping[str, Any]]) -> str:

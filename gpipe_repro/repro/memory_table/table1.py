@@ -20,7 +20,7 @@ decided here, and why:
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,18 +50,27 @@ def _devices(plan: MemoryPlan) -> list[dict[str, Any]]:
             for s, n in zip(plan.stages, plan.balance)]
 
 
-def row_record(found: Found, paper: dict[str, Any], size_keys: Sequence[str]) -> dict[str, Any]:
-    """One column of Table 1 as data: ours (simulated) with the paper's value beside it."""
+def _paper_number(paper: Mapping[str, object], key: str) -> float | None:
+    """The paper's number under `key`; None where the row has none."""
+    value = paper.get(key)
+    return value if isinstance(value, (int, float)) else None
+
+
+def row_record(found: Found, paper: Mapping[str, object], size_keys: Sequence[str]) -> dict[str, Any]:
+    """One column of Table 1 as data: ours (simulated) with the paper's value beside it. `paper`: the
+    paper's column (a :class:`~gpipe_repro.paper.Table1Row`, or any part of one)."""
     row, plan = found.row, found.plan
     out: dict[str, Any] = {"name": row.name, "partitions": row.partitions,
                            "micro_batches": row.micro_batches, "checkpoint": row.checkpoint}
     for i, key in enumerate(size_keys):
-        out[key] = simulated(None if found.size is None else found.size[i], paper=paper.get(key))
-    out["params"] = simulated(None if plan is None else plan.parameters, paper=paper.get("params"))
+        out[key] = simulated(None if found.size is None else found.size[i],
+                             paper=_paper_number(paper, key))
+    out["params"] = simulated(None if plan is None else plan.parameters,
+                              paper=_paper_number(paper, "params"))
     out["param_memory_gib"] = simulated(_gib(plan.state_memory if plan else None),
-                                        paper=paper.get("param_memory_gb"), unit="GiB")
+                                        paper=_paper_number(paper, "param_memory_gb"), unit="GiB")
     out["peak_activation_gib"] = simulated(_gib(plan.activation_memory if plan else None),
-                                           paper=paper.get("peak_activation_gb"), unit="GiB")
+                                           paper=_paper_number(paper, "peak_activation_gb"), unit="GiB")
     out["max_device_peak_gib"] = simulated(_gib(plan.max_peak if plan else None), unit="GiB")
     if plan is not None:
         out["balance"] = plan.balance

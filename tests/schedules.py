@@ -1,0 +1,48 @@
+"""A zoo of deliberately broken schedules, written out literally (as PyTorch keeps its
+`schedule_registry.py`): each entry is (text, the error the validator must raise). The validator and
+the link-order check are tested against every one in tests/test_schedule_text.py."""
+from __future__ import annotations
+
+# name -> (schedule text, regex the ScheduleError message must match, check)
+# check: "validate" (Schedule.validate) or "link_order" (Schedule.check_link_order)
+BROKEN: dict[str, tuple[str, str, str]] = {
+    "send_without_receive": ("""
+        schedule broken stages=2 micro_batches=1 training=1
+        stage 0: F0 sa0 rg0 B0 A U
+        stage 1: F0 B0 sg0 A U
+        """, r"ra0.*is missing", "validate"),
+    "backward_before_forward": ("""
+        schedule broken stages=1 micro_batches=2 training=1
+        stage 0: F0 B1 F1 B0 A U
+        """, r"B1 comes before F1", "validate"),
+    "recompute_after_backward": ("""
+        schedule broken stages=1 micro_batches=1 training=1
+        stage 0: F0 B0 R0 A U
+        """, r"B0 comes before R0", "validate"),
+    "update_before_last_backward": ("""
+        schedule broken stages=1 micro_batches=2 training=1
+        stage 0: F0 F1 B1 A U B0
+        """, r"must end with AGREE|after the optimizer step", "validate"),
+    "two_updates": ("""
+        schedule broken stages=1 micro_batches=1 training=1
+        stage 0: F0 B0 U A U
+        """, r"repeated", "validate"),
+    "micro_batch_out_of_range": ("""
+        schedule broken stages=1 micro_batches=1 training=1
+        stage 0: F0 F1 B0 A U
+        """, r"outside 0\.\.0", "validate"),
+    "wait_for_gradient_before_sending": ("""
+        schedule broken stages=2 micro_batches=1 training=1
+        stage 0: F0 rg0 sa0 B0 A U
+        stage 1: ra0 F0 B0 sg0 A U
+        """, r"deadlocks", "validate"),
+    "crossed_link_order": ("""
+        schedule broken stages=2 micro_batches=2 training=1
+        stage 0: F0 F1 sa1 sa0 rg1 B1 rg0 B0 A U
+        stage 1: ra0 F0 ra1 F1 B1 sg1 B0 sg0 A U
+        """, r"different order than it receives", "link_order"),
+    "forward_only_with_update": ("""
+        schedule broken stages=1 micro_batches=1 training=0
+        stage 0: F0 A U
+        """, r"forward-only schedule cannot recompute", "validate"),
+}
