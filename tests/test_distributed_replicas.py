@@ -78,7 +78,30 @@ def check_replicas(k: int, r: int) -> list[str]:
         out = pipe.forward(x)
         assert microbatch_rows(out) == 11, f"{where}: inference returns the whole batch"
         checked.append(where)
+    if k > 1:
+        checked.append(check_allreduce_overlaps_the_drain(k, r))
     return checked
+
+
+def check_allreduce_overlaps_the_drain(k: int, r: int) -> str:
+    """The merged timeline has one row per rank and an "allreduce" event on each; the last stage's
+    all-reduce is launched before stage 0's last backward starts (causality, not a wall-clock
+    threshold: stage 0's last backward needs the gradient the last stage sends after launching it)."""
+    build, loss_fn = _model("mlp")
+    x, y = data("mlp")
+    pipe = GPipe(build(), partitions=k, micro_batches=2, loss_fn=loss_fn, optimizer=sgd,
+                 runtime="distributed", replicas=r)
+    pipe.record_timeline = True
+    pipe.train_step(x, y)
+    tl = pipe.last_timeline
+    assert tl is not None and tl.num_stages == k * r and tl.meta["replicas"] == r
+    launched = {e.stage: e.start for e in tl.events if e.kind == "allreduce"}
+    assert sorted(launched) == list(range(k * r)), "one all-reduce per rank"
+    for replica in range(r):
+        first, last = replica * k, replica * k + k - 1
+        last_backward_0 = max(e.start for e in tl.events if e.stage == first and e.kind == "backward")
+        assert launched[last] < last_backward_0, "the last stage's all-reduce overlaps the drain"
+    return "timeline"
 
 
 def microbatch_rows(value: Any) -> int:
@@ -88,7 +111,8 @@ def microbatch_rows(value: Any) -> int:
 @pytest.mark.parametrize("k,r", [(2, 2), (1, 2)])
 def test_replicated_pipeline_trains_like_full_batch(k: int, r: int) -> None:
     results = launch_local(check_replicas, k * r, k, r, timeout=30)
-    assert len(results) == k * r and all(len(res) == len(CONFIGS[(k, r)]) for res in results)
+    expected = len(CONFIGS[(k, r)]) + (k > 1)
+    assert len(results) == k * r and all(len(res) == expected for res in results)
 
 
 def test_layout_rank_is_replica_times_k_plus_stage() -> None:
