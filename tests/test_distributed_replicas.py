@@ -80,7 +80,24 @@ def check_replicas(k: int, r: int) -> list[str]:
         checked.append(where)
     if k > 1:
         checked.append(check_allreduce_overlaps_the_drain(k, r))
+    else:
+        checked.append(check_overflow_on_one_replica_skips_everywhere(r))
     return checked
+
+
+def check_overflow_on_one_replica_skips_everywhere(r: int) -> str:
+    """fp16: only the last replica's slice overflows; no replica updates, every loss scale halves."""
+    build, loss_fn = _model("mlp")
+    x, y = data("mlp")
+    x[-3:] *= 1e6   # rows of the last replica's slice only
+    pipe = GPipe(build(), partitions=1, micro_batches=1, loss_fn=loss_fn, optimizer=sgd,
+                 runtime="distributed", replicas=r, precision="fp16")
+    before = [p.detach().clone() for p in pipe.parameters()]
+    scale = pipe.loss_scale
+    pipe.train_step(x, y)
+    assert pipe.last_step_skipped and pipe.loss_scale == scale / 2, "the overflow was global"
+    assert all(torch.equal(a, b) for a, b in zip(before, pipe.parameters())), "no replica updated"
+    return "fp16 overflow"
 
 
 def check_allreduce_overlaps_the_drain(k: int, r: int) -> str:
@@ -111,7 +128,7 @@ def microbatch_rows(value: Any) -> int:
 @pytest.mark.parametrize("k,r", [(2, 2), (1, 2)])
 def test_replicated_pipeline_trains_like_full_batch(k: int, r: int) -> None:
     results = launch_local(check_replicas, k * r, k, r, timeout=30)
-    expected = len(CONFIGS[(k, r)]) + (k > 1)
+    expected = len(CONFIGS[(k, r)]) + 1
     assert len(results) == k * r and all(len(res) == expected for res in results)
 
 
