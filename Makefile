@@ -7,6 +7,7 @@ export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help venv test throughput-table memory-table validate-sim bench-overhead bench-runtime bench-replicas \
+        replicas-plan-table \
         deep-vs-wide train-amoebanet corpus baseline gpu-check clean
 
 help:
@@ -17,6 +18,7 @@ help:
 	@echo "make bench-overhead    engine (K=1,M=1) vs plain PyTorch step time"
 	@echo "make bench-runtime     distributed runtime vs K=1 and vs torch.distributed.pipelining"
 	@echo "make bench-replicas    K=1 x R=2 data parallel vs one process; K=2 x R=2 Gantt, results/replicas/"
+	@echo "make replicas-plan-table  K x R x M for Transformer-L / AmoebaNet-D on 8-2048 devices (simulated)"
 	@echo "make train-amoebanet   AmoebaNet-B on the offline MNIST sample (CPU preset)"
 	@echo "make deep-vs-wide      deep vs wide multilingual translation, results/translation/"
 	@echo "make baseline          regenerate the CI speedup baseline on purpose"
@@ -51,6 +53,9 @@ bench-runtime: $(STAMP)
 
 bench-replicas: $(STAMP)
 	$(PY) -m experiments.bench_replicas
+
+replicas-plan-table: $(STAMP)
+	$(PY) -m experiments.replicas_plan_table
 
 train-amoebanet: $(STAMP)
 	$(VENV)/bin/gpipe-repro run amoebanet --preset cpu
