@@ -29,7 +29,8 @@ CONFIGS: dict[tuple[int, int], list[tuple[str, int, str, dict[str, Any]]]] = {
              ("transformer", 2, "except_last", {}),
              ("conv", 2, "always", {"batchnorm_stats": "synchronized"}),
              ("conv", 1, "never", {}), ("mlp", 2, "except_last", {"schedule": "1f1b"})],
-    (1, 2): [("mlp", 3, "except_last", {"clip_grad_norm": 0.05}), ("transformer", 1, "always", {}),
+    (1, 2): [("mlp", 3, "except_last", {"clip_grad_norm": 0.05, "bucket_cap_mb": 1e-4}),
+             ("transformer", 1, "always", {}),
              ("conv", 2, "never", {"batchnorm_stats": "synchronized"})],
 }
 STEPS = 2
@@ -71,6 +72,10 @@ def check_replicas(k: int, r: int) -> list[str]:
         if extra.get("batchnorm_stats") == "synchronized":
             for (name, b), rb in zip(nn.Sequential(*mine).named_buffers(), theirs.buffers()):
                 _close(b.float(), rb.float(), f"{where}: buffer {name} vs reference")
+        if "bucket_cap_mb" in extra:   # one bucket per parameter: some leave during the backward
+            reducer = pipe.stage_process.reducer if pipe.stage_process is not None else None
+            assert reducer is not None and len(reducer.buckets) > 1 and reducer.launched_early > 0, \
+                f"{where}: no bucket was launched during the last backward"
         if "clip_grad_norm" in extra:
             assert pipe.last_grad_norm is not None and pipe.last_grad_norm > extra["clip_grad_norm"], \
                 f"{where}: clipping was not exercised"

@@ -12,13 +12,17 @@ average of means would not.
 **Buckets and overlap.** The stage's parameters are packed, in reverse order (DDP's order: the last
 layers' gradients are produced first by a backward), into buckets of at most ``bucket_cap_mb``
 megabytes; each bucket is one flat tensor and one asynchronous ``all_reduce`` on the stage's
-data-parallel group. A gradient is final when the stage's last backward of the step is done, so the
-runtime calls :meth:`GradientReducer.start` right after that action; the all-reduces then run while the
-stage sends its last gradient and while the earlier stages are still draining (stage s's all-reduce
-overlaps the backwards of stages 0..s-1). :meth:`GradientReducer.finish` waits for them at AGREE, before
-the gradient norm is taken, so clipping, the fp16 overflow check and the update all see the reduced
-gradients. (Per-layer launch inside the last backward, as DDP's autograd hooks do, is not done: the
-whole stage's gradients become final within one backward call, which is short beside the drain.)
+data-parallel group. A gradient is final when the stage's last backward of the step has accumulated
+into it. The runtime calls :meth:`GradientReducer.arm` right before that action: from then on a
+post-accumulate-grad hook on every parameter marks it final, and a bucket whose parameters are all
+final is launched at once, during the backward, as DDP's reducer does. Buckets are launched strictly
+in bucket order (every replica must issue its collectives in the same order), so a bucket ready early
+waits for the ones before it. Right after the action, :meth:`GradientReducer.start` launches whatever
+is left (parameters that got no gradient in that backward). The all-reduces then run while the stage
+sends its last gradient and while the earlier stages are still draining (stage s's all-reduce
+overlaps the backwards of stages 0..s-1). :meth:`GradientReducer.finish` waits for them at AGREE,
+before the gradient norm is taken, so clipping, the fp16 overflow check and the update all see the
+reduced gradients.
 
 A parameter whose gradient is None on every replica (it took no part in the step) keeps None: each
 bucket carries one presence flag per parameter.
@@ -26,7 +30,7 @@ bucket carries one presence flag per parameter.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -79,27 +83,64 @@ class GradientReducer:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.buckets = make_buckets(params, bucket_cap_mb * 1e6)
         self._pending: list[tuple[list[nn.Parameter], torch.Tensor, dist.Work | None]] = []
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._final: list[int] = [0] * len(self.buckets)   # parameters final, per bucket
+        self._next = 0              # the next bucket to launch (strictly in order)
+        self._armed = False
+        self.launched_early = 0     # buckets launched during the last backward (by the hooks)
+        self.clock: Callable[[], float] | None = None   # set to record when the first bucket left
+        self.first_launch: float | None = None
+        for b in self.buckets:
+            for p in b:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._on_final_grad)
 
     @property
     def started(self) -> bool:
-        """Whether this step's all-reduces were launched and not yet waited for."""
-        return bool(self._pending)
+        """Whether this step's all-reduces were launched (all of them) and not yet waited for."""
+        return not self._armed and self._next == len(self.buckets) and bool(self._pending)
 
-    def start(self) -> None:
-        """Launch one asynchronous all-reduce per bucket (the gradients must be final)."""
+    def arm(self) -> None:
+        """Called right before the stage's last backward of the step: from now on a parameter whose
+        gradient is accumulated is final, and full buckets are launched in order."""
         if self._pending:
             raise RuntimeError("the previous step's gradient all-reduce was never finished")
-        for bucket in self.buckets:
-            parts, flags = [], []
-            for p in bucket:
-                g = p.grad
-                parts.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if g is None
-                             else g.detach().reshape(-1))
-                flags.append(0.0 if g is None else 1.0)
-            parts.append(torch.tensor(flags, dtype=bucket[0].dtype, device=bucket[0].device))
-            flat = torch.cat(parts)
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-            self._pending.append((bucket, flat, work))
+        self._final = [0] * len(self.buckets)
+        self._next, self._armed, self.launched_early, self.first_launch = 0, True, 0, None
+
+    def _on_final_grad(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        i = self._bucket_of[id(p)]
+        self._final[i] += 1
+        while self._next < len(self.buckets) and self._final[self._next] == len(self.buckets[self._next]):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+            self.launched_early += 1
+
+    def start(self) -> None:
+        """Launch the all-reduce of every bucket not launched yet, in order (the gradients must be
+        final: right after the stage's last backward)."""
+        if not self._armed:   # arm() was not called (no backward this step): launch them all
+            self.arm()
+        self._armed = False
+        for bucket in self.buckets[self._next:]:
+            self._launch(bucket)
+        self._next = len(self.buckets)
+
+    def _launch(self, bucket: list[nn.Parameter]) -> None:
+        if self.first_launch is None and self.clock is not None:
+            self.first_launch = self.clock()
+        parts, flags = [], []
+        for p in bucket:
+            g = p.grad
+            parts.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if g is None
+                         else g.detach().reshape(-1))
+            flags.append(0.0 if g is None else 1.0)
+        parts.append(torch.tensor(flags, dtype=bucket[0].dtype, device=bucket[0].device))
+        flat = torch.cat(parts)
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self._pending.append((bucket, flat, work))
 
     def finish(self) -> None:
         """Wait for every bucket and write the summed gradients back (raises PeerFailure naming the
@@ -128,7 +169,7 @@ class GradientReducer:
 
     def discard(self) -> None:
         """Forget launched all-reduces (a failed step); the job is ending anyway."""
-        self._pending = []
+        self._pending, self._armed, self._next = [], False, 0
 
 
 def sync_batchnorm_stats(module: nn.Module, group: dist.ProcessGroup | None, replicas: int) -> None:

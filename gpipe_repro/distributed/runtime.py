@@ -167,12 +167,14 @@ class StageProcess:
                         self.transport.release_sent()
                     if a.kind is ActionKind.AGREE and self.reducer is not None:
                         if not self.reducer.started:
-                            reduce_start = self._now()
                             self.reducer.start()
                         self._finish_replicas(reduce_start)
+                    if i == last_backward and self.reducer is not None:
+                        reduce_start = self._now()   # buckets may leave during this backward
+                        self.reducer.clock = ex.clock
+                        self.reducer.arm()
                     ex.execute(a)
                     if i == last_backward and self.reducer is not None:
-                        reduce_start = self._now()
                         self.reducer.start()
         except BaseException:
             for bn in ex.batchnorms:   # all-or-nothing: drop what the failed step accumulated
@@ -197,7 +199,9 @@ class StageProcess:
         if self.batchnorm_stats == "synchronized" and self.executor.batchnorms:
             sync_batchnorm_stats(self.executor.cell, self.groups.data_parallel, self.layout.replicas)
         if self.executor.clock is not None:
-            self.executor.events.append(Event(self.rank, "allreduce", None, reduce_start,
+            launched = self.reducer.first_launch
+            self.executor.events.append(Event(self.rank, "allreduce", None,
+                                              reduce_start if launched is None else launched,
                                               self.executor.clock()))
 
     def _finish(self, start: float, schedule: Schedule) -> None:

@@ -186,9 +186,10 @@ class GPipe(nn.Module):
             says why). Every rank is given the same global mini-batch; it is cut into R x M
             micro-batches and replica r runs micro-batches r*M .. r*M + M - 1, so a step still equals
             full-batch training of the global mini-batch. Each stage's gradients are summed over its
-            R replicas by bucketed all-reduces launched after the stage's last backward (overlapping
-            the drain); AGREE (loss, clipping, fp16 overflow, the all-or-nothing commit) spans all
-            K x R ranks. See :mod:`gpipe_repro.distributed.data_parallel`.
+            R replicas by bucketed all-reduces, each launched as soon as its gradients are final
+            during the stage's last backward (overlapping that backward and the drain); AGREE
+            (loss, clipping, fp16 overflow, the all-or-nothing commit) spans all K x R ranks. See
+            :mod:`gpipe_repro.distributed.data_parallel`.
         batchnorm_stats: with replicas, "per_replica" (default: each replica's DeferredBatchNorm
             commits the statistics of its own slice, so running statistics differ between replicas;
             normalization, gradients and weights do not) or "synchronized" (the replicas merge their

@@ -10,7 +10,9 @@ released anyway; only what sticks out delays the step::
     step    = pipeline step + (release - max over s of arrival_s)
 
 and a step trains R x N examples. Replicas are independent pipelines running the same schedule on the
-same costs, so one simulated pipeline stands for all of them.
+same costs, so one simulated pipeline stands for all of them. The runtime launches each bucket as
+soon as its gradients are final, inside the last backward; the model launches the whole stage at the
+end of that backward (one bucket), so it is conservative by up to one backward per stage.
 
 **All-reduce cost** of n bytes over p ranks, alpha-beta model (alpha: latency per message, B:
 bandwidth per rank per direction):
