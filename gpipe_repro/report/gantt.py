@@ -67,7 +67,9 @@ def render_gantt(timeline: Timeline, path: str | Path, title: str | None = None)
             ax.text((start + width / 2) * scale, stage, text, ha="center", va="center", fontsize=7,
                     color="white")
     ax.set_ylim(k - 0.5, -0.5)  # stage 0 on top
-    ax.set_yticks(range(k), [f"stage {s}" for s in range(k)])
+    per = int(timeline.meta.get("stages") or k)   # replicas: one row per rank = replica * K + stage
+    ax.set_yticks(range(k), [f"stage {s}" if per == k else f"r{s // per} stage {s % per}"
+                             for s in range(k)])
     ax.set_xlim(0, span * scale)
     ax.set_xlabel(f"time ({unit})")
     shares = timeline.breakdown()
