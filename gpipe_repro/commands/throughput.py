@@ -28,10 +28,17 @@ def register(app: typer.Typer) -> None:
     @app.command("throughput", context_settings=_PASS_THROUGH, add_help_option=False)
     def throughput(ctx: typer.Context) -> None:
         """Simulate your own model (--model module:factory --input-shape ... --k K --m M): step time,
-        speedup, and a real run where K fits the host (--help)."""
-        from gpipe_repro.repro.simulate_model import main
-
-        main(list(ctx.args), prog="gpipe-repro throughput")
+        speedup, and a real run where K fits the host; with --replicas R: R data-parallel replicas of a
+        K-stage pipeline of a registry model (--model transformer-lm --k 8 --replicas 128 --m 32):
+        samples/s and the time breakdown, all-reduce included (--help, --replicas 1 --help)."""
+        args = list(ctx.args)
+        # One command, two simulations, chosen by an explicit table on whether --replicas is given.
+        replicas = any(a == "--replicas" or a.startswith("--replicas=") for a in args)
+        if replicas:
+            from gpipe_repro.repro.replicas_throughput import main
+        else:
+            from gpipe_repro.repro.simulate_model import main
+        main(args, prog="gpipe-repro throughput" + (" --replicas" if replicas else ""))
 
     @app.command("validate-sim", context_settings=_PASS_THROUGH, add_help_option=False)
     def validate_sim(ctx: typer.Context) -> None:

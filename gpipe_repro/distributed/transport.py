@@ -45,6 +45,7 @@ from gpipe_repro.distributed.process_group import StageContext
 from gpipe_repro.distributed.watchdog import PeerFailure
 from gpipe_repro.engine import boundary
 from gpipe_repro.engine.schedule import Action, ActionKind
+from gpipe_repro.engine.stage import AGREEMENT_FIELDS
 
 Spec = tuple  # ("tensor", shape, dtype) | ("seq", "tuple" | "list", (Spec, ...)) | ("value", plain)
 
@@ -101,8 +102,14 @@ class ProcessGroupTransport:
 
     def __init__(self, context: StageContext, prepost: bool = True,
                  group: dist.ProcessGroup | None = None,
-                 agree_group: dist.ProcessGroup | None = None) -> None:
+                 agree_group: dist.ProcessGroup | None = None, rank_offset: int = 0,
+                 counts_norm: bool = True) -> None:
         self.rank, self.device, self.group = context.rank, context.device, group
+        # Replicas (gpipe_repro.distributed.groups): stage s of this pipeline is rank rank_offset + s.
+        self.rank_offset = rank_offset
+        # At AGREE, whether this rank's squared gradient norm counts: after the data-parallel
+        # all-reduce every replica of a stage holds the same gradients, so only replica 0's counts.
+        self.counts_norm = counts_norm
         self.agree_group = agree_group   # a CPU (gloo) group for the AGREE all-reduce
         self.timeout = datetime.timedelta(seconds=context.timeout_s)
         self.prepost = prepost and context.backend == "gloo"
@@ -125,11 +132,11 @@ class ProcessGroupTransport:
         self._known = self.specs.setdefault(key, {})
         if self.prepost and not self._learning:
             for a in actions:
-                m = a.microbatch
+                m, o = a.microbatch, self.rank_offset
                 if a.kind is ActionKind.RECV_ACT and m is not None:
-                    self._post(ACTIVATION, a.stage - 1, m)
+                    self._post(ACTIVATION, o + a.stage - 1, m)
                 elif a.kind is ActionKind.RECV_GRAD and m is not None:
-                    self._post(GRADIENT, a.stage + 1, m)
+                    self._post(GRADIENT, o + a.stage + 1, m)
 
     def finish_step(self) -> None:
         """Wait for every send of the step (a receiver that never receives fails here, by timeout)."""
@@ -143,16 +150,19 @@ class ProcessGroupTransport:
 
     # -- the Transport protocol ---------------------------------------------------------------------
     def send_activation(self, stage: int, microbatch: int, value: Any) -> None:
-        self._send(ACTIVATION, stage, stage + 1, microbatch, value)
+        o = self.rank_offset
+        self._send(ACTIVATION, o + stage, o + stage + 1, microbatch, value)
 
     def recv_activation(self, stage: int, microbatch: int) -> Any:
-        return boundary.attach(self._recv(ACTIVATION, stage - 1, microbatch), self.device)
+        o = self.rank_offset
+        return boundary.attach(self._recv(ACTIVATION, o + stage - 1, microbatch), self.device)
 
     def send_gradient(self, stage: int, microbatch: int, grads: list[torch.Tensor | None]) -> None:
-        self._send(GRADIENT, stage, stage - 1, microbatch, tuple(grads))
+        o = self.rank_offset
+        self._send(GRADIENT, o + stage, o + stage - 1, microbatch, tuple(grads))
 
     def recv_gradient(self, stage: int, microbatch: int) -> list[torch.Tensor | None]:
-        return list(self._recv(GRADIENT, stage + 1, microbatch))
+        return list(self._recv(GRADIENT, self.rank_offset + stage + 1, microbatch))
 
     def agree(self, stage: int, contribution: Callable[[], list[float]]) -> list[float]:
         """AGREE: wait for this rank's sends, then one all-reduce (sum) of the stages' small vectors
@@ -160,7 +170,10 @@ class ProcessGroupTransport:
         sends, self._sends = self._sends, []
         for work, _, _, dst in sends:
             self._wait(work, f"sending to rank {dst}", dst)
-        vec = torch.tensor(contribution(), dtype=torch.float64)
+        values = contribution()
+        if not self.counts_norm:
+            values[AGREEMENT_FIELDS.index("grad_sq_norm")] = 0.0
+        vec = torch.tensor(values, dtype=torch.float64)
         work = dist.all_reduce(vec, group=self.agree_group, async_op=True)
         self._wait(work, "agreeing on the step (the all-reduce before the update)", None)
         return vec.tolist()
@@ -180,15 +193,17 @@ class ProcessGroupTransport:
                 self._sends.append((work, [t], self._generation, dst))
         elif self._known.get(slot) != spec:
             raise RuntimeError(
-                f"stage {src}: the {_KIND_NAMES[kind]} of micro-batch {microbatch} for stage {dst} is "
+                f"stage {src - self.rank_offset}: the {_KIND_NAMES[kind]} of micro-batch {microbatch} for "
+                f"stage {dst - self.rank_offset} is "
                 f"{_show(spec)}, but it was {_show(self._known.get(slot))} when the stages agreed on "
                 "boundary shapes for these input shapes. Boundary shapes, dtypes and plain values must "
                 "be a function of the input shapes (the same on every step with the same inputs' "
                 "shapes); return a tensor instead of a changing plain value")
         leaves = boundary.tensors(value)
         if len(leaves) > MAX_LEAVES:
-            raise ValueError(f"stage {src}: a boundary value holds {len(leaves)} tensors; at most "
-                             f"{MAX_LEAVES} can cross between stages: concatenate some of them")
+            raise ValueError(f"stage {src - self.rank_offset}: a boundary value holds {len(leaves)} "
+                             f"tensors; at most {MAX_LEAVES} can cross between stages: concatenate some of "
+                             "them")
         for i, t in enumerate(leaves):
             if t.numel() == 0:
                 continue

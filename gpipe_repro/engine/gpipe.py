@@ -100,6 +100,21 @@ def _check_shared_parameters(cells: list[nn.Sequential]) -> None:
                                  "untie them")
 
 
+BATCHNORM_STATS = ("per_replica", "synchronized")   # GPipe(batchnorm_stats=...), with replicas
+
+
+def _batch_key(inputs: Any, targets: Any) -> Any:
+    """What every rank's global mini-batch must have in common with replicas: structure, shapes,
+    dtypes and plain values (not the data; reading it would cost a pass over the batch)."""
+    def describe(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return ("tensor", tuple(v.shape), str(v.dtype))
+        if isinstance(v, (tuple, list)):
+            return tuple(describe(x) for x in v)
+        return ("value", repr(v))
+    return (describe(inputs), describe(targets))
+
+
 class _Unset:
     def __repr__(self) -> str:
         return "<not given>"
@@ -166,6 +181,21 @@ class GPipe(nn.Module):
         seed: the seed of dropout masks.
         deferred_batchnorm: convert BatchNorm layers to :class:`DeferredBatchNorm`.
         runtime: "local" (all cells in this process) or "distributed" (one process per cell).
+        replicas: R, data-parallel replicas of the pipeline (``runtime="distributed"`` only): the job
+            has K x R processes, rank = replica * K + stage (:mod:`gpipe_repro.distributed.groups`
+            says why). Every rank is given the same global mini-batch; it is cut into R x M
+            micro-batches and replica r runs micro-batches r*M .. r*M + M - 1, so a step still equals
+            full-batch training of the global mini-batch. Each stage's gradients are summed over its
+            R replicas by bucketed all-reduces, each launched as soon as its gradients are final
+            during the stage's last backward (overlapping that backward and the drain); AGREE
+            (loss, clipping, fp16 overflow, the all-or-nothing commit) spans all K x R ranks. See
+            :mod:`gpipe_repro.distributed.data_parallel`.
+        batchnorm_stats: with replicas, "per_replica" (default: each replica's DeferredBatchNorm
+            commits the statistics of its own slice, so running statistics differ between replicas;
+            normalization, gradients and weights do not) or "synchronized" (the replicas merge their
+            statistics before committing: running statistics of the whole global mini-batch).
+        bucket_cap_mb: with replicas, the largest gradient bucket of one all-reduce, in MB (DDP's
+            default, 25).
 
     Raises:
         TypeError: `layers` is not a sequence of modules.
@@ -181,7 +211,8 @@ class GPipe(nn.Module):
                  loss_reduction: str | None = None, optimizer: OptimizerFactory | None = _NOT_GIVEN,
                  clip_grad_norm: float | None = None, precision: str = "fp32",
                  schedule: str = "gpipe", recompute_ahead: bool = False, seed: int = 0,
-                 deferred_batchnorm: bool = True, runtime: str = "local") -> None:
+                 deferred_batchnorm: bool = True, runtime: str = "local", replicas: int = 1,
+                 batchnorm_stats: str = "per_replica", bucket_cap_mb: float = 25.0) -> None:
         super().__init__()
         layer_list = as_layers(layers)
         if not isinstance(partitions, int) or partitions < 1:
@@ -212,6 +243,16 @@ class GPipe(nn.Module):
             raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        if not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
+        if replicas > 1 and runtime != "distributed":
+            raise ValueError(f"replicas={replicas} needs runtime='distributed' (one process per stage "
+                             f"of each replica, {partitions * replicas} processes); the local runtime "
+                             "runs one pipeline: use replicas=1, or runtime='distributed'")
+        if batchnorm_stats not in BATCHNORM_STATS:
+            raise ValueError(f"batchnorm_stats must be one of {BATCHNORM_STATS}, got {batchnorm_stats!r}")
+        if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
         if devices is not None and len(devices) != partitions:
             raise ValueError(f"{len(devices)} devices given for partitions={partitions}: give one device "
                              "per partition")
@@ -219,10 +260,16 @@ class GPipe(nn.Module):
         plugin = _runtime_plugin(runtime) if runtime in _RUNTIME_PLUGINS else None
         if plugin is not None:
             context = plugin.init_distributed()
-            if context.world_size != partitions:
-                raise ValueError(f"partitions={partitions} but the job has {context.world_size} "
-                                 f"processes: start one process per partition (torchrun "
-                                 f"--nproc-per-node {partitions}, or launch_local(fn, {partitions}))")
+            world = context.world_size
+            if world % partitions != 0:
+                raise ValueError(f"partitions={partitions} but the job has {world} processes, which is "
+                                 f"not a multiple of {partitions}: start one process per partition and "
+                                 f"replica, K x R = {partitions} x replicas processes (torchrun "
+                                 f"--nproc-per-node {partitions}, or launch_local(fn, {partitions} * R))")
+            if world != partitions * replicas:
+                raise ValueError(f"partitions={partitions} x replicas={replicas} needs "
+                                 f"{partitions * replicas} processes but the job has {world}: start "
+                                 f"{partitions * replicas} processes, or pass replicas={world // partitions}")
         if balance is None:
             balance = ([len(layer_list)] if partitions == 1 else
                        partition(layer_costs(layer_list, cost, sample), partitions, objective))
@@ -235,8 +282,9 @@ class GPipe(nn.Module):
         cells = split_cells(layer_list, balance)
         _check_shared_parameters(cells)
         self.rank: int | None = None   # this process's stage with runtime="distributed"
+        self.replicas, self.replica = replicas, 0   # R, and this process's replica
         if context is not None:
-            self.rank = context.rank
+            self.rank, self.replica = context.rank % partitions, context.rank // partitions
             if devices is None:
                 devices = [context.device] * partitions
             # This process runs only its own cell; the others' layers are not kept.
@@ -275,7 +323,9 @@ class GPipe(nn.Module):
             for s in stages]
         self.stage_process = None  # runtime="distributed": this rank's StageProcess
         if plugin is not None:
-            self.stage_process = plugin.StageProcess(self.executors[0], context)
+            self.stage_process = plugin.StageProcess(
+                self.executors[0], context, layout=plugin.Layout(partitions, replicas),
+                bucket_cap_mb=float(bucket_cap_mb), batchnorm_stats=batchnorm_stats)
 
     # -- training ---------------------------------------------------------------------------------
     def make_schedule(self) -> Schedule:
@@ -293,9 +343,15 @@ class GPipe(nn.Module):
             raise ValueError("train_step needs an optimizer: GPipe(..., optimizer=lambda params: "
                              "torch.optim.SGD(params, lr=0.1)); pass optimizer=None to compute "
                              "gradients without updating")
+        if self.replicas > 1:   # before any work: every rank has the same global mini-batch
+            assert self.stage_process is not None
+            self.stage_process.check_same_batch(_batch_key(inputs, targets))
         mbs, tgts, sizes = self._split(inputs, targets)
         n = sum(sizes)
         weights = [s / n for s in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
+        if self.replicas > 1:   # this replica's M of the R x M micro-batches; weights stay global
+            mine = slice(self.replica * self.micro_batches, (self.replica + 1) * self.micro_batches)
+            mbs, tgts, weights = mbs[mine], tgts[mine], weights[mine]
         schedule = self.make_schedule()
         config = StepConfig(self.precision, self.clip_grad_norm, self.loss_scale)
         if self.stage_process is not None:
@@ -337,6 +393,14 @@ class GPipe(nn.Module):
         output depends on M (BatchNorm normalizes per micro-batch), so, as for ``train_step``, a batch
         smaller than M is an error; each call draws fresh dropout masks."""
         n = microbatch.batch_size(inputs)
+        if self.replicas > 1:   # each replica infers on its slice; the outputs are joined in order
+            assert self.stage_process is not None
+            if n < self.replicas:
+                raise ValueError(f"a batch of {n} cannot be shared by replicas={self.replicas}: give "
+                                 f"at least {self.replicas} examples")
+            self.stage_process.check_same_batch(_batch_key(inputs, None))
+            inputs = microbatch.split(inputs, self.replicas)[self.replica]
+            n = microbatch.batch_size(inputs)
         m = self.micro_batches if self.training else min(self.micro_batches, n)
         if m > n:
             raise ValueError(f"micro_batches={m} is larger than the batch size {n} in training mode: "
@@ -362,15 +426,21 @@ class GPipe(nn.Module):
         return out
 
     def _split(self, inputs: Any, targets: Any) -> tuple[list[Any], list[Any], list[int]]:
+        """The mini-batch as micro-batches (R x M of them with replicas), and their sizes."""
         n = microbatch.batch_size(inputs)
-        if self.micro_batches > n:
+        parts = self.micro_batches * self.replicas
+        if parts > n:
+            if self.replicas > 1:
+                raise ValueError(f"micro_batches={self.micro_batches} x replicas={self.replicas} = "
+                                 f"{parts} micro-batches is more than the global batch size {n}: use "
+                                 f"a global batch of at least {parts}, or fewer micro-batches")
             raise ValueError(f"micro_batches={self.micro_batches} is larger than the batch size {n}: "
                              f"use micro_batches <= {n} or a larger batch")
         if targets is not None and microbatch.batch_size(targets) != n:
             raise ValueError(f"targets have batch size {microbatch.batch_size(targets)} but inputs {n}")
-        sizes = microbatch.split_sizes(n, self.micro_batches)
-        return (microbatch.split(inputs, self.micro_batches),
-                [] if targets is None else microbatch.split(targets, self.micro_batches), sizes)
+        sizes = microbatch.split_sizes(n, parts)
+        return (microbatch.split(inputs, parts),
+                [] if targets is None else microbatch.split(targets, parts), sizes)
 
     def _run(self, schedule: Schedule, mbs: list[Any], tgts: list[Any] | None,
              weights: list[float] | None, config: StepConfig, step: int | None = None) -> None:

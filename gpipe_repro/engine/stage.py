@@ -151,6 +151,9 @@ class StageExecutor:
         self.first_layer, self.device, self.transport = first_layer, device, transport
         self.loss_fn, self.optimizer, self.seed = loss_fn, optimizer, seed
         self.clock = clock           # set to record a timeline of executed actions
+        # Replicas: this replica's micro-batch m is micro-batch m + offset of the global mini-batch
+        # (its dropout masks are that micro-batch's); set by the distributed runtime.
+        self.microbatch_offset = 0
         self.events: list[Event] = []
         self.is_last = stage == num_stages - 1
         self.batchnorms = [m for m in cell.modules() if isinstance(m, DeferredBatchNorm)]
@@ -324,7 +327,8 @@ class StageExecutor:
             with self._autocast():
                 h = feed
                 for i, layer in enumerate(self.cell):
-                    seed_layer(self.seed, self.step, self.first_layer + i, m, self.device, self.step_key)
+                    seed_layer(self.seed, self.step, self.first_layer + i, m + self.microbatch_offset,
+                               self.device, self.step_key)
                     h = layer(h)
                     boundary.check(h, f"layer {self.first_layer + i} ({type(layer).__name__})")
                 if self.is_last and self.training and torch.is_grad_enabled():

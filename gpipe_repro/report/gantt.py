@@ -15,11 +15,13 @@ from gpipe_repro.engine.timeline import Timeline
 
 COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "recompute": "#8172B3",
           "optimizer_step": "#55A868", "send": "#937860", "transfer": "#C44E52", "wait": "#DDDDDD",
-          "agree": "#2F2F2F"}
+          "agree": "#2F2F2F", "allreduce": "#64B5CD"}
 LABELS = {"forward": "forward", "backward": "backward", "recompute": "re-computation",
           "optimizer_step": "optimizer update", "send": "send", "transfer": "receive (data moving)",
-          "wait": "receive (waiting for the sender)", "agree": "agree (all stages, before the update)"}
-_LETTER = {"forward": "F", "backward": "B", "recompute": "R", "optimizer_step": "U", "agree": "A"}
+          "wait": "receive (waiting for the sender)", "agree": "agree (all stages, before the update)",
+          "allreduce": "gradient all-reduce over replicas (launch to completion)"}
+_LETTER = {"forward": "F", "backward": "B", "recompute": "R", "optimizer_step": "U", "agree": "A",
+           "allreduce": "AR"}
 
 
 def _bars(timeline: Timeline) -> list[tuple[int, str, float, float, str]]:
@@ -65,7 +67,9 @@ def render_gantt(timeline: Timeline, path: str | Path, title: str | None = None)
             ax.text((start + width / 2) * scale, stage, text, ha="center", va="center", fontsize=7,
                     color="white")
     ax.set_ylim(k - 0.5, -0.5)  # stage 0 on top
-    ax.set_yticks(range(k), [f"stage {s}" for s in range(k)])
+    per = int(timeline.meta.get("stages") or k)   # replicas: one row per rank = replica * K + stage
+    ax.set_yticks(range(k), [f"stage {s}" if per == k else f"r{s // per} stage {s % per}"
+                             for s in range(k)])
     ax.set_xlim(0, span * scale)
     ax.set_xlabel(f"time ({unit})")
     shares = timeline.breakdown()

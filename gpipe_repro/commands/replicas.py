@@ -1,0 +1,63 @@
+"""`gpipe-repro plan-replicas`: choose K, R and M for N devices. (`gpipe-repro throughput --replicas R`,
+the K x R simulation, is in commands/throughput.py, one command with the own-model simulation.)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+def register(app: typer.Typer) -> None:
+    """Add the command to the `gpipe-repro` app."""
+    @app.command("plan-replicas", context_settings={"allow_extra_args": True,
+                                                    "ignore_unknown_options": True})
+    def plan_replicas_command(
+            ctx: typer.Context,
+            family: str = typer.Argument(..., help="model family (gpipe-repro models lists them)"),
+            devices: int = typer.Option(8, "--devices", help="N: devices of the job (K x R = N)"),
+            memory: float = typer.Option(16.0, "--memory", help="memory per device, GiB"),
+            batch: Optional[int] = typer.Option(None, "--batch", help="mini-batch of ONE replica"),
+            tflops: float = typer.Option(100.0, "--tflops", help="device compute rate, TFLOP/s"),
+            link: str = typer.Option("nvlink", "--link", help="the pipeline's boundary link"),
+            devices_per_host: int = typer.Option(8, "--devices-per-host"),
+            algorithm: str = typer.Option("ring", "--algorithm", help="all-reduce: ring | tree"),
+            micro_batches: Optional[str] = typer.Option(None, "--micro-batches", "-M",
+                                                        help="candidates, e.g. 4,8,32"),
+            top: int = typer.Option(6, "--top", help="candidates to show")) -> None:
+        """Choose K, R = N / K, M and the partition for the best simulated samples/s within --memory
+        GiB per device (extra options, e.g. --L 48, go to the model builder)."""
+        from gpipe_repro.commands.models import parse_options
+        from gpipe_repro.memory.planner import GiB, MemoryPlanner
+        from gpipe_repro.memory.profile import rmsprop_foreach
+        from gpipe_repro.memory.replicas_plan import plan_replicas
+        from gpipe_repro.memory.workloads import workload
+        from gpipe_repro.sim.links import get_link
+
+        try:
+            work = workload(family, batch, **parse_options(list(ctx.args)))
+        except (ValueError, TypeError) as e:
+            raise typer.BadParameter(str(e)) from e
+        planner = MemoryPlanner(work.layers, work.sample, work.target, work.loss_fn,
+                                optimizer=rmsprop_foreach, optimizer_foreach=True)
+        ms = [int(x) for x in micro_batches.split(",")] if micro_batches else None
+        cands = plan_replicas(planner, devices, memory * GiB, get_link(link), tflops * 1e12,
+                              micro_batches=ms, devices_per_host=devices_per_host, algorithm=algorithm)
+        print(f"{work.describe()}: {devices} devices of {memory:g} GiB, {tflops:g} TFLOP/s, "
+              f"{devices_per_host} per host, {algorithm} all-reduce; replica mini-batch "
+              f"{planner.batch} (simulated)")
+        print(f"{'K':>4} {'R':>5} {'M':>4} {'checkpoint':<12} {'fits':<4} {'peak GiB':>8} "
+              f"{'samples/s':>10}  why")
+        for c in cands[:top]:
+            print(f"{c.partitions:>4} {c.replicas:>5} {c.pipeline.micro_batches:>4} "
+                  f"{c.pipeline.checkpoint:<12} {'yes' if c.fits else 'no':<4} "
+                  f"{c.peak_with_buckets / GiB:>8.2f} {c.throughput:>10.1f}  {c.why()}")
+        best = cands[0] if cands and cands[0].fits else None
+        if best is None:
+            print(f"nothing fits on {devices} devices of {memory:g} GiB")
+            raise typer.Exit(1)
+        print(f"choose K={best.partitions} x R={best.replicas}, M={best.pipeline.micro_batches}, "
+              f"checkpoint={best.pipeline.checkpoint}, balance={best.pipeline.balance}: "
+              f"{best.throughput:.1f} samples/s; {best.why()}")

@@ -1,0 +1,211 @@
+"""Gradient all-reduce between the R replicas of a stage, and synchronized BatchNorm statistics.
+
+**What is reduced, and why a sum.** With R replicas the mini-batch of N examples is cut into R x M
+micro-batches (``torch.tensor_split``: sizes differ by at most one) and replica r runs micro-batches
+``r*M .. r*M + M - 1``. Each micro-batch's loss is weighted n_m / N with the *global* N (a mean loss)
+or 1 (a sum, or a ``(sum, count)`` loss whose count is summed over every rank at AGREE), so a
+replica's accumulated gradient is its share of the full-batch gradient and the all-reduce SUMS the
+shares. For equal slices this is what DDP's average of per-replica mean gradients computes; for
+uneven slices (N not a multiple of R x M) the sum stays exactly the full-batch gradient where the
+average of means would not.
+
+**Buckets and overlap.** The stage's parameters are packed, in reverse order (DDP's order: the last
+layers' gradients are produced first by a backward), into buckets of at most ``bucket_cap_mb``
+megabytes; each bucket is one flat tensor and one asynchronous ``all_reduce`` on the stage's
+data-parallel group. A gradient is final when the stage's last backward of the step has accumulated
+into it. The runtime calls :meth:`GradientReducer.arm` right before that action: from then on a
+post-accumulate-grad hook on every parameter marks it final, and a bucket whose parameters are all
+final is launched at once, during the backward, as DDP's reducer does. Buckets are launched strictly
+in bucket order (every replica must issue its collectives in the same order), so a bucket ready early
+waits for the ones before it. Right after the action, :meth:`GradientReducer.start` launches whatever
+is left (parameters that got no gradient in that backward). The all-reduces then run while the stage
+sends its last gradient and while the earlier stages are still draining (stage s's all-reduce
+overlaps the backwards of stages 0..s-1). :meth:`GradientReducer.finish` waits for them at AGREE,
+before the gradient norm is taken, so clipping, the fp16 overflow check and the update all see the
+reduced gradients.
+
+A parameter whose gradient is None on every replica (it took no part in the step) keeps None: each
+bucket carries one presence flag per parameter.
+"""
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpipe_repro.distributed.watchdog import PeerFailure
+from gpipe_repro.engine.batchnorm import DeferredBatchNorm
+
+__all__ = ["GradientReducer", "sync_batchnorm_stats", "BATCHNORM_STATS", "DEFAULT_BUCKET_CAP_MB"]
+
+DEFAULT_BUCKET_CAP_MB = 25.0   # torch.nn.parallel.DistributedDataParallel's default bucket_cap_mb
+BATCHNORM_STATS = ("per_replica", "synchronized")
+
+
+def make_buckets(params: Sequence[nn.Parameter], cap_bytes: float) -> list[list[nn.Parameter]]:
+    """Parameters in reverse order, grouped by (device, dtype), cut into buckets of at most
+    `cap_bytes` (a parameter larger than that is a bucket of its own)."""
+    buckets: list[list[nn.Parameter]] = []
+    open_: dict[tuple[torch.device, torch.dtype], tuple[list[nn.Parameter], int]] = {}
+    for p in reversed(list(params)):
+        key = (p.device, p.dtype)
+        bucket, size = open_.get(key, ([], 0))
+        nbytes = p.numel() * p.element_size()
+        if bucket and size + nbytes > cap_bytes:
+            buckets.append(bucket)
+            bucket, size = [], 0
+        bucket.append(p)
+        open_[key] = (bucket, size + nbytes)
+    buckets.extend(b for b, _ in open_.values() if b)
+    return buckets
+
+
+class GradientReducer:
+    """Sums one stage's gradients over its data-parallel group (see the module docstring).
+
+    Args:
+        params: the stage's parameters.
+        group: the stage's data-parallel process group (None: the default group).
+        ranks: the global ranks of that group (for error messages).
+        rank: this process's global rank; timeout_s: how long to wait for a silent replica.
+        bucket_cap_mb: the largest bucket, in megabytes (10^6 bytes, as DDP counts).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], *, group: dist.ProcessGroup | None,
+                 ranks: Sequence[int], rank: int, timeout_s: float,
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        self.group, self.ranks, self.rank = group, list(ranks), rank
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.buckets = make_buckets(params, bucket_cap_mb * 1e6)
+        self._pending: list[tuple[list[nn.Parameter], torch.Tensor, dist.Work | None]] = []
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._final: list[int] = [0] * len(self.buckets)   # parameters final, per bucket
+        self._next = 0              # the next bucket to launch (strictly in order)
+        self._armed = False
+        self.launched_early = 0     # buckets launched during the last backward (by the hooks)
+        self.clock: Callable[[], float] | None = None   # set to record when the first bucket left
+        self.first_launch: float | None = None
+        for b in self.buckets:
+            for p in b:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._on_final_grad)
+
+    @property
+    def started(self) -> bool:
+        """Whether this step's all-reduces were launched (all of them) and not yet waited for."""
+        return not self._armed and self._next == len(self.buckets) and bool(self._pending)
+
+    def arm(self) -> None:
+        """Called right before the stage's last backward of the step: from now on a parameter whose
+        gradient is accumulated is final, and full buckets are launched in order."""
+        if self._pending:
+            raise RuntimeError("the previous step's gradient all-reduce was never finished")
+        self._final = [0] * len(self.buckets)
+        self._next, self._armed, self.launched_early, self.first_launch = 0, True, 0, None
+
+    def _on_final_grad(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        i = self._bucket_of[id(p)]
+        self._final[i] += 1
+        while self._next < len(self.buckets) and self._final[self._next] == len(self.buckets[self._next]):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+            self.launched_early += 1
+
+    def start(self) -> None:
+        """Launch the all-reduce of every bucket not launched yet, in order (the gradients must be
+        final: right after the stage's last backward)."""
+        if not self._armed:   # arm() was not called (no backward this step): launch them all
+            self.arm()
+        self._armed = False
+        for bucket in self.buckets[self._next:]:
+            self._launch(bucket)
+        self._next = len(self.buckets)
+
+    def _launch(self, bucket: list[nn.Parameter]) -> None:
+        if self.first_launch is None and self.clock is not None:
+            self.first_launch = self.clock()
+        parts, flags = [], []
+        for p in bucket:
+            g = p.grad
+            parts.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if g is None
+                         else g.detach().reshape(-1))
+            flags.append(0.0 if g is None else 1.0)
+        parts.append(torch.tensor(flags, dtype=bucket[0].dtype, device=bucket[0].device))
+        flat = torch.cat(parts)
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self._pending.append((bucket, flat, work))
+
+    def finish(self) -> None:
+        """Wait for every bucket and write the summed gradients back (raises PeerFailure naming the
+        group when a replica does not answer within the timeout)."""
+        pending, self._pending = self._pending, []
+        for bucket, flat, work in pending:
+            if work is not None:
+                try:
+                    work.wait(self.timeout)
+                except Exception as e:
+                    raise PeerFailure(
+                        f"rank {self.rank} lost a replica of its stage (data-parallel group ranks "
+                        f"{self.ranks}) while summing gradients (it died, failed or did not answer "
+                        f"within {self.timeout.total_seconds():g} s): {e}", None) from e
+            flags = flat[-len(bucket):]
+            offset = 0
+            for p, present in zip(bucket, flags.tolist()):
+                n = p.numel()
+                if present > 0:
+                    value = flat[offset:offset + n].view_as(p)
+                    if p.grad is None:
+                        p.grad = value.clone()
+                    else:
+                        p.grad.copy_(value)
+                offset += n
+
+    def discard(self) -> None:
+        """Forget launched all-reduces (a failed step); the job is ending anyway."""
+        self._pending, self._armed, self._next = [], False, 0
+
+
+def sync_batchnorm_stats(module: nn.Module, group: dist.ProcessGroup | None, replicas: int) -> None:
+    """Merge every DeferredBatchNorm's pending statistics of this step over the data-parallel group
+    (collective over `group`), so every replica commits those of the whole global mini-batch.
+
+    Merging uses Chan, Golub & LeVeque's pairwise update ("Algorithms for computing the sample
+    variance", 1983), the same rule DeferredBatchNorm applies between micro-batches, in replica order.
+    """
+    for bn in (m for m in module.modules() if isinstance(m, DeferredBatchNorm)):
+        if not bn.track_running_stats:
+            continue
+        c = bn.num_features
+        device = bn.running_mean.device if bn.running_mean is not None else torch.device("cpu")
+        mine = torch.zeros(1 + 2 * c, dtype=torch.float64, device=device)
+        if bn._count > 0:
+            assert bn._mean is not None and bn._m2 is not None
+            mine[0] = bn._count
+            mine[1:1 + c] = bn._mean.double()
+            mine[1 + c:] = bn._m2.double()
+        everyone = [torch.empty_like(mine) for _ in range(replicas)]
+        dist.all_gather(everyone, mine, group=group)
+        count, mean, m2 = 0.0, torch.zeros(c, dtype=torch.float64, device=device), \
+            torch.zeros(c, dtype=torch.float64, device=device)
+        for t in everyone:
+            n = float(t[0])
+            if n == 0:
+                continue
+            tm, tm2 = t[1:1 + c], t[1 + c:]
+            if count == 0:
+                count, mean, m2 = n, tm.clone(), tm2.clone()
+                continue
+            total = count + n
+            delta = tm - mean
+            mean = mean + delta * (n / total)
+            m2 = m2 + tm2 + delta * delta * (count * n / total)
+            count = total
+        if count > 0:
+            bn._count, bn._mean, bn._m2 = int(count), mean.float(), m2.float()

@@ -1,0 +1,64 @@
+"""`make replicas-plan-table`: the K x R x M choice for Transformer-L and AmoebaNet-D on 8, 64, 512 and
+2048 devices (simulated), with the runner-up, in results/replicas/plan.{json,md}.
+
+Each cell is :func:`gpipe_repro.memory.replicas_plan.plan_replicas` on devices of ``--memory`` GiB at
+``--tflops`` TFLOP/s, 8 per host (NVLink inside, InfiniBand EDR between hosts:
+:mod:`gpipe_repro.sim.data_parallel`), with the replica mini-batch fixed (weak scaling).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from gpipe_repro.memory.planner import GiB, MemoryPlanner
+from gpipe_repro.memory.profile import rmsprop_foreach
+from gpipe_repro.memory.replicas_plan import plan_replicas
+from gpipe_repro.memory.workloads import workload
+from gpipe_repro.report.records import markdown_table, results_dir, simulated, write_json, write_markdown
+from gpipe_repro.sim.links import get_link
+
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "Transformer-L (L=48)": ("transformer-lm", {"L": 48}),
+    "AmoebaNet-D (18, 256)": ("amoebanet-d", {"L": 18, "F": 256}),
+}
+DEVICES = (8, 64, 512, 2048)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Plan every (model, N), print and record the table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--memory", type=float, default=16.0, help="GiB per device")
+    ap.add_argument("--tflops", type=float, default=100.0, help="device compute rate")
+    ap.add_argument("--micro-batches", default="4,8,16,32", help="M candidates")
+    ap.add_argument("--devices", default=",".join(map(str, DEVICES)))
+    args = ap.parse_args(argv)
+    ms = [int(x) for x in args.micro_batches.split(",")]
+    rows, records = [], []
+    for label, (family, options) in MODELS.items():
+        work = workload(family, None, **options)
+        planner = MemoryPlanner(work.layers, work.sample, work.target, work.loss_fn,
+                                optimizer=rmsprop_foreach, optimizer_foreach=True)
+        for n in (int(x) for x in args.devices.split(",")):
+            cands = plan_replicas(planner, n, args.memory * GiB, get_link("nvlink"), args.tflops * 1e12,
+                                  micro_batches=ms, checkpoints=("except_last",))
+            fit = [c for c in cands if c.fits]
+            best, second = (fit + [None, None])[:2]
+            cell = (lambda c: "-" if c is None else
+                    f"K={c.partitions} x R={c.replicas}, M={c.pipeline.micro_batches}")
+            rows.append([label, n, cell(best), None if best is None else best.throughput,
+                         cell(second), "nothing fits" if best is None else best.why()])
+            records.append({"model": work.describe(), "devices": n,
+                            "choice": None if best is None else best.to_json(),
+                            "throughput": simulated(None if best is None else best.throughput,
+                                                    unit="samples/s"),
+                            "candidates": [c.to_json() for c in cands]})
+            print(rows[-1], flush=True)
+    table = markdown_table(["model", "devices", "choice", "samples/s (simulated)", "runner-up", "why"],
+                           rows)
+    out = results_dir("replicas")
+    write_json(out / "plan.json", {"experiment": "K x R x M plans", "config": vars(args),
+                                   "method": "simulated", "rows": records})
+    write_markdown(out / "plan.md", "# K x R x M for N devices (simulated)\n\n"
+                   f"{args.memory:g} GiB and {args.tflops:g} TFLOP/s per device, 8 per host; replica "
+                   "mini-batch fixed (the model family's default batch).\n\n" + table)
+    print(table)

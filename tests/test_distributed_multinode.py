@@ -1,0 +1,74 @@
+"""Two torchrun "nodes" on one host form one K=2 x R=2 job (c10d rendezvous on 127.0.0.1), and a
+process killed on the second node ends the whole job within the bound, the rank and node named.
+
+Both invocations are exactly the two-host command of the README with the rendezvous endpoint on
+127.0.0.1. The bound: the communication timeout (5 s) + torchrun's reaction (its monitor interval,
+then ending its other workers) + slack for a loaded 2-core host.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpipe_repro.distributed.launcher import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 5.0
+BOUND = TIMEOUT + 15.0
+
+
+def _start_nodes(port: int, extra: list[str]) -> list[subprocess.Popen[str]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GPIPE_REPRO_TIMEOUT_S": str(TIMEOUT),
+           "OMP_NUM_THREADS": "1"}
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               f"127.0.0.1:{port}", "--max-restarts", "0", "--monitor-interval", "0.2",
+               str(ROOT / "experiments" / "replicas_job.py"), "--k", "2", *extra]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str, str]]:
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            out.append((p.returncode, stdout, stderr))
+    finally:
+        for p in procs:   # never leave a torchrun behind
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    return out
+
+
+@pytest.mark.slow
+def test_two_nodes_form_one_job_and_a_kill_on_the_second_ends_it(tmp_path: Path) -> None:
+    """Steps 0 and 1 run on all 4 ranks of both nodes; at step 2 rank 3 (node 1) is killed."""
+    stamp = tmp_path / "killed_at"
+    # rank 3 is on the node whose group rank is 1 (2 processes per node: rank = node * 2 + local rank)
+    procs = _start_nodes(free_port(), ["--steps", "4", "--kill-rank", "3", "--kill-step", "2",
+                                       "--stamp", str(stamp)])
+    results = _finish(procs, timeout=240)
+    ended = time.time()
+    assert stamp.exists(), "the fault was never injected: " + results[1][2][-3000:]
+    assert all(code != 0 for code, _, _ in results), "both nodes must fail"
+    elapsed = ended - float(stamp.read_text())
+    assert elapsed < BOUND, f"the job took {elapsed:.1f} s to end after the kill (bound {BOUND} s)"
+    stdout = "".join(out for _, out, _ in results)
+    assert re.search(r"step 1 loss \d+\.\d+ over 4 ranks", stdout), stdout
+    stderr = "".join(err for _, _, err in results)
+    assert all(f"rank {r} = node" in stderr for r in range(4)) and "x R=2" in stderr
+    assert "rank 3 = node 1 local rank 1" in stderr, stderr[-3000:]
+    # torchrun's report on the second node names the killed rank and its signal
+    assert re.search(r"rank\s*:\s*3 \(local_rank\s*:\s*1\)", stderr), stderr[-4000:]
+    assert "SIGKILL" in stderr or "Signal 9" in stderr, stderr[-4000:]

@@ -1,0 +1,184 @@
+"""R replicas of a K-stage pipeline (K x R processes) train exactly like plain full-batch training.
+
+Each rank compares ITS cell's losses, gradients and updated weights after two steps (the first agrees
+on boundary specs, the second runs with receives posted early) with :func:`tests.equivalence.
+reference_train` (which imports no engine code) run on the GLOBAL mini-batch of 11 examples cut into
+R x M micro-batches (uneven sizes), with dropout, every checkpoint mode, global gradient clipping and
+BatchNorm. Many configurations share one launch to keep the test fast (4 processes on 2 cores);
+each rank returns what it checked so that a vacuous pass is caught. K = 3 x R = 1 is
+tests/test_distributed_equivalence.py (the same code path: one replica).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe_repro import GPipe
+from gpipe_repro.distributed import JobFailed, launch_local
+from gpipe_repro.distributed.groups import Layout
+from tests.equivalence import ATOL, RTOL, reference_train, sgd
+from tests.test_engine_equivalence import MODELS, data
+
+# (model, micro-batches per replica, checkpoint, extra GPipe arguments); batches have 11 examples.
+CONFIGS: dict[tuple[int, int], list[tuple[str, int, str, dict[str, Any]]]] = {
+    (2, 2): [("mlp", 2, "always", {}), ("mlp", 1, "never", {"clip_grad_norm": 0.05}),
+             ("transformer", 2, "except_last", {}),
+             ("conv", 2, "always", {"batchnorm_stats": "synchronized"}),
+             ("conv", 1, "never", {}), ("mlp", 2, "except_last", {"schedule": "1f1b"})],
+    (1, 2): [("mlp", 3, "except_last", {"clip_grad_norm": 0.05, "bucket_cap_mb": 1e-4}),
+             ("transformer", 1, "always", {}),
+             ("conv", 2, "never", {"batchnorm_stats": "synchronized"})],
+}
+STEPS = 2
+
+
+def _model(kind: str) -> Any:
+    return MODELS[kind]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def check_replicas(k: int, r: int) -> list[str]:
+    """Runs in every process: train each configuration with GPipe(replicas=r) and with the plain
+    reference, compare this rank's cell. Returns the configurations checked."""
+    checked = []
+    for kind, m, mode, extra in CONFIGS[(k, r)]:
+        build, loss_fn = _model(kind)
+        x, y = data(kind)
+        where = f"{kind} K={k} R={r} M={m} checkpoint={mode} {extra}"
+        pipe = GPipe(build(), partitions=k, micro_batches=m, checkpoint=mode, loss_fn=loss_fn,
+                     optimizer=sgd, runtime="distributed", replicas=r, **extra)
+        assert pipe.rank is not None
+        assert pipe.rank + pipe.replica * k == int(os.environ["RANK"]), "rank = replica * K + stage"
+        ref = build()
+        ref_losses = reference_train(ref, [(x, y)] * STEPS, loss_fn, micro_batches=r * m,
+                                     clip_grad_norm=extra.get("clip_grad_norm"))
+        losses = [pipe.train_step(x, y) for _ in range(STEPS)]
+        _close(torch.tensor(losses), torch.tensor(ref_losses), f"{where}: losses vs reference")
+        first = sum(pipe.balance[:pipe.rank])
+        mine = list(pipe._cell(pipe.rank))
+        theirs = nn.Sequential(*list(ref)[first:first + len(mine)])
+        for (name, p), q in zip(nn.Sequential(*mine).named_parameters(), theirs.parameters()):
+            assert (p.grad is None) == (q.grad is None), f"{where}: grad presence of {name}"
+            if p.grad is not None and q.grad is not None:
+                _close(p.grad, q.grad, f"{where}: grad of {name} vs reference")
+            _close(p.detach(), q.detach(), f"{where}: {name} vs reference")
+        if extra.get("batchnorm_stats") == "synchronized":
+            for (name, b), rb in zip(nn.Sequential(*mine).named_buffers(), theirs.buffers()):
+                _close(b.float(), rb.float(), f"{where}: buffer {name} vs reference")
+        if "bucket_cap_mb" in extra:   # one bucket per parameter: some leave during the backward
+            reducer = pipe.stage_process.reducer if pipe.stage_process is not None else None
+            assert reducer is not None and len(reducer.buckets) > 1 and reducer.launched_early > 0, \
+                f"{where}: no bucket was launched during the last backward"
+        if "clip_grad_norm" in extra:
+            assert pipe.last_grad_norm is not None and pipe.last_grad_norm > extra["clip_grad_norm"], \
+                f"{where}: clipping was not exercised"
+        pipe.eval()
+        out = pipe.forward(x)
+        assert microbatch_rows(out) == 11, f"{where}: inference returns the whole batch"
+        checked.append(where)
+    if k > 1:
+        checked.append(check_allreduce_overlaps_the_drain(k, r))
+    else:
+        checked.append(check_overflow_on_one_replica_skips_everywhere(r))
+    return checked
+
+
+def check_overflow_on_one_replica_skips_everywhere(r: int) -> str:
+    """fp16: only the last replica's slice overflows; no replica updates, every loss scale halves."""
+    build, loss_fn = _model("mlp")
+    x, y = data("mlp")
+    x[-3:] *= 1e6   # rows of the last replica's slice only
+    pipe = GPipe(build(), partitions=1, micro_batches=1, loss_fn=loss_fn, optimizer=sgd,
+                 runtime="distributed", replicas=r, precision="fp16")
+    before = [p.detach().clone() for p in pipe.parameters()]
+    scale = pipe.loss_scale
+    pipe.train_step(x, y)
+    assert pipe.last_step_skipped and pipe.loss_scale == scale / 2, "the overflow was global"
+    assert all(torch.equal(a, b) for a, b in zip(before, pipe.parameters())), "no replica updated"
+    return "fp16 overflow"
+
+
+def check_allreduce_overlaps_the_drain(k: int, r: int) -> str:
+    """The merged timeline has one row per rank and an "allreduce" event on each; the last stage's
+    all-reduce is launched before stage 0's last backward starts (causality, not a wall-clock
+    threshold: stage 0's last backward needs the gradient the last stage sends after launching it)."""
+    build, loss_fn = _model("mlp")
+    x, y = data("mlp")
+    pipe = GPipe(build(), partitions=k, micro_batches=2, loss_fn=loss_fn, optimizer=sgd,
+                 runtime="distributed", replicas=r)
+    pipe.record_timeline = True
+    pipe.train_step(x, y)
+    tl = pipe.last_timeline
+    assert tl is not None and tl.num_stages == k * r and tl.meta["replicas"] == r
+    launched = {e.stage: e.start for e in tl.events if e.kind == "allreduce"}
+    assert sorted(launched) == list(range(k * r)), "one all-reduce per rank"
+    for replica in range(r):
+        first, last = replica * k, replica * k + k - 1
+        last_backward_0 = max(e.start for e in tl.events if e.stage == first and e.kind == "backward")
+        assert launched[last] < last_backward_0, "the last stage's all-reduce overlaps the drain"
+    return "timeline"
+
+
+def microbatch_rows(value: Any) -> int:
+    return value.shape[0] if isinstance(value, torch.Tensor) else value[0].shape[0]
+
+
+@pytest.mark.parametrize("k,r", [(2, 2), (1, 2)])
+def test_replicated_pipeline_trains_like_full_batch(k: int, r: int) -> None:
+    results = launch_local(check_replicas, k * r, k, r, timeout=30)
+    expected = len(CONFIGS[(k, r)]) + 1
+    assert len(results) == k * r and all(len(res) == expected for res in results)
+
+
+def test_layout_rank_is_replica_times_k_plus_stage() -> None:
+    layout = Layout(3, 2)
+    assert layout.pipeline_ranks(1) == [3, 4, 5]
+    assert layout.data_parallel_ranks(2) == [2, 5]
+    assert [(layout.replica_of(q), layout.stage_of(q)) for q in (0, 4)] == [(0, 0), (1, 1)]
+    with pytest.raises(ValueError, match="not a multiple of partitions=2"):
+        Layout.for_world(5, 2, 2)
+    with pytest.raises(ValueError, match="pass replicas=3"):
+        Layout.for_world(6, 2, 2)
+
+
+def test_replicas_with_the_local_runtime_are_refused() -> None:
+    build, loss_fn = _model("mlp")
+    with pytest.raises(ValueError, match="replicas=2 needs runtime='distributed'"):
+        GPipe(build(), partitions=2, replicas=2, loss_fn=loss_fn, optimizer=sgd)
+    with pytest.raises(ValueError, match="replicas must be an integer >= 1"):
+        GPipe(build(), partitions=2, replicas=0, loss_fn=loss_fn, optimizer=sgd)
+
+
+def build_on_wrong_world(k: int, r: int) -> None:
+    build, loss_fn = _model("mlp")
+    GPipe(build(), partitions=k, replicas=r, loss_fn=loss_fn, optimizer=sgd, runtime="distributed")
+
+
+@pytest.mark.parametrize("k,r,message", [(2, 1, "not a multiple of 2"), (1, 2, "pass replicas=3")])
+def test_world_size_must_be_k_times_r(k: int, r: int, message: str) -> None:
+    with pytest.raises(JobFailed, match=message):
+        launch_local(build_on_wrong_world, 3, k, r, timeout=10)
+
+
+def train_with_rank_dependent_batch() -> float:
+    build, loss_fn = _model("mlp")
+    x, y = data("mlp", n=11 + int(os.environ["RANK"]) // 2)   # replica 1 gets a bigger batch
+    pipe = GPipe(build(), partitions=2, micro_batches=2, loss_fn=loss_fn, optimizer=sgd,
+                 runtime="distributed", replicas=2)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    try:
+        return pipe.train_step(x, y)
+    finally:
+        assert all(torch.equal(a, b) for a, b in zip(before, pipe.parameters())), "no update"
+
+
+def test_replicas_given_different_batches_fail_before_any_work() -> None:
+    with pytest.raises(JobFailed, match="different mini-batches"):
+        launch_local(train_with_rank_dependent_batch, 4, timeout=10)
