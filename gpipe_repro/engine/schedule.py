@@ -32,7 +32,16 @@ A schedule also has a text form, one line per stage, that round-trips (``Schedul
     stage 1: ra0 F0 ra1 F1 B1 sg1 B0 sg0 A U
 
 Tokens are an action's short name and its micro-batch (F forward, R recompute, B backward, A agree,
-U optimizer step, sa/ra send/receive activation, sg/rg send/receive gradient). tests/golden/ holds generated
+U optimizer step, sa/ra send/receive activation, sg/rg send/receive gradient, and for the zero-bubble
+split of B: I input gradient, W weight gradient).
+
+Schedules: ``gpipe`` (fill-drain), ``1f1b`` (PipeDream-flush) and ``zb-h1`` (zero bubble, Qi et al.,
+ICLR 2024: B split into I, which the previous stage waits for, and W, which fills the bubble)::
+
+    stage 0 |F0 F1 F2 F3 .  .  .  I0 W0 I1 F4 I2 W1 I3 F5 W2 F6 I4 W3 F7 W4 I5 W5 I6 W6 .  .  I7 W7 U  |
+    stage 3 |.  .  .  F0 I0 F1 I1 F2 I2 F3 I3 W0 W1 F4 I4 W2 W3 F5 I5 F6 I6 W4 W5 F7 I7 W6 W7 .  .  U  |
+
+(K=4, M=8, stages 0 and 3 of ``make_schedule("zb-h1", 4, 8, "never").render()``.) tests/golden/ holds generated
 schedules in this form, and a :class:`ScheduleError` prints the schedule with the failing action marked.
 """
 from __future__ import annotations
@@ -56,16 +65,23 @@ class ActionKind(str, Enum):
     SEND_GRAD = "send_grad"
     OPTIMIZER_STEP = "optimizer_step"
     AGREE = "agree"   # barrier: every stage's gradients are final; the stages agree (see module doc)
+    # Zero-bubble split of BACKWARD (Qi et al., ICLR 2024): the input gradient (what the previous
+    # stage waits for) and the weight gradient (what nobody waits for, placed to fill the bubble).
+    BACKWARD_INPUT = "backward_input"
+    BACKWARD_WEIGHT = "backward_weight"
 
 
 COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.RECOMPUTE, ActionKind.BACKWARD,
-                     ActionKind.OPTIMIZER_STEP})
+                     ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT, ActionKind.OPTIMIZER_STEP})
+# A micro-batch's backward on a stage is either one BACKWARD or a BACKWARD_INPUT then a BACKWARD_WEIGHT.
+BACKWARDS = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
 SENDS = frozenset({ActionKind.SEND_ACT, ActionKind.SEND_GRAD})
 RECVS = frozenset({ActionKind.RECV_ACT, ActionKind.RECV_GRAD})
 BARRIERS = frozenset({ActionKind.AGREE})
 _SHORT = {ActionKind.FORWARD: "F", ActionKind.RECOMPUTE: "R", ActionKind.BACKWARD: "B",
           ActionKind.OPTIMIZER_STEP: "U", ActionKind.SEND_ACT: "sa", ActionKind.RECV_ACT: "ra",
-          ActionKind.SEND_GRAD: "sg", ActionKind.RECV_GRAD: "rg", ActionKind.AGREE: "A"}
+          ActionKind.SEND_GRAD: "sg", ActionKind.RECV_GRAD: "rg", ActionKind.AGREE: "A",
+          ActionKind.BACKWARD_INPUT: "I", ActionKind.BACKWARD_WEIGHT: "W"}
 
 
 @dataclass(frozen=True)
@@ -113,7 +129,8 @@ class Schedule:
 
     def checkpointed(self, stage: int) -> frozenset[int]:
         """Micro-batches whose forward on `stage` is re-materialized (it has a RECOMPUTE)."""
-        return frozenset(a.microbatch for a in self.stages[stage] if a.kind is ActionKind.RECOMPUTE)
+        return frozenset(a.microbatch for a in self.stages[stage]
+                         if a.kind is ActionKind.RECOMPUTE and a.microbatch is not None)
 
     def validate(self) -> None:
         """Raise ScheduleError unless every action is well placed and the whole runs to completion."""
@@ -243,11 +260,28 @@ def _validate_stage(s: int, k: int, m_count: int, actions: tuple[Action, ...], t
     if dup:
         raise ScheduleError(f"{where}: actions repeated: {dup}",
                             at=[a for a in actions if counts[(a.kind, a.microbatch)] > 1])
+    split = {mb for mb in range(m_count)
+             if (ActionKind.BACKWARD_INPUT, mb) in counts or (ActionKind.BACKWARD_WEIGHT, mb) in counts}
+    for mb in sorted(split):
+        if (ActionKind.BACKWARD, mb) in counts:
+            raise ScheduleError(f"{where}: micro-batch {mb} has both a BACKWARD (B) and a split backward "
+                                "(I/W): use one or the other", at=[a for a in actions if a.microbatch == mb
+                                                                   and a.kind in BACKWARDS])
+        for kind in (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT):
+            if (kind, mb) not in counts:
+                raise ScheduleError(f"{where}: {Action(kind, s, mb)} is missing: a split backward needs "
+                                    "both its input-gradient (I) and weight-gradient (W) halves",
+                                    at=[Action(kind, s, mb)])
     expected = {ActionKind.FORWARD: True, ActionKind.RECV_ACT: s > 0, ActionKind.SEND_ACT: s < k - 1,
                 ActionKind.BACKWARD: training, ActionKind.RECV_GRAD: training and s < k - 1,
                 ActionKind.SEND_GRAD: training and s > 0}
     for kind, wanted in expected.items():
         for mb in range(m_count):
+            if kind is ActionKind.BACKWARD and mb in split:
+                if not training:
+                    raise ScheduleError(f"{where}: a forward-only schedule cannot have backward actions",
+                                        at=[a for a in actions if a.microbatch == mb and a.kind in BACKWARDS])
+                continue   # checked above: I and W stand for B
             if ((kind, mb) in counts) != wanted:
                 state = "missing" if wanted else "not allowed"
                 raise ScheduleError(f"{where}: {Action(kind, s, mb)} is {state}",
@@ -255,32 +289,43 @@ def _validate_stage(s: int, k: int, m_count: int, actions: tuple[Action, ...], t
     if not training and any(a.kind in (ActionKind.RECOMPUTE, ActionKind.OPTIMIZER_STEP, ActionKind.AGREE)
                             for a in actions):
         raise ScheduleError(f"{where}: a forward-only schedule cannot recompute, agree or update", at=[
-            a for a in actions if a.kind in (ActionKind.RECOMPUTE, ActionKind.OPTIMIZER_STEP, ActionKind.AGREE)])
+            a for a in actions
+            if a.kind in (ActionKind.RECOMPUTE, ActionKind.OPTIMIZER_STEP, ActionKind.AGREE)])
     if training and counts[(ActionKind.OPTIMIZER_STEP, None)] != 1:
         raise ScheduleError(f"{where}: needs exactly one optimizer step",
                             at=[a for a in actions if a.kind is ActionKind.OPTIMIZER_STEP])
     if training and counts[(ActionKind.AGREE, None)] != 1:
         raise ScheduleError(f"{where}: needs exactly one AGREE (A) before its optimizer step",
-                            at=[a for a in actions if a.kind in (ActionKind.AGREE, ActionKind.OPTIMIZER_STEP)])
+                            at=[a for a in actions
+                                if a.kind in (ActionKind.AGREE, ActionKind.OPTIMIZER_STEP)])
     if training and [a.kind for a in actions][-2:] != [ActionKind.AGREE, ActionKind.OPTIMIZER_STEP]:
         raise ScheduleError(f"{where}: must end with AGREE (A) then the optimizer step (U): every "
                             "action of the step comes before the barrier, the update after it",
-                            at=[a for a in actions if a.kind in (ActionKind.AGREE, ActionKind.OPTIMIZER_STEP)])
+                            at=[a for a in actions
+                                if a.kind in (ActionKind.AGREE, ActionKind.OPTIMIZER_STEP)])
     pos = {(a.kind, a.microbatch): i for i, a in enumerate(actions)}
     before = [(ActionKind.RECV_ACT, ActionKind.FORWARD), (ActionKind.FORWARD, ActionKind.SEND_ACT),
               (ActionKind.FORWARD, ActionKind.RECOMPUTE), (ActionKind.RECOMPUTE, ActionKind.BACKWARD),
               (ActionKind.FORWARD, ActionKind.BACKWARD), (ActionKind.RECV_GRAD, ActionKind.BACKWARD),
-              (ActionKind.BACKWARD, ActionKind.SEND_GRAD)]
+              (ActionKind.BACKWARD, ActionKind.SEND_GRAD),
+              # the split backward: W after its I (Qi et al. 2024); I plays B's part for the rest
+              (ActionKind.RECOMPUTE, ActionKind.BACKWARD_INPUT),
+              (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT),
+              (ActionKind.RECV_GRAD, ActionKind.BACKWARD_INPUT),
+              (ActionKind.BACKWARD_INPUT, ActionKind.SEND_GRAD),
+              (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)]
     for mb in range(m_count):
         for first, then in before:
-            a, b = pos.get((first, mb)), pos.get((then, mb))
-            if a is not None and b is not None and a > b:
+            i, j = pos.get((first, mb)), pos.get((then, mb))
+            if i is not None and j is not None and i > j:
                 raise ScheduleError(f"{where}: {Action(then, s, mb)} comes before {Action(first, s, mb)}",
                                     at=[Action(then, s, mb), Action(first, s, mb)])
-        if (ActionKind.BACKWARD, mb) in pos and pos[(ActionKind.BACKWARD, mb)] > pos.get(
-                (ActionKind.OPTIMIZER_STEP, None), len(actions)):
-            raise ScheduleError(f"{where}: backward of micro-batch {mb} after the optimizer step",
-                                at=[Action(ActionKind.BACKWARD, s, mb)])
+        for kind in BACKWARDS:
+            if (kind, mb) in pos and pos[(kind, mb)] > min(pos.get((ActionKind.OPTIMIZER_STEP, None), len(
+                    actions)), pos.get((ActionKind.AGREE, None), len(actions))):
+                raise ScheduleError(f"{where}: {Action(kind, s, mb)} after the AGREE / optimizer step: every "
+                                    "gradient (W included) must be final before the stages agree",
+                                    at=[Action(kind, s, mb)])
 
 
 def checkpointed_microbatches(mode: str, num_microbatches: int) -> frozenset[int]:
@@ -361,7 +406,75 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int, checkpoint: str
     return Schedule("1f1b", num_stages, num_microbatches, tuple(stages))
 
 
-SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
+def _zb_h1_order(num_stages: int, num_microbatches: int) -> list[list[tuple[ActionKind, int]]]:
+    """Each stage's compute order for ZB-H1, by list-scheduling in unit time (T_F = T_I = T_W, the
+    paper's assumption; instant links): a free stage runs, in this priority, its next input gradient
+    (I) once the next stage's has finished, else its next forward if fewer than K-s micro-batches
+    are in flight on it (forwarded, weight gradient not yet done: 1F1B's activation memory), else
+    its oldest pending weight gradient (W). W thus fills what 1F1B leaves idle while the stage
+    waits for gradients."""
+    k, m_count = num_stages, num_microbatches
+    A = ActionKind
+    f_end = [[-1.0] * m_count for _ in range(k)]
+    i_end = [[-1.0] * m_count for _ in range(k)]
+    next_f, next_i = [0] * k, [0] * k
+    pending_w: list[list[int]] = [[] for _ in range(k)]
+    w_done = [0] * k
+    order: list[list[tuple[ActionKind, int]]] = [[] for _ in range(k)]
+    t = 0
+    while any(w_done[s] < m_count for s in range(k)):
+        for s in range(k):
+            m = next_i[s]
+            if m < next_f[s] and 0 <= f_end[s][m] <= t and (s == k - 1 or 0 <= i_end[s + 1][m] <= t):
+                order[s].append((A.BACKWARD_INPUT, m))
+                i_end[s][m] = t + 1
+                next_i[s] += 1
+                pending_w[s].append(m)
+                continue
+            m = next_f[s]
+            if (m < m_count and (s == 0 or 0 <= f_end[s - 1][m] <= t)
+                    and next_f[s] - next_i[s] < k - s and next_f[s] - w_done[s] < k):
+                order[s].append((A.FORWARD, m))
+                f_end[s][m] = t + 1
+                next_f[s] += 1
+                continue
+            if pending_w[s]:
+                order[s].append((A.BACKWARD_WEIGHT, pending_w[s].pop(0)))
+                w_done[s] += 1
+        t += 1
+    return order
+
+
+def zero_bubble_h1_schedule(num_stages: int, num_microbatches: int, checkpoint: str = "never",
+                            recompute_ahead: bool = False) -> Schedule:
+    """ZB-H1 (Qi, Wan, Huang, Lin: "Zero Bubble Pipeline Parallelism", ICLR 2024, section 3): every
+    backward is split into its input gradient (I, what the previous stage waits for) and its weight
+    gradient (W, what nobody waits for), and the W are placed where 1F1B idles. Same in-flight limit
+    as 1F1B (at most K-s micro-batches whose W is not done on stage s), so about 1F1B's activation
+    memory, and with T_F = T_I = T_W the bubble drops from 1F1B's 3(K-1) units to (K-1): the
+    paper's (p-1)(T_F + T_B - T_W). Re-materialization: a checkpointed micro-batch's RECOMPUTE comes
+    right before its I (or before the wait for its gradient with `recompute_ahead`); its graph then
+    lives until its W. All checkpoint modes are allowed."""
+    _check_sizes(num_stages, num_microbatches)
+    ckpt = checkpointed_microbatches(checkpoint, num_microbatches)
+    A = ActionKind
+    stages = []
+    for s, order in enumerate(_zb_h1_order(num_stages, num_microbatches)):
+        acts: list[Action] = []
+        for kind, mb in order:
+            if kind is A.FORWARD:
+                acts += _forward_block(s, num_stages, mb)
+            elif kind is A.BACKWARD_INPUT:
+                acts += [Action(A.BACKWARD_INPUT, s, mb) if a.kind is A.BACKWARD else a
+                         for a in _backward_block(s, num_stages, mb, ckpt, recompute_ahead)]
+            else:
+                acts.append(Action(A.BACKWARD_WEIGHT, s, mb))
+        acts += [Action(A.AGREE, s), Action(A.OPTIMIZER_STEP, s)]
+        stages.append(tuple(acts))
+    return Schedule("zb-h1", num_stages, num_microbatches, tuple(stages))
+
+
+SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule, "zb-h1": zero_bubble_h1_schedule}
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int, checkpoint: str,
