@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv test throughput-table memory-table validate-sim bench-overhead bench-runtime \
+.PHONY: help venv test throughput-table memory-table validate-sim bench-overhead bench-runtime bench-schedules \
         deep-vs-wide train-amoebanet corpus baseline gpu-check clean
 
 help:
@@ -16,6 +16,7 @@ help:
 	@echo "make validate-sim      simulator vs real stage processes, results/throughput/validation.*"
 	@echo "make bench-overhead    engine (K=1,M=1) vs plain PyTorch step time"
 	@echo "make bench-runtime     distributed runtime vs K=1 and vs torch.distributed.pipelining"
+	@echo "make bench-schedules   every schedule of ours vs every torch.distributed.pipelining schedule, K=2"
 	@echo "make train-amoebanet   AmoebaNet-B on the offline MNIST sample (CPU preset)"
 	@echo "make deep-vs-wide      deep vs wide multilingual translation, results/translation/"
 	@echo "make baseline          regenerate the CI speedup baseline on purpose"
@@ -47,6 +48,9 @@ bench-overhead: $(STAMP)
 
 bench-runtime: $(STAMP)
 	$(PY) -m experiments.bench_runtime
+
+bench-schedules: $(STAMP)
+	$(PY) -m experiments.bench_schedules
 
 train-amoebanet: $(STAMP)
 	$(VENV)/bin/gpipe-repro run amoebanet --preset cpu
