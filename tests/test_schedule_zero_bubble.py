@@ -192,3 +192,20 @@ def test_rendered_and_simulated_from_split_costs() -> None:
     picture = make_schedule("zb-h1", 2, 2, "never").render()
     assert "I0" in picture and "W1" in picture
 
+
+
+def test_autoplan_chooses_among_schedules_with_each_schedules_memory_plan() -> None:
+    from gpipe_repro.memory.autoplan import search
+    from gpipe_repro.sim.links import LinkModel
+    from tests.test_memory_planner import _planner
+    planner = _planner("transformer")
+    link = LinkModel("instant", latency=0.0, bandwidth=1e12)
+    cands = search(planner, 2, 1e12, link, 1e9, micro_batches=[8], checkpoints=("never",),
+                   schedules=["gpipe", "1f1b", "zb-h1"])
+    by = {(c.partitions, c.schedule): c for c in cands}
+    assert {s for _, s in by} == {"gpipe", "1f1b", "zb-h1"}
+    # the memory plan is the schedule's own: 1F1B holds fewer micro-batches than fill-drain
+    assert by[(2, "1f1b")].max_peak < by[(2, "gpipe")].max_peak
+    # at K=2, M=8 with compute-bound costs, zero-bubble is the fastest pipeline
+    assert by[(2, "zb-h1")].throughput > by[(2, "1f1b")].throughput
+    assert by[(2, "zb-h1")].throughput > by[(2, "gpipe")].throughput
