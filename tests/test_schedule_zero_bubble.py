@@ -209,3 +209,11 @@ def test_autoplan_chooses_among_schedules_with_each_schedules_memory_plan() -> N
     # at K=2, M=8 with compute-bound costs, zero-bubble is the fastest pipeline
     assert by[(2, "zb-h1")].throughput > by[(2, "1f1b")].throughput
     assert by[(2, "zb-h1")].throughput > by[(2, "gpipe")].throughput
+
+
+def test_zb_h1_global_clipping_reads_every_w() -> None:
+    # AGREE's global gradient norm must include every W's gradients: the validator puts all W before A
+    build, loss_fn = MODELS["mlp"]
+    batches = [data("mlp", seed=3 + step) for step in range(2)]
+    assert_same_training(build(), None, None, loss_fn, partitions=3, micro_batches=4, checkpoint="never",
+                         batches=batches, schedule="zb-h1", clip_grad_norm=0.05, atol=1e-5)
