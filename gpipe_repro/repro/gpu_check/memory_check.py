@@ -99,6 +99,10 @@ class NeighbourTransport:
         outs = [t for t in _deps.boundary.tensors(self.outputs[microbatch]) if _deps.boundary.carries_grad(t)]
         return [_deps.materialize_value(t, self.device, seed=microbatch) for t in outs]
 
+    def agree(self, stage: int, contribution: Any) -> list[float]:
+        """The AGREE barrier with no other cell: the sum over stages is this cell's own vector."""
+        return list(contribution())
+
 
 def _meta_boundaries(layers: list[nn.Module], sample: Any, sizes: list[int], first: int,
                      count: int) -> tuple[dict[int, Any], dict[int, Any]]:
