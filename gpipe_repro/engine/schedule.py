@@ -41,8 +41,13 @@ ICLR 2024: B split into I, which the previous stage waits for, and W, which fill
     stage 0 |F0 F1 F2 F3 .  .  .  I0 W0 I1 F4 I2 W1 I3 F5 W2 F6 I4 W3 F7 W4 I5 W5 I6 W6 .  .  I7 W7 U  |
     stage 3 |.  .  .  F0 I0 F1 I1 F2 I2 F3 I3 W0 W1 F4 I4 W2 W3 F5 I5 F6 I6 W4 W5 F7 I7 W6 W7 .  .  U  |
 
-(K=4, M=8, stages 0 and 3 of ``make_schedule("zb-h1", 4, 8, "never").render()``.) tests/golden/ holds generated
-schedules in this form, and a :class:`ScheduleError` prints the schedule with the failing action marked.
+(K=4, M=8, stages 0 and 3 of ``make_schedule("zb-h1", 4, 8, "never").render()``.) ``interleaved``
+(Narayanan et al., SC'21) cuts the model into K*v cells, v per process round robin: its stages are the
+cells and :attr:`Schedule.processes` holds each process's program (text lines ``process r: F0@2 ...``,
+each token naming its stage); the interpreter and the local runtime run the programs as they are.
+
+tests/golden/ holds generated schedules in this form, and a :class:`ScheduleError` prints the schedule
+with the failing action marked.
 """
 from __future__ import annotations
 
@@ -126,6 +131,23 @@ class Schedule:
     num_microbatches: int
     stages: tuple[tuple[Action, ...], ...]
     training: bool = True
+    # When stages share processes (interleaved 1F1B: v stages per process), each process's program:
+    # its stages' actions in the order it runs them. None: one process per stage, running `stages`.
+    processes: tuple[tuple[Action, ...], ...] | None = None
+
+    def programs(self) -> tuple[tuple[Action, ...], ...]:
+        """What each process runs, in order: :attr:`processes`, or one program per stage."""
+        return self.processes if self.processes is not None else self.stages
+
+    def process_of(self) -> list[int]:
+        """The process running each stage."""
+        if self.processes is None:
+            return list(range(self.num_stages))
+        owner = [0] * self.num_stages
+        for p, actions in enumerate(self.processes):
+            for a in actions:
+                owner[a.stage] = p
+        return owner
 
     def checkpointed(self, stage: int) -> frozenset[int]:
         """Micro-batches whose forward on `stage` is re-materialized (it has a RECOMPUTE)."""
@@ -144,21 +166,41 @@ class Schedule:
                 if e.schedule is None:
                     raise ScheduleError(e.message, self, e.at) from None
                 raise
+        if self.processes is not None:
+            self._validate_processes()
         from gpipe_repro.engine.interpreter import run_dataflow  # one executor of the dataflow semantics
         run_dataflow(self, duration=lambda a: 1.0)
+
+    def _validate_processes(self) -> None:
+        assert self.processes is not None
+        where: dict[int, set[int]] = defaultdict(set)
+        for p, actions in enumerate(self.processes):
+            for a in actions:
+                where[a.stage].add(p)
+        for s in range(self.num_stages):
+            if len(where[s]) != 1:
+                raise ScheduleError(f"stage {s}'s actions are on processes {sorted(where[s])}: a stage "
+                                    "runs on exactly one process", self, list(self.stages[s][:1]))
+            mine = tuple(a for a in self.processes[next(iter(where[s]))] if a.stage == s)
+            if mine != self.stages[s]:
+                raise ScheduleError(f"the process programs do not hold stage {s}'s actions in its order",
+                                    self, list(self.stages[s][:1]))
 
     def render(self, duration: Callable[[Action], float] | None = None) -> str:
         """ASCII picture: one row per stage, one column per unit of time, compute actions only."""
         from gpipe_repro.engine.interpreter import run_dataflow
         events = run_dataflow(self, duration=duration or _unit_compute)
         cols = max(int(round(e.end)) for e in events)
-        grid = [["." for _ in range(cols)] for _ in range(self.num_stages)]
+        owner, shared = self.process_of(), self.processes is not None
+        grid = [["." for _ in range(cols)] for _ in range(len(self.programs()))]
+        label = (lambda a: f"{a}@{a.stage}") if shared else str
         for e in events:
             if e.action.kind in COMPUTE:
                 for c in range(int(round(e.start)), int(round(e.end))):
-                    grid[e.action.stage][c] = str(e.action)
-        width = max(len(str(a)) for st in self.stages for a in st if a.kind in COMPUTE)
-        rows = [f"stage {s} |" + " ".join(c.ljust(width) for c in row) + " |"
+                    grid[owner[e.action.stage]][c] = label(e.action)
+        width = max(len(label(a)) for st in self.stages for a in st if a.kind in COMPUTE)
+        row_name = "process" if shared else "stage"
+        rows = [f"{row_name} {s} |" + " ".join(c.ljust(width) for c in row) + " |"
                 for s, row in enumerate(grid)]
         return "\n".join(rows)
 
@@ -169,6 +211,13 @@ class Schedule:
         marked = set(mark)
         lines = [f"schedule {self.name} stages={self.num_stages} micro_batches={self.num_microbatches} "
                  f"training={int(self.training)}"]
+        if self.processes is not None:   # stages sharing processes: one line per process, X@stage
+            lines[0] += f" processes={len(self.processes)}"
+            for p, actions in enumerate(self.processes):
+                tokens = [f">>{a}@{a.stage}<<" if a in marked else f"{a}@{a.stage}" for a in actions]
+                flag = "   <-- ERROR" if any(a in marked for a in actions) else ""
+                lines.append(f"process {p}: {' '.join(tokens)}{flag}".rstrip())
+            return "\n".join(lines)
         for s, actions in enumerate(self.stages):
             tokens = [f">>{a}<<" if a in marked else str(a) for a in actions]
             flag = "   <-- ERROR" if any(a.stage == s for a in marked) else ""
@@ -193,6 +242,8 @@ class Schedule:
         except (KeyError, ValueError):
             raise ScheduleError(f"line {lines[0][0]}: cannot read {lines[0][1]!r}: expected "
                                 "'schedule NAME stages=K micro_batches=M training=1'") from None
+        if "processes" in fields:
+            return cls._from_process_text(head[1], k, m, training, lines[1:])
         stages: dict[int, tuple[Action, ...]] = {}
         for lineno, ln in lines[1:]:
             label, sep, body = ln.partition(":")
@@ -205,6 +256,29 @@ class Schedule:
         if sorted(stages) != list(range(k)):
             raise ScheduleError(f"the header says stages={k} but the text lists stages {sorted(stages)}")
         return cls(head[1], k, m, tuple(stages[s] for s in range(k)), training)
+
+    @classmethod
+    def _from_process_text(cls, name: str, k: int, m: int, training: bool,
+                           lines: list[tuple[int, str]]) -> Schedule:
+        programs: dict[int, tuple[Action, ...]] = {}
+        for lineno, ln in lines:
+            label, sep, body = ln.partition(":")
+            if not sep or not re.fullmatch(r"process \d+", label.strip()):
+                raise ScheduleError(f"line {lineno}: expected 'process N: actions@stage...', got {ln!r}")
+            p = int(label.split()[1])
+            if p in programs:
+                raise ScheduleError(f"line {lineno}: process {p} is listed twice")
+            acts = []
+            for tok in body.replace("<-- ERROR", "").split():
+                bare = tok[2:-2] if tok.startswith(">>") and tok.endswith("<<") else tok
+                action, at, stage = bare.rpartition("@")
+                if not at or not stage.isdigit():
+                    raise ScheduleError(f"line {lineno}: {tok!r} needs its stage: write e.g. F3@2")
+                acts.append(_parse_action(action, int(stage), lineno))
+            programs[p] = tuple(acts)
+        procs = tuple(programs[p] for p in sorted(programs))
+        stages = tuple(tuple(a for prog in procs for a in prog if a.stage == s) for s in range(k))
+        return cls(name, k, m, stages, training, procs)
 
     def check_link_order(self) -> None:
         """Raise ScheduleError unless every stage sends to a neighbour in the order the neighbour
@@ -474,7 +548,60 @@ def zero_bubble_h1_schedule(num_stages: int, num_microbatches: int, checkpoint: 
     return Schedule("zb-h1", num_stages, num_microbatches, tuple(stages))
 
 
-SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule, "zb-h1": zero_bubble_h1_schedule}
+def interleaved_schedule(num_stages: int, num_microbatches: int, checkpoint: str = "never",
+                         recompute_ahead: bool = False, *, virtual_stages: int = 2) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+    Clusters Using Megatron-LM", SC'21, section 2.2.2): the model is cut into ``num_stages`` = K*v
+    cells (stages) and process r runs stages r, r+K, ..., r+(v-1)K (round robin), so each process
+    holds v smaller cells and the bubble shrinks v-fold, (K-1)/v units of a full cell per
+    micro-batch instead of K-1, for v times more messages. The order is Megatron-LM's
+    (``forward_backward_pipelining_with_interleaving``): forwards run K micro-batches through one
+    cell, then the same K through the next; process r warms up with (K-r-1)*2 + (v-1)*K forwards,
+    then alternates one forward and one backward. Like Megatron-LM it needs M a multiple of K.
+
+    The schedule's stages are the K*v cells; :attr:`Schedule.processes` gives each process's program.
+    Every checkpoint mode is allowed (a RECOMPUTE right before its BACKWARD, as in 1F1B)."""
+    _check_sizes(num_stages, num_microbatches)
+    v = virtual_stages
+    if v < 1 or num_stages % v:
+        raise ValueError(f"interleaved 1F1B cuts the model into K*v cells for K processes: "
+                         f"{num_stages} stages (partitions) is not a multiple of v={v}; use "
+                         f"partitions={max(v, num_stages - num_stages % v)}")
+    k = num_stages // v
+    if num_microbatches % k:
+        raise ValueError(f"interleaved 1F1B needs the micro-batches in groups of the {k} processes "
+                         f"(as Megatron-LM does): M={num_microbatches} is not a multiple of {k}; use "
+                         f"M={num_microbatches + k - num_microbatches % k}")
+    ckpt = checkpointed_microbatches(checkpoint, num_microbatches)
+    A = ActionKind
+    total = num_microbatches * v
+
+    def chunk_mb(i: int, backward: bool) -> tuple[int, int]:
+        chunk = (i // k) % v
+        return (v - 1 - chunk if backward else chunk), (i // (k * v)) * k + i % k
+
+    procs = []
+    for r in range(k):
+        warmup = min((k - r - 1) * 2 + (v - 1) * k, total)
+        order = [(False, i) for i in range(warmup)]
+        for i in range(total - warmup):
+            order += [(False, warmup + i), (True, i)]
+        order += [(True, i) for i in range(total - warmup, total)]
+        acts: list[Action] = []
+        for backward, i in order:
+            chunk, mb = chunk_mb(i, backward)
+            s = chunk * k + r
+            acts += (_backward_block(s, num_stages, mb, ckpt, recompute_ahead) if backward
+                     else _forward_block(s, num_stages, mb))
+        acts += [Action(A.AGREE, c * k + r) for c in range(v)]
+        acts += [Action(A.OPTIMIZER_STEP, c * k + r) for c in range(v)]
+        procs.append(tuple(acts))
+    stages = tuple(tuple(a for p in procs for a in p if a.stage == s) for s in range(num_stages))
+    return Schedule("interleaved", num_stages, num_microbatches, stages, True, tuple(procs))
+
+
+SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule, "zb-h1": zero_bubble_h1_schedule,
+             "interleaved": interleaved_schedule}
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int, checkpoint: str,

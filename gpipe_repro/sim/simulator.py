@@ -163,12 +163,15 @@ def simulate(schedule: Schedule, costs: PipelineCosts, link: LinkModel,
     send_start = {e.action.peer(): e.start for e in sim_events if e.action.kind in (A.SEND_ACT, A.SEND_GRAD)}
     shift = costs.setup
     events = []
+    # One timeline row per process: when stages share processes (interleaved), a process's idle
+    # time is what the bubble is, not each stage's.
+    row = schedule.process_of()
     for e in sim_events:
         a = e.action
         ready = send_start[a] + shift if a.kind in (A.RECV_ACT, A.RECV_GRAD) else None
-        events.append(Event(a.stage, a.kind.value, a.microbatch, e.start + shift, e.end + shift, ready))
-    timeline = Timeline(k, events, {"runtime": "simulator", "schedule": schedule.name,
-                                    "link": link.name, "batch_size": batch_size})
+        events.append(Event(row[a.stage], a.kind.value, a.microbatch, e.start + shift, e.end + shift, ready))
+    timeline = Timeline(len(schedule.programs()), events, {"runtime": "simulator", "schedule": schedule.name,
+                                                           "link": link.name, "batch_size": batch_size})
     step = timeline.makespan + costs.teardown
     return Simulation(timeline, batch_size, step, timeline.breakdown(), timeline.utilization())
 
