@@ -94,3 +94,22 @@ def test_distributed_runtime_refuses_stages_sharing_a_process_clearly() -> None:
     from gpipe_repro.distributed import JobFailed, launch_local
     with pytest.raises(JobFailed, match=r"several stages on one process.*runtime='local'"):
         launch_local(train_interleaved_distributed, 4, timeout=20)
+
+
+def test_schedule_ablation_gives_throughput_beside_memory_for_every_schedule() -> None:
+    from gpipe_repro.memory.schedule_ablation import schedule_ablation
+    from gpipe_repro.sim.links import LinkModel
+    from tests.test_memory_planner import _planner
+    planner = _planner("transformer")
+    rows = {r["schedule"]: r for r in schedule_ablation(
+        planner, devices=2, micro_batches=8, link=LinkModel("instant", latency=0.0, bandwidth=1e12),
+        flops_per_second=1e9)}
+    assert set(rows) == {"gpipe", "1f1b", "zb-h1", "interleaved"}
+    assert all("note" not in r for r in rows.values()), rows
+    assert rows["1f1b"]["max_activation_peak_bytes"] < rows["gpipe"]["max_activation_peak_bytes"]
+    assert rows["zb-h1"]["throughput"] > rows["1f1b"]["throughput"]
+    assert rows["interleaved"]["throughput"] > rows["1f1b"]["throughput"]
+    assert rows["interleaved"]["cells"] == 4 and "upper bound" in rows["interleaved"]["memory_note"]
+    odd = schedule_ablation(planner, devices=2, micro_batches=3, link=LinkModel("i", 0.0, 1e12),
+                            flops_per_second=1e9, schedules=["interleaved"])
+    assert "not a multiple" in odd[0]["note"]
