@@ -126,6 +126,10 @@ def search(planner: MemoryPlanner, max_devices: int, budget: float, link: LinkMo
     ks = sorted(set(_powers(max_devices)) | {max_devices})
     ms = list(micro_batches) if micro_batches else _powers(planner.batch)
     names = list(schedules) if schedules else [schedule]
+    if "interleaved" in names:
+        raise ValueError("the planner search cuts one cell per device; interleaved 1F1B runs two per "
+                         "device: compare it with gpipe_repro.memory.schedule_ablation, and search "
+                         "over gpipe, 1f1b and zb-h1 here")
     cands = [evaluate(planner, k, m, c, budget, link, flops_per_second, name)
              for k in ks for m in ms for c in checkpoints for name in names]
     return sorted(cands, key=lambda c: (not c.fits, -c.throughput, c.max_peak))
