@@ -7,8 +7,8 @@ export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help venv test lint throughput-table memory-table validate-sim bench-overhead bench-runtime \
-        bench-replicas replicas-plan-table deep-vs-wide train-amoebanet corpus baseline gpu-check \
-        check-speedups check-regression-detector clean
+        bench-replicas bench-schedules replicas-plan-table deep-vs-wide train-amoebanet corpus baseline \
+        gpu-check check-speedups check-regression-detector clean
 
 help:
 	@echo "make throughput-table  the paper's Table 2/3 (K x M speedups), results/throughput/"
@@ -19,6 +19,7 @@ help:
 	@echo "make bench-runtime     distributed runtime vs K=1 and vs torch.distributed.pipelining"
 	@echo "make bench-replicas    K=1 x R=2 data parallel vs one process; K=2 x R=2 Gantt, results/replicas/"
 	@echo "make replicas-plan-table  K x R x M for Transformer-L / AmoebaNet-D on 8-2048 devices (simulated)"
+	@echo "make bench-schedules   every schedule of ours vs every torch.distributed.pipelining schedule, K=2"
 	@echo "make train-amoebanet   AmoebaNet-B on the offline MNIST sample (CPU preset)"
 	@echo "make deep-vs-wide      deep vs wide multilingual translation, results/translation/"
 	@echo "make baseline          regenerate the CI speedup baseline on purpose (prints the diff)"
@@ -63,6 +64,9 @@ bench-replicas: $(STAMP)
 
 replicas-plan-table: $(STAMP)
 	$(PY) -m experiments.replicas_plan_table
+
+bench-schedules: $(STAMP)
+	$(PY) -m experiments.bench_schedules
 
 train-amoebanet: $(STAMP)
 	$(VENV)/bin/gpipe-repro run amoebanet --preset cpu --record

@@ -22,7 +22,7 @@ BROKEN: dict[str, tuple[str, str, str]] = {
     "update_before_last_backward": ("""
         schedule broken stages=1 micro_batches=2 training=1
         stage 0: F0 F1 B1 A U B0
-        """, r"backward of micro-batch 0 after the optimizer step", "validate"),
+        """, r"B0 after the AGREE / optimizer step", "validate"),
     "two_updates": ("""
         schedule broken stages=1 micro_batches=1 training=1
         stage 0: F0 B0 A U U

@@ -25,6 +25,10 @@ GOLDEN_CASES = {
     "1f1b_k4_m6_never": lambda: make_schedule("1f1b", 4, 6, "never"),
     "1f1b_k2_m4_except_last": lambda: make_schedule("1f1b", 2, 4, "except_last"),
     "forward_k3_m4": lambda: gpipe_schedule(3, 4, training=False),
+    "zb-h1_k4_m6_never": lambda: make_schedule("zb-h1", 4, 6, "never"),
+    "zb-h1_k2_m4_except_last_ahead": lambda: make_schedule("zb-h1", 2, 4, "except_last", True),
+    "interleaved_k2_v2_m4_never": lambda: make_schedule("interleaved", 4, 4, "never"),
+    "interleaved_k2_v2_m4_except_last_ahead": lambda: make_schedule("interleaved", 4, 4, "except_last", True),
 }
 
 

@@ -141,6 +141,10 @@ class StageProcess:
     # -- internals ----------------------------------------------------------------------------------
     def _run(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any] | None,
              weights: list[float] | None, config: StepConfig | None = None) -> float:
+        if schedule.processes is not None:   # the same check on every rank: no rank waits on another
+            raise ScheduleError(f"schedule {schedule.name!r} puts several stages on one process; the "
+                                "distributed runtime runs one stage per process for now: use "
+                                "runtime='local' for it, or schedule='1f1b' / 'zb-h1' here")
         if schedule.num_stages != self.num_stages:
             raise ScheduleError(f"a schedule for {schedule.num_stages} stages on a job of "
                                 f"{self.num_stages} stage processes")

@@ -42,15 +42,16 @@ def run_dataflow(schedule: Schedule, duration: Callable[[Action], float],
     data's arrival (latency + bytes / bandwidth); 0 by default.
     """
     transfer = transfer or (lambda a: 0.0)
-    clock = [0.0] * schedule.num_stages
-    pc = [0] * schedule.num_stages
+    programs = schedule.programs()   # one per process (= per stage unless stages share processes)
+    clock = [0.0] * len(programs)
+    pc = [0] * len(programs)
     arrived: dict[Action, float] = {}      # receive action -> time its data is available
     link_free: dict[tuple[int, int], float] = {}
     events: list[SimEvent] = []
-    remaining = sum(len(a) for a in schedule.stages)
+    remaining = sum(len(a) for a in programs)
     while remaining:
         progressed = False
-        for s, actions in enumerate(schedule.stages):
+        for s, actions in enumerate(programs):
             while pc[s] < len(actions):
                 a = actions[pc[s]]
                 if a.kind in BARRIERS:
@@ -68,7 +69,7 @@ def run_dataflow(schedule: Schedule, duration: Callable[[Action], float],
                     events.append(SimEvent(a, start, end))
                     if a.kind in SENDS:
                         peer = a.peer()
-                        link = (s, peer.stage)
+                        link = (a.stage, peer.stage)
                         begin = max(end, link_free.get(link, 0.0))
                         link_free[link] = begin + transfer(a)
                         arrived[peer] = link_free[link]
@@ -76,10 +77,10 @@ def run_dataflow(schedule: Schedule, duration: Callable[[Action], float],
                 pc[s] += 1
                 remaining -= 1
                 progressed = True
-        at_barrier = [pc[s] < len(st) and st[pc[s]].kind in BARRIERS for s, st in enumerate(schedule.stages)]
-        if all(at_barrier):
+        waiting = [pc[s] < len(st) and st[pc[s]].kind in BARRIERS for s, st in enumerate(programs)]
+        if all(waiting):
             ready = max(clock)
-            for s, st in enumerate(schedule.stages):
+            for s, st in enumerate(programs):
                 a = st[pc[s]]
                 end = ready + duration(a)
                 events.append(SimEvent(a, clock[s], end, ready))
@@ -88,9 +89,9 @@ def run_dataflow(schedule: Schedule, duration: Callable[[Action], float],
                 remaining -= 1
             progressed = True
         if not progressed:
-            waiting = [st[pc[s]] for s, st in enumerate(schedule.stages) if pc[s] < len(st)]
-            stuck = [f"{a}@stage{a.stage}" for a in waiting]
+            blocked = [st[pc[s]] for s, st in enumerate(programs) if pc[s] < len(st)]
+            stuck = [f"{a}@stage{a.stage}" for a in blocked]
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks: every unfinished stage waits on a "
                                 f"receive whose send never comes or at a barrier another stage never reaches "
-                                f"({', '.join(stuck)})", schedule, waiting)
+                                f"({', '.join(stuck)})", schedule, blocked)
     return events

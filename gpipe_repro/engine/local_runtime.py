@@ -63,32 +63,34 @@ class LocalTransport:
 
 def run_local(schedule: Schedule, executors: list[StageExecutor], transport: LocalTransport) -> None:
     """Execute `schedule` over `executors` (one per stage) in this process."""
-    pcs = [0] * schedule.num_stages
-    remaining = sum(len(a) for a in schedule.stages)
+    programs = schedule.programs()   # one per process; a stage's actions run on executors[stage]
+    pcs = [0] * len(programs)
+    remaining = sum(len(a) for a in programs)
     transport.agreed = None
     while remaining:
         progressed = False
-        for s, actions in enumerate(schedule.stages):
+        for s, actions in enumerate(programs):
             # Run this stage up to and including its next compute action, or until it must wait.
             while pcs[s] < len(actions):
                 a = actions[pcs[s]]
                 if (a.kind in RECVS and not transport.ready(a)) or (
                         a.kind in BARRIERS and transport.agreed is None):
                     break
-                executors[s].execute(a)
+                executors[a.stage].execute(a)
                 pcs[s] += 1
                 remaining -= 1
                 progressed = True
                 if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
                     break
         if not progressed and transport.agreed is None and all(
-                pcs[s] < len(st) and st[pcs[s]].kind in BARRIERS for s, st in enumerate(schedule.stages)):
+                pcs[s] < len(st) and st[pcs[s]].kind in BARRIERS for s, st in enumerate(programs)):
             transport.agreed = [sum(col) for col in zip(*(e.contribution() for e in executors))]
-            for s, actions in enumerate(schedule.stages):   # every AGREE before any update
-                executors[s].execute(actions[pcs[s]])
+            for s, actions in enumerate(programs):   # every AGREE before any update
+                executors[actions[pcs[s]].stage].execute(actions[pcs[s]])
                 pcs[s] += 1
                 remaining -= 1
             progressed = True
         if not progressed:
-            stuck = [f"{st[pcs[s]]}@stage{s}" for s, st in enumerate(schedule.stages) if pcs[s] < len(st)]
+            stuck = [f"{st[pcs[s]]}@stage{st[pcs[s]].stage}" for s, st in enumerate(programs)
+                     if pcs[s] < len(st)]
             raise ScheduleError(f"local runtime: no stage can proceed ({', '.join(stuck)})")

@@ -167,7 +167,9 @@ class StageExecutor:
             ActionKind.SEND_ACT: self._send_act, ActionKind.RECV_GRAD: self._recv_grad,
             ActionKind.RECOMPUTE: self._recompute, ActionKind.BACKWARD: self._backward,
             ActionKind.SEND_GRAD: self._send_grad, ActionKind.AGREE: self._agree,
-            ActionKind.OPTIMIZER_STEP: self._optimizer_step}
+            ActionKind.OPTIMIZER_STEP: self._optimizer_step,
+            ActionKind.BACKWARD_INPUT: self._backward_input,
+            ActionKind.BACKWARD_WEIGHT: self._backward_weight}
         self._reset()
 
     # -- step lifecycle ---------------------------------------------------------------------------
@@ -177,6 +179,7 @@ class StageExecutor:
         self.outbox: dict[tuple[ActionKind, int], Any] = {}
         self.grads_in: dict[int, list[torch.Tensor | None]] = {}
         self.outputs: dict[int, Any] = {}
+        self.weight_work: dict[int, Callable[[], None]] = {}   # BACKWARD_INPUT -> its BACKWARD_WEIGHT
         self.loss_sum: torch.Tensor | None = None
         self.count_sum: torch.Tensor | None = None
         self.agreement = None
@@ -205,7 +208,8 @@ class StageExecutor:
 
     def end_step(self) -> float | None:
         """Check nothing is left behind; return the agreed mini-batch loss (training) or None."""
-        leftover = list(self.inputs) + list(self.graphs) + [k for k in self.outbox]
+        leftover = (list(self.inputs) + list(self.graphs) + [k for k in self.outbox]
+                    + [(ActionKind.BACKWARD_WEIGHT, m) for m in self.weight_work])
         if self.training and leftover:
             raise RuntimeError(f"stage {self.stage}: state left after the step for {leftover}; "
                                "the schedule is missing actions")
@@ -275,6 +279,41 @@ class StageExecutor:
         x = self.inputs.pop(m)
         if self.stage > 0:
             self.outbox[(ActionKind.SEND_GRAD, m)] = boundary.input_grads(x)
+
+    def _backward_input(self, m: int | None) -> None:
+        """The zero-bubble split's first half (Qi et al., ICLR 2024): only the gradient of the cell's
+        input, which the previous stage waits for. The parameters' gradients are left to
+        :meth:`_backward_weight`: while walking the graph back to the input we keep the gradient
+        arriving at each node where a parameter's gradient path joins it (PyTorch pipelining's
+        ``stage_backward_input`` / ``get_param_groups`` do the same), so the weight half starts from
+        there and walks only the parameters' branches. A stage with no floating input that needs a
+        gradient (stage 0, or only integer inputs) has nothing to send: its whole backward runs
+        at W, as PyTorch's stage 0 does."""
+        assert m is not None
+        out = self.graphs.pop(m)
+        if self.is_last:
+            outs, grads = ([out], [torch.ones_like(out)]) if out.requires_grad else ([], [])
+        else:
+            outs, grads = boundary.grad_pairs(out, self.grads_in.pop(m))
+        x = self.inputs.pop(m)
+        leaves = [t for t in boundary.tensors(x) if boundary.carries_grad(t) and t.requires_grad]
+        params = [p for p in self.cell.parameters() if p.requires_grad]
+        if not outs:
+            self.weight_work[m] = lambda: None
+        elif not leaves:
+            def full() -> None:
+                torch.autograd.backward(outs, grads)
+            self.weight_work[m] = full
+        else:
+            self.weight_work[m] = _split_backward_input(outs, grads, leaves, params)
+        if self.stage > 0:
+            self.outbox[(ActionKind.SEND_GRAD, m)] = boundary.input_grads(x)
+
+    def _backward_weight(self, m: int | None) -> None:
+        """The zero-bubble split's second half: the parameters' gradients of micro-batch m, from
+        what its BACKWARD_INPUT kept; accumulated into ``p.grad`` like BACKWARD's."""
+        assert m is not None
+        self.weight_work.pop(m)()
 
     def _send_grad(self, m: int | None) -> None:
         assert m is not None
@@ -391,6 +430,62 @@ class StageExecutor:
         if dtype is None:
             return value
         return boundary.map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def _split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor],
+                          params: list[nn.Parameter]) -> Callable[[], None]:
+    """Compute the input gradients of ``outs`` (seeded with ``grads``) into ``leaves[i].grad`` now;
+    return the function that later computes the parameters' gradients into ``p.grad``.
+
+    Uses PyTorch pipelining's graph analysis (torch.distributed.pipelining._backward, the code behind
+    its zero-bubble schedules): the parameters are grouped by the nodes where their gradient paths
+    meet the input's path; pre-hooks on those nodes keep the gradients arriving there during the input
+    pass, and the weight pass starts from them. A parameter whose path never meets the input's (the
+    analysis cannot split it) makes us fall back to one full backward now and nothing later, which is
+    correct, only not split."""
+    from torch.distributed.pipelining._backward import (
+        _get_grad_fn_or_grad_acc,
+        construct_reverse_graph,
+        get_param_groups,
+        stage_backward_weight,
+    )
+    out_fns = [f for f in map(_get_grad_fn_or_grad_acc, outs) if f is not None]
+    in_fns = [f for f in map(_get_grad_fn_or_grad_acc, leaves) if f is not None]
+    param_fns = [f for f in map(_get_grad_fn_or_grad_acc, params) if f is not None]
+    reverse = construct_reverse_graph(out_fns)
+    reachable = {f for f in param_fns if f in reverse}   # (before get_param_groups adds keys to it)
+    groups = get_param_groups(in_fns, param_fns, reverse)
+    grouped = set().union(*(g["params"] for g in groups)) if groups else set()
+    if not reachable <= grouped:
+        torch.autograd.backward(outs, grads)
+        return lambda: None
+    handles = []
+    for group in groups:
+        group["intermediates"] = list(group["intermediates"])
+        group["grads"] = [None] * len(group["intermediates"])
+        for i, node in enumerate(group["intermediates"]):
+            def keep(grad_inputs: Any, group: dict[str, Any] = group, i: int = i) -> None:
+                group["grads"][i] = grad_inputs
+            handles.append(node.register_prehook(keep))
+    try:
+        dx = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for leaf, g in zip(leaves, dx):
+        if g is not None:
+            leaf.grad = g if leaf.grad is None else leaf.grad + g
+    if any(x is None for g in groups for x in g["grads"]):
+        # A join node no gradient reached: walk the retained graph again for the parameters only.
+        used = [p for p, f in zip(params, param_fns) if f in reachable]
+
+        def weights_again() -> None:
+            torch.autograd.backward(outs, grads, inputs=used)
+        return weights_again
+
+    def weights() -> None:
+        stage_backward_weight(iter(params), groups)
+    return weights
 
 
 def _value(t: torch.Tensor) -> float:

@@ -29,7 +29,8 @@ __all__ = ["CATEGORIES", "Event", "Timeline"]
 CATEGORIES = ("computation", "re-computation", "bubble", "load imbalance", "communication",
               "optimizer update", "setup")
 _COMPUTE = {"forward": "computation", "backward": "computation", "recompute": "re-computation",
-            "optimizer_step": "optimizer update"}
+            "optimizer_step": "optimizer update",
+            "backward_input": "computation", "backward_weight": "computation"}   # zero-bubble split
 
 
 @dataclass

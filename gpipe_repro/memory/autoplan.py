@@ -41,6 +41,7 @@ class Candidate:
     bubble: float = 0.0
     note: str = ""
     plan: MemoryPlan | None = None
+    schedule: str = "gpipe"
 
 
 def _powers(limit: int) -> list[int]:
@@ -57,6 +58,7 @@ def _costs(planner: MemoryPlanner, balance: Sequence[int], micro_batches: int,
     starts = [sum(balance[:s]) for s in range(len(balance))]
     fwd: list[list[float]] = [[] for _ in balance]
     bwd: list[list[float]] = [[] for _ in balance]
+    bwd_input: list[list[float]] = [[] for _ in balance]
     sent: list[list[float]] = [[] for _ in balance]
     back: list[list[float]] = [[] for _ in balance]
     for n in sizes:
@@ -65,20 +67,23 @@ def _costs(planner: MemoryPlanner, balance: Sequence[int], micro_batches: int,
             cell = profs[a:a + k] + ([profs[-1]] if s == len(balance) - 1 else [])
             fwd[s].append(sum(p.fwd_flops for p in cell) / flops_per_second)
             bwd[s].append(sum(p.bwd_flops for p in cell) / flops_per_second)
+            # zero-bubble split: the input gradient's share (sim.simulator.input_share's rule)
+            bwd_input[s].append(sum(p.bwd_flops * (0.5 if p.param_bytes else 1.0) for p in cell)
+                                / flops_per_second)
             sent[s].append(float(boundary_bytes(cell[-1].out_sig)))
             back[s].append(float(boundary_grad_bytes(cell[-1].out_sig)))
     profs = planner.profiles(sizes[0], flops=True)
     # RMSProp: a handful of FLOPs per parameter (4-byte fp32 parameters).
     opt = [sum(p.param_bytes for p in profs[a:a + k]) / 4 * 6 / flops_per_second
            for a, k in zip(starts, balance)]
-    return PipelineCosts(fwd, fwd, fwd, bwd, opt, sent, back)
+    return PipelineCosts(fwd, fwd, fwd, bwd, opt, sent, back, backward_input=bwd_input)
 
 
 def evaluate(planner: MemoryPlanner, partitions: int, micro_batches: int, checkpoint: str,
              budget: float, link: LinkModel, flops_per_second: float, schedule: str = "gpipe",
              attempts: int = 4) -> Candidate:
     """One (K, M, checkpoint): a memory-capped cut, its plan and, if it fits, its throughput."""
-    cand = Candidate(partitions, micro_batches, checkpoint)
+    cand = Candidate(partitions, micro_batches, checkpoint, schedule=schedule)
     if partitions > planner.num_layers or micro_batches > planner.batch:
         cand.note = "more devices than layers" if partitions > planner.num_layers else "M > batch"
         return cand
@@ -95,7 +100,7 @@ def evaluate(planner: MemoryPlanner, partitions: int, micro_batches: int, checkp
         except ValueError as e:
             cand.note = str(e)
             break
-        plan = planner.plan(partitions, micro_batches, checkpoint, balance=balance)
+        plan = planner.plan(partitions, micro_batches, checkpoint, balance=balance, schedule=schedule)
         cand.balance, cand.max_peak, cand.plan = balance, plan.max_peak, plan
         if plan.fits(budget) or partitions == 1:
             break
@@ -114,12 +119,19 @@ def evaluate(planner: MemoryPlanner, partitions: int, micro_batches: int, checkp
 def search(planner: MemoryPlanner, max_devices: int, budget: float, link: LinkModel,
            flops_per_second: float, micro_batches: Sequence[int] | None = None,
            checkpoints: Sequence[str] = ("except_last", "never"),
-           schedule: str = "gpipe") -> list[Candidate]:
-    """Every candidate, the fastest fitting one first."""
+           schedule: str = "gpipe", schedules: Sequence[str] | None = None) -> list[Candidate]:
+    """Every candidate, the fastest fitting one first. With `schedules` (e.g.
+    ``sorted(engine.schedule.SCHEDULES)``) every schedule is a candidate too, each with its own
+    memory plan and simulated step, so the answer chooses the schedule; otherwise `schedule` only."""
     ks = sorted(set(_powers(max_devices)) | {max_devices})
     ms = list(micro_batches) if micro_batches else _powers(planner.batch)
-    cands = [evaluate(planner, k, m, c, budget, link, flops_per_second, schedule)
-             for k in ks for m in ms for c in checkpoints]
+    names = list(schedules) if schedules else [schedule]
+    if "interleaved" in names:
+        raise ValueError("the planner search cuts one cell per device; interleaved 1F1B runs two per "
+                         "device: compare it with gpipe_repro.memory.schedule_ablation, and search "
+                         "over gpipe, 1f1b and zb-h1 here")
+    cands = [evaluate(planner, k, m, c, budget, link, flops_per_second, name)
+             for k in ks for m in ms for c in checkpoints for name in names]
     return sorted(cands, key=lambda c: (not c.fits, -c.throughput, c.max_peak))
 
 

@@ -160,6 +160,8 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
             st.touch(optimizer_transient, where, OPTIMIZER)
             if have_state:  # DeferredBatchNorm commits and drops its statistics
                 st.add(ACTIVATIONS, -sum(p.state_bytes for p in cells[-1]))
+        elif kind is ActionKind.AGREE:   # a few float64 numbers all-reduced: nothing to count
+            pass
         elif m is None:     # every other action belongs to a micro-batch
             raise ValueError(f"stage {stage}: action {where} has no micro-batch")
         elif kind is ActionKind.RECV_ACT:
@@ -191,6 +193,31 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
             have_grads = True
             for holder in (("cell", m), ("gin", m), ("stash", m), ("var", m)):
                 st.release(holder)
+        elif kind is ActionKind.BACKWARD_INPUT:
+            # The zero-bubble split (Qi et al., ICLR 2024). Stage 0 computes nothing at I (its whole
+            # backward runs at W, as StageExecutor does). Elsewhere the input gradient's pass runs
+            # now and the graph stays until W, with the gradients that arrived where the weights'
+            # paths join the input's (W starts from them). Those are gradients of outputs of
+            # parameterized ops, which the profiles do not itemize: estimated from above, per
+            # layer with parameters, by what the layer saves plus its new output.
+            if not first:
+                _backward(st, cells[m], m, grads_in.get(m), accumulate=True, send=True, where=where,
+                          hold_graph=True)
+                st.new(sum(p.saved_internal + p.out_new_bytes() for p in cells[m] if p.param_bytes),
+                       ACTIVATIONS, ("graph", m, 0))
+                for name in ("gin", "stash", "var"):
+                    st.release((name, m))
+        elif kind is ActionKind.BACKWARD_WEIGHT:
+            if first:
+                _backward(st, cells[m], m, grads_in.get(m), accumulate=have_grads, send=False,
+                          where=where)
+            elif not have_grads:
+                st.add(GRADS, sum(p.grad_bytes for p in cells[m]))
+            have_grads = True
+            for name in ("cell", "gin", "stash", "var"):
+                st.release((name, m))
+            for j in range(len(cells[m])):
+                st.release(("graph", m, j))
         elif kind is ActionKind.SEND_GRAD:
             st.release(("gout", m))
         if timeline:
@@ -235,7 +262,9 @@ def _forward(st: _Store, layers: Sequence[LayerProfile], x: list[int], m: int, k
 
 
 def _backward(st: _Store, layers: Sequence[LayerProfile], m: int, grad_in: int | None,
-              accumulate: bool, send: bool, where: str) -> None:
+              accumulate: bool, send: bool, where: str, hold_graph: bool = False) -> None:
+    """Walk a cell's backward layer by layer. `hold_graph` (a zero-bubble input-gradient pass): the
+    layers' saved tensors stay (for the weight pass) and no parameter gradient is created yet."""
     n = len(layers)
     # Gradients of the current layer's output groups (the cell's: what the next stage sent).
     out_grads: dict[int, int] = ({g: grad_in for g in range(len(layers[-1].out_origin))}
@@ -251,7 +280,8 @@ def _backward(st: _Store, layers: Sequence[LayerProfile], m: int, grad_in: int |
             if origin is not None and origin[0] == "out" and origin[1] in out_grads:
                 st.hold(out_grads[origin[1]], holder)       # passed through: the same storage
                 in_grads[g] = out_grads[origin[1]]
-        st.release(("graph", m, j))
+        if not hold_graph:
+            st.release(("graph", m, j))
         st.release(("buf", m, j))
         for g, origin in enumerate(p.in_grads):
             if origin is not None and origin[0] == "new":

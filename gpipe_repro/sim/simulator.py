@@ -46,6 +46,9 @@ class PipelineCosts:
     grad_bytes: Sequence[Sequence[float]]
     setup: float = 0.0     # seconds from the step's start to the first action (runtime's own cost)
     teardown: float = 0.0  # seconds from the last action to the step's end (e.g. loss broadcast)
+    # The zero-bubble split: seconds of BACKWARD_INPUT per [stage][microbatch]; BACKWARD_WEIGHT gets
+    # the rest of `backward`. None: half of `backward` (see :func:`input_share`).
+    backward_input: Sequence[Sequence[float]] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -73,8 +76,20 @@ def stage_costs(calibration: Calibration, balance: Sequence[int],
                 for s in range(len(balance) - 1)]
     grads = [[float(cells[b][s][-1].grad_bytes) for b in microbatch_sizes]
              for s in range(len(balance) - 1)]
+    split = [[sum(c.backward * input_share(c) for c in cells[b][s]) for b in microbatch_sizes]
+             for s in range(len(balance))]
     return PipelineCosts(per_mb("forward"), per_mb("forward_nograd"), per_mb("recompute"),
-                         per_mb("backward"), optimizer, boundary, grads, setup, teardown)
+                         per_mb("backward"), optimizer, boundary, grads, setup, teardown, split)
+
+
+def input_share(cost: LayerCost) -> float:
+    """The share of a layer's measured backward time that is its input gradient (the rest is its
+    weight gradient), for the zero-bubble split (Qi et al., ICLR 2024). A FLOP-model approximation,
+    not a measurement: a layer without parameters has only an input gradient (1.0); for a matmul
+    or convolution the input gradient and the weight gradient each cost the forward's FLOPs
+    (dX = dY W^T, dW = X^T dY: Qi et al. section 2, T_B = T_W), so 0.5. Layers mixing the two
+    (normalization, attention) are counted at 0.5 too."""
+    return 1.0 if cost.params == 0 else 0.5
 
 
 @dataclass
@@ -131,6 +146,12 @@ def simulate(schedule: Schedule, costs: PipelineCosts, link: LinkModel,
             return costs.recompute[s][m]
         if a.kind is A.BACKWARD:
             return costs.backward[s][m]
+        if a.kind in (A.BACKWARD_INPUT, A.BACKWARD_WEIGHT):
+            # Stage 0 has no input gradient to send: its I does nothing, its W the whole backward
+            # (StageExecutor._backward_input).
+            i = 0.0 if s == 0 else (costs.backward_input[s][m] if costs.backward_input is not None
+                                    else 0.5 * costs.backward[s][m])
+            return i if a.kind is A.BACKWARD_INPUT else costs.backward[s][m] - i
         if a.kind in (A.SEND_ACT, A.SEND_GRAD):
             return link.send_time(nbytes(a))
         return link.recv_time(nbytes(a))
@@ -142,12 +163,15 @@ def simulate(schedule: Schedule, costs: PipelineCosts, link: LinkModel,
     send_start = {e.action.peer(): e.start for e in sim_events if e.action.kind in (A.SEND_ACT, A.SEND_GRAD)}
     shift = costs.setup
     events = []
+    # One timeline row per process: when stages share processes (interleaved), a process's idle
+    # time is what the bubble is, not each stage's.
+    row = schedule.process_of()
     for e in sim_events:
         a = e.action
         ready = send_start[a] + shift if a.kind in (A.RECV_ACT, A.RECV_GRAD) else None
-        events.append(Event(a.stage, a.kind.value, a.microbatch, e.start + shift, e.end + shift, ready))
-    timeline = Timeline(k, events, {"runtime": "simulator", "schedule": schedule.name,
-                                    "link": link.name, "batch_size": batch_size})
+        events.append(Event(row[a.stage], a.kind.value, a.microbatch, e.start + shift, e.end + shift, ready))
+    timeline = Timeline(len(schedule.programs()), events, {"runtime": "simulator", "schedule": schedule.name,
+                                                           "link": link.name, "batch_size": batch_size})
     step = timeline.makespan + costs.teardown
     return Simulation(timeline, batch_size, step, timeline.breakdown(), timeline.utilization())
 
@@ -183,7 +207,8 @@ def replay_costs(timeline: Timeline, step_time: float,
     k = timeline.num_stages
     m_count = 1 + max(e.microbatch for e in timeline.events if e.microbatch is not None)
     table: dict[str, list[list[float]]] = {kind: [[0.0] * m_count for _ in range(k)]
-                                           for kind in ("forward", "recompute", "backward")}
+                                           for kind in ("forward", "recompute", "backward",
+                                                        "backward_input", "backward_weight")}
     optimizer = [0.0] * k
     for e in timeline.events:
         if e.kind in table and e.microbatch is not None:
@@ -193,6 +218,9 @@ def replay_costs(timeline: Timeline, step_time: float,
     first = [timeline.stage_events(s)[0].start for s in range(k)]
     sizes = list(boundary_bytes) or [0.0] * (k - 1)      # bytes crossing each boundary
     nbytes = [[float(sizes[s])] * m_count for s in range(k - 1)]
-    return PipelineCosts(table["forward"], table["forward"], table["recompute"], table["backward"],
+    backward = [[b + i + w for b, i, w in zip(*rows)] for rows in
+                zip(table["backward"], table["backward_input"], table["backward_weight"])]
+    return PipelineCosts(table["forward"], table["forward"], table["recompute"], backward,
                          optimizer, nbytes, nbytes, setup=min(first),
-                         teardown=max(0.0, step_time - timeline.makespan))
+                         teardown=max(0.0, step_time - timeline.makespan),
+                         backward_input=table["backward_input"])

@@ -245,13 +245,16 @@ def run_case(*, label: str, layers: list[nn.Module], x: torch.Tensor, y: torch.T
         if move_after is None:
             pipe = _deps.GPipe(copy.deepcopy(layers), partitions=partitions, micro_batches=micro_batches,
                                checkpoint=checkpoint, balance=balance, devices=list(devices),
-                               loss_fn=nn.CrossEntropyLoss(), seed=seed,
+                               loss_fn=nn.CrossEntropyLoss(), seed=seed, precision=precision,
                                optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
         else:
             pipe = _deps.GPipe(copy.deepcopy(layers), partitions=partitions, micro_batches=micro_batches,
                                checkpoint=checkpoint, balance=balance, loss_fn=nn.CrossEntropyLoss(),
-                               seed=seed, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+                               seed=seed, precision=precision,
+                               optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
             pipe.to(move_after)
+        # The pipe's precision is its own `precision=` (the engine's autocast, which overrides an
+        # outer one); the reference runs under the outer autocast.
         with precision_context(precision, device_kinds):
             loss = pipe.train_step(x, y if targets_on_cpu else y.to(layer_devices[-1]))
             ref_loss = reference_step(ref_layers, layer_devices, x, y, micro_batches=micro_batches,
