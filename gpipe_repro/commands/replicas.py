@@ -40,7 +40,7 @@ def register(app: typer.Typer) -> None:
             work = workload(family, batch, **parse_options(list(ctx.args)))
         except (ValueError, TypeError) as e:
             raise typer.BadParameter(str(e)) from e
-        planner = MemoryPlanner(work.layers, work.sample, work.target, work.loss_fn,
+        planner = MemoryPlanner(*work.planner_inputs(),
                                 optimizer=rmsprop_foreach, optimizer_foreach=True)
         ms = [int(x) for x in micro_batches.split(",")] if micro_batches else None
         cands = plan_replicas(planner, devices, memory * GiB, get_link(link), tflops * 1e12,

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     rows, records = [], []
     for label, (family, options) in MODELS.items():
         work = workload(family, None, **options)
-        planner = MemoryPlanner(work.layers, work.sample, work.target, work.loss_fn,
+        planner = MemoryPlanner(*work.planner_inputs(),
                                 optimizer=rmsprop_foreach, optimizer_foreach=True)
         for n in (int(x) for x in args.devices.split(",")):
             cands = plan_replicas(planner, n, args.memory * GiB, get_link("nvlink"), args.tflops * 1e12,
