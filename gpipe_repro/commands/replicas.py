@@ -19,13 +19,14 @@ def register(app: typer.Typer) -> None:
             family: str = typer.Argument(..., help="model family (gpipe-repro models lists them)"),
             devices: int = typer.Option(8, "--devices", help="N: devices of the job (K x R = N)"),
             memory: float = typer.Option(16.0, "--memory", help="memory per device, GiB"),
-            batch: Optional[int] = typer.Option(None, "--batch", help="mini-batch of ONE replica"),
+            batch: Optional[int] = typer.Option(None, "--batch-size", help="mini-batch of ONE replica"),
             tflops: float = typer.Option(100.0, "--tflops", help="device compute rate, TFLOP/s"),
             link: str = typer.Option("nvlink", "--link", help="the pipeline's boundary link"),
-            devices_per_host: int = typer.Option(8, "--devices-per-host"),
+            devices_per_host: int = typer.Option(
+                8, "--devices-per-host", help="devices per host: a pipeline stays inside one host"),
             algorithm: str = typer.Option("ring", "--algorithm", help="all-reduce: ring | tree"),
-            micro_batches: Optional[str] = typer.Option(None, "--micro-batches", "-M",
-                                                        help="candidates, e.g. 4,8,32"),
+            micro_batches: Optional[str] = typer.Option(None, "--m",
+                                                        help="M candidates, e.g. 4,8,32"),
             top: int = typer.Option(6, "--top", help="candidates to show")) -> None:
         """Choose K, R = N / K, M and the partition for the best simulated samples/s within --memory
         GiB per device (extra options, e.g. --L 48, go to the model builder)."""
