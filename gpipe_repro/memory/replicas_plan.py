@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpipe_repro.engine.schedule import make_schedule
-from gpipe_repro.memory.autoplan import Candidate, _costs, evaluate
+from gpipe_repro.memory.autoplan import Candidate, _costs, _powers, evaluate
 from gpipe_repro.memory.planner import MemoryPlanner
 from gpipe_repro.sim.data_parallel import ReplicatedSimulation, replicate
 from gpipe_repro.sim.links import LinkModel
@@ -88,14 +88,6 @@ def plan_replicas(planner: MemoryPlanner, devices: int, budget: float, link: Lin
                 out.append(_replicate(planner, cand, r, budget, link, flops_per_second,
                                       devices_per_host, algorithm, schedule))
     return sorted(out, key=lambda c: (not c.fits, -c.throughput, c.peak_with_buckets))
-
-
-def _powers(limit: int) -> list[int]:
-    out, x = [], 1
-    while x <= limit:
-        out.append(x)
-        x *= 2
-    return out
 
 
 def _replicate(planner: MemoryPlanner, cand: Candidate, replicas: int, budget: float, link: LinkModel,
