@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_torchrun_trains_and_rank0_writes_the_timeline(tmp_path: Path) -> None:
     timeline = tmp_path / "timeline.json"
-    cli = str(Path(sys.executable).parent / "gpipe-repro")
+    beside = Path(sys.executable).parent / "gpipe-repro"     # the venv's entry point, as a user has it
+    cli = str(beside) if beside.exists() else shutil.which("gpipe-repro")
+    assert cli, "the gpipe-repro command is not installed (pip install -e .)"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            cli, "pipeline", "--launcher", "torchrun", "--steps", "2", "--batch", "64",
            "--width", "32", "--blocks", "2", "--micro-batches", "4", "--timeout", "20",

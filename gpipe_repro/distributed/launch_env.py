@@ -8,4 +8,5 @@ from __future__ import annotations
 TIMEOUT_ENV = "GPIPE_REPRO_TIMEOUT_S"     # seconds before a silent peer counts as failed
 THREADS_ENV = "GPIPE_REPRO_THREADS"       # intra-op threads per stage process on CPU
 ERROR_FILE_ENV = "GPIPE_REPRO_ERROR_FILE"  # where a failing stage process leaves its ErrorRecord
+BACKEND_ENV = "GPIPE_REPRO_BACKEND"       # "gloo" or "nccl"; unset: NCCL when every local process has a GPU
 DEFAULT_TIMEOUT_S = 30.0

@@ -4,7 +4,11 @@ Why a helper and not a bare ``init_process_group``: every stage process must agr
 that torch leaves to the caller, and getting any of them wrong shows up much later as a hang or a
 slow run, not an error:
 
-- the backend and device: NCCL with ``cuda:LOCAL_RANK`` when CUDA is available, gloo on CPU otherwise;
+- the backend and device: NCCL with ``cuda:LOCAL_RANK`` when every process of this host can have a
+  GPU of its own (``torch.cuda.device_count() >= LOCAL_WORLD_SIZE``), gloo on CPU otherwise, with a
+  warning when GPUs are visible but too few (NCCL cannot put two ranks on one GPU). ``backend=`` or
+  ``GPIPE_REPRO_BACKEND`` chooses explicitly; asking for NCCL with too few GPUs fails before the
+  process group forms, on every rank, saying what to change;
 - a timeout on every communication op (gloo's default is 30 minutes; a pipeline whose neighbour died
   should fail in seconds), taken from ``GPIPE_REPRO_TIMEOUT_S`` when the launcher set it;
 - on CPU, the number of intra-op threads (``GPIPE_REPRO_THREADS``, default 1): K stage processes on one
@@ -18,13 +22,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gpipe_repro.distributed.launch_env import DEFAULT_TIMEOUT_S, THREADS_ENV, TIMEOUT_ENV
+from gpipe_repro.distributed.launch_env import BACKEND_ENV, DEFAULT_TIMEOUT_S, THREADS_ENV, TIMEOUT_ENV
 
 
 @dataclass(frozen=True)
@@ -46,8 +51,9 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
                      threads: int | None = None) -> StageContext:
     """Join (or describe the already joined) default process group. Idempotent.
 
-    `backend`: "gloo" or "nccl"; default NCCL if CUDA is available, else gloo. `timeout_s`: seconds
-    before a communication op with a silent peer fails (default $GPIPE_REPRO_TIMEOUT_S, else 30).
+    `backend`: "gloo" or "nccl"; default $GPIPE_REPRO_BACKEND, else :func:`choose_backend`.
+    `timeout_s`: seconds before a communication op with a silent peer fails (default
+    $GPIPE_REPRO_TIMEOUT_S, else 30).
     `threads`: intra-op threads on CPU (default $GPIPE_REPRO_THREADS, else 1; 0 leaves torch's
     default).
     """
@@ -68,10 +74,13 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
                     "`torchrun --nproc-per-node K script.py` or "
                     "gpipe_repro.distributed.launch_local(fn, K), or initialize torch.distributed "
                     "yourself before building the pipeline")
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = backend or os.environ.get(BACKEND_ENV) or choose_backend()
     if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r} "
+                         f"(from backend= or ${BACKEND_ENV})")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if backend == "nccl" and not dist.is_initialized():
+        _check_gpus_for_nccl(local_rank)
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -87,6 +96,44 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     _context = StageContext(dist.get_rank(), dist.get_world_size(), local_rank, backend, device,
                             timeout_s)
     return _context
+
+
+def _local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def choose_backend() -> str:
+    """NCCL when every stage process of this host can have a GPU of its own, else gloo on the CPU.
+
+    NCCL refuses two ranks on one GPU, so with more processes on this host than visible GPUs (two
+    stages on a one-GPU workstation) the job runs on the CPU over gloo, and says so once (local rank 0).
+    """
+    if not torch.cuda.is_available():
+        return "gloo"
+    gpus, local = torch.cuda.device_count(), _local_world_size()
+    if gpus >= local:
+        return "nccl"
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        warnings.warn(f"{local} stage processes on this host but {gpus} GPU(s) visible: NCCL needs one "
+                      f"GPU per process, so this job runs on the CPU over gloo. Run at most {gpus} "
+                      f"process(es) per host to use the GPUs, or set {BACKEND_ENV}=gloo to choose the "
+                      "CPU explicitly and silence this warning.", RuntimeWarning, stacklevel=3)
+    return "gloo"
+
+
+def _check_gpus_for_nccl(local_rank: int) -> None:
+    """Fail on every rank, before the process group forms, when NCCL cannot give each local process a
+    GPU (otherwise ranks past the GPU count die in CUDA with 'invalid device ordinal' while the others
+    wait for them)."""
+    gpus, local = (torch.cuda.device_count() if torch.cuda.is_available() else 0), _local_world_size()
+    if gpus == 0:
+        raise RuntimeError(f"backend 'nccl' needs a GPU, and this process sees none; use gloo on the "
+                           f"CPU ({BACKEND_ENV}=gloo or backend='gloo')")
+    if gpus < max(local, local_rank + 1):
+        raise RuntimeError(
+            f"backend 'nccl' needs one GPU per stage process: this host runs {max(local, local_rank + 1)} "
+            f"process(es) and sees {gpus} GPU(s). Run at most {gpus} process(es) per host "
+            f"(torchrun --nproc-per-node), or use gloo on the CPU ({BACKEND_ENV}=gloo).")
 
 
 def broadcast_object(obj: Any) -> Any:
