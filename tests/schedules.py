@@ -1,6 +1,6 @@
 """A zoo of deliberately broken schedules, written out literally (as PyTorch keeps its
 `schedule_registry.py`): each entry is (text, the error the validator must raise). The validator and
-the link-order check are tested against every one in tests/test_schedule_text.py."""
+the link-order check are tested against every one in tests/engine/test_schedule_text.py."""
 from __future__ import annotations
 
 # name -> (schedule text, regex the ScheduleError message must match, check)

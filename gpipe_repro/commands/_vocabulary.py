@@ -10,7 +10,7 @@
 Spellings that earlier versions accepted (`--partitions` / `-K`, `--micro-batches` / `-M`, `--batch`,
 `--json`) still work as hidden aliases, so nothing a user typed breaks; `alias` declares one and
 `resolve` merges it with the documented flag (giving both with different values is an error).
-Each command module declares its options with these names; tests/test_train_cli.py checks that every
+Each command module declares its options with these names; tests/commands/test_run.py checks that every
 command line in README.md parses.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`make check-regression-detector`: show that the CI speedup regression passes a healthy tree and
 fails a broken one (issue #12).
 
-It runs tests/test_speedup_regression.py N times in each condition, on a private copy of the tree
+It runs tests/repro/test_speedup_regression.py N times in each condition, on a private copy of the tree
 (your checkout is never modified):
 
 - ``healthy, CPU hog``: the tree as is, with one extra process spinning on a core for the whole run
@@ -41,7 +41,7 @@ from gpipe_repro.report.host import host_idle_fraction, usable_cores
 from gpipe_repro.report.records import markdown_table, write_json, write_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
-TEST = "tests/test_speedup_regression.py"
+TEST = "tests/repro/test_speedup_regression.py"
 OUT = ROOT / "results" / "ci"
 
 
@@ -235,7 +235,7 @@ def render(payload: dict[str, Any]) -> str:
                 else f"{xs[0]:.2f}")
 
     lines += ["## What the timeline checks measured (median [min, max] over runs)", "",
-              "Thresholds (tests/test_speedup_regression.py): overlap >= 0.5, replay ratio in "
+              "Thresholds (tests/repro/test_speedup_regression.py): overlap >= 0.5, replay ratio in "
               "[0.9, 1.3], recompute ratio <= 1.5, cores >= 2.", "",
               markdown_table(["value", *conditions],
                              [[v, *[rng(summary[c]["values"].get(v, [])) for c in conditions]]

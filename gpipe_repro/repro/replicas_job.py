@@ -10,8 +10,8 @@ The script every process of the job runs (``experiments/replicas_job.py``). On t
       --rdzv-endpoint HOST_A:29500 \\               --rdzv-endpoint HOST_A:29500 \\
       experiments/replicas_job.py --k 2            experiments/replicas_job.py --k 2
 
-Rehearsed on one host with ``--rdzv-endpoint 127.0.0.1:PORT`` for both (tests/test_distributed_
-multinode.py). Every process prints which node and local rank it is, so that a failure report naming
+Rehearsed on one host with ``--rdzv-endpoint 127.0.0.1:PORT`` for both (tests/distributed/
+test_multinode.py). Every process prints which node and local rank it is, so that a failure report naming
 a rank (ours: ``[gpipe-repro] rank R failed``; torchrun's: ``rank: R (local_rank: L)``) also names the
 node. ``--kill-rank R --kill-step S`` makes rank R kill itself with SIGKILL at step S (a fault drill).
 """

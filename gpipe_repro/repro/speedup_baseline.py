@@ -9,7 +9,7 @@ Two kinds of numbers, because they fail for different reasons:
   so it is compared within a tight *two-sided* tolerance: a drop and a rise both fail (a bug that
   inflates speedups is as wrong as one that deflates them).
 - **The real runtimes, judged from their timelines** (:func:`timeline_run`, :func:`local_timelines`,
-  checked by tests/test_speedup_regression.py with :mod:`gpipe_repro.sim.timeline_checks`): overlap,
+  checked by tests/repro/test_speedup_regression.py with :mod:`gpipe_repro.sim.timeline_checks`): overlap,
   order, makespan against the replay of the same durations. Host load moves none of these.
 - **Measured K=2 speedup** (wall clock, noisy): throughput of K=2, M=4 over K=2, M=1 on two real stage
   processes. A benchmark only (`make check-speedups`), never a test threshold.

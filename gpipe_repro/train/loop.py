@@ -20,7 +20,7 @@ loop does with them, the same for every task:
 Why resuming is exact: the engine's randomness is a function of (seed, step, layer, micro-batch), the
 data order of (seed, epoch), the learning rate of the step, and the augmentation has its own saved
 generator; so a run killed at any point and resumed from a checkpoint ends with the same weights as
-one that never stopped (tests/test_train_resume.py checks every parameter and optimizer slot).
+one that never stopped (tests/train/test_resume.py checks every parameter and optimizer slot).
 
 With `--runtime distributed` every stage process runs this same loop on the same batches; GPipe keeps
 each process's own cell, and `gpipe_repro/train/ranks.py` makes rank 0 the only writer, gathers the

@@ -69,7 +69,7 @@ class LayerDecoder:
     The encoder runs once; each decoder layer keeps the keys and values of every earlier target
     position (self-attention) and of the encoder output (cross-attention), so a step costs one
     position instead of the whole prefix. It is `DecoderLayer.decode` unrolled one position at a
-    time (eval mode: no dropout); tests/test_translation_train.py checks that its logits equal
+    time (eval mode: no dropout); tests/train/test_translation.py checks that its logits equal
     `decode_logits` on the full prefix.
     """
 

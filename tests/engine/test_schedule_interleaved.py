@@ -7,8 +7,8 @@ import pytest
 
 from gpipe_repro.engine.interpreter import run_dataflow
 from gpipe_repro.engine.schedule import ActionKind, Schedule, ScheduleError, make_schedule
+from tests.engine.test_equivalence import MODELS, data
 from tests.equivalence import assert_same_training, sgd_momentum
-from tests.test_engine_equivalence import MODELS, data
 
 
 def span(schedule: Schedule, forward: float, backward: float) -> float:
@@ -99,7 +99,7 @@ def test_distributed_runtime_refuses_stages_sharing_a_process_clearly() -> None:
 def test_schedule_ablation_gives_throughput_beside_memory_for_every_schedule() -> None:
     from gpipe_repro.memory.schedule_ablation import schedule_ablation
     from gpipe_repro.sim.links import LinkModel
-    from tests.test_memory_planner import _planner
+    from tests.memory.test_planner import _planner
     planner = _planner("transformer")
     rows = {r["schedule"]: r for r in schedule_ablation(
         planner, devices=2, micro_batches=8, link=LinkModel("instant", latency=0.0, bandwidth=1e12),

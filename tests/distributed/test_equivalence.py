@@ -16,8 +16,8 @@ from torch import nn
 
 from gpipe_repro import GPipe
 from gpipe_repro.distributed import JobFailed, launch_local
+from tests.engine.test_equivalence import MODELS, data
 from tests.equivalence import ATOL, RTOL, reference_step
-from tests.test_engine_equivalence import MODELS, data
 
 # (model, micro-batches, checkpoint, recompute_ahead, schedule); batches have 11 examples.
 CONFIGS = {

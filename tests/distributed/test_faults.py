@@ -91,7 +91,7 @@ def test_cli_exits_nonzero_names_the_rank_and_writes_no_results(tmp_path: Path) 
            "--fail-mode", "exit", "--fail-rank", "1", "--fail-call", "12", "--timeout", str(TIMEOUT),
            "--timeline", str(timeline)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=Path(__file__).resolve().parents[2])
     assert done.returncode != 0
     assert "job failed: rank 1 failed: exited with code 3" in done.stderr, done.stderr[-2000:]
     assert not timeline.exists() and not list(tmp_path.iterdir()), "a failed job left a results file"
@@ -113,7 +113,7 @@ def wait_for_a_signal(folder: str) -> str:
 
 
 LAUNCHER = ("import sys; from gpipe_repro.distributed import launch_local; "
-            "from tests.test_distributed_faults import wait_for_a_signal; "
+            "from tests.distributed.test_faults import wait_for_a_signal; "
             "print(launch_local(wait_for_a_signal, 2, sys.argv[1], timeout=5))")
 
 
@@ -121,7 +121,7 @@ def start_launcher(folder: Path) -> tuple[subprocess.Popen, list[int]]:
     """A launcher of 2 stages in a subprocess, and the stage pids once both are waiting."""
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(folder)], text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                cwd=Path(__file__).resolve().parent.parent)
+                                cwd=Path(__file__).resolve().parents[2])
     deadline = time.time() + 90
     while not all((folder / f"pid{r}").is_file() for r in range(2)):
         assert launcher.poll() is None and time.time() < deadline, launcher.communicate()
@@ -168,7 +168,7 @@ def test_sigterm_to_a_distributed_training_run_saves_and_exits_143(tmp_path: Pat
                "--eval-every", "0", "--save-every", "0", "--timeline-every", "0", "--out", str(out),
                "--wandb", "disabled", "--no-progress"]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                cwd=Path(__file__).resolve().parent.parent)
+                                cwd=Path(__file__).resolve().parents[2])
     metrics, deadline = out / "metrics.jsonl", time.time() + 120
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
         assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[0][-3000:]

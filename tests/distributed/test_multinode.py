@@ -18,7 +18,7 @@ import pytest
 
 from gpipe_repro.distributed.launcher import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 5.0
 BOUND = TIMEOUT + 15.0
 

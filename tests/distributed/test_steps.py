@@ -1,7 +1,7 @@
 """The AGREE step in the distributed runtime: one process per stage agrees like the local runtime.
 
 Global clipping, the fp16 overflow verdict, in-place layers at a cut and the all-or-nothing step
-behave as in one process (which tests/test_engine_steps.py compares with plain PyTorch).
+behave as in one process (which tests/engine/test_steps.py compares with plain PyTorch).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 from gpipe_repro import GPipe
 from gpipe_repro.distributed import JobFailed, launch_local
 from gpipe_repro.engine.schedule import ActionKind
-from tests.test_engine_steps import batch, fail_at_last, model, sgd_momentum
+from tests.engine.test_steps import batch, fail_at_last, model, sgd_momentum
 
 
 def agree_like_local() -> list[str]:

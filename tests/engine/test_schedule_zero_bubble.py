@@ -12,8 +12,8 @@ from torch import nn
 
 from gpipe_repro.engine.interpreter import run_dataflow
 from gpipe_repro.engine.schedule import ActionKind, Schedule, ScheduleError, make_schedule
+from tests.engine.test_equivalence import MODELS, data
 from tests.equivalence import adam, assert_same_training, sgd_momentum
-from tests.test_engine_equivalence import MODELS, data
 
 
 def unit_span(schedule: Schedule, backward: float = 2.0) -> float:
@@ -140,7 +140,7 @@ def test_split_backward_defers_the_weight_gradients() -> None:
         torch.testing.assert_close(p.grad, q.grad)
 
 
-# Distributed: the same checks as tests/test_distributed_equivalence.py (each rank compares its cell
+# Distributed: the same checks as tests/distributed/test_equivalence.py (each rank compares its cell
 # with a local GPipe and the reference, two steps) on ZB-H1 configurations.
 ZB_CONFIGS = {2: [("mlp", 4, "never", False, "zb-h1"), ("transformer", 3, "always", True, "zb-h1"),
                   ("conv", 3, "except_last", False, "zb-h1")],
@@ -149,7 +149,7 @@ ZB_CONFIGS = {2: [("mlp", 4, "never", False, "zb-h1"), ("transformer", 3, "alway
 
 def check_zb_configs(k: int) -> list[str]:
     """Runs in every stage process."""
-    import tests.test_distributed_equivalence as dist_eq
+    import tests.distributed.test_equivalence as dist_eq
     dist_eq.CONFIGS = ZB_CONFIGS
     return dist_eq.check_configs(k)
 
@@ -164,7 +164,7 @@ def test_distributed_runtime_runs_zb_h1_unchanged(k: int) -> None:
 @pytest.mark.parametrize("checkpoint", ["never"])
 def test_memory_planner_replays_zb_h1_within_5_percent_of_the_real_step(checkpoint: str) -> None:
     from gpipe_repro.memory.trace import trace_step
-    from tests.test_memory_planner import _planner, _workloads
+    from tests.memory.test_planner import _planner, _workloads
     w, planner = _workloads()["transformer"], _planner("transformer")
     real = trace_step(w.layers, w.sample, w.target, w.loss_fn, 2, 8, checkpoint, balance=[3, 3],
                       schedule="zb-h1", fake=False)
@@ -197,7 +197,7 @@ def test_rendered_and_simulated_from_split_costs() -> None:
 def test_autoplan_chooses_among_schedules_with_each_schedules_memory_plan() -> None:
     from gpipe_repro.memory.autoplan import search
     from gpipe_repro.sim.links import LinkModel
-    from tests.test_memory_planner import _planner
+    from tests.memory.test_planner import _planner
     planner = _planner("transformer")
     link = LinkModel("instant", latency=0.0, bandwidth=1e12)
     cands = search(planner, 2, 1e12, link, 1e9, micro_batches=[8], checkpoints=("never",),

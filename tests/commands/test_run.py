@@ -92,7 +92,7 @@ def readme_command_lines() -> list[list[str]]:
     """Every `gpipe-repro ...` line in README.md's code blocks, as arguments (comments removed)."""
     import re
     import shlex
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     lines = []
     for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
         block = re.sub(r"\\\n\s*", " ", block)   # a command continued with a backslash is one line

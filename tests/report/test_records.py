@@ -26,7 +26,7 @@ from gpipe_repro.report.records import (
 )
 from gpipe_repro.report.wandb_log import RunLogger, read_metrics, resolve_mode
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class ExplodesWhenSerialized:

@@ -1,7 +1,7 @@
 """Schedules as text: round trip, golden files of the generated schedules, the broken-schedule zoo.
 
 Regenerate the golden files after an intended change of a generator:
-    GPIPE_REPRO_REGOLD=1 .venv/bin/python -m pytest -q tests/test_schedule_text.py
+    GPIPE_REPRO_REGOLD=1 .venv/bin/python -m pytest -q tests/engine/test_schedule_text.py
 and review the diff like any other change.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from gpipe_repro.engine.schedule import Schedule, ScheduleError, gpipe_schedule, make_schedule
 from tests.schedules import BROKEN
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 # file stem -> the schedule it holds
 GOLDEN_CASES = {
     "gpipe_k3_m4_never": lambda: make_schedule("gpipe", 3, 4, "never"),

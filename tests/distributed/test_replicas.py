@@ -6,7 +6,7 @@ reference_train` (which imports no engine code) run on the GLOBAL mini-batch of 
 R x M micro-batches (uneven sizes), with dropout, every checkpoint mode, global gradient clipping and
 BatchNorm. Many configurations share one launch to keep the test fast (4 processes on 2 cores);
 each rank returns what it checked so that a vacuous pass is caught. K = 3 x R = 1 is
-tests/test_distributed_equivalence.py (the same code path: one replica).
+tests/distributed/test_equivalence.py (the same code path: one replica).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from torch import nn
 from gpipe_repro import GPipe
 from gpipe_repro.distributed import JobFailed, launch_local
 from gpipe_repro.distributed.groups import Layout
+from tests.engine.test_equivalence import MODELS, data
 from tests.equivalence import ATOL, RTOL, reference_train, sgd
-from tests.test_engine_equivalence import MODELS, data
 
 # (model, micro-batches per replica, checkpoint, extra GPipe arguments); batches have 11 examples.
 CONFIGS: dict[tuple[int, int], list[tuple[str, int, str, dict[str, Any]]]] = {
