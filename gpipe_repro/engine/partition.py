@@ -98,6 +98,14 @@ def _check_memory_fits(memory: Sequence[float], k: int, cap: float | None) -> No
                          "micro-batches / re-materialization to shrink activations")
 
 
+def _packed_total(costs: Sequence[float]) -> float:
+    """The total the greedy packers reach, accumulated as they do (``acc + c``, left to right)."""
+    acc = 0.0
+    for c in costs:
+        acc = acc + c
+    return acc
+
+
 def _greedy_count(costs: Sequence[float], cap: float, memory: Sequence[float], mem_cap: float) -> int:
     """Cells that left-to-right packing needs with every cell's cost <= cap and memory <= mem_cap."""
     cells, acc, mem = 1, 0.0, 0.0
@@ -132,7 +140,10 @@ def _min_bottleneck(costs: list[float], k: int, memory: Sequence[float] | None,
                     memory_cap: float | None) -> list[int]:
     mem = list(memory) if memory is not None else [0.0] * len(costs)
     mcap = memory_cap if memory_cap is not None else float("inf")
-    lo, hi = max(costs), sum(costs)
+    # hi: the packers' own left-to-right total, not sum(): from Python 3.12 on, sum() of floats is
+    # compensated and can land one ulp below `acc + c`, so one cell capped at sum() did not fit the
+    # whole model and K=1 came back as two cells (found by hypothesis on Python 3.12).
+    lo, hi = max(costs), _packed_total(costs)
     if _greedy_count(costs, lo, mem, mcap) <= k:
         hi = lo
     for _ in range(200):
@@ -144,6 +155,9 @@ def _min_bottleneck(costs: list[float], k: int, memory: Sequence[float] | None,
         else:
             lo = mid
     best = _greedy_cuts(costs, hi, mem, mcap, k)
+    if len(best) != k:      # an invariant of the search above; never return a wrong cell count
+        raise RuntimeError(f"internal error: the bottleneck search packed {len(costs)} layers into "
+                           f"{len(best)} cells instead of {k}; please report it with the costs")
     bottleneck = max(cell_costs(costs, best))
     if k * len(costs) ** 2 <= _DP_LIMIT:
         even = _min_squares(costs, k, cap=bottleneck * (1 + 1e-12), memory=memory, memory_cap=memory_cap)

@@ -99,3 +99,19 @@ def test_large_problems_stay_exact_in_the_bottleneck_and_even() -> None:
     cells = cell_costs(costs, balance)
     assert max(cells) == 14.0  # ceil(1673 / 128)
     assert min(cells) >= 13.0
+
+
+@pytest.mark.parametrize("objective", ["bottleneck", "variance", "greedy", "equal"])
+def test_cell_count_holds_when_sum_is_compensated(objective: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python 3.12's sum() of floats is compensated (as math.fsum): the costs below sum one ulp under
+    their left-to-right total, and K=1 came back as two cells (found by hypothesis on 3.12). The
+    module's sum is replaced by fsum here so that this Python reproduces 3.12."""
+    import math
+
+    import gpipe_repro.engine.partition as module
+    monkeypatch.setattr(module, "sum", math.fsum, raising=False)
+    costs = [28.496832335469918, 99.73846150382242, 1.496832335469918]
+    assert math.fsum(costs) != (costs[0] + costs[1]) + costs[2]       # the case is the one seen
+    for k in range(1, len(costs) + 1):
+        balance = partition(costs, k, objective)
+        assert len(balance) == k and min(balance) >= 1 and sum(balance) == len(costs), (k, balance)
