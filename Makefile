@@ -36,8 +36,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
+# Two pytest workers, one per core of the CI host; each test file runs whole in one worker (module
+# fixtures run once). Distributed tests start their own stage processes on top.
+TEST_WORKERS ?= 2
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # ruff (style, imports, likely bugs) and mypy (types), configured in pyproject.toml; part of `make test`.
 lint: $(STAMP)
