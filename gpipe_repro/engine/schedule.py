@@ -59,7 +59,8 @@ from enum import Enum
 
 __all__ = ["CHECKPOINT_MODES", "ActionKind", "COMPUTE", "SENDS", "RECVS", "BARRIERS", "Action",
            "ScheduleError", "Schedule", "checkpointed_microbatches", "gpipe_schedule",
-           "one_f_one_b_schedule", "SCHEDULES", "make_schedule"]
+           "one_f_one_b_schedule", "SCHEDULES", "make_schedule", "num_processes", "forward_on_processes",
+           "INTERLEAVED_VIRTUAL_STAGES"]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
@@ -550,8 +551,19 @@ def zero_bubble_h1_schedule(num_stages: int, num_microbatches: int, checkpoint: 
     return Schedule("zb-h1", num_stages, num_microbatches, tuple(stages))
 
 
+INTERLEAVED_VIRTUAL_STAGES = 2   # v of make_schedule("interleaved", ...): cells per process
+
+
+def _check_interleaved_stages(num_stages: int, v: int) -> None:
+    if v < 1 or num_stages % v:
+        raise ValueError(f"interleaved 1F1B cuts the model into K*v cells for K processes: "
+                         f"{num_stages} stages (partitions) is not a multiple of v={v}; use "
+                         f"partitions={max(v, num_stages - num_stages % v)}")
+
+
 def interleaved_schedule(num_stages: int, num_microbatches: int, checkpoint: str = "never",
-                         recompute_ahead: bool = False, *, virtual_stages: int = 2) -> Schedule:
+                         recompute_ahead: bool = False, *,
+                         virtual_stages: int = INTERLEAVED_VIRTUAL_STAGES) -> Schedule:
     """Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
     Clusters Using Megatron-LM", SC'21, section 2.2.2): the model is cut into ``num_stages`` = K*v
     cells (stages) and process r runs stages r, r+K, ..., r+(v-1)K (round robin), so each process
@@ -565,10 +577,7 @@ def interleaved_schedule(num_stages: int, num_microbatches: int, checkpoint: str
     Every checkpoint mode is allowed (a RECOMPUTE right before its BACKWARD, as in 1F1B)."""
     _check_sizes(num_stages, num_microbatches)
     v = virtual_stages
-    if v < 1 or num_stages % v:
-        raise ValueError(f"interleaved 1F1B cuts the model into K*v cells for K processes: "
-                         f"{num_stages} stages (partitions) is not a multiple of v={v}; use "
-                         f"partitions={max(v, num_stages - num_stages % v)}")
+    _check_interleaved_stages(num_stages, v)
     k = num_stages // v
     if num_microbatches % k:
         raise ValueError(f"interleaved 1F1B needs the micro-batches in groups of the {k} processes "
@@ -612,3 +621,30 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, checkpoint:
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}")
     return SCHEDULES[name](num_stages, num_microbatches, checkpoint, recompute_ahead)
+
+
+def num_processes(name: str, num_stages: int) -> int:
+    """How many processes :func:`make_schedule`'s `name` schedule of `num_stages` stages runs on:
+    num_stages / v for "interleaved" (v = :data:`INTERLEAVED_VIRTUAL_STAGES`), else one per stage.
+    Raises ValueError (saying what to use) for a stage count the schedule cannot serve."""
+    if name == "interleaved":
+        _check_interleaved_stages(num_stages, INTERLEAVED_VIRTUAL_STAGES)
+        return num_stages // INTERLEAVED_VIRTUAL_STAGES
+    return num_stages
+
+
+def forward_on_processes(schedule: Schedule, process_of: list[int]) -> Schedule:
+    """A forward-only `schedule` run by processes holding several stages (``process_of[s]``, e.g. a
+    training schedule's :meth:`Schedule.process_of`): each process runs its stages one after the
+    other, in stage order. That cannot deadlock: a stage only waits on a lower stage, and every
+    process runs its lower stages first. Training schedules place their own stages."""
+    if schedule.training:
+        raise ValueError("forward_on_processes places forward-only schedules; a training schedule "
+                         "says its own process programs (Schedule.processes)")
+    if len(process_of) != schedule.num_stages:
+        raise ValueError(f"process_of names {len(process_of)} stages for a schedule of "
+                         f"{schedule.num_stages}")
+    procs = tuple(tuple(a for s in range(schedule.num_stages) if process_of[s] == p
+                        for a in schedule.stages[s]) for p in range(max(process_of) + 1))
+    return Schedule(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.stages,
+                    False, procs)
