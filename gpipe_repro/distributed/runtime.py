@@ -151,9 +151,9 @@ class StageProcess:
         """Pipelined inference; the whole batch's output on every rank (on its device)."""
         start = self._run(schedule, step, microbatches, None, None, config)
         out = None
-        last = self.executors[-1]
-        if last.is_last:
-            out = microbatch.join([last.outputs[i] for i in range(len(microbatches))])
+        tail = self.executors[-1]
+        if tail.is_last:
+            out = microbatch.join([tail.outputs[i] for i in range(len(microbatches))])
         box = [None if out is None else boundary.map_tensors(out, lambda t: t.cpu())]
         if self.groups is None:
             dist.broadcast_object_list(box, src=self.process_of[-1], group=self.control)
