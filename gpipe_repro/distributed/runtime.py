@@ -1,7 +1,9 @@
-"""The distributed runtime: this process runs ONE stage of the schedule, the others run theirs.
+"""The distributed runtime: this process runs its program of the schedule, the others run theirs.
 
-Rank s executes ``schedule.stages[s]`` in order through the one
-:class:`~gpipe_repro.engine.stage.StageExecutor` (the same code the local runtime uses), with a
+Process p executes ``schedule.programs()[p]`` (``schedule.stages[p]``, or with interleaved 1F1B the
+actions of its several stages in their interleaved order) through the one driver loop
+(:func:`gpipe_repro.engine.driver.drive`) and the one
+:class:`~gpipe_repro.engine.stage.StageExecutor` per stage (the same code the local runtime uses), with a
 :class:`~gpipe_repro.distributed.transport.ProcessGroupTransport` carrying boundary values: a SEND
 returns at once, a RECV blocks until its value has arrived. Nothing here decides what runs when; with
 ``recompute_ahead`` the schedule itself puts each RECOMPUTE before the RECV_GRAD it used to follow,
@@ -44,6 +46,7 @@ from gpipe_repro.distributed.process_group import (
 )
 from gpipe_repro.distributed.transport import ProcessGroupTransport, signature
 from gpipe_repro.engine import boundary, microbatch
+from gpipe_repro.engine.driver import drive
 from gpipe_repro.engine.rng import preserved_rng
 from gpipe_repro.engine.schedule import COMPUTE, RECVS, SENDS, Action, ActionKind, Schedule, ScheduleError
 from gpipe_repro.engine.stage import Agreement, StageExecutor, StepConfig
@@ -54,18 +57,40 @@ __all__ = ["StageProcess", "init_distributed", "broadcast_object", "Layout"]
 
 
 class StageProcess:
-    """This rank's stage of a pipeline (see the module docstring)."""
+    """This rank's share of a pipeline: its stage, or its stages when it runs several (see the
+    module docstring).
 
-    def __init__(self, executor: StageExecutor, context: StageContext, prepost: bool = True, *,
-                 layout: Layout | None = None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    Args:
+        executor: this rank's stage executor, or the executors of all its stages.
+        context: the process group context; prepost: post receives at the step's start (gloo).
+        layout: the pipeline's processes x replicas (default: one process per stage, one replica).
+        process_of: the process running each stage (default: stage s on process s).
+        bucket_cap_mb, batchnorm_stats: replicas (see :class:`~gpipe_repro.engine.gpipe.GPipe`).
+    """
+
+    def __init__(self, executor: StageExecutor | list[StageExecutor], context: StageContext,
+                 prepost: bool = True, *, layout: Layout | None = None,
+                 process_of: list[int] | None = None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
                  batchnorm_stats: str = "per_replica") -> None:
-        layout = layout or Layout(executor.num_stages, 1)
-        if executor.stage != layout.stage_of(context.rank):
-            raise ValueError(f"rank {context.rank} was given the executor of stage {executor.stage}")
+        executors = sorted([executor] if isinstance(executor, StageExecutor) else executor,
+                           key=lambda e: e.stage)
+        num_stages = executors[0].num_stages
+        self.process_of = list(process_of) if process_of is not None else list(range(num_stages))
+        layout = layout or Layout(max(self.process_of) + 1, 1)
+        here = layout.stage_of(context.rank)
+        mine = [s for s, p in enumerate(self.process_of) if p == here]
+        if [e.stage for e in executors] != mine:
+            raise ValueError(f"rank {context.rank} runs stages {mine} but was given the executors of "
+                             f"stages {[e.stage for e in executors]}")
+        if len(executors) > 1 and layout.replicas > 1:
+            raise ValueError("replicas of a pipeline whose processes hold several stages are not "
+                             "supported: use replicas=1")
         if batchnorm_stats not in BATCHNORM_STATS:
             raise ValueError(f"batchnorm_stats must be one of {BATCHNORM_STATS}, got {batchnorm_stats!r}")
-        self.executor, self.context, self.layout = executor, context, layout
-        self.rank, self.num_stages = executor.stage, executor.num_stages   # rank: this rank's stage
+        executor = executors[0]
+        self.executors, self.executor, self.context, self.layout = executors, executor, context, layout
+        # rank: this rank's process in its pipeline (its stage when it runs one)
+        self.rank, self.num_stages = here, num_stages
         self.global_rank, self.replica = context.rank, layout.replica_of(context.rank)
         # Control messages (clock, loss, timelines, inference outputs) go over a CPU group.
         self.control = control_group()
@@ -74,7 +99,9 @@ class StageProcess:
         self.transport = ProcessGroupTransport(context, prepost=prepost, agree_group=self.control,
                                                rank_offset=layout.rank(replica=self.replica, stage=0),
                                                counts_norm=self.replica == 0)
-        executor.transport = self.transport
+        for e in executors:
+            e.transport = self.transport
+        self.transport.contributions = [e.contribution for e in executors]
         self.reducer: GradientReducer | None = None
         self.batchnorm_stats = batchnorm_stats
         if self.groups is not None:
@@ -113,7 +140,8 @@ class StageProcess:
         """Run this rank's actions for one mini-batch; return what the ranks agreed on (the same on
         every rank: the mini-batch loss, the global gradient norm, whether the update was skipped)."""
         start = self._run(schedule, step, microbatches, targets, weights, config)
-        self.executor.end_step()
+        for e in self.executors:
+            e.end_step()
         self._finish(start, schedule)
         assert self.executor.agreement is not None
         return self.executor.agreement
@@ -123,11 +151,12 @@ class StageProcess:
         """Pipelined inference; the whole batch's output on every rank (on its device)."""
         start = self._run(schedule, step, microbatches, None, None, config)
         out = None
-        if self.executor.is_last:
-            out = microbatch.join([self.executor.outputs[i] for i in range(len(microbatches))])
+        tail = self.executors[-1]
+        if tail.is_last:
+            out = microbatch.join([tail.outputs[i] for i in range(len(microbatches))])
         box = [None if out is None else boundary.map_tensors(out, lambda t: t.cpu())]
         if self.groups is None:
-            dist.broadcast_object_list(box, src=self.num_stages - 1, group=self.control)
+            dist.broadcast_object_list(box, src=self.process_of[-1], group=self.control)
         else:   # each pipeline shares its replica's output, then the replicas exchange theirs
             if self.num_stages > 1:
                 last = self.layout.rank(replica=self.replica, stage=self.num_stages - 1)
@@ -141,48 +170,68 @@ class StageProcess:
     # -- internals ----------------------------------------------------------------------------------
     def _run(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any] | None,
              weights: list[float] | None, config: StepConfig | None = None) -> float:
-        if schedule.processes is not None:   # the same check on every rank: no rank waits on another
-            raise ScheduleError(f"schedule {schedule.name!r} puts several stages on one process; the "
-                                "distributed runtime runs one stage per process for now: use "
-                                "runtime='local' for it, or schedule='1f1b' / 'zb-h1' here")
-        if schedule.num_stages != self.num_stages:
-            raise ScheduleError(f"a schedule for {schedule.num_stages} stages on a job of "
-                                f"{self.num_stages} stage processes")
+        programs = schedule.programs()
+        placed = schedule.process_of()
+        if schedule.num_stages != self.num_stages or placed != self.process_of:
+            # the same check on every rank: no rank waits on another
+            raise ScheduleError(f"schedule {schedule.name!r} runs {schedule.num_stages} stages on "
+                                f"{len(programs)} processes (stage -> process {placed}), but this job "
+                                f"was built for {self.num_stages} stages on {self.layout.stages} "
+                                f"processes ({self.process_of}): build GPipe with the schedule it runs")
         self._check_link_order(schedule)
         if self.record and self._offset is None:
             self._offset, self._offset_estimate = clock_offset(self.control)
-        ex = self.executor
         cuda = self.context.device.type == "cuda"
-        ex.clock = (self._device_clock if cuda else self._clock) if self.record else None
+        clock = (self._device_clock if cuda else self._clock) if self.record else None
         start = self._clock()
-        ex.begin_step(step, schedule, microbatches if ex.stage == 0 else None,
-                      targets if ex.is_last else None, weights if ex.is_last else None, config)
-        actions = schedule.stages[self.rank]
-        ex.microbatch_offset = self.replica * len(microbatches)   # global micro-batch numbers (RNG)
-        self.transport.begin_step(signature(microbatches, schedule.training), actions)
+        for ex in self.executors:
+            ex.clock = clock
+            ex.begin_step(step, schedule, microbatches if ex.stage == 0 else None,
+                          targets if ex.is_last else None, weights if ex.is_last else None, config)
+            ex.microbatch_offset = self.replica * len(microbatches)   # global micro-batch numbers (RNG)
+        actions = programs[self.rank]
+        by_stage = {ex.stage: ex for ex in self.executors}
+        self.transport.begin_step(signature(microbatches, schedule.training), actions,
+                                  None if len(programs) == schedule.num_stages else placed)
         # Replicas: the stage's gradients are final after its last backward; sum them from there.
-        last_backward = max((i for i, a in enumerate(actions) if a.kind.value.startswith("backward")),
-                            default=None) if self.reducer is not None else None
-        reduce_start = 0.0
+        reducer = self.reducer
+        last_backward = None
+        if reducer is not None:
+            last_backward = next((a for a in reversed(actions) if a.kind.value.startswith("backward")),
+                                 None)
+        reduce_start = [0.0]
+
+        def run(p: int, a: Action) -> None:
+            if a.kind in COMPUTE:
+                self.transport.release_sent()
+            if reducer is not None and a == last_backward:
+                reduce_start[0] = self._now()   # buckets may leave during this backward
+                reducer.clock = clock
+                reducer.arm()
+            by_stage[a.stage].execute(a)
+            if reducer is not None and a == last_backward:
+                reducer.start()
+
+        def barrier(waiting: list[tuple[int, Action]]) -> None:
+            # AGREE: one all-reduce over the job, inside this process's first AGREE (the transport
+            # adds the vectors of all its stages); the barrier over processes is that collective.
+            for _, a in waiting:
+                if reducer is not None:
+                    if not reducer.started:
+                        reducer.start()
+                    self._finish_replicas(reduce_start[0])
+                by_stage[a.stage].execute(a)
+
+        def stuck(blocked: list[Action]) -> RuntimeError:   # unreachable: receives block in `run`
+            return RuntimeError(f"rank {self.global_rank}: cannot proceed at {blocked}")
+
         try:
             with preserved_rng([self.context.device]):
-                for i, a in enumerate(actions):
-                    if a.kind in COMPUTE:
-                        self.transport.release_sent()
-                    if a.kind is ActionKind.AGREE and self.reducer is not None:
-                        if not self.reducer.started:
-                            self.reducer.start()
-                        self._finish_replicas(reduce_start)
-                    if i == last_backward and self.reducer is not None:
-                        reduce_start = self._now()   # buckets may leave during this backward
-                        self.reducer.clock = ex.clock
-                        self.reducer.arm()
-                    ex.execute(a)
-                    if i == last_backward and self.reducer is not None:
-                        self.reducer.start()
+                drive([actions], run=run, barrier=barrier, stuck=stuck)
         except BaseException:
-            for bn in ex.batchnorms:   # all-or-nothing: drop what the failed step accumulated
-                bn.discard()
+            for ex in self.executors:   # all-or-nothing: drop what the failed step accumulated
+                for bn in ex.batchnorms:
+                    bn.discard()
             if self.reducer is not None:
                 self.reducer.discard()
             raise
@@ -223,7 +272,8 @@ class StageProcess:
         return self._clock()
 
     def _gather_timeline(self, start: float, schedule: Schedule) -> Timeline:
-        mine = (start, [(e.kind, e.microbatch, e.start, e.end) for e in self.executor.events],
+        events = sorted((e for ex in self.executors for e in ex.events), key=lambda e: e.start)
+        mine = (start, [(e.kind, e.microbatch, e.start, e.end) for e in events],
                 (self._offset, self._offset_estimate))
         everyone: list[Any] = [None] * self.layout.world_size
         dist.all_gather_object(everyone, mine, group=self.control)
@@ -236,21 +286,23 @@ class StageProcess:
             "clock_offset_estimated_s": [o[1] for _, _, o in everyone]})
 
     def _check_link_order(self, schedule: Schedule) -> None:
-        """NCCL matches messages between two ranks in order (tags are ignored): check the schedule
-        sends in the order the neighbour receives. gloo matches by tag and needs no check."""
+        """NCCL matches messages between two ranks in order (tags are ignored): check every process
+        sends to another in the order that one receives (over all the stages they run). gloo matches
+        by tag and needs no check."""
         if self.context.backend == "gloo" or (schedule.name, schedule.num_microbatches) in self._checked:
             return
+        owner = schedule.process_of()
         sends: dict[tuple[int, int], list[Action]] = defaultdict(list)
         recvs: dict[tuple[int, int], list[Action]] = defaultdict(list)
-        for actions in schedule.stages:
+        for actions in schedule.programs():
             for a in actions:
                 if a.kind in SENDS:
-                    sends[(a.stage, a.peer().stage)].append(a.peer())
+                    sends[(owner[a.stage], owner[a.peer().stage])].append(a.peer())
                 elif a.kind in RECVS:
-                    recvs[(a.peer().stage, a.stage)].append(a)
+                    recvs[(owner[a.peer().stage], owner[a.stage])].append(a)
         for link, order in sends.items():
             if order != recvs[link]:
-                raise ScheduleError(f"schedule {schedule.name!r}: stage {link[0]} sends to stage "
+                raise ScheduleError(f"schedule {schedule.name!r}: process {link[0]} sends to process "
                                     f"{link[1]} in a different order than it receives; NCCL would "
                                     "mismatch the messages")
         self._checked.add((schedule.name, schedule.num_microbatches))

@@ -92,8 +92,11 @@ def signature(microbatches: list[Any], training: bool) -> Hashable:
     return (training, tuple(describe(mb) for mb in microbatches))
 
 
-def _tag(kind: int, microbatch: int, leaf: int) -> int:
-    return ((microbatch * 2 + kind) << 10) | leaf
+def _tag(kind: int, microbatch: int, leaf: int, chunk: int = 0, chunks: int = 1) -> int:
+    """The message tag of one tensor leaf. `chunk` tells apart the stages one process sends from to
+    the same neighbour process (interleaved 1F1B: the sending stage // K of `chunks` = v); with one
+    stage per process it is 0 and the tag is the plain (micro-batch, kind, leaf) one."""
+    return (((microbatch * 2 + kind) * chunks + chunk) << 10) | leaf
 
 
 # -- transport --------------------------------------------------------------------------------------
@@ -120,23 +123,36 @@ class ProcessGroupTransport:
         # in-flight sends: (work, tensors kept alive, generation, destination rank)
         self._sends: list[tuple[dist.Work | None, list[torch.Tensor], int, int]] = []
         self._generation = 0
-        self._posted: dict[tuple[int, int], tuple[Spec, list[torch.Tensor], list[dist.Work | None]]] = {}
+        self._posted: dict[tuple[int, int, int], tuple[Spec, list[torch.Tensor], list[dist.Work | None]]] = {}
+        # Where each stage runs (Schedule.process_of()); None: stage s is process s. Set per step.
+        self.process_of: list[int] | None = None
+        self._processes, self._chunks = 1, 1
+        # AGREE: the callables giving this process's stages' vectors (set by the runtime; several when
+        # the process runs several stages), and the agreed sum, computed once per step.
+        self.contributions: list[Callable[[], list[float]]] | None = None
+        self.agreed: list[float] | None = None
 
     # -- step lifecycle -----------------------------------------------------------------------------
-    def begin_step(self, key: Hashable, actions: Iterable[Action]) -> None:
-        """Start a step with input signature `key`; post its receives early when specs are known."""
+    def begin_step(self, key: Hashable, actions: Iterable[Action],
+                   process_of: list[int] | None = None) -> None:
+        """Start a step with input signature `key`; post its receives early when specs are known.
+        `process_of[s]` is the process (within this pipeline) running stage s; default: s."""
         if self._posted or self._sends:
             raise RuntimeError("the previous step left messages in flight; call finish_step()")
+        self.process_of = process_of
+        self._processes = 1 + max(process_of) if process_of else 1
+        self._chunks = -(-len(process_of) // self._processes) if process_of else 1
+        self.agreed = None
         self._key = key
         self._learning = key not in self.specs
         self._known = self.specs.setdefault(key, {})
         if self.prepost and not self._learning:
             for a in actions:
-                m, o = a.microbatch, self.rank_offset
+                m = a.microbatch
                 if a.kind is ActionKind.RECV_ACT and m is not None:
-                    self._post(ACTIVATION, o + a.stage - 1, m)
+                    self._post(ACTIVATION, a.stage - 1, m)
                 elif a.kind is ActionKind.RECV_GRAD and m is not None:
-                    self._post(GRADIENT, o + a.stage + 1, m)
+                    self._post(GRADIENT, a.stage + 1, m)
 
     def finish_step(self) -> None:
         """Wait for every send of the step (a receiver that never receives fails here, by timeout)."""
@@ -149,103 +165,121 @@ class ProcessGroupTransport:
             raise RuntimeError(f"rank {self.rank}: receives posted but never used: {left}")
 
     # -- the Transport protocol ---------------------------------------------------------------------
+    def rank_of(self, stage: int) -> int:
+        """The global rank running `stage` of this pipeline."""
+        return self.rank_offset + (stage if self.process_of is None else self.process_of[stage])
+
     def send_activation(self, stage: int, microbatch: int, value: Any) -> None:
-        o = self.rank_offset
-        self._send(ACTIVATION, o + stage, o + stage + 1, microbatch, value)
+        self._send(ACTIVATION, stage, stage + 1, microbatch, value)
 
     def recv_activation(self, stage: int, microbatch: int) -> Any:
-        o = self.rank_offset
-        return boundary.attach(self._recv(ACTIVATION, o + stage - 1, microbatch), self.device)
+        return boundary.attach(self._recv(ACTIVATION, stage - 1, microbatch), self.device)
 
     def send_gradient(self, stage: int, microbatch: int, grads: list[torch.Tensor | None]) -> None:
-        o = self.rank_offset
-        self._send(GRADIENT, o + stage, o + stage - 1, microbatch, tuple(grads))
+        self._send(GRADIENT, stage, stage - 1, microbatch, tuple(grads))
 
     def recv_gradient(self, stage: int, microbatch: int) -> list[torch.Tensor | None]:
-        return list(self._recv(GRADIENT, self.rank_offset + stage + 1, microbatch))
+        return list(self._recv(GRADIENT, stage + 1, microbatch))
 
     def agree(self, stage: int, contribution: Callable[[], list[float]]) -> list[float]:
         """AGREE: wait for this rank's sends, then one all-reduce (sum) of the stages' small vectors
-        on the CPU control group; a rank that never arrives makes this time out (PeerFailure)."""
+        on the CPU control group; a rank that never arrives makes this time out (PeerFailure).
+        Once per step: a process running several stages adds their vectors (:attr:`contributions`)
+        into one all-reduce at its first AGREE, and its other AGREEs read the same sum."""
+        if self.agreed is not None:
+            return self.agreed
         sends, self._sends = self._sends, []
         for work, _, _, dst in sends:
             self._wait(work, f"sending to rank {dst}", dst)
-        values = contribution()
+        parts = [c() for c in (self.contributions or [contribution])]
+        values = [sum(col) for col in zip(*parts)]
         if not self.counts_norm:
             values[AGREEMENT_FIELDS.index("grad_sq_norm")] = 0.0
         vec = torch.tensor(values, dtype=torch.float64)
         work = dist.all_reduce(vec, group=self.agree_group, async_op=True)
         self._wait(work, "agreeing on the step (the all-reduce before the update)", None)
-        return vec.tolist()
+        self.agreed = vec.tolist()
+        return self.agreed
 
     # -- internals ----------------------------------------------------------------------------------
-    def _send(self, kind: int, src: int, dst: int, microbatch: int, value: Any) -> None:
+    def _chunk(self, stage: int) -> int:
+        return 0 if self.process_of is None else stage // self._processes
+
+    def _send(self, kind: int, stage: int, to_stage: int, microbatch: int, value: Any) -> None:
+        dst = self.rank_of(to_stage)
+        chunk, chunks = self._chunk(stage), self._chunks
         spec = describe(value)
-        slot = (kind, src, microbatch)
+        slot = (kind, stage, microbatch)
         if self._learning:
             self._known[slot] = spec
             header = torch.frombuffer(bytearray(pickle.dumps((self._key, spec))), dtype=torch.uint8)
             size = torch.tensor([header.numel()], dtype=torch.int64)
             for leaf, t in ((_SIZE_LEAF, size), (_HEADER_LEAF, header)):
                 t = t.to(self.device)
-                tag = _tag(kind, microbatch, leaf)
+                tag = _tag(kind, microbatch, leaf, chunk, chunks)
                 work = dist.isend(t, dst, group=self.group, tag=tag)
                 self._sends.append((work, [t], self._generation, dst))
         elif self._known.get(slot) != spec:
             raise RuntimeError(
-                f"stage {src - self.rank_offset}: the {_KIND_NAMES[kind]} of micro-batch {microbatch} for "
-                f"stage {dst - self.rank_offset} is "
+                f"stage {stage}: the {_KIND_NAMES[kind]} of micro-batch {microbatch} for "
+                f"stage {to_stage} is "
                 f"{_show(spec)}, but it was {_show(self._known.get(slot))} when the stages agreed on "
                 "boundary shapes for these input shapes. Boundary shapes, dtypes and plain values must "
                 "be a function of the input shapes (the same on every step with the same inputs' "
                 "shapes); return a tensor instead of a changing plain value")
         leaves = boundary.tensors(value)
         if len(leaves) > MAX_LEAVES:
-            raise ValueError(f"stage {src - self.rank_offset}: a boundary value holds {len(leaves)} "
+            raise ValueError(f"stage {stage}: a boundary value holds {len(leaves)} "
                              f"tensors; at most {MAX_LEAVES} can cross between stages: concatenate some of "
                              "them")
         for i, t in enumerate(leaves):
             if t.numel() == 0:
                 continue
             t = t.contiguous()
-            work = dist.isend(t, dst, group=self.group, tag=_tag(kind, microbatch, i))
+            work = dist.isend(t, dst, group=self.group, tag=_tag(kind, microbatch, i, chunk, chunks))
             self._sends.append((work, [t], self._generation, dst))
 
-    def _recv(self, kind: int, src: int, microbatch: int) -> Any:
+    def _recv(self, kind: int, stage: int, microbatch: int) -> Any:
+        """Receive what `stage` sent (of `kind`, for `microbatch`)."""
+        src = self.rank_of(stage)
         what = f"the {_KIND_NAMES[kind]} of micro-batch {microbatch} from rank {src}"
-        posted = self._posted.pop((kind, microbatch), None)
+        posted = self._posted.pop((kind, stage, microbatch), None)
         if posted is None:
-            slot = (kind, src, microbatch)
+            slot = (kind, stage, microbatch)
             if self._learning:
-                self._known[slot] = self._recv_header(kind, src, microbatch, what)
-            posted = self._post(kind, src, microbatch, keep=False)
+                self._known[slot] = self._recv_header(kind, stage, microbatch, what)
+            posted = self._post(kind, stage, microbatch, keep=False)
         spec, buffers, works = posted
         for work in works:
             self._wait(work, f"receiving {what}", src)
         return rebuild(spec, iter(buffers))
 
-    def _post(self, kind: int, src: int, microbatch: int, keep: bool = True
+    def _post(self, kind: int, stage: int, microbatch: int, keep: bool = True
               ) -> tuple[Spec, list[torch.Tensor], list[dist.Work | None]]:
-        slot = (kind, src, microbatch)
+        src, chunk, chunks = self.rank_of(stage), self._chunk(stage), self._chunks
+        slot = (kind, stage, microbatch)
         if slot not in self._known:
             raise RuntimeError(f"rank {self.rank}: no agreed spec for {_KIND_NAMES[kind]} of "
                                f"micro-batch {microbatch} from rank {src}; the schedule changed "
                                "between steps with the same inputs")
         spec = self._known[slot]
         buffers = allocate(spec, self.device)
-        works = [dist.irecv(t, src, group=self.group, tag=_tag(kind, microbatch, i))
+        works = [dist.irecv(t, src, group=self.group, tag=_tag(kind, microbatch, i, chunk, chunks))
                  for i, t in enumerate(buffers) if t.numel() > 0]
         posted = (spec, buffers, works)
         if keep:
-            self._posted[(kind, microbatch)] = posted
+            self._posted[(kind, stage, microbatch)] = posted
         return posted
 
-    def _recv_header(self, kind: int, src: int, microbatch: int, what: str) -> Spec:
+    def _recv_header(self, kind: int, stage: int, microbatch: int, what: str) -> Spec:
+        src, chunk, chunks = self.rank_of(stage), self._chunk(stage), self._chunks
         size = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(size, src, group=self.group, tag=_tag(kind, microbatch, _SIZE_LEAF)),
+        self._wait(dist.irecv(size, src, group=self.group,
+                              tag=_tag(kind, microbatch, _SIZE_LEAF, chunk, chunks)),
                    f"receiving {what}", src)
         header = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self._wait(dist.irecv(header, src, group=self.group, tag=_tag(kind, microbatch, _HEADER_LEAF)),
+        self._wait(dist.irecv(header, src, group=self.group,
+                              tag=_tag(kind, microbatch, _HEADER_LEAF, chunk, chunks)),
                    f"receiving {what}", src)
         key, spec = pickle.loads(header.cpu().numpy().tobytes())
         if key != self._key:

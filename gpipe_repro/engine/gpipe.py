@@ -32,7 +32,15 @@ from gpipe_repro.engine.layer_costs import layer_costs
 from gpipe_repro.engine.local_runtime import LocalTransport, run_local
 from gpipe_repro.engine.partition import OBJECTIVES, check_balance, partition
 from gpipe_repro.engine.rng import preserved_rng
-from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES, Schedule, gpipe_schedule, make_schedule
+from gpipe_repro.engine.schedule import (
+    CHECKPOINT_MODES,
+    SCHEDULES,
+    Schedule,
+    forward_on_processes,
+    gpipe_schedule,
+    make_schedule,
+    num_processes,
+)
 from gpipe_repro.engine.stage import PRECISIONS, Agreement, LossFn, StageExecutor, StepConfig, wall_clock
 from gpipe_repro.engine.timeline import Timeline
 
@@ -176,7 +184,10 @@ class GPipe(nn.Module):
             that dtype, parameters and optimizer states stay fp32, floating boundary values cross in
             the low dtype. "fp16" adds a dynamic loss scale (GradScaler's rule): if any gradient of any
             cell is not finite, no cell updates and the scale halves.
-        schedule: "gpipe" (fill-drain) or "1f1b".
+        schedule: "gpipe" (fill-drain), "1f1b", "zb-h1" (zero bubble) or "interleaved"
+            (interleaved 1F1B: `partitions` = K*v cells, v=2 per process round robin; with
+            runtime="distributed" the job has partitions/2 processes per replica, each running its
+            2 cells; M must be a multiple of K; replicas are refused).
         recompute_ahead: put each recomputation before the wait for its gradient.
         seed: the seed of dropout masks.
         deferred_batchnorm: convert BatchNorm layers to :class:`DeferredBatchNorm`.
@@ -258,18 +269,28 @@ class GPipe(nn.Module):
                              "per partition")
         context = None
         plugin = _runtime_plugin(runtime) if runtime in _RUNTIME_PLUGINS else None
+        # The processes of one pipeline: one per partition, or K = partitions / v with "interleaved"
+        # (its v cells per process, round robin); owner[s] is the process running cell s.
+        procs = partitions if plugin is None else num_processes(schedule, partitions)
+        owner = (list(range(partitions)) if procs == partitions else
+                 make_schedule(schedule, partitions, procs, checkpoint).process_of())
+        if procs != partitions and replicas > 1:
+            raise ValueError(f"schedule={schedule!r} with replicas={replicas}: replicas of a pipeline "
+                             "whose processes hold several cells are not supported (each stage's "
+                             "gradient all-reduce is per cell); use replicas=1, or schedule='1f1b'")
         if plugin is not None:
             context = plugin.init_distributed()
             world = context.world_size
-            if world % partitions != 0:
+            per = "partition" if procs == partitions else f"pair of cells ({schedule!r} puts 2 per process)"
+            if world % procs != 0:
                 raise ValueError(f"partitions={partitions} but the job has {world} processes, which is "
-                                 f"not a multiple of {partitions}: start one process per partition and "
-                                 f"replica, K x R = {partitions} x replicas processes (torchrun "
-                                 f"--nproc-per-node {partitions}, or launch_local(fn, {partitions} * R))")
-            if world != partitions * replicas:
+                                 f"not a multiple of {procs}: start one process per {per} and "
+                                 f"replica, {procs} x replicas processes (torchrun "
+                                 f"--nproc-per-node {procs}, or launch_local(fn, {procs} * R))")
+            if world != procs * replicas:
                 raise ValueError(f"partitions={partitions} x replicas={replicas} needs "
-                                 f"{partitions * replicas} processes but the job has {world}: start "
-                                 f"{partitions * replicas} processes, or pass replicas={world // partitions}")
+                                 f"{procs * replicas} processes but the job has {world}: start "
+                                 f"{procs * replicas} processes, or pass replicas={world // procs}")
         if balance is None:
             balance = ([len(layer_list)] if partitions == 1 else
                        partition(layer_costs(layer_list, cost, sample), partitions, objective))
@@ -281,14 +302,18 @@ class GPipe(nn.Module):
             layer_list = [DeferredBatchNorm.convert(layer) for layer in layer_list]
         cells = split_cells(layer_list, balance)
         _check_shared_parameters(cells)
-        self.rank: int | None = None   # this process's stage with runtime="distributed"
+        # runtime="distributed": this process's index in its pipeline: its stage, or with
+        # "interleaved" its first stage (it runs stages rank, rank + K, ...: `self.stages_here`).
+        self.rank: int | None = None
         self.replicas, self.replica = replicas, 0   # R, and this process's replica
+        self.stages_here = list(range(partitions))   # the stages (cells) this process runs
         if context is not None:
-            self.rank, self.replica = context.rank % partitions, context.rank // partitions
+            self.rank, self.replica = context.rank % procs, context.rank // procs
+            self.stages_here = [s for s in range(partitions) if owner[s] == self.rank]
             if devices is None:
                 devices = [context.device] * partitions
-            # This process runs only its own cell; the others' layers are not kept.
-            cells = [c if s == self.rank else nn.Sequential() for s, c in enumerate(cells)]
+            # This process runs only its own cells; the others' layers are not kept.
+            cells = [c if s in self.stages_here else nn.Sequential() for s, c in enumerate(cells)]
         if devices is None:
             devices = [next(iter(c.parameters()), torch.empty(0)).device for c in cells]
         self.devices = [torch.device(d) for d in devices]
@@ -316,15 +341,16 @@ class GPipe(nn.Module):
         self.last_timeline: Timeline | None = None
         self._transport = LocalTransport(self.devices)
         firsts = [sum(balance[:i]) for i in range(partitions)]
-        stages = range(partitions) if self.rank is None else [self.rank]
         self.executors = [
             StageExecutor(self._cell(s), s, partitions, firsts[s], self.devices[s], self._transport,
                           loss_fn, self.optimizers[s], self.seed)
-            for s in stages]
+            for s in self.stages_here]
+        self._owner = owner
         self.stage_process = None  # runtime="distributed": this rank's StageProcess
         if plugin is not None:
             self.stage_process = plugin.StageProcess(
-                self.executors[0], context, layout=plugin.Layout(partitions, replicas),
+                self.executors if procs != partitions else self.executors[0], context,
+                layout=plugin.Layout(procs, replicas), process_of=owner,
                 bucket_cap_mb=float(bucket_cap_mb), batchnorm_stats=batchnorm_stats)
 
     # -- training ---------------------------------------------------------------------------------
@@ -407,6 +433,8 @@ class GPipe(nn.Module):
                              f"use micro_batches <= {n}, a larger batch, or pipe.eval()")
         mbs = microbatch.split(inputs, m)
         schedule = gpipe_schedule(self.partitions, m, training=False)
+        if self.stage_process is not None and len(self.stages_here) > 1:   # processes hold several cells
+            schedule = forward_on_processes(schedule, self._owner)
         # Masks of a forward() call must differ between calls and from every training step's:
         # negative step numbers are never used by train_step.
         step = -1 - self._forward_calls

@@ -7,7 +7,9 @@ its own duration on the sender and then occupies the directed link for `transfer
 (transfers on one link go one after another); a receive blocks its stage until the matching transfer
 has arrived; a barrier (AGREE) blocks every stage until all stages have reached theirs, and then
 runs on all of them at once (it starts, for each, when it began waiting; it ends at the latest
-arrival plus its duration). Nothing else is assumed, so the same function serves three purposes:
+arrival plus its duration). The walk itself is :func:`gpipe_repro.engine.driver.drive`'s, the same
+loop the runtimes use; this module only says what each action costs. Nothing else is assumed, so
+the same function serves three purposes:
 
 - ``Schedule.validate()`` runs it with unit durations: if some stage can never proceed, the schedule
   would deadlock a real runtime, and it says which actions are stuck;
@@ -19,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpipe_repro.engine.schedule import BARRIERS, RECVS, SENDS, Action, Schedule, ScheduleError
+from gpipe_repro.engine.driver import drive
+from gpipe_repro.engine.schedule import RECVS, SENDS, Action, Schedule, ScheduleError
 
 __all__ = ["SimEvent", "run_dataflow"]
 
@@ -42,56 +45,41 @@ def run_dataflow(schedule: Schedule, duration: Callable[[Action], float],
     data's arrival (latency + bytes / bandwidth); 0 by default.
     """
     transfer = transfer or (lambda a: 0.0)
-    programs = schedule.programs()   # one per process (= per stage unless stages share processes)
-    clock = [0.0] * len(programs)
-    pc = [0] * len(programs)
+    clock = [0.0] * len(schedule.programs())   # one per process (= per stage unless stages share)
     arrived: dict[Action, float] = {}      # receive action -> time its data is available
     link_free: dict[tuple[int, int], float] = {}
     events: list[SimEvent] = []
-    remaining = sum(len(a) for a in programs)
-    while remaining:
-        progressed = False
-        for s, actions in enumerate(programs):
-            while pc[s] < len(actions):
-                a = actions[pc[s]]
-                if a.kind in BARRIERS:
-                    break  # released below, once every stage waits at one
-                if a.kind in RECVS:
-                    if a not in arrived:
-                        break  # the sender has not reached its send yet
-                    ready = arrived.pop(a)
-                    start = clock[s]
-                    end = max(start, ready) + duration(a)
-                    events.append(SimEvent(a, start, end, ready))
-                else:
-                    start = clock[s]
-                    end = start + duration(a)
-                    events.append(SimEvent(a, start, end))
-                    if a.kind in SENDS:
-                        peer = a.peer()
-                        link = (a.stage, peer.stage)
-                        begin = max(end, link_free.get(link, 0.0))
-                        link_free[link] = begin + transfer(a)
-                        arrived[peer] = link_free[link]
-                clock[s] = end
-                pc[s] += 1
-                remaining -= 1
-                progressed = True
-        waiting = [pc[s] < len(st) and st[pc[s]].kind in BARRIERS for s, st in enumerate(programs)]
-        if all(waiting):
-            ready = max(clock)
-            for s, st in enumerate(programs):
-                a = st[pc[s]]
-                end = ready + duration(a)
-                events.append(SimEvent(a, clock[s], end, ready))
-                clock[s] = end
-                pc[s] += 1
-                remaining -= 1
-            progressed = True
-        if not progressed:
-            blocked = [st[pc[s]] for s, st in enumerate(programs) if pc[s] < len(st)]
-            stuck = [f"{a}@stage{a.stage}" for a in blocked]
-            raise ScheduleError(f"schedule {schedule.name!r} deadlocks: every unfinished stage waits on a "
-                                f"receive whose send never comes or at a barrier another stage never reaches "
-                                f"({', '.join(stuck)})", schedule, blocked)
+
+    def run(p: int, a: Action) -> None:
+        start = clock[p]
+        if a.kind in RECVS:
+            ready = arrived.pop(a)
+            end = max(start, ready) + duration(a)
+            events.append(SimEvent(a, start, end, ready))
+        else:
+            end = start + duration(a)
+            events.append(SimEvent(a, start, end))
+            if a.kind in SENDS:
+                peer = a.peer()
+                link = (a.stage, peer.stage)
+                begin = max(end, link_free.get(link, 0.0))
+                link_free[link] = begin + transfer(a)
+                arrived[peer] = link_free[link]
+        clock[p] = end
+
+    def barrier(waiting: list[tuple[int, Action]]) -> None:
+        ready = max(clock)
+        for p, a in waiting:
+            end = ready + duration(a)
+            events.append(SimEvent(a, clock[p], end, ready))
+            clock[p] = end
+
+    def stuck(blocked: list[Action]) -> ScheduleError:
+        names = [f"{a}@stage{a.stage}" for a in blocked]
+        return ScheduleError(f"schedule {schedule.name!r} deadlocks: every unfinished stage waits on a "
+                             f"receive whose send never comes or at a barrier another stage never reaches "
+                             f"({', '.join(names)})", schedule, blocked)
+
+    drive(schedule.programs(), run=run, barrier=barrier, stuck=stuck,
+          ready=lambda p, a: a.kind not in RECVS or a in arrived)
     return events

@@ -1,8 +1,9 @@
 """The local runtime: every stage in one process, one device per cell (or all on one device).
 
-It executes the schedule's per-stage action lists directly, interleaving stages one compute action at
-a time. A receive whose value has not been sent yet simply waits for a later round; if a whole round
-makes no progress the schedule was wrong, and we say which actions are stuck instead of hanging.
+It executes the schedule's programs through the one driver loop (:mod:`gpipe_repro.engine.driver`),
+interleaving stages one compute action at a time. A receive whose value has not been sent yet
+simply waits for a later round; if a whole round makes no progress the schedule was wrong, and we
+say which actions are stuck instead of hanging.
 
 Values travel through :class:`LocalTransport`, a mailbox; moving them to the next cell's device is
 the only "communication". On a multi-GPU host kernels are queued asynchronously on each device, so
@@ -23,7 +24,8 @@ from typing import Any
 import torch
 
 from gpipe_repro.engine import boundary
-from gpipe_repro.engine.schedule import BARRIERS, RECVS, Action, ActionKind, Schedule, ScheduleError
+from gpipe_repro.engine.driver import drive
+from gpipe_repro.engine.schedule import RECVS, Action, ActionKind, Schedule, ScheduleError
 from gpipe_repro.engine.stage import StageExecutor
 
 __all__ = ["LocalTransport", "run_local"]
@@ -63,34 +65,19 @@ class LocalTransport:
 
 def run_local(schedule: Schedule, executors: list[StageExecutor], transport: LocalTransport) -> None:
     """Execute `schedule` over `executors` (one per stage) in this process."""
-    programs = schedule.programs()   # one per process; a stage's actions run on executors[stage]
-    pcs = [0] * len(programs)
-    remaining = sum(len(a) for a in programs)
     transport.agreed = None
-    while remaining:
-        progressed = False
-        for s, actions in enumerate(programs):
-            # Run this stage up to and including its next compute action, or until it must wait.
-            while pcs[s] < len(actions):
-                a = actions[pcs[s]]
-                if (a.kind in RECVS and not transport.ready(a)) or (
-                        a.kind in BARRIERS and transport.agreed is None):
-                    break
-                executors[a.stage].execute(a)
-                pcs[s] += 1
-                remaining -= 1
-                progressed = True
-                if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
-                    break
-        if not progressed and transport.agreed is None and all(
-                pcs[s] < len(st) and st[pcs[s]].kind in BARRIERS for s, st in enumerate(programs)):
+
+    def barrier(waiting: list[tuple[int, Action]]) -> None:
+        if transport.agreed is None:   # once per step: every stage's vector, summed
             transport.agreed = [sum(col) for col in zip(*(e.contribution() for e in executors))]
-            for s, actions in enumerate(programs):   # every AGREE before any update
-                executors[actions[pcs[s]].stage].execute(actions[pcs[s]])
-                pcs[s] += 1
-                remaining -= 1
-            progressed = True
-        if not progressed:
-            stuck = [f"{st[pcs[s]]}@stage{st[pcs[s]].stage}" for s, st in enumerate(programs)
-                     if pcs[s] < len(st)]
-            raise ScheduleError(f"local runtime: no stage can proceed ({', '.join(stuck)})")
+        for _, a in waiting:            # every process's AGREE before any update
+            executors[a.stage].execute(a)
+
+    def stuck(blocked: list[Action]) -> ScheduleError:
+        names = [f"{a}@stage{a.stage}" for a in blocked]
+        return ScheduleError(f"local runtime: no stage can proceed ({', '.join(names)})")
+
+    # A stage's actions run on executors[stage]; stages take turns one FORWARD / BACKWARD at a time.
+    drive(schedule.programs(), run=lambda p, a: executors[a.stage].execute(a), barrier=barrier,
+          stuck=stuck, ready=lambda p, a: a.kind not in RECVS or transport.ready(a),
+          yield_after=lambda p, a: a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD))

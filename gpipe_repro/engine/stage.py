@@ -26,16 +26,16 @@ data.
 **AGREE.** The action where every stage's gradients are final and the stages agree on one small
 vector (:data:`AGREEMENT_FIELDS`), summed over stages by the transport: the loss, the loss's count
 for ``(sum, count)`` losses, the squared global gradient norm and whether a gradient is not finite.
-From it every stage derives the same gradient factor (1/count, 1/loss scale, the clipping coefficient)
-and whether to skip the update (fp16 overflow); OPTIMIZER_STEP applies them.
+From it every stage derives the same gradient factor (1/count, 1/loss scale, the clipping
+coefficient) and whether to skip the update (fp16 overflow); OPTIMIZER_STEP applies them.
+:class:`StepConfig`, :class:`Agreement`, the vector and the precision helpers live in
+:mod:`gpipe_repro.engine.agreement` and are re-exported here.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +43,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from gpipe_repro.engine import boundary
+from gpipe_repro.engine.agreement import (
+    AGREEMENT_FIELDS,
+    PRECISIONS,
+    Agreement,
+    StepConfig,
+    autocast,
+    cast_boundary,
+)
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm
 from gpipe_repro.engine.recompute import recomputing
 from gpipe_repro.engine.rng import seed_layer, step_key
@@ -53,9 +61,6 @@ __all__ = ["LossFn", "Transport", "StepConfig", "Agreement", "AGREEMENT_FIELDS",
            "wall_clock", "PRECISIONS"]
 
 LossFn = Callable[[Any, Any], Any]
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-# The vector each stage contributes at AGREE; the transport returns its sum over stages.
-AGREEMENT_FIELDS = ("loss", "count", "weighted", "grad_sq_norm", "nonfinite")
 
 
 class Transport(Protocol):
@@ -68,66 +73,6 @@ class Transport(Protocol):
     def agree(self, stage: int, contribution: Callable[[], list[float]]) -> list[float]:
         """The sum over all stages of their AGREE vectors (`contribution()` computes this stage's)."""
         ...
-
-
-@dataclass(frozen=True)
-class StepConfig:
-    """What every stage must know the same way to take a step.
-
-    Args:
-        precision: "fp32", "bf16" or "fp16": autocast dtype of each cell's forward (and loss);
-            parameters and optimizer states stay fp32; floating boundary values cross in that dtype.
-        clip_grad_norm: the max global L2 norm of all gradients (all cells), or None: no clipping.
-        loss_scale: fp16 only: the loss is multiplied by it before backward; gradients are divided.
-    """
-    precision: str = "fp32"
-    clip_grad_norm: float | None = None
-    loss_scale: float = 1.0
-
-    @property
-    def needs_norm(self) -> bool:
-        return self.clip_grad_norm is not None or self.precision == "fp16"
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """What all stages agreed on at AGREE (the same on every stage).
-
-    Attributes:
-        loss: the mini-batch loss as reported (mean, sum, or sum/count for ``(sum, count)`` losses).
-        grad_norm: the global L2 norm of the gradients of the loss, all cells, before clipping
-            (None when neither clipping nor fp16 asked for it).
-        factor: what every gradient is multiplied by before the update.
-        skip: True when a gradient overflowed under fp16: no cell updates, the loss scale drops.
-    """
-    loss: float
-    grad_norm: float | None
-    factor: float
-    skip: bool
-
-    @staticmethod
-    def from_sum(total: Sequence[float], config: StepConfig) -> Agreement:
-        """Derive the agreement from the summed :data:`AGREEMENT_FIELDS` vector."""
-        loss, count, weighted, sq_norm, nonfinite = (float(v) for v in total)
-        factor = 1.0
-        if weighted:
-            if count <= 0:
-                raise ValueError(f"the loss's counts add up to {count:g} over the mini-batch: a "
-                                 "(sum, count) loss needs a positive total count (e.g. at least one "
-                                 "non-padding token)")
-            factor, loss = 1.0 / count, loss / count
-        if config.precision == "fp16":
-            factor /= config.loss_scale
-        norm = None
-        if config.needs_norm:
-            norm = math.sqrt(sq_norm) * factor if math.isfinite(sq_norm) else math.inf
-        skip = config.precision == "fp16" and (nonfinite > 0 or not math.isfinite(sq_norm))
-        if not skip and config.clip_grad_norm is not None and norm is not None:
-            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1.
-            coef = config.clip_grad_norm / (norm + 1e-6)
-            if coef < 1.0:
-                factor *= coef
-        return Agreement(loss, norm, factor, skip)
 
 
 class StageExecutor:
@@ -392,8 +337,7 @@ class StageExecutor:
             "from now on: run the step again") from cause
 
     def _autocast(self) -> Any:
-        dtype = PRECISIONS[self.config.precision]
-        return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
+        return autocast(self.config.precision, self.device)
 
     def _loss(self, out: Any, m: int, recompute: bool = False) -> torch.Tensor:
         """Micro-batch m's loss, weighted for the backward; adds its value (and count) to the step's.
@@ -426,10 +370,7 @@ class StageExecutor:
 
     def _cast_boundary(self, value: Any) -> Any:
         """Under bf16/fp16, floating boundary values cross in that dtype (half the bytes)."""
-        dtype = PRECISIONS[self.config.precision]
-        if dtype is None:
-            return value
-        return boundary.map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
+        return cast_boundary(value, self.config.precision)
 
 
 def _split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor],

@@ -1,11 +1,13 @@
 """The distributed runtime trains exactly like the local runtime and like plain PyTorch.
 
 2 and 3 stage processes (gloo, CPU, launched locally), uneven micro-batches, dropout, tuple
-boundaries with integer and bool tensors, deferred BatchNorm, every checkpoint mode, recompute-ahead
-and 1F1B. Each rank compares ITS cell's loss, gradients and updated weights, after two steps (the
-first agrees on boundary specs, the second runs on the agreed specs with receives posted early),
-with a local GPipe and with `reference_step` computed in the same process. Many configurations run
-in one launch to keep the test fast; each rank returns what it checked so a vacuous pass is caught.
+boundaries with integer and bool tensors, deferred BatchNorm, every checkpoint mode, recompute-ahead,
+1F1B, and interleaved 1F1B (K=2 processes x v=2 cells each: a process runs two stages and sends
+between processes by the same transport). Each rank compares ITS cells' loss, gradients and updated
+weights, after two steps (the first agrees on boundary specs, the second runs on the agreed specs
+with receives posted early), with a local GPipe and with `reference_step` computed in the same
+process. Many configurations run in one launch to keep the test fast; each rank returns what it
+checked so a vacuous pass is caught.
 """
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ CONFIGS = {
     2: [("mlp", 1, "never", False, "gpipe"), ("mlp", 3, "always", False, "gpipe"),
         ("mlp", 4, "except_last", False, "gpipe"), ("mlp", 4, "always", True, "gpipe"),
         ("mlp", 11, "never", False, "gpipe"), ("transformer", 3, "except_last", False, "gpipe"),
-        ("transformer", 2, "never", False, "gpipe"), ("conv", 3, "always", True, "gpipe")],
+        ("transformer", 2, "never", False, "gpipe"), ("conv", 3, "always", True, "gpipe"),
+        # interleaved: partitions = 2K cells, v=2 per process; M a multiple of K
+        ("mlp", 4, "never", False, "interleaved"), ("mlp", 2, "always", True, "interleaved"),
+        ("transformer", 4, "except_last", False, "interleaved")],
     3: [("mlp", 4, "always", True, "gpipe"), ("mlp", 3, "never", False, "gpipe"),
         ("transformer", 3, "always", False, "gpipe"), ("conv", 4, "except_last", False, "gpipe"),
         ("mlp", 4, "never", False, "1f1b")],
@@ -44,7 +49,8 @@ def check_configs(k: int) -> list[str]:
         build, loss_fn = MODELS[kind]
         x, y = data(kind)
         where = f"{kind} K={k} M={m} checkpoint={mode} ahead={ahead} {schedule}"
-        kwargs = dict(partitions=k, micro_batches=m, checkpoint=mode, recompute_ahead=ahead,
+        cells = 2 * k if schedule == "interleaved" else k
+        kwargs = dict(partitions=cells, micro_batches=m, checkpoint=mode, recompute_ahead=ahead,
                       schedule=schedule, loss_fn=loss_fn, cost="params",
                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
         pipe = GPipe(build(), runtime="distributed", **kwargs)
@@ -52,26 +58,29 @@ def check_configs(k: int) -> list[str]:
         ref = build()
         rank = pipe.rank
         assert rank is not None and pipe.balance == local.balance
-        first = sum(pipe.balance[:rank])
-        mine = list(pipe.cells[rank])
-        theirs = ref[first:first + len(mine)]
-        assert len(mine) == pipe.balance[rank] and all(len(c) == 0 for s, c in enumerate(pipe.cells)
-                                                       if s != rank), "only this rank's cell is kept"
+        here = pipe.stages_here
+        assert here == ([rank, rank + k] if schedule == "interleaved" else [rank]), here
+        mine = [layer for s in here for layer in pipe.cells[s]]
+        theirs = [ref[i] for s in here for i in range(sum(pipe.balance[:s]), sum(pipe.balance[:s + 1]))]
+        local_params = [p for s in here for p in local.cells[s].parameters()]
+        assert len(mine) == sum(pipe.balance[s] for s in here) and all(
+            len(c) == 0 for s, c in enumerate(pipe.cells) if s not in here), "only this rank's cells are kept"
         for step in range(STEPS):
             loss = pipe.train_step(x, y)
             _close(torch.tensor(loss), torch.tensor(local.train_step(x, y)), f"{where}: loss vs local")
             ref_loss = reference_step(ref, x, y, loss_fn, m, step=step)
             _close(torch.tensor(loss), torch.tensor(ref_loss), f"{where}: loss vs reference")
-            for (name, p), q, r in zip(nn.Sequential(*mine).named_parameters(),
-                                       local.cells[rank].parameters(),
-                                       nn.Sequential(*theirs).parameters()):
+            named = list(nn.Sequential(*mine).named_parameters())
+            assert named and len(named) == len(local_params), f"{where}: nothing to compare"
+            for (name, p), q, r in zip(named, local_params, nn.Sequential(*theirs).parameters()):
                 assert (p.grad is None) == (r.grad is None), f"{where}: grad presence of {name}"
                 if p.grad is not None:
                     _close(p.grad, q.grad, f"{where} step {step}: grad of {name} vs local")
                     _close(p.grad, r.grad, f"{where} step {step}: grad of {name} vs reference")
                 _close(p.detach(), q.detach(), f"{where} step {step}: {name} vs local")
                 _close(p.detach(), r.detach(), f"{where} step {step}: {name} vs reference")
-        for buf, local_buf in zip(pipe.cells[rank].buffers(), local.cells[rank].buffers()):
+        for buf, local_buf in zip([b for s in here for b in pipe.cells[s].buffers()],
+                                  [b for s in here for b in local.cells[s].buffers()]):
             _close(buf.float(), local_buf.float(), f"{where}: BatchNorm buffers vs local")
         pipe.eval(), local.eval()
         _close(pipe.forward(x), local.forward(x), f"{where}: inference output vs local")

@@ -81,19 +81,26 @@ def test_interleaved_trains_equal_to_plain_training(kind: str, mode: str) -> Non
                              schedule="interleaved", recompute_ahead=m == 6)
 
 
-def train_interleaved_distributed() -> float:
+def test_distributed_interleaved_refuses_replicas_before_starting_clearly() -> None:
+    # (Interleaved on the distributed runtime is checked per parameter in
+    # tests/distributed/test_equivalence.py; replicas of it are refused before any process group.)
     from gpipe_repro import GPipe
     build, loss_fn = MODELS["mlp"]
-    x, y = data("mlp")
-    pipe = GPipe(build(), partitions=4, micro_batches=4, loss_fn=loss_fn, optimizer=None,
-                 schedule="interleaved", runtime="distributed")
-    return pipe.train_step(x, y)
+    with pytest.raises(ValueError, match=r"replicas=2.*not supported.*use replicas=1"):
+        GPipe(build(), partitions=4, micro_batches=4, loss_fn=loss_fn, optimizer=None,
+              schedule="interleaved", runtime="distributed", replicas=2)
 
 
-def test_distributed_runtime_refuses_stages_sharing_a_process_clearly() -> None:
-    from gpipe_repro.distributed import JobFailed, launch_local
-    with pytest.raises(JobFailed, match=r"several stages on one process.*runtime='local'"):
-        launch_local(train_interleaved_distributed, 4, timeout=20)
+def test_forward_on_processes_places_stages_in_order_and_refuses_training_schedules() -> None:
+    from gpipe_repro.engine.schedule import forward_on_processes, gpipe_schedule, num_processes
+    owner = make_schedule("interleaved", 4, 2, "never").process_of()
+    s = forward_on_processes(gpipe_schedule(4, 2, training=False), owner)
+    s.validate()
+    assert s.process_of() == owner == [0, 1, 0, 1]
+    assert [a.stage for a in s.programs()[0]] == [0] * 4 + [2] * 6   # F0 sa0 F1 sa1, then stage 2
+    assert num_processes("interleaved", 4) == 2 and num_processes("1f1b", 4) == 4
+    with pytest.raises(ValueError, match=r"places forward-only"):
+        forward_on_processes(make_schedule("gpipe", 4, 2, "never"), owner)
 
 
 def test_schedule_ablation_gives_throughput_beside_memory_for_every_schedule() -> None:

@@ -1,0 +1,155 @@
+"""The single-process-per-stage schedules: GPipe fill-drain, 1F1B (PipeDream-flush) and zero-bubble
+ZB-H1, with the forward and backward blocks every generator (interleaved 1F1B too) builds from."""
+from __future__ import annotations
+
+from gpipe_repro.engine.schedule.actions import CHECKPOINT_MODES, Action, ActionKind
+from gpipe_repro.engine.schedule.core import Schedule
+
+__all__ = ["checkpointed_microbatches", "gpipe_schedule", "one_f_one_b_schedule",
+           "zero_bubble_h1_schedule"]
+
+
+def checkpointed_microbatches(mode: str, num_microbatches: int) -> frozenset[int]:
+    """Which micro-batches re-materialize under a checkpoint mode."""
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {mode!r}")
+    if mode == "never":
+        return frozenset()
+    if mode == "always":
+        return frozenset(range(num_microbatches))
+    return frozenset(range(num_microbatches - 1))
+
+
+def _backward_block(s: int, k: int, mb: int, ckpt: frozenset[int], ahead: bool) -> list[Action]:
+    A = ActionKind
+    recv = [Action(A.RECV_GRAD, s, mb)] if s < k - 1 else []
+    rec = [Action(A.RECOMPUTE, s, mb)] if mb in ckpt else []
+    out = rec + recv if ahead else recv + rec
+    out.append(Action(A.BACKWARD, s, mb))
+    if s > 0:
+        out.append(Action(A.SEND_GRAD, s, mb))
+    return out
+
+
+def _forward_block(s: int, k: int, mb: int) -> list[Action]:
+    A = ActionKind
+    out = [Action(A.RECV_ACT, s, mb)] if s > 0 else []
+    out.append(Action(A.FORWARD, s, mb))
+    if s < k - 1:
+        out.append(Action(A.SEND_ACT, s, mb))
+    return out
+
+
+def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+    if num_stages < 1:
+        raise ValueError(f"the number of stages must be >= 1, got {num_stages}")
+    if num_microbatches < 1:
+        raise ValueError(f"the number of micro-batches must be >= 1, got {num_microbatches}")
+
+
+def gpipe_schedule(num_stages: int, num_microbatches: int, checkpoint: str = "except_last",
+                   recompute_ahead: bool = False, training: bool = True) -> Schedule:
+    """GPipe fill-drain: all forwards, then all backwards in reverse micro-batch order, then update."""
+    _check_sizes(num_stages, num_microbatches)
+    ckpt = checkpointed_microbatches(checkpoint, num_microbatches) if training else frozenset()
+    stages = []
+    for s in range(num_stages):
+        acts = [a for mb in range(num_microbatches) for a in _forward_block(s, num_stages, mb)]
+        if training:
+            for mb in reversed(range(num_microbatches)):
+                acts += _backward_block(s, num_stages, mb, ckpt, recompute_ahead)
+            acts += [Action(ActionKind.AGREE, s), Action(ActionKind.OPTIMIZER_STEP, s)]
+        stages.append(tuple(acts))
+    return Schedule("gpipe" if training else "forward", num_stages, num_microbatches, tuple(stages),
+                    training)
+
+
+def one_f_one_b_schedule(num_stages: int, num_microbatches: int, checkpoint: str = "never",
+                         recompute_ahead: bool = False) -> Schedule:
+    """1F1B (PipeDream-flush): after a warm-up of K-1-s forwards, stage s alternates one forward and
+    one backward, so it holds at most K-s micro-batches in flight instead of M. Same update semantics
+    as GPipe; shown for comparison."""
+    _check_sizes(num_stages, num_microbatches)
+    ckpt = checkpointed_microbatches(checkpoint, num_microbatches)
+    stages = []
+    for s in range(num_stages):
+        warmup = min(num_stages - 1 - s, num_microbatches)
+        acts: list[Action] = []
+        for mb in range(warmup):
+            acts += _forward_block(s, num_stages, mb)
+        for i in range(num_microbatches - warmup):
+            acts += _forward_block(s, num_stages, warmup + i)
+            acts += _backward_block(s, num_stages, i, ckpt, recompute_ahead)
+        for mb in range(num_microbatches - warmup, num_microbatches):
+            acts += _backward_block(s, num_stages, mb, ckpt, recompute_ahead)
+        acts += [Action(ActionKind.AGREE, s), Action(ActionKind.OPTIMIZER_STEP, s)]
+        stages.append(tuple(acts))
+    return Schedule("1f1b", num_stages, num_microbatches, tuple(stages))
+
+
+def _zb_h1_order(num_stages: int, num_microbatches: int) -> list[list[tuple[ActionKind, int]]]:
+    """Each stage's compute order for ZB-H1, by list-scheduling in unit time (T_F = T_I = T_W, the
+    paper's assumption; instant links): a free stage runs, in this priority, its next input gradient
+    (I) once the next stage's has finished, else its next forward if fewer than K-s micro-batches
+    are in flight on it (forwarded, weight gradient not yet done: 1F1B's activation memory), else
+    its oldest pending weight gradient (W). W thus fills what 1F1B leaves idle while the stage
+    waits for gradients."""
+    k, m_count = num_stages, num_microbatches
+    A = ActionKind
+    f_end = [[-1.0] * m_count for _ in range(k)]
+    i_end = [[-1.0] * m_count for _ in range(k)]
+    next_f, next_i = [0] * k, [0] * k
+    pending_w: list[list[int]] = [[] for _ in range(k)]
+    w_done = [0] * k
+    order: list[list[tuple[ActionKind, int]]] = [[] for _ in range(k)]
+    t = 0
+    while any(w_done[s] < m_count for s in range(k)):
+        for s in range(k):
+            m = next_i[s]
+            if m < next_f[s] and 0 <= f_end[s][m] <= t and (s == k - 1 or 0 <= i_end[s + 1][m] <= t):
+                order[s].append((A.BACKWARD_INPUT, m))
+                i_end[s][m] = t + 1
+                next_i[s] += 1
+                pending_w[s].append(m)
+                continue
+            m = next_f[s]
+            if (m < m_count and (s == 0 or 0 <= f_end[s - 1][m] <= t)
+                    and next_f[s] - next_i[s] < k - s and next_f[s] - w_done[s] < k):
+                order[s].append((A.FORWARD, m))
+                f_end[s][m] = t + 1
+                next_f[s] += 1
+                continue
+            if pending_w[s]:
+                order[s].append((A.BACKWARD_WEIGHT, pending_w[s].pop(0)))
+                w_done[s] += 1
+        t += 1
+    return order
+
+
+def zero_bubble_h1_schedule(num_stages: int, num_microbatches: int, checkpoint: str = "never",
+                            recompute_ahead: bool = False) -> Schedule:
+    """ZB-H1 (Qi, Wan, Huang, Lin: "Zero Bubble Pipeline Parallelism", ICLR 2024, section 3): every
+    backward is split into its input gradient (I, what the previous stage waits for) and its weight
+    gradient (W, what nobody waits for), and the W are placed where 1F1B idles. Same in-flight limit
+    as 1F1B (at most K-s micro-batches whose W is not done on stage s), so about 1F1B's activation
+    memory, and with T_F = T_I = T_W the bubble drops from 1F1B's 3(K-1) units to (K-1): the
+    paper's (p-1)(T_F + T_B - T_W). Re-materialization: a checkpointed micro-batch's RECOMPUTE comes
+    right before its I (or before the wait for its gradient with `recompute_ahead`); its graph then
+    lives until its W. All checkpoint modes are allowed."""
+    _check_sizes(num_stages, num_microbatches)
+    ckpt = checkpointed_microbatches(checkpoint, num_microbatches)
+    A = ActionKind
+    stages = []
+    for s, order in enumerate(_zb_h1_order(num_stages, num_microbatches)):
+        acts: list[Action] = []
+        for kind, mb in order:
+            if kind is A.FORWARD:
+                acts += _forward_block(s, num_stages, mb)
+            elif kind is A.BACKWARD_INPUT:
+                acts += [Action(A.BACKWARD_INPUT, s, mb) if a.kind is A.BACKWARD else a
+                         for a in _backward_block(s, num_stages, mb, ckpt, recompute_ahead)]
+            else:
+                acts.append(Action(A.BACKWARD_WEIGHT, s, mb))
+        acts += [Action(A.AGREE, s), Action(A.OPTIMIZER_STEP, s)]
+        stages.append(tuple(acts))
+    return Schedule("zb-h1", num_stages, num_microbatches, tuple(stages))
