@@ -30,7 +30,8 @@ def _start_nodes(port: int, extra: list[str]) -> list[subprocess.Popen[str]]:
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-               f"127.0.0.1:{port}", "--local-addr", "127.0.0.1", "--max-restarts", "0", "--monitor-interval", "0.2",
+               f"127.0.0.1:{port}", "--local-addr", "127.0.0.1", "--max-restarts", "0",
+               "--monitor-interval", "0.2",
                str(ROOT / "experiments" / "replicas_job.py"), "--k", "2", *extra]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, start_new_session=True))
