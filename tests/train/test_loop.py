@@ -98,10 +98,10 @@ def test_a_run_writes_metrics_wandb_offline_summary_and_curves(tmp_path: Path) -
     summary = train(AmoebaNetTask(task), run)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     train_rows = [r for r in rows if "train/loss" in r]
-    assert [r["step"] for r in train_rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4]       # steps completed (loop.py: STEP NUMBERS)
     assert all(r["train/samples_per_s"] > 0 and r["train/lr"] > 0 for r in train_rows)
     sampled = [r for r in rows if "pipeline/stage0_busy" in r]
-    assert [r["step"] for r in sampled] == [0, 2]               # every timeline_every steps only
+    assert [r["step"] for r in sampled] == [1, 3]               # every timeline_every steps only
     for r in sampled:
         for s in (0, 1):
             assert 0 < r[f"pipeline/stage{s}_busy"] <= 1
@@ -109,7 +109,8 @@ def test_a_run_writes_metrics_wandb_offline_summary_and_curves(tmp_path: Path) -
         assert r["memory/cpu_peak_rss_mb"] > 0 and r["memory/cell0_state_mb"] > 0
         assert r["pipeline/bubble"] >= 0
     evals = [r for r in rows if "eval/top1" in r]
-    assert [r["step"] for r in evals] == [1, 3]
+    assert [r["step"] for r in evals] == [2, 4]                 # eval_every=2: after 2 and 4 steps
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt"))[-1] == "step-00000004.pt"
     assert 0 <= evals[-1]["eval/top1"] <= evals[-1]["eval/top5"] <= 100
 
     written = json.loads((tmp_path / "summary.json").read_text())
@@ -126,7 +127,7 @@ def test_a_run_writes_metrics_wandb_offline_summary_and_curves(tmp_path: Path) -
     # a finished run is replaced by a new one in the same directory (make train-amoebanet twice)
     again = train(AmoebaNetTask(task), dataclasses.replace(run, wandb="disabled", steps=2, eval_every=0))
     assert again.steps == 2
-    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [0, 1]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2]
 
 
 # ----------------------------------------------------------------------------- offline and errors
