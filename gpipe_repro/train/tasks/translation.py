@@ -27,7 +27,8 @@ What the loop gets from here:
 - **Evaluation.** Token NLL (no smoothing) of a pipelined teacher-forced forward, and BLEU of greedy
   (or beam) translations, decoded with a key/value cache under either runtime: per language,
   pooled per resource group (high / low: the median training-set size of the languages used splits
-  them, `language_sampling.resource_groups`), and pooled over everything (see `gpipe_repro/train/tasks/translation_eval.py`).
+  them, `language_sampling.resource_groups`), and pooled over everything (see
+  `gpipe_repro/train/tasks/translation_eval.py`).
 """
 from __future__ import annotations
 
