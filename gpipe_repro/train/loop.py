@@ -134,8 +134,10 @@ class _Run:
         torch.manual_seed(config.seed)                     # weight initialization (the same on every rank)
         self.batches = task.train_batches(config.batch_size, config.seed)
         self.total_steps = config.total_steps(self.batches.batches_per_epoch)
-        self.say(f"{task.name}: K={config.partitions}, M={config.micro_batches}, mini-batch "
-                 f"{config.batch_size} (~{config.batch_size // config.micro_batches} per micro-batch), "
+        replicas = f", R={config.replicas} replicas" if config.replicas > 1 else ""
+        self.say(f"{task.name}: K={config.partitions}{replicas}, M={config.micro_batches}, mini-batch "
+                 f"{config.batch_size} (~{config.batch_size // (config.micro_batches * config.replicas)} "
+                 "per micro-batch), "
                  f"{self.total_steps} steps "
                  f"({self.total_steps / self.batches.batches_per_epoch:.3g} epochs), "
                  f"runtime {config.runtime}")

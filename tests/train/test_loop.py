@@ -91,6 +91,29 @@ def test_distributed_run_trains_like_the_local_one_and_its_checkpoints_resume_lo
                                rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow   # four stage processes
+def test_replicas_train_like_one_pipeline_of_all_their_micro_batches(tmp_path: Path) -> None:
+    """Issue #13: K=2 x R=2 (4 processes, M=2 each) takes the same steps as one local pipeline with
+    the R x M = 4 micro-batches (replica r runs micro-batches r*M ..); rank 0 alone writes: one
+    metrics row per step, one checkpoint in the local format with every cell."""
+    local_run, task = tiny(tmp_path / "local", partitions=2, micro_batches=4, steps=2, eval_every=0)
+    local = train(AmoebaNetTask(task), local_run)
+    run = dataclasses.replace(local_run, out_dir=str(tmp_path / "dist"), runtime="distributed",
+                              replicas=2, micro_batches=2)
+    distributed = launch(functools.partial(AmoebaNetTask, task), run)
+    torch.testing.assert_close(torch.tensor(distributed.losses), torch.tensor(local.losses),
+                               rtol=1e-5, atol=1e-6)
+    assert any(k.startswith("memory/rank3_") for k in distributed.memory)
+    rows = read_metrics(tmp_path / "dist" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
+    ours = load_checkpoint(checkpoint_path(tmp_path / "dist" / "checkpoints", 2))["state"]["pipeline"]
+    theirs = load_checkpoint(checkpoint_path(tmp_path / "local" / "checkpoints", 2))["state"]["pipeline"]
+    assert ours["model"].keys() == theirs["model"].keys() and len(ours["optimizers"]) == 2
+    for key, value in theirs["model"].items():
+        if "running_" not in key:     # BatchNorm running statistics are per replica (replica 0's kept)
+            torch.testing.assert_close(ours["model"][key], value, rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- what a run writes
 
 def test_a_run_writes_metrics_wandb_offline_summary_and_curves(tmp_path: Path) -> None:

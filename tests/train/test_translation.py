@@ -295,6 +295,24 @@ def test_distributed_evaluation_decodes_with_the_cache_and_scores_as_the_local_o
     assert "step 3: evaluating ..." in capsys.readouterr().out
 
 
+def test_a_batch_smaller_than_the_replicas_is_still_evaluated() -> None:
+    """With R replicas each takes a slice of a forward's batch; one sentence is repeated to R rows
+    and its own output kept (what a K x R translation run's NLL needs for a language's last batch)."""
+    from gpipe_repro.train.pipeline import pipelined_outputs
+
+    class TwoReplicas(torch.nn.Module):
+        replicas = 2
+
+        def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            assert x[0].shape[0] >= 2, "each replica needs a row"
+            return x[0].float() * 10 + x[1].float()
+
+    batches = [(torch.tensor([[1]]), torch.tensor([[2]])),
+               (torch.tensor([[1], [3]]), torch.tensor([[2], [4]]))]
+    outs = list(pipelined_outputs(TwoReplicas(), iter(batches)))  # type: ignore[arg-type]
+    assert [o.tolist() for o in outs] == [[[12.0]], [[12.0], [34.0]]]
+
+
 # --------------------------------------------------------------------------------------- BLEU
 
 def test_bleu_per_language_and_pooled_per_group() -> None:
