@@ -142,5 +142,6 @@ class RunConfig:
 # Settings that must match for a checkpoint to be resumed: they change what the run computes.
 # (Cadence, logging, the runtime and the device may change between a run and its resumption.)
 # (`steps` / `epochs` may change: an explicit new length extends the run; see loop.check_resumable.)
+# `replicas` too: R replicas of M micro-batches are R x M micro-batches of the mini-batch.
 RESUME_MUST_MATCH = ("partitions", "micro_batches", "batch_size", "balance", "partition_cost",
-                     "objective", "seed", "optimizer", "lr", "precision", "clip_grad_norm")
+                     "objective", "seed", "optimizer", "lr", "precision", "clip_grad_norm", "replicas")
