@@ -28,6 +28,7 @@ import typer
 # subcommand accepts them the same way (see `amoebanet` below for how they are used).
 PIPELINE_HELP = {
     "k": "partitions K (cells, one per device)",
+    "replicas": "R: data-parallel replicas of the pipeline (--runtime distributed: K x R processes)",
     "m": "micro-batches M per mini-batch",
     "batch_size": "examples per mini-batch (one synchronous update)",
     "steps": "optimizer steps (overrides --epochs)",
@@ -92,14 +93,18 @@ def follow_micro_batches(run_config: Any, options: dict[str, Any]) -> tuple[dict
 
 def check_batchnorm_micro_batches(config: Any, *, uses_batchnorm: bool, allow: bool) -> None:
     """Refuse micro-batches too small for per-micro-batch BatchNorm, saying what to change."""
-    per_micro = config.batch_size // config.micro_batches
+    replicas = getattr(config, "replicas", 1)       # each replica takes 1/R of the mini-batch
+    per_micro = config.batch_size // (config.micro_batches * replicas)
     if uses_batchnorm and per_micro < MIN_BATCHNORM_MICRO_BATCH and not allow:
-        suggestion = config.micro_batches * MIN_BATCHNORM_MICRO_BATCH
+        suggestion = config.micro_batches * replicas * MIN_BATCHNORM_MICRO_BATCH
+        with_r = f" and --replicas {replicas}" if replicas > 1 else ""
         raise ValueError(
-            f"--batch-size {config.batch_size} with --m {config.micro_batches} leaves {per_micro} examples "
+            f"--batch-size {config.batch_size} with --m {config.micro_batches}{with_r} leaves {per_micro} "
+            "examples "
             f"per micro-batch, too few for BatchNorm (normalized per micro-batch; below "
             f"{MIN_BATCHNORM_MICRO_BATCH} the model does not learn): use --batch-size {suggestion} or "
-            f"more, or a smaller --m (at most {max(1, config.batch_size // MIN_BATCHNORM_MICRO_BATCH)}); "
+            f"more, or a smaller --m (at most "
+            f"{max(1, config.batch_size // (replicas * MIN_BATCHNORM_MICRO_BATCH))}); "
             "--small-micro-batches runs it anyway")
 
 
@@ -120,7 +125,7 @@ def apply_pipeline_options(run_config: Any, options: dict[str, Any], *, task: st
         steps=options["steps"], checkpoint=options["checkpoint"], schedule=options["schedule"],
         objective=options["objective"], partition_cost=options["partition_cost"],
         runtime=options["runtime"], launcher=options["launcher"], device=options["device"],
-        threads=options["threads"],
+        threads=options["threads"], replicas=options.get("replicas"),
         optimizer=options["optimizer"], lr=options["lr"], seed=options["seed"],
         eval_every=options["eval_every"], save_every=options["save_every"],
         timeline_every=options["timeline_every"], name=options["name"], wandb=options["wandb"],
@@ -188,6 +193,7 @@ def register(app: typer.Typer) -> None:
         F: Optional[int] = typer.Option(None, "--F", help="filters of the first stack"),
         genotype: Optional[str] = typer.Option(None, help="B (the paper's Table 4) or D"),
         k: Optional[int] = typer.Option(None, "--k", "-k", help=PIPELINE_HELP["k"]),
+        replicas: Optional[int] = typer.Option(None, help=PIPELINE_HELP["replicas"]),
         m: Optional[int] = typer.Option(None, "--m", "-m", help=PIPELINE_HELP["m"]),
         batch_size: Optional[int] = typer.Option(None, help=PIPELINE_HELP["batch_size"]),
         batch: Optional[int] = typer.Option(None, "--batch", hidden=True),

@@ -69,6 +69,7 @@ def transformer(
     beam: Optional[int] = typer.Option(None, help="beam size for BLEU (1: greedy)"),
     eval_sentences: Optional[int] = typer.Option(None, help="test sentences per language scored"),
     k: Optional[int] = typer.Option(None, "--k", "-k", help=PIPELINE_HELP["k"]),
+    replicas: Optional[int] = typer.Option(None, help=PIPELINE_HELP["replicas"]),
     m: Optional[int] = typer.Option(None, "--m", "-m", help=PIPELINE_HELP["m"]),
     batch_size: Optional[int] = typer.Option(None, help="sentences per mini-batch (one synchronous update)"),
     batch: Optional[int] = typer.Option(None, "--batch", hidden=True),

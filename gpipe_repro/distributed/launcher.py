@@ -19,8 +19,9 @@ Why not ``torch.multiprocessing.spawn``: it does not bound the time to end a job
 report the root cause when several ranks die. Here the parent watches every child: when one dies it
 gives the others `grace` seconds to exit on their own (their communication fails at once when a peer
 dies), then kills them, and raises :class:`JobFailed` naming the rank where the failure started (an
-exception, a signal, or, if every failure is a lost peer, the rank they lost) with its cause; the same
-line goes to stderr. `timeout` is the communication timeout inside the job (a rank that stops
+exception, a signal, or, if every failure is a lost peer, a rank found stopped (SIGSTOP), else the end
+of the chain of ranks that timed out waiting for one another: see `_root_cause`) with its cause; the
+same line goes to stderr. `timeout` is the communication timeout inside the job (a rank that stops
 answering is declared lost after it), so a job with a failed or stuck rank ends within about
 ``timeout + grace`` seconds. `job_timeout` optionally bounds the whole run.
 
@@ -223,11 +224,12 @@ def _watch(procs: list[Any], tmp: str, grace: float, job_timeout: float | None) 
             if code != 0 and first_failure is None:
                 first_failure = time.monotonic()
     timed_out = [r for r in range(len(procs)) if r not in exits]
+    stopped = [r for r in timed_out if _is_stopped(procs[r].pid)]   # before the kill changes it
     for r in timed_out:
         _kill(procs[r])
     failed = [e for e in exits.values() if e.code != 0]
     if failed:
-        return _root_cause(failed, timed_out)
+        return _root_cause(failed, timed_out, stopped)
     if timed_out:
         return JobFailed(timed_out[0], f"the job did not finish within job_timeout={job_timeout} s "
                          f"(ranks {timed_out} were still running and were killed)")
@@ -248,6 +250,21 @@ def _kill(p: Any) -> None:
             pass
 
 
+def _is_stopped(pid: int | None) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP, SIGTSTP, a debugger): state T or t in
+    /proc/<pid>/stat (Linux, proc(5)); False where that cannot be read."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # "pid (comm) state ...": comm may hold spaces and parentheses, so split after the last ')'
+    fields = stat[stat.rfind(")") + 1:].split()
+    return bool(fields) and fields[0] in ("T", "t")
+
+
 def _cause(e: _Exit) -> str:
     if e.record is not None:
         return e.record.message
@@ -260,8 +277,21 @@ def _cause(e: _Exit) -> str:
     return f"exited with code {e.code} without reporting an error"
 
 
-def _root_cause(failed: list[_Exit], killed: list[int]) -> JobFailed:
-    """The failure where it started: an error or a kill beats a lost peer; then the earliest."""
+def _root_cause(failed: list[_Exit], killed: list[int], stopped: list[int] | None = None) -> JobFailed:
+    """The failure where it started. In order:
+
+    1. an error or a kill beats a lost peer (the earliest of them);
+    2. when every dead rank only lost a peer (a communication timeout), a rank that was found
+       stopped (SIGSTOP: alive but frozen) when the job was ended;
+    3. otherwise the end of the chain of lost peers: rank a timed out waiting for b, b (if it
+       reported) for c, ... up to a rank that reported nothing (alive but stuck, then killed).
+
+    Why not simply the peer named by the earliest timeout (what this did before, issue #16): with
+    three or more stages the frozen rank's neighbour waits on it, and the next rank waits on that
+    neighbour; whichever began waiting first times out first, so the earliest timeout can name a
+    rank that was only waiting itself, and the grace period can end before that rank's own timeout
+    reports the frozen one. Rules 2 and 3 do not depend on that order.
+    """
     def primary(e: _Exit) -> bool:
         return e.record is None or e.record.kind != "peer"
 
@@ -269,12 +299,21 @@ def _root_cause(failed: list[_Exit], killed: list[int]) -> JobFailed:
     if candidates:
         first = min(candidates, key=lambda e: e.record.time if e.record else e.seen)
     else:
-        # Every dead rank only lost a peer: blame the peer they lost (alive but stuck, then killed).
         first = min(failed, key=lambda e: e.record.time if e.record else e.seen)
-        peer = first.record.peer if first.record else None
+        lost = "; ".join(f"rank {e.rank}: {_cause(e).splitlines()[0]}"
+                         for e in sorted(failed, key=lambda e: e.rank))
+        if stopped:
+            return JobFailed(min(stopped), "stopped answering: the process was stopped (a SIGSTOP or "
+                             "a debugger) and its neighbours timed out waiting for it",
+                             f"other ranks: {lost}")
+        waits_for = {e.rank: e.record.peer for e in failed
+                     if e.record is not None and e.record.peer is not None}
+        peer = waits_for.get(first.rank)
+        seen = {first.rank}
+        while peer is not None and peer in waits_for and peer not in seen:
+            seen.add(peer)
+            peer = waits_for[peer]
         if peer is not None and all(p.rank != peer for p in failed):
-            lost = "; ".join(f"rank {e.rank}: {_cause(e).splitlines()[0]}"
-                             for e in sorted(failed, key=lambda e: e.rank))
             return JobFailed(peer, "stopped answering (its neighbours timed out waiting for it)",
                              f"other ranks: {lost}")
     others = [f"rank {e.rank}: {_cause(e).splitlines()[0]}" for e in sorted(failed, key=lambda e: e.rank)

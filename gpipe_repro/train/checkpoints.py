@@ -288,6 +288,7 @@ def check_resumable(saved: dict[str, Any], config: RunConfig, task: Task) -> lis
     every difference. The run's length may change (an explicit `--steps` / `--epochs` extends it):
     that is returned as a note for the caller to print, not refused."""
     run = saved["run"]
+    run = {"replicas": 1, **run}          # checkpoints from before --replicas: one pipeline
     diffs = [f"{k}: saved {run.get(k)!r}, now {getattr(config, k)!r}" for k in RESUME_MUST_MATCH
              if run.get(k) != getattr(config, k) and not (k == "balance" and getattr(config, k) is None)]
     now = task.config()

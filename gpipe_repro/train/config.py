@@ -40,6 +40,7 @@ class RunConfig:
     partition_cost: str = "params"      # per-layer cost the partitioner balances
     objective: str = "bottleneck"       # partitioner objective
     runtime: str = "local"              # "local" (one process) | "distributed" (one process per cell)
+    replicas: int = 1                   # R: data-parallel replicas of the pipeline (distributed only)
     launcher: str = "local"             # distributed only: "local" (spawn here) | "torchrun"
     device: str = "cpu"                 # "cpu" | "cuda" (cell k on cuda:k mod #GPUs) | "auto"
     threads: int | None = None          # torch CPU threads; None: torch's default (one per core)
@@ -81,6 +82,15 @@ class RunConfig:
             (self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}, got {self.objective!r}"),
             (self.runtime in RUNTIMES, f"runtime must be one of {RUNTIMES}, got {self.runtime!r}"),
             (self.launcher in LAUNCHERS, f"launcher must be one of {LAUNCHERS}, got {self.launcher!r}"),
+            (isinstance(self.replicas, int) and self.replicas >= 1,
+             f"replicas (R) must be an integer >= 1, got {self.replicas!r}"),
+            (self.replicas == 1 or self.runtime == "distributed",
+             f"--replicas {self.replicas} needs --runtime distributed (K x R = {self.partitions} x "
+             f"{self.replicas} processes, one per stage of each replica); the local runtime runs one "
+             "pipeline: drop --replicas or add --runtime distributed"),
+            (self.batch_size >= self.micro_batches * self.replicas,
+             f"batch_size {self.batch_size} < micro_batches x replicas = {self.micro_batches} x "
+             f"{self.replicas}: every micro-batch of every replica needs an example; raise --batch-size"),
             (self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}"),
             (self.wandb is None or self.wandb in WANDB_MODES,
              f"wandb must be one of {WANDB_MODES}, got {self.wandb!r}"),
@@ -132,5 +142,6 @@ class RunConfig:
 # Settings that must match for a checkpoint to be resumed: they change what the run computes.
 # (Cadence, logging, the runtime and the device may change between a run and its resumption.)
 # (`steps` / `epochs` may change: an explicit new length extends the run; see loop.check_resumable.)
+# `replicas` too: R replicas of M micro-batches are R x M micro-batches of the mini-batch.
 RESUME_MUST_MATCH = ("partitions", "micro_batches", "batch_size", "balance", "partition_cost",
-                     "objective", "seed", "optimizer", "lr", "precision", "clip_grad_norm")
+                     "objective", "seed", "optimizer", "lr", "precision", "clip_grad_norm", "replicas")

@@ -34,6 +34,12 @@ The run directory (`RunConfig.run_dir`; `gpipe-repro run` picks a fresh `runs/<n
     summary.json  summary.md  curves.png the result of the run
     gpipe-run.json                       the manifest: which files this run created
 
+STEP NUMBERS. Every record names a step by the number of steps completed when it was taken: the
+console, metrics.jsonl and W&B (`step`), evaluations, checkpoints (`step-00000200.pt` holds the state
+after 200 steps) and the curves all say "step 200" for what follows the 200th update, so an
+evaluation every 200 steps is at 200, 400, ... everywhere. (Inside the loop, `step` is the 0-based
+index of the update being taken, as the learning-rate schedule and `on_step_end` see it.)
+
 The loop itself is `_Run`: `__init__` sets up (resume checks, run directory, data, pipeline,
 logging), `run` calls `step` after `step` with `evaluate` and `save` on their cadence, `finish` writes.
 
@@ -128,8 +134,10 @@ class _Run:
         torch.manual_seed(config.seed)                     # weight initialization (the same on every rank)
         self.batches = task.train_batches(config.batch_size, config.seed)
         self.total_steps = config.total_steps(self.batches.batches_per_epoch)
-        self.say(f"{task.name}: K={config.partitions}, M={config.micro_batches}, mini-batch "
-                 f"{config.batch_size} (~{config.batch_size // config.micro_batches} per micro-batch), "
+        replicas = f", R={config.replicas} replicas" if config.replicas > 1 else ""
+        self.say(f"{task.name}: K={config.partitions}{replicas}, M={config.micro_batches}, mini-batch "
+                 f"{config.batch_size} (~{config.batch_size // (config.micro_batches * config.replicas)} "
+                 "per micro-batch), "
                  f"{self.total_steps} steps "
                  f"({self.total_steps / self.batches.batches_per_epoch:.3g} epochs), "
                  f"runtime {config.runtime}")
@@ -178,7 +186,8 @@ class _Run:
                                  "environment": environment()},
                 mode=config.wandb, dir=config.run_dir, name=config.name, group=task.name,
                 tags=[task.name, f"K{config.partitions}", f"M{config.micro_batches}"],
-                resume_step=self.start if self.checkpoint is not None else None)
+                # RunLogger drops rows at or after resume_step: those after the checkpoint's step
+                resume_step=self.start + 1 if self.checkpoint is not None else None)
             where, mode = self.logger.wandb_run_dir, self.logger.mode
             later = " (upload later with `wandb sync`)" if mode == "offline" else ""
             self.say(f"W&B: {mode} run in {where}{later}" if where is not None else
@@ -205,10 +214,7 @@ class _Run:
                     loss, rate = self.step(step)
                     done = step + 1
                     if config.eval_every and done % config.eval_every == 0 and done < self.total_steps:
-                        shown = self.evaluate(step)
-                        # metrics.jsonl / W&B label a row with the 0-based index of the step it follows
-                        self.progress.console.print(f"step {step} (after {done} steps): " + ", ".join(
-                            f"{k} {v:.4g}" for k, v in shown.items()))
+                        self.evaluate(done)
                     self.progress.update(bar, completed=done, loss=loss, rate=rate)
                     if on_step_end is not None:
                         on_step_end(step, loss)
@@ -222,7 +228,7 @@ class _Run:
                 else:
                     status = "finished"
             if status == "finished":
-                self.evaluate(max(done - 1, 0))
+                self.evaluate(done)
                 self.save(done)
             memory = ranks.gather_metrics(pipeline_memory(self.pipe), self.rank)
         except BaseException:
@@ -235,6 +241,7 @@ class _Run:
         config, pipe = self.config, self.pipe
         self.task.before_step(step, self.total_steps)
         lr = self.schedule.apply(step)
+        done = step + 1                # the step number every record shows (see STEP NUMBERS)
         x, y = place(*next(self.batches), pipe)
         sample_now = config.timeline_every > 0 and step % config.timeline_every == 0
         pipe.record_timeline = sample_now
@@ -253,7 +260,7 @@ class _Run:
         if step % config.log_every == 0 or sample_now:
             metrics = {"train/loss": loss, "train/lr": lr, "train/samples_per_s": n / seconds,
                        "train/step_time_s": seconds,
-                       "train/epoch": (step + 1) / self.batches.batches_per_epoch}
+                       "train/epoch": done / self.batches.batches_per_epoch}
             if getattr(pipe, "last_grad_norm", None) is not None:   # global norm (clipping / fp16)
                 metrics["train/grad_norm"] = pipe.last_grad_norm
             if config.precision == "fp16":
@@ -264,19 +271,25 @@ class _Run:
             metrics.update(sampled)
             metrics.update(ranks.gather_metrics(pipeline_memory(pipe), self.rank))
         if metrics:
-            self.logger.log(metrics, step=step)
+            self.logger.log(metrics, step=done)
         return loss, n / seconds
 
-    def evaluate(self, step: int) -> dict[str, float]:
-        """The task's metrics on held-out data (pipelined forward), logged at `step`; best values kept."""
+    def evaluate(self, done: int) -> dict[str, float]:
+        """The task's metrics on held-out data after `done` steps, logged and shown as step `done`
+        (a line when it starts, so a long evaluation is never silent, and one with the results and
+        its time); best values kept."""
         t0 = time.perf_counter()
+        self.progress.console.print(f"step {done}: evaluating ...")
         metrics = self.task.evaluate(self.pipe)
+        seconds = time.perf_counter() - t0
+        self.progress.console.print(f"step {done}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+                                    + f" (evaluation {seconds:.1f} s)")
         self.stats["eval"] = dict(metrics)
         for key, value in metrics.items():
             better = min if key in self.task.lower_is_better else max
             self.stats["best"][key] = better(self.stats["best"].get(key, value), value)
         self.logger.log({**{f"eval/{k}": v for k, v in metrics.items()},
-                         "eval/time_s": time.perf_counter() - t0}, step=step)
+                         "eval/time_s": seconds}, step=done)
         return metrics
 
     def save(self, done: int) -> None:

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_repro.engine.boundary import to_device
+from gpipe_repro.engine import microbatch
+from gpipe_repro.engine.boundary import map_tensors, to_device
 from gpipe_repro.engine.gpipe import GPipe
 from gpipe_repro.engine.stage import LossFn
 from gpipe_repro.train import ranks
@@ -38,14 +39,16 @@ def build_pipeline(layers: nn.Sequential, config: RunConfig, loss_fn: LossFn, lo
                    optimizer: OptimizerConfig, sample: Any = None, balance: list[int] | None = None,
                    devices: list[torch.device] | None = None) -> GPipe:
     """The engine: every cell in this process on `devices` (runtime "local"), or this process's cell
-    of a job of K stage processes (runtime "distributed"; the device is the rank's, see `ranks.join`)."""
+    of a job of K x R stage processes (runtime "distributed"; the device is the rank's, see
+    `ranks.join`; with R replicas each one trains on its slice of the mini-batch)."""
     return GPipe(layers, partitions=config.partitions, micro_batches=config.micro_batches,
                  checkpoint=config.checkpoint, balance=balance or config.balance,
                  cost=config.partition_cost, sample=sample, objective=config.objective,
                  devices=None if config.runtime == "distributed" else devices, loss_fn=loss_fn,
                  loss_reduction=loss_reduction, optimizer=optimizer_factory(optimizer),
                  schedule=config.schedule, seed=config.seed, runtime=config.runtime,
-                 precision=config.precision, clip_grad_norm=config.clip_grad_norm)
+                 precision=config.precision, clip_grad_norm=config.clip_grad_norm,
+                 replicas=config.replicas)
 
 
 class PipelineState:
@@ -66,12 +69,21 @@ class PipelineState:
 
 
 def pipelined_outputs(pipe: GPipe, batches: Iterator[Any]) -> Iterator[Any]:
-    """`pipe.forward` over batches in eval mode (training mode restored afterwards)."""
+    """`pipe.forward` over batches in eval mode (training mode restored afterwards). With R replicas
+    a batch of fewer than R examples (the last sentences of a language) is repeated up to R rows and
+    its own rows' outputs are kept: in eval mode every row's output depends on that row only."""
     was_training = pipe.training
+    replicas = getattr(pipe, "replicas", 1)
     pipe.eval()
     try:
         for x in batches:
-            yield pipe.forward(x)
+            n = microbatch.batch_size(x)
+            if n >= replicas:
+                yield pipe.forward(x)
+                continue
+            copies = -(-replicas // n)
+            out = pipe.forward(map_tensors(x, lambda t, c=copies: torch.cat([t] * c)))
+            yield map_tensors(out, lambda t, n=n: t[:n])
     finally:
         pipe.train(was_training)
 

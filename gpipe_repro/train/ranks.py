@@ -2,12 +2,16 @@
 
 The distributed runtime is SPMD: each of the K stage processes runs the whole run loop, builds the
 same model from the same seed, reads the same batches and calls `train_step` with them; GPipe keeps
-only the process's own cell, and every rank gets the same loss and the same evaluation outputs. So
-the loop is unchanged except for four things, all here:
+only the process's own cell, and every rank gets the same loss and the same evaluation outputs. With
+`--replicas R` the job has K x R processes (rank = replica * K + stage,
+`gpipe_repro.distributed.groups`): every rank still reads the whole mini-batch and GPipe gives each
+replica its slice and averages the gradients. So the loop is unchanged except for four things, all
+here:
 
 - **One writer.** Rank 0 alone logs (W&B, metrics.jsonl), shows the progress bar and writes files.
 - **One checkpoint file.** Each rank's `GPipe.training_state()` holds only its cell's weights and
-  optimizer; they are gathered to rank 0 and merged into exactly the file a local run writes, so a
+  optimizer (the same on every replica of a stage: replica 0's are kept); they are gathered to rank 0
+  and merged into exactly the file a local run writes, so a
   run can be resumed under either runtime and fine-tuned from with any K. On loading, each rank
   keeps its own cell's part.
 - **One decision to stop.** Ctrl-C reaches every process of the job (or SIGTERM reaches one): the
@@ -64,10 +68,12 @@ def gather_training_state(pipe: GPipe) -> dict[str, Any] | None:
         return state
     from gpipe_repro.engine.boundary import map_tensors
     mine = map_tensors(state, lambda t: t.detach().cpu())
-    parts: list[Any] = [None] * pipe.partitions if pipe.rank == 0 else []
-    _dist().gather_object(mine, parts if pipe.rank == 0 else None, dst=0, group=_group())
-    if pipe.rank != 0:
+    rank = pipe.replica * pipe.partitions + pipe.rank          # global rank (replica 0: ranks 0..K-1)
+    parts: list[Any] = [None] * _dist().get_world_size() if rank == 0 else []
+    _dist().gather_object(mine, parts if rank == 0 else None, dst=0, group=_group())
+    if rank != 0:
         return None
+    parts = parts[:pipe.partitions]                             # replica 0's stages
     merged = dict(parts[0])
     merged["model"] = {k: v for part in parts for k, v in part["model"].items()}
     merged["optimizers"] = [parts[s]["optimizers"][s] for s in range(pipe.partitions)]
@@ -129,7 +135,8 @@ def launch(task_factory: Callable[[], Task], config: RunConfig) -> RunSummary:
         import os
         if "RANK" not in os.environ:
             raise RuntimeError(f"--launcher torchrun: start the job with torchrun, e.g. `torchrun "
-                               f"--nproc-per-node {config.partitions} $(which gpipe-repro) run ... "
+                               f"--nproc-per-node {config.partitions * config.replicas} "
+                               "$(which gpipe-repro) run ... "
                                "--runtime distributed --launcher torchrun`; or use --launcher local")
         from gpipe_repro.distributed.watchdog import stage_main
         return stage_main(_train_rank, task_factory, config)
@@ -137,7 +144,7 @@ def launch(task_factory: Callable[[], Task], config: RunConfig) -> RunSummary:
 
     # A SIGINT/SIGTERM to the launcher is passed on to every stage process (they finish the step,
     # save and stop together); the launcher keeps watching them meanwhile (see launch_local).
-    results = launch_local(_train_rank, config.partitions, task_factory, config,
+    results = launch_local(_train_rank, config.partitions * config.replicas, task_factory, config,
                            timeout=config.timeout, threads=config.threads or 1)
     return results[0]
 

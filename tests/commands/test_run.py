@@ -76,6 +76,21 @@ def test_a_distributed_mistake_is_one_line_before_any_process_starts(tmp_path: P
     assert time.perf_counter() - start < 60
 
 
+def test_replicas_reach_the_run_and_need_the_distributed_runtime(launched: list[Any]) -> None:
+    """Issue #13: --replicas on both run commands; with the local runtime it is one clear line, before
+    anything is built."""
+    ok = CliRunner().invoke(app, ["run", "amoebanet", "--preset", "smoke", "--k", "2", "--replicas", "2",
+                                  "--m", "2", "--runtime", "distributed", "--wandb", "disabled"])
+    assert ok.exit_code == 0, ok.output
+    assert launched[-1].replicas == 2 and launched[-1].partitions == 2
+    for command in (["amoebanet"], ["transformer", "--languages", "all"]):
+        refused = CliRunner().invoke(app, ["run", *command, "--preset", "smoke", "--replicas", "2",
+                                           "--wandb", "disabled"])
+        assert refused.exit_code == 2, refused.output
+        assert "--replicas 2 needs --runtime distributed" in refused.output
+        assert len(refused.output.strip().splitlines()) <= 3, refused.output
+
+
 def test_exit_codes_say_how_the_run_ended() -> None:
     def summary(status: str, signum: int | None = None) -> Any:
         return type("S", (), {"status": status, "signal": signum})()

@@ -84,6 +84,55 @@ def test_stuck_stage_is_declared_lost_after_the_timeout() -> None:
     assert TIMEOUT - 1 < took < BOUND, f"the job took {took:.1f} s to end (timeout {TIMEOUT} s)"
 
 
+class StoppingFault(StampedFault):
+    """Stops its own process (SIGSTOP: alive, frozen, every thread with it) at its `at_call`-th call."""
+
+    def forward(self, x: Any) -> Any:
+        if self.calls + 1 == self.at_call:
+            Path(self.stamp).write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        self.calls += 1
+        return x
+
+
+def train_until_stopped(rank_to_stop: int, k: int, stamp: str) -> float:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(k)]
+    layers.insert(rank_to_stop, StoppingFault("hang", AT_CALL, stamp))
+    balance = [1] * k
+    balance[rank_to_stop] += 1
+    pipe = GPipe(layers, partitions=k, balance=balance, micro_batches=M, checkpoint="never",
+                 loss_fn=nn.MSELoss(), optimizer=None, runtime="distributed")
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    return [pipe.train_step(x, y) for _ in range(3)][-1]
+
+
+def test_a_frozen_rank_is_blamed_not_the_neighbour_that_waited_for_it() -> None:
+    """Issue #16: the last of three stages is SIGSTOPped mid-step; rank 1 waits on it and rank 0 on
+    rank 1, and either may time out first. The launcher finds rank 2 stopped and names it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        stamp = os.path.join(tmp, "failed_at")
+        with pytest.raises(JobFailed) as info:
+            launch_local(train_until_stopped, 3, 2, 3, stamp, timeout=TIMEOUT, grace=GRACE)
+        took = time.time() - float(Path(stamp).read_text())
+    assert info.value.rank == 2 and "stopped" in info.value.cause, str(info.value)
+    assert took < BOUND + 2.0, f"the job took {took:.1f} s to end after the freeze (bound {BOUND + 2} s)"
+
+
+def test_root_cause_follows_the_chain_of_timeouts_to_the_silent_rank() -> None:
+    """Without a stopped process: rank 0 timed out on rank 1, which timed out on rank 2, which
+    reported nothing (stuck, then killed). Either order of the reports names rank 2."""
+    from gpipe_repro.distributed.launcher import _Exit, _root_cause
+    from gpipe_repro.distributed.watchdog import ErrorRecord
+
+    def lost(rank: int, peer: int, at: float) -> _Exit:
+        return _Exit(rank, 1, at, ErrorRecord(rank, "peer", f"PeerFailure: waited for {peer}", "", at, peer))
+
+    for t0, t1 in ((1.0, 2.0), (2.0, 1.0)):
+        assert _root_cause([lost(0, 1, t0), lost(1, 2, t1)], killed=[2]).rank == 2
+    assert _root_cause([lost(0, 1, 1.0)], killed=[1, 2], stopped=[2]).rank == 2
+
+
 def test_cli_exits_nonzero_names_the_rank_and_writes_no_results(tmp_path: Path) -> None:
     timeline = tmp_path / "timeline.json"
     cmd = [sys.executable, "-c", "from gpipe_repro.cli import main; main()", "pipeline",

@@ -5,6 +5,7 @@ import os
 import random
 import signal
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -145,3 +146,20 @@ def test_graceful_interrupt_first_sets_flag_second_aborts() -> None:
     with graceful_interrupt(signals=(signal.SIGTERM,)) as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.signal == signal.SIGTERM
+
+
+def test_resuming_with_other_replicas_is_refused_and_old_checkpoints_mean_one() -> None:
+    """R replicas of M micro-batches are R x M micro-batches: a different --replicas changes the run.
+    A checkpoint written before --replicas existed (no key) counts as one pipeline."""
+    from types import SimpleNamespace
+
+    from gpipe_repro.train.checkpoints import check_resumable
+    from gpipe_repro.train.config import RunConfig
+
+    task: Any = SimpleNamespace(config=lambda: {})
+    saved = RunConfig(steps=4, runtime="distributed").to_dict()
+    old = {k: v for k, v in saved.items() if k != "replicas"}
+    assert check_resumable({"run": old, "task": {}}, RunConfig(steps=4), task) == []
+    with pytest.raises(ValueError, match="replicas: saved 1, now 2"):
+        check_resumable({"run": saved, "task": {}}, RunConfig(steps=4, runtime="distributed", replicas=2),
+                        task)

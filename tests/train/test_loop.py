@@ -91,6 +91,29 @@ def test_distributed_run_trains_like_the_local_one_and_its_checkpoints_resume_lo
                                rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow   # four stage processes
+def test_replicas_train_like_one_pipeline_of_all_their_micro_batches(tmp_path: Path) -> None:
+    """Issue #13: K=2 x R=2 (4 processes, M=2 each) takes the same steps as one local pipeline with
+    the R x M = 4 micro-batches (replica r runs micro-batches r*M ..); rank 0 alone writes: one
+    metrics row per step, one checkpoint in the local format with every cell."""
+    local_run, task = tiny(tmp_path / "local", partitions=2, micro_batches=4, steps=2, eval_every=0)
+    local = train(AmoebaNetTask(task), local_run)
+    run = dataclasses.replace(local_run, out_dir=str(tmp_path / "dist"), runtime="distributed",
+                              replicas=2, micro_batches=2)
+    distributed = launch(functools.partial(AmoebaNetTask, task), run)
+    torch.testing.assert_close(torch.tensor(distributed.losses), torch.tensor(local.losses),
+                               rtol=1e-5, atol=1e-6)
+    assert any(k.startswith("memory/rank3_") for k in distributed.memory)
+    rows = read_metrics(tmp_path / "dist" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
+    ours = load_checkpoint(checkpoint_path(tmp_path / "dist" / "checkpoints", 2))["state"]["pipeline"]
+    theirs = load_checkpoint(checkpoint_path(tmp_path / "local" / "checkpoints", 2))["state"]["pipeline"]
+    assert ours["model"].keys() == theirs["model"].keys() and len(ours["optimizers"]) == 2
+    for key, value in theirs["model"].items():
+        if "running_" not in key:     # BatchNorm running statistics are per replica (replica 0's kept)
+            torch.testing.assert_close(ours["model"][key], value, rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- what a run writes
 
 def test_a_run_writes_metrics_wandb_offline_summary_and_curves(tmp_path: Path) -> None:
@@ -98,10 +121,10 @@ def test_a_run_writes_metrics_wandb_offline_summary_and_curves(tmp_path: Path) -
     summary = train(AmoebaNetTask(task), run)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     train_rows = [r for r in rows if "train/loss" in r]
-    assert [r["step"] for r in train_rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4]       # steps completed (loop.py: STEP NUMBERS)
     assert all(r["train/samples_per_s"] > 0 and r["train/lr"] > 0 for r in train_rows)
     sampled = [r for r in rows if "pipeline/stage0_busy" in r]
-    assert [r["step"] for r in sampled] == [0, 2]               # every timeline_every steps only
+    assert [r["step"] for r in sampled] == [1, 3]               # every timeline_every steps only
     for r in sampled:
         for s in (0, 1):
             assert 0 < r[f"pipeline/stage{s}_busy"] <= 1
@@ -109,7 +132,8 @@ def test_a_run_writes_metrics_wandb_offline_summary_and_curves(tmp_path: Path) -
         assert r["memory/cpu_peak_rss_mb"] > 0 and r["memory/cell0_state_mb"] > 0
         assert r["pipeline/bubble"] >= 0
     evals = [r for r in rows if "eval/top1" in r]
-    assert [r["step"] for r in evals] == [1, 3]
+    assert [r["step"] for r in evals] == [2, 4]                 # eval_every=2: after 2 and 4 steps
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt"))[-1] == "step-00000004.pt"
     assert 0 <= evals[-1]["eval/top1"] <= evals[-1]["eval/top5"] <= 100
 
     written = json.loads((tmp_path / "summary.json").read_text())
@@ -126,7 +150,7 @@ def test_a_run_writes_metrics_wandb_offline_summary_and_curves(tmp_path: Path) -
     # a finished run is replaced by a new one in the same directory (make train-amoebanet twice)
     again = train(AmoebaNetTask(task), dataclasses.replace(run, wandb="disabled", steps=2, eval_every=0))
     assert again.steps == 2
-    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [0, 1]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2]
 
 
 # ----------------------------------------------------------------------------- offline and errors

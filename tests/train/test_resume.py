@@ -91,7 +91,7 @@ def test_resume_after_a_crash_gives_identical_weights(tmp_path: Path,
     assert_same_training_state(final_state(tmp_path), final_state(reference[0]))
     # the metrics log holds each step once, as if the run had never stopped
     logged = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r]
-    assert logged == list(range(STEPS))
+    assert logged == list(range(1, STEPS + 1))                  # numbered by steps completed
 
 
 def test_ctrl_c_saves_and_exits_cleanly_then_resumes_identically(

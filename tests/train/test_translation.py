@@ -9,8 +9,11 @@ real data to work on in well under a second.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,6 +31,7 @@ from gpipe_repro.models.translation import (
 )
 from gpipe_repro.train.config import RunConfig
 from gpipe_repro.train.loop import train
+from gpipe_repro.train.ranks import launch
 from gpipe_repro.train.tasks.translation import (
     TokenNormalizedLoss,
     TranslationBatches,
@@ -36,12 +40,15 @@ from gpipe_repro.train.tasks.translation import (
     pipeline_batch,
 )
 from gpipe_repro.train.tasks.translation_eval import (
+    DistributedDecoder,
     EvalLanguage,
     LayerDecoder,
     PipelineDecoder,
+    StageDecoder,
     beam_search,
     bleu_by_language_and_group,
     corpus_bleu,
+    decoder_for,
     evenly_spaced,
     greedy_search,
 )
@@ -221,6 +228,89 @@ def test_cached_decoder_matches_the_full_prefix_and_greedy_and_beam_agree() -> N
     # Through a K=2 pipeline (the decoder for cells on several devices or processes): same output.
     pipe = GPipe(copy.deepcopy(layers), partitions=2, micro_batches=2).eval()
     assert torch.equal(greedy_search(PipelineDecoder(pipe), src, bos_id=2, eos_id=3, max_len=9), greedy)
+
+
+def test_cached_decoding_split_over_stages_equals_the_whole_model() -> None:
+    """What DistributedDecoder does on each rank, chained here in one process: the encoder state and
+    then each position's decoder state cross from cell to cell; the result equals the uncached
+    pipeline forward (the independent reference) for every split, greedy and beam."""
+    layers = [m.eval() for m in small_model(2, 32, 2, vocab=40)]
+    src = torch.randint(4, 40, (3, 7))
+    src[2, 3:] = 0
+
+    class Chain:                      # a Decoder over consecutive runs of layers
+        def __init__(self, cuts: list[int]) -> None:
+            bounds = [0, *cuts, len(layers)]
+            self.runs = [StageDecoder(layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+        def start(self, ids: torch.Tensor) -> list[torch.Tensor]:
+            carry, states = None, []
+            for run in self.runs:
+                carry, state = run.start_stage(ids, carry)
+                states.append(state)
+            self.sizes = [len(s) for s in states]
+            return [t for s in states for t in s]
+
+        def step(self, state: list[torch.Tensor], tokens: torch.Tensor
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            x, out, i = tokens, [], 0
+            for run, n in zip(self.runs, self.sizes):
+                x, s = run.step_stage(state[i:i + n], x)
+                out += s
+                i += n
+            return x, out
+
+    pipe = GPipe(copy.deepcopy(layers), partitions=3, micro_batches=2).eval()
+    reference = greedy_search(PipelineDecoder(pipe), src, bos_id=2, eos_id=3, max_len=9)
+    reference_beam = beam_search(PipelineDecoder(pipe), src, beam=3, bos_id=2, eos_id=3, max_len=9)
+    # cuts inside the encoder, at the encoder norm, inside the decoder, and cells with no decoder layer
+    for cuts in ([1], [3], [4, 5], [2, 4, 6], [1, 2, 3, 4, 5, 6]):
+        assert torch.equal(greedy_search(Chain(cuts), src, bos_id=2, eos_id=3, max_len=9), reference), cuts
+        assert torch.equal(beam_search(Chain(cuts), src, beam=3, bos_id=2, eos_id=3, max_len=9),
+                           reference_beam), cuts
+    with pytest.raises(ValueError, match="whole model"):
+        LayerDecoder(layers[:3])
+
+
+@pytest.mark.slow   # two stage processes (their imports dominate)
+def test_distributed_evaluation_decodes_with_the_cache_and_scores_as_the_local_one(
+        data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue #16: each stage process decodes its own cell with the key/value cache (DistributedDecoder,
+    checked above to equal the uncached reference split after split); BLEU per language and NLL equal
+    the local runtime's, and the evaluation announces itself before it starts."""
+    layers = small_model(1, 32, 2, vocab=40)
+    stage = SimpleNamespace(rank=1, replica=1, partitions=2, devices=[torch.device("cpu")] * 2,
+                            cells=[[], layers[3:]])
+    decoder = decoder_for(stage)
+    assert isinstance(decoder, DistributedDecoder) and decoder.offset == 2 and decoder.stage == 1
+
+    config = toy_config(data_dir, eval_sentences=6)
+    run = toy_run(tmp_path / "local", steps=3, micro_batches=2)
+    local = train(TranslationTask(config), run)
+    distributed = launch(functools.partial(TranslationTask, config),
+                         dataclasses.replace(run, out_dir=str(tmp_path / "dist"), runtime="distributed"))
+    assert distributed.eval.keys() == local.eval.keys()
+    for key, value in local.eval.items():
+        assert distributed.eval[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    assert "step 3: evaluating ..." in capsys.readouterr().out
+
+
+def test_a_batch_smaller_than_the_replicas_is_still_evaluated() -> None:
+    """With R replicas each takes a slice of a forward's batch; one sentence is repeated to R rows
+    and its own output kept (what a K x R translation run's NLL needs for a language's last batch)."""
+    from gpipe_repro.train.pipeline import pipelined_outputs
+
+    class TwoReplicas(torch.nn.Module):
+        replicas = 2
+
+        def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            assert x[0].shape[0] >= 2, "each replica needs a row"
+            return x[0].float() * 10 + x[1].float()
+
+    batches = [(torch.tensor([[1]]), torch.tensor([[2]])),
+               (torch.tensor([[1], [3]]), torch.tensor([[2], [4]]))]
+    outs = list(pipelined_outputs(TwoReplicas(), iter(batches)))  # type: ignore[arg-type]
+    assert [o.tolist() for o in outs] == [[[12.0]], [[12.0], [34.0]]]
 
 
 # --------------------------------------------------------------------------------------- BLEU

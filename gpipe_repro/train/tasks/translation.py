@@ -25,9 +25,10 @@ What the loop gets from here:
   tied weights must live in one cell (tie them only with K=1). The paper's two trainability fixes
   are options: `scale_ff_init` (feed-forward init divided by L) and `logit_clip`.
 - **Evaluation.** Token NLL (no smoothing) of a pipelined teacher-forced forward, and BLEU of greedy
-  (or beam) translations: per language, pooled per resource group (high / low: the median
-  training-set size of the languages used splits them, `language_sampling.resource_groups`), and
-  pooled over everything (see `gpipe_repro/train/tasks/translation_eval.py`).
+  (or beam) translations, decoded with a key/value cache under either runtime: per language,
+  pooled per resource group (high / low: the median training-set size of the languages used splits
+  them, `language_sampling.resource_groups`), and pooled over everything (see
+  `gpipe_repro/train/tasks/translation_eval.py`).
 """
 from __future__ import annotations
 

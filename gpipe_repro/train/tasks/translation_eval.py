@@ -8,15 +8,20 @@ with one sentence; pooling the n-gram statistics of every sentence of a group in
 per-language scores. Both are reported: pooled per group, and the per-language scores (with their
 sentence counts) for the plot against training-set size.
 
-Why decoding mostly bypasses the pipeline. Decoding is autoregressive: the encoder once, then the
-decoder once per target position on a small batch. A pipeline only pays off on large batches of
-independent work, so when one process holds every cell on one device, `LayerDecoder` decodes on the
-very layer objects the pipeline trains, with a key/value cache (the encoder once, one position per
-step; without the cache decoding cost grows with the square of the length and took longer than
-training in our CPU runs). Otherwise (cells on several devices, or one process per cell)
-`PipelineDecoder` runs each step as a pipelined forward of (source, whole prefix): slower, but it
-needs no single device holding the whole model. Teacher-forced NLL, one big batch, always goes
-through the pipelined forward.
+Why decoding uses a key/value cache, in both runtimes. Decoding is autoregressive: the encoder once,
+then the decoder once per target position on a small batch. Without a cache each step recomputes the
+whole prefix, so the cost grows with the square of the length (it took longer than training in our CPU
+runs, and 15x longer than the cached decoder under the distributed runtime: issue #16). So every
+decoder here caches: `StageDecoder` decodes one position at a time on a run of consecutive layers,
+keeping the keys and values of its decoder layers. When one process holds every cell on one device,
+`LayerDecoder` is that on the pipeline's own layer objects; when each cell is its own process
+(`--runtime distributed`), `DistributedDecoder` runs it on each rank's cell and passes the new
+position's state from stage to stage (the same arithmetic, so the same hypotheses and BLEU as the
+local runtime). Only cells on several devices of one process (the local runtime on GPUs) decode
+through the pipeline's forward (`PipelineDecoder`, no cache), which is also the cached decoders'
+independent reference in the tests. Teacher-forced NLL, one big batch, always goes through the
+pipelined forward. The greedy and beam loops (`greedy_search`, `beam_search`) are written once,
+against the `Decoder` protocol.
 
 References are the corpus's raw English sentences (not the detokenized pieces), scored with
 sacrebleu's default 13a tokenization.
@@ -34,7 +39,13 @@ from torch import nn
 
 from gpipe_repro.data.language_sampling import TokenizedLanguage, TranslationBatch, eval_batches
 from gpipe_repro.models.transformer_lm import MultiHeadAttention, sinusoidal_positions
-from gpipe_repro.models.translation import DecoderLayer, OutputProjection, TranslationEmbedding, encode
+from gpipe_repro.models.translation import (
+    DecoderLayer,
+    EncoderLayer,
+    EncoderNorm,
+    OutputProjection,
+    TranslationEmbedding,
+)
 
 # Decoding stops at this many target pieces beyond the source length (or at eos, or at max_len).
 LENGTH_SLACK = 10
@@ -63,38 +74,71 @@ def _merge(attn: MultiHeadAttention, y: torch.Tensor) -> torch.Tensor:
     return attn.out(y.transpose(1, 2).reshape(n, t, attn.num_heads * attn.head_dim))
 
 
-class LayerDecoder:
-    """Incremental decoding on a plain layer list (one device), with a key/value cache.
+class StageDecoder:
+    """Cached incremental decoding on a run of consecutive layers of ``translation_transformer()``
+    (the whole model, or one pipeline stage's cell).
 
-    The encoder runs once; each decoder layer keeps the keys and values of every earlier target
-    position (self-attention) and of the encoder output (cross-attention), so a step costs one
-    position instead of the whole prefix. It is `DecoderLayer.decode` unrolled one position at a
-    time (eval mode: no dropout); tests/train/test_translation.py checks that its logits equal
-    `decode_logits` on the full prefix.
+    The encoder runs once (:meth:`start`); each decoder layer of the run keeps the keys and values of
+    every earlier target position (self-attention) and of the encoder output (cross-attention), so a
+    step (:meth:`step`) costs one position instead of the whole prefix. It is ``DecoderLayer.decode``
+    unrolled one position at a time (eval mode: no dropout). What crosses from one run to the next is
+    what the pipeline's boundary carries, reduced to decoding: at the start (encoder state, source
+    mask), at each step the decoder state of the new position (N, 1, d). The first run takes the
+    source ids and the last tokens; the last run returns the logits (N, vocab).
     """
 
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         self.layers = list(layers)
-        self.embedding = next(m for m in self.layers if isinstance(m, TranslationEmbedding))
+        self.embedding = next((m for m in self.layers if isinstance(m, TranslationEmbedding)), None)
+        self.encoders = [m for m in self.layers if isinstance(m, EncoderLayer)]
+        self.norm = next((m for m in self.layers if isinstance(m, EncoderNorm)), None)
         self.decoders = [m for m in self.layers if isinstance(m, DecoderLayer)]
-        self.output = next(m for m in self.layers if isinstance(m, OutputProjection))
+        self.output = next((m for m in self.layers if isinstance(m, OutputProjection)), None)
+        self.position = 0    # target positions decoded since the last start (every run agrees)
 
-    def start(self, src_ids: torch.Tensor) -> State:
-        enc, src_mask = encode(self.layers, src_ids)
+    @property
+    def is_first(self) -> bool:
+        """Whether this run holds the embedding (it takes ids, not a boundary)."""
+        return self.embedding is not None
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this run holds the output projection (it returns logits)."""
+        return self.output is not None
+
+    def start_stage(self, src_ids: torch.Tensor, carry: tuple[torch.Tensor, torch.Tensor] | None
+                    ) -> tuple[tuple[torch.Tensor, torch.Tensor], State]:
+        """Encode: ((encoder state, src_mask) for the next run, this run's initial state). The first
+        run embeds `src_ids`; the others continue from the previous run's `carry`."""
+        if self.embedding is not None:
+            enc, src_mask = self.embedding.embed_source(src_ids)
+        elif carry is None:
+            raise ValueError("this run of layers has no embedding: pass the previous run's carry")
+        else:
+            enc, src_mask = carry
+        for encoder in self.encoders:
+            enc = encoder.encode(enc, src_mask)
+        if self.norm is not None:
+            enc = self.norm.ln(enc)
         state: State = [src_mask]
         for layer in self.decoders:
             attn = layer.cross_attn
             k, v = (_heads(attn, t) for t in attn.kv(enc).chunk(2, dim=-1))
             empty = k.new_zeros(k.shape[0], layer.self_attn.num_heads, 0, layer.self_attn.head_dim)
             state += [k, v, empty, empty]
-        return state
+        self.position = 0
+        return (enc, src_mask), state
 
-    def step(self, state: State, tokens: torch.Tensor) -> tuple[torch.Tensor, State]:
+    def step_stage(self, state: State, x: torch.Tensor) -> tuple[torch.Tensor, State]:
+        """One target position: `x` is the last tokens (N,) for the first run, else the previous
+        run's output (N, 1, d); returns (logits (N, vocab) for the last run, else (N, 1, d); state)."""
         src_mask, caches = state[0], state[1:]
-        position = caches[2].shape[2]
-        emb = self.embedding
-        x = emb.embed(tokens[:, None]) * emb.scale
-        x = x + sinusoidal_positions(position + 1, x.shape[-1], x.device, x.dtype)[position]
+        position = self.position
+        self.position += 1
+        if self.embedding is not None:
+            emb = self.embedding
+            x = emb.embed(x[:, None]) * emb.scale
+            x = x + sinusoidal_positions(position + 1, x.shape[-1], x.device, x.dtype)[position]
         key_mask = src_mask[:, None, None, :]
         new_state: State = [src_mask]
         for i, layer in enumerate(self.decoders):
@@ -111,13 +155,113 @@ class LayerDecoder:
             x = x + _merge(attn, y)
             x = x + layer.ff(layer.ln_ff(x))
             new_state += [cross_k, cross_v, self_k, self_v]
-        return self.output.logits(x)[:, -1], new_state
+        if self.output is not None:
+            return self.output.logits(x)[:, -1], new_state
+        return x, new_state
+
+
+class LayerDecoder(StageDecoder):
+    """Cached decoding on the whole layer list in one process (a :class:`Decoder`);
+    tests/train/test_translation.py checks that its logits equal `decode_logits` on the full prefix."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        super().__init__(layers)
+        if not (self.is_first and self.is_last):
+            raise ValueError("LayerDecoder needs the whole model (embedding to output projection); "
+                             "for one stage's cell use StageDecoder")
+
+    def start(self, src_ids: torch.Tensor) -> State:
+        return self.start_stage(src_ids, None)[1]
+
+    def step(self, state: State, tokens: torch.Tensor) -> tuple[torch.Tensor, State]:
+        return self.step_stage(state, tokens)
+
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.bool)
+_HEADER = 8          # dtype index, number of dimensions, up to 6 sizes
+_DECODE_TAG = 1 << 28   # above every tag the pipeline transport uses (no step is in flight anyway)
+
+
+class DistributedDecoder:
+    """Cached decoding when each stage of the pipeline is its own process (``--runtime distributed``):
+    a :class:`Decoder` that every rank of one pipeline runs in step (SPMD, as the run loop is).
+
+    Each rank decodes with a :class:`StageDecoder` on its own cell, holding the key/value caches of
+    its own decoder layers; at the start the encoder state and source mask go from stage to stage
+    once, at every step the new position's decoder state (N, 1, d) does, and the last stage sends
+    the logits to every other stage of its pipeline, so every rank takes the same greedy or beam
+    decision. Messages are point-to-point on the CPU control group (gloo), each preceded by a small
+    header (dtype and shape), so no rank needs to know the others' shapes; they time out like the
+    pipeline's own messages (the job's `--timeout`). With replicas every pipeline decodes the whole
+    evaluation sample (the same result on each).
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], *, stage: int, stages: int, rank_offset: int,
+                 device: torch.device) -> None:
+        self.stage_decoder = StageDecoder(layers)
+        self.stage, self.stages, self.offset, self.device = stage, stages, rank_offset, device
+
+    @property
+    def group(self) -> Any:
+        """The job's CPU control group (gloo)."""
+        from gpipe_repro.distributed.process_group import control_group
+        return control_group()
+
+    def _send(self, tensors: Sequence[torch.Tensor], stage: int) -> None:
+        import torch.distributed as dist
+        for t in tensors:
+            if t.dim() > _HEADER - 2:
+                raise ValueError(f"cannot send a {t.dim()}-dimensional tensor while decoding")
+            header = torch.zeros(_HEADER, dtype=torch.int64)
+            header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
+            header[2: 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+            dist.send(header, self.offset + stage, group=self.group, tag=_DECODE_TAG)
+            payload = t.detach().cpu().contiguous()
+            if payload.dtype == torch.bool:
+                payload = payload.to(torch.uint8)
+            dist.send(payload, self.offset + stage, group=self.group, tag=_DECODE_TAG + 1)
+
+    def _recv(self, count: int, stage: int) -> list[torch.Tensor]:
+        import torch.distributed as dist
+        out = []
+        for _ in range(count):
+            header = torch.empty(_HEADER, dtype=torch.int64)
+            dist.recv(header, self.offset + stage, group=self.group, tag=_DECODE_TAG)
+            dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+            shape = [int(n) for n in header[2: 2 + ndim]]
+            payload = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype)
+            dist.recv(payload, self.offset + stage, group=self.group, tag=_DECODE_TAG + 1)
+            out.append(payload.to(device=self.device, dtype=dtype))
+        return out
+
+    def start(self, src_ids: torch.Tensor) -> State:
+        """Encode through every stage in turn; this rank's initial state."""
+        carry = None
+        if self.stage > 0:
+            enc, src_mask = self._recv(2, self.stage - 1)
+            carry = (enc, src_mask)
+        (enc, src_mask), state = self.stage_decoder.start_stage(src_ids.to(self.device), carry)
+        if self.stage < self.stages - 1:
+            self._send([enc, src_mask], self.stage + 1)
+        return state
+
+    def step(self, state: State, tokens: torch.Tensor) -> tuple[torch.Tensor, State]:
+        """One position through every stage in turn; the last stage's logits on every rank."""
+        last = self.stages - 1
+        x = tokens.to(self.device) if self.stage == 0 else self._recv(1, self.stage - 1)[0]
+        y, state = self.stage_decoder.step_stage(state, x)
+        if self.stage < last:
+            self._send([y], self.stage + 1)
+            return self._recv(1, last)[0], state
+        for other in range(last):
+            self._send([y], other)
+        return y, state
 
 
 class PipelineDecoder:
     """Decode through a pipeline's forward (any K, any devices, either runtime): every step is a
-    pipelined forward of (source, whole prefix); slower than LayerDecoder, but it needs no single
-    device holding the whole model."""
+    pipelined forward of (source, whole prefix), no cache. Slower than the cached decoders (its cost
+    grows with the square of the length); kept as their independent reference in the tests."""
 
     def __init__(self, pipe: Any) -> None:
         self.pipe = pipe
@@ -132,9 +276,15 @@ class PipelineDecoder:
 
 
 def decoder_for(pipe: Any) -> Decoder:
-    """LayerDecoder on the pipeline's own layer objects when one process holds every cell on one
-    device; PipelineDecoder otherwise (cells on several devices, or one process per cell)."""
-    if getattr(pipe, "rank", None) is None and len({str(d) for d in pipe.devices}) <= 1:
+    """The cached decoder for a pipeline: :class:`LayerDecoder` on the pipeline's own layer objects
+    when one process holds every cell on one device, :class:`DistributedDecoder` on this rank's cell
+    when each stage is a process (``runtime="distributed"``). Cells on several devices of one process
+    (the local runtime on GPUs) decode through the pipeline (:class:`PipelineDecoder`)."""
+    if getattr(pipe, "rank", None) is not None:
+        return DistributedDecoder(list(pipe.cells[pipe.rank]), stage=pipe.rank, stages=pipe.partitions,
+                                  rank_offset=pipe.replica * pipe.partitions,
+                                  device=pipe.devices[pipe.rank])
+    if len({str(d) for d in pipe.devices}) <= 1:
         return LayerDecoder([layer for cell in pipe.cells for layer in cell])
     return PipelineDecoder(pipe)
 
