@@ -35,7 +35,7 @@ class RunConfig:
     micro_batches: int = 32             # M
     batch_size: int = 64                # N, examples per mini-batch (one synchronous update)
     checkpoint: str = "except_last"     # re-materialization: "always" | "except_last" | "never"
-    schedule: str = "gpipe"             # "gpipe" | "1f1b"
+    schedule: str = "gpipe"             # one of engine.schedule.SCHEDULES
     balance: list[int] | None = None    # layers per cell; None -> the partitioner
     partition_cost: str = "params"      # per-layer cost the partitioner balances
     objective: str = "bottleneck"       # partitioner objective
@@ -77,6 +77,10 @@ class RunConfig:
              f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}"),
             (self.schedule in SCHEDULES,
              f"schedule must be one of {sorted(SCHEDULES)}, got {self.schedule!r}"),
+            (not (self.schedule == "interleaved" and self.runtime == "distributed"),
+             "--schedule interleaved with --runtime distributed: the training commands start one process "
+             "per stage and gather checkpoints that way, while interleaved runs two stages per process; "
+             "use interleaved with the local runtime here, or through the GPipe API (runtime='distributed')"),
             (self.partition_cost in PARTITION_COSTS,
              f"partition_cost must be one of {PARTITION_COSTS}, got {self.partition_cost!r}"),
             (self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}, got {self.objective!r}"),

@@ -214,6 +214,8 @@ def test_bad_settings_fail_with_what_to_change(tmp_path: Path) -> None:
         RunConfig(steps=1, batch_size=8, micro_batches=16)
     with pytest.raises(ValueError, match="steps or epochs"):
         RunConfig()
+    with pytest.raises(ValueError, match="interleaved with the local runtime here"):
+        RunConfig(steps=1, schedule="interleaved", runtime="distributed")
     run, task = tiny(tmp_path, runtime="distributed", launcher="torchrun")
     with pytest.raises(RuntimeError, match="start the job with torchrun"):
         launch(functools.partial(AmoebaNetTask, task), run)
