@@ -194,8 +194,20 @@ def test_the_throughput_table_end_to_end_on_synthetic_costs(monkeypatch: pytest.
     monkeypatch.setattr(rows, "calibrate", fake_calibrate)
     monkeypatch.setattr(measure, "usable_cores", lambda: 2)
     monkeypatch.setattr(settings, "usable_cores", lambda: 2)
+    # The schedule ablation plans the paper-size models (minutes); its rows are tested at toy scale
+    # in tests/repro/test_throughput_schedules.py. Here: that the sweep runs it and the page shows it.
+    ablated: list[str] = []
+
+    def fake_schedule_rows(model: str, *args: Any, **kw: Any) -> list[dict[str, Any]]:
+        ablated.append(model)
+        return [{"workload": model, "costs": "flop model", "micro_batches": 8, "schedule": "1f1b",
+                 "devices": 8, "cells": 8, "throughput": 1.0, "bubble": 0.5, "max_peak_bytes": 1 << 30,
+                 "max_activation_peak_bytes": 1 << 29}]
+    monkeypatch.setattr(table, "schedule_ablation_rows", fake_schedule_rows)
     settings = tp.SweepSettings(link="ideal", measure=True)
     payload = tp.run_throughput_table(settings, measure=fake_measure)
+    assert sorted(ablated) == ["amoebanet", "transformer"]
+    assert set(payload["schedule_ablation"]) == set(ablated)
     t2 = {(r["K"], r["M"]): r for r in payload["table2"]["transformer"]}
     assert t2[(2, 1)]["simulated"]["normalized"] == 1.0
     # Normalized = (N / step) over the K=2, M=1 row's; the micro-batch stays 4, so N = 4 M.
@@ -213,6 +225,7 @@ def test_the_throughput_table_end_to_end_on_synthetic_costs(monkeypatch: pytest.
     md = (tmp_path / "throughput_table.md").read_text()
     assert "measured 1.00" in md and "paper 6.30" in md and "torchgpipe 4.95" in md
     assert "`bottleneck`" in md and "policy `micro`" in md
+    assert "throughput beside memory at K=8" in md
 
 
 # ----------------------------------------------------------------------------- your own model
