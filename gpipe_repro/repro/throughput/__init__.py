@@ -72,6 +72,7 @@ from gpipe_repro.repro.throughput.targets import CLAIMS, check_claims, table2_pa
 from gpipe_repro.repro.throughput.validation import (
     VALIDATION_CHECKPOINTS,
     VALIDATION_MS,
+    VALIDATION_SCHEDULES,
     VALIDATION_TARGETS,
     validate_simulator,
     validation_ks,
@@ -96,7 +97,8 @@ __all__ = [
     "MODELS", "POLICIES", "SweepSettings",
     "calibration_summary", "mini_variant", "plan_steps", "run_throughput_table",
     "CLAIMS", "check_claims", "table2_paper", "table2_peer", "table3_paper",
-    "VALIDATION_CHECKPOINTS", "VALIDATION_MS", "VALIDATION_TARGETS", "validate_simulator", "validation_ks",
+    "VALIDATION_CHECKPOINTS", "VALIDATION_MS", "VALIDATION_SCHEDULES", "VALIDATION_TARGETS",
+    "validate_simulator", "validation_ks",
     "PAPER_MICROBATCH", "PAPER_TABLE3_WORKLOADS", "PAPER_WORKLOADS", "SCALED_MICROBATCH",
     "SCALED_TABLE3_WORKLOADS", "SCALED_WORKLOADS",
     "Platform", "platform_for", "host_idle_fraction", "usable_cores", "wait_for_idle",

@@ -342,7 +342,7 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
         return {"idle_fraction_before": r["host_idle_before"],
                 "load_average_before": (r.get("load_average") or [None])[0]}
 
-    body = [[r["model"], r["K"], r["M"], r["checkpoint"],
+    body = [[r["model"], r["K"], r["M"], r["checkpoint"], r.get("schedule", "gpipe"),
              _num(r["measured_throughput"], 2) + busy_note(host(r)),
              _num(r["simulated_throughput"], 2), pct(r["relative_error"]),
              pct(r.get("replay_error")),
@@ -358,6 +358,13 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
                  f"(pipeline model alone, cost model excluded): median "
                  f"{summary['replay_median_abs_error'] * 100:.1f}%, worst "
                  f"{summary['replay_max_abs_error'] * 100:.1f}%.")
+    per = summary.get("per_schedule") or {}
+    if len(per) > 1:
+        head += " Per schedule: " + "; ".join(
+            f"`{name}` median {p['median_abs_error'] * 100:.1f}%, worst {p['max_abs_error'] * 100:.1f}% "
+            f"({'met' if p['met'] else 'NOT met'})" for name, p in per.items()) + "."
+    for name, why in (summary.get("not_validated") or {}).items():
+        head += f" `{name}` is not validated: {why}."
     if summary.get("load_average"):
         lo, hi = summary["load_average"]
         head += (f" Host load average during the measurements: {lo:.1f} to {hi:.1f} on "
@@ -365,6 +372,6 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
                                                "which a cost calibrated at another moment cannot "
                                                "see." if hi > usable_cores() * 0.75 else "."))
     return head + "\n\n" + markdown_table(
-        ["model", "K", "M", "checkpoint", "measured samples/s", "simulated samples/s", "error",
+        ["model", "K", "M", "checkpoint", "schedule", "measured samples/s", "simulated samples/s", "error",
          "replay error", "host idle before", "load"], body)
 
