@@ -6,7 +6,8 @@ with and without re-materialization, and for every schedule asked for (those tha
 1. cut the layers with the partitioner's bottleneck objective on compute time (FLOPs / device rate,
    a re-materialized forward counted twice), *capped* by the per-layer memory estimate
    (``partition(..., memory=..., memory_cap=...)``); if the exact plan of that cut still overflows,
-   lower the cap by the overshoot and cut again (a few times);
+   lower the cap by the overshoot and cut again (a few times); if no cut meets the cap at all (the
+   estimate holds every micro-batch, as fill-drain does), cut on time alone and let the plan decide;
 2. plan its memory exactly (:class:`~gpipe_repro.memory.planner.MemoryPlanner`);
 3. if it fits, simulate one step (:func:`gpipe_repro.sim.simulator.simulate`: the schedule's actions
    with per-stage compute times and the link model) for its throughput.
@@ -133,8 +134,13 @@ def evaluate(planner: MemoryPlanner, partitions: int, micro_batches: int, checkp
             balance = (partition(work, cells, "bottleneck", memory=memory, memory_cap=cap)
                        if cells > 1 else [planner.num_layers])
         except ValueError as e:
-            cand.note = str(e)
-            break
+            if plan is not None:
+                cand.note = str(e)
+                break
+            # The per-layer estimate holds every micro-batch (fill-drain's worst case), so it can
+            # rule out a cut that 1F1B, ZB-H1 or interleaved fit: cut on time alone and let the
+            # exact plan decide.
+            balance = partition(work, cells, "bottleneck")
         plan = planner.plan(cells, micro_batches, checkpoint, balance=balance, schedule=schedule)
         cand.balance, cand.plan = balance, plan
         cand.max_peak = max(_device_peaks(plan, partitions))
