@@ -6,8 +6,10 @@
 
 ``fit`` answers "does this model fit on K devices of X GiB with M micro-batches, and what is each
 device's peak?", and when it does not, says why and what would fit (re-materialization, more
-micro-batches, more devices). ``plan`` chooses K, M and the memory-capped partition that maximize
-simulated throughput under the budget. Model options are those of ``gpipe-repro models`` (any
+micro-batches, more devices). ``plan`` chooses K, M, the schedule (``--schedules``, default every
+one that applies: gpipe, 1f1b, interleaved, zb-h1) and the memory-capped partition that maximize
+simulated throughput under the budget, and says why each other schedule lost. Model options are
+those of ``gpipe-repro models`` (any
 builder keyword, e.g. ``--L 24 --d-model 1024``), plus ``--seq-len`` (language models) and
 ``--image-size`` (AmoebaNet). Models are built on the meta device and measured on fake tensors:
 nothing is allocated, whatever the size. All numbers are simulated by the memory planner.
@@ -159,13 +161,16 @@ def register(app: typer.Typer) -> None:
                                               "powers of two up to the batch)"),
              attention: str = typer.Option("fused", "--attention", help="fused | math"),
              top: int = typer.Option(8, "--top", help="candidates to show"),
+             schedules: Optional[str] = typer.Option(
+                 None, "--schedules", help="schedules to choose from, e.g. gpipe,1f1b (default: "
+                 "gpipe,1f1b,interleaved,zb-h1, each where it applies)"),
              out: Optional[Path] = typer.Option(None, "--out", help="also write the choice here (JSON)"),
              micro_batches: Optional[str] = alias("--micro-batches", "-M"),
              batch: Optional[int] = alias("--batch"),
              json_out: Optional[Path] = alias("--json"),
              ) -> None:
-        """Choose K, M and the partition that maximize simulated throughput within --memory GiB.
-        Exit code 0 if a configuration fits, 1 if none does."""
+        """Choose K, M, the schedule and the partition that maximize simulated throughput within
+        --memory GiB. Exit code 0 if a configuration fits, 1 if none does."""
         micro_batches = resolve("--m", m, micro_batches, "--micro-batches")
         batch = resolve("--batch-size", batch_size, batch, "--batch")
         json_out = resolve("--out", out, json_out, "--json")
@@ -181,25 +186,33 @@ def register(app: typer.Typer) -> None:
                                      f"{micro_batches!r}") from e
         if ms is not None and min(ms) < 1:
             raise typer.BadParameter(f"--m candidates must be >= 1, got {micro_batches}")
+        from gpipe_repro.engine.schedule import SCHEDULES
+        names = ([x.strip() for x in schedules.split(",") if x.strip()] if schedules is not None
+                 else ["gpipe", "1f1b", "interleaved", "zb-h1"])
+        unknown = [x for x in names if x not in SCHEDULES]
+        if unknown or not names:
+            raise typer.BadParameter(f"--schedules takes names from {','.join(sorted(SCHEDULES))} "
+                                     f"separated by commas, got {schedules!r}")
         from rich.console import Console
         from rich.table import Table
 
         from gpipe_repro.memory.advice import what_would_fit, why
-        from gpipe_repro.memory.autoplan import search
+        from gpipe_repro.memory.autoplan import schedule_verdict, search
         from gpipe_repro.memory.planner import GiB
         from gpipe_repro.sim.links import get_link
         work, planner = _planner(family, batch, list(ctx.args), attention)
         budget = memory * GiB
-        cands = search(planner, devices, budget, get_link(link), tflops * 1e12, ms)
+        cands = search(planner, devices, budget, get_link(link), tflops * 1e12, ms, schedules=names)
         console = Console()
         console.print(f"{work.describe()}: {planner.parameters:,} parameters, "
                       f"{planner.num_layers} layers; {devices} devices of {memory:g} GiB, "
                       f"{tflops:g} TFLOP/s, link {link} (simulated)", soft_wrap=True)
-        table = Table("K", "M", "checkpoint", "fits", "peak GiB", "samples/s", "bubble", "balance",
-                      title="fastest configurations that fit")
+        table = Table("K", "M", "schedule", "checkpoint", "fits", "peak GiB", "samples/s", "bubble",
+                      "balance", title="fastest configurations that fit",
+                      caption="interleaved: 2 cells per device, peak = the sum of their peaks")
         for c in cands[:top]:
             cuts = ",".join(map(str, c.balance)) if len(c.balance) <= 8 else f"{len(c.balance)} cells"
-            table.add_row(str(c.partitions), str(c.micro_batches), c.checkpoint,
+            table.add_row(str(c.partitions), str(c.micro_batches), c.schedule, c.checkpoint,
                           "yes" if c.fits else "no", f"{c.max_peak / GiB:.2f}" if c.max_peak else "-",
                           f"{c.throughput:.1f}" if c.fits else "-",
                           f"{c.bubble:.2f}" if c.fits else "-", cuts)
@@ -207,13 +220,18 @@ def register(app: typer.Typer) -> None:
         best = cands[0] if cands and cands[0].fits else None
         if best is not None:
             console.print(f"[green]choose[/green] K={best.partitions}, M={best.micro_batches}, "
-                          f"checkpoint={best.checkpoint}, balance={best.balance}: "
-                          f"{best.throughput:.1f} samples/s, largest device peak "
-                          f"{best.max_peak / GiB:.2f} GiB")
-        else:
+                          f"schedule={best.schedule}, checkpoint={best.checkpoint}, "
+                          f"balance={best.balance}: {best.throughput:.1f} samples/s, largest device "
+                          f"peak {best.max_peak / GiB:.2f} GiB", soft_wrap=True)
+        verdict = schedule_verdict(cands, names, budget)
+        if len(names) > 1:
+            console.print("schedules (best fitting configuration of each):")
+            for line in verdict:
+                console.print(f"  - {line}", soft_wrap=True)
+        if best is None:
             console.print(f"[red]nothing fits[/red] on up to {devices} devices of {memory:g} GiB.")
-            closest = min((c for c in cands if c.plan is not None), key=lambda c: c.max_peak,
-                          default=None)
+            closest = min((c for c in cands if c.plan is not None and c.schedule != "interleaved"),
+                          key=lambda c: c.max_peak, default=None)
             if closest is not None and closest.plan is not None:
                 console.print(f"closest: K={closest.partitions}, M={closest.micro_batches}, "
                               f"checkpoint={closest.checkpoint}: {why(closest.plan, budget)}")
@@ -223,13 +241,14 @@ def register(app: typer.Typer) -> None:
         if json_out:
             json_out.write_text(json.dumps({
                 "model": work.describe(), "budget_gib": memory, "devices": devices, "link": link,
-                "tflops": tflops, "method": "simulated",
+                "tflops": tflops, "method": "simulated", "schedules": names,
+                "schedule_verdict": verdict,
                 "choice": None if best is None else {
                     "partitions": best.partitions, "micro_batches": best.micro_batches,
-                    "checkpoint": best.checkpoint, "balance": best.balance,
+                    "schedule": best.schedule, "checkpoint": best.checkpoint, "balance": best.balance,
                     "throughput": best.throughput, "max_peak_bytes": best.max_peak},
                 "candidates": [{"partitions": c.partitions, "micro_batches": c.micro_batches,
-                                "checkpoint": c.checkpoint, "fits": c.fits,
+                                "schedule": c.schedule, "checkpoint": c.checkpoint, "fits": c.fits,
                                 "max_peak_bytes": c.max_peak, "throughput": c.throughput,
                                 "note": c.note} for c in cands]}, indent=2))
         if best is None:

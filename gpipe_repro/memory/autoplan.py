@@ -1,15 +1,19 @@
 """Choosing K, M and the partition: the fastest configuration that fits a per-device budget.
 
 For every K (powers of two up to the devices available) and M (powers of two up to the batch),
-with and without re-materialization:
+with and without re-materialization, and for every schedule asked for (those that apply to K, M):
 
 1. cut the layers with the partitioner's bottleneck objective on compute time (FLOPs / device rate,
    a re-materialized forward counted twice), *capped* by the per-layer memory estimate
    (``partition(..., memory=..., memory_cap=...)``); if the exact plan of that cut still overflows,
-   lower the cap by the overshoot and cut again (a few times);
+   lower the cap by the overshoot and cut again (a few times); if no cut meets the cap at all (the
+   estimate holds every micro-batch, as fill-drain does), cut on time alone and let the plan decide;
 2. plan its memory exactly (:class:`~gpipe_repro.memory.planner.MemoryPlanner`);
 3. if it fits, simulate one step (:func:`gpipe_repro.sim.simulator.simulate`: the schedule's actions
    with per-stage compute times and the link model) for its throughput.
+
+Interleaved 1F1B cuts 2K cells, two per device (cell c on device c mod K); a device's peak is the
+sum of its two cells' peaks (an upper bound, as in :mod:`gpipe_repro.memory.schedule_ablation`).
 
 The answer is the fitting configuration with the highest simulated throughput. All numbers are
 simulated; the time model is compute-bound (FLOPs at a fixed rate), so it ranks configurations by
@@ -21,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpipe_repro.engine.partition import partition
-from gpipe_repro.engine.schedule import make_schedule
+from gpipe_repro.engine.schedule import SCHEDULES, make_schedule
 from gpipe_repro.memory.compose import boundary_bytes, boundary_grad_bytes
 from gpipe_repro.memory.planner import MemoryPlan, MemoryPlanner
 from gpipe_repro.sim.links import LinkModel
@@ -79,36 +83,74 @@ def _costs(planner: MemoryPlanner, balance: Sequence[int], micro_batches: int,
     return PipelineCosts(fwd, fwd, fwd, bwd, opt, sent, back, backward_input=bwd_input)
 
 
+def not_applicable(schedule: str, partitions: int, micro_batches: int, num_layers: int) -> str:
+    """Why `schedule` cannot serve K=`partitions`, M=`micro_batches` on `num_layers` layers ("" if it
+    can). On one device every schedule runs gpipe's actions, so only gpipe is a candidate there."""
+    if schedule not in SCHEDULES:
+        return f"unknown schedule {schedule!r} (choose from {', '.join(sorted(SCHEDULES))})"
+    if partitions == 1 and schedule != "gpipe":
+        return "on one device every schedule is gpipe's"
+    if schedule == "interleaved":
+        if micro_batches % partitions:
+            return f"M={micro_batches} is not a multiple of K={partitions}"
+        if 2 * partitions > num_layers:
+            return f"2K={2 * partitions} cells but only {num_layers} layers"
+    return ""
+
+
+def _skip(schedule: str, partitions: int, micro_batches: int, num_layers: int, *, several: bool) -> bool:
+    why = not_applicable(schedule, partitions, micro_batches, num_layers)
+    # Asked for one schedule only, K=1 is still a candidate (it runs gpipe's actions under its name).
+    return bool(why) and (several or partitions > 1 or schedule == "interleaved")
+
+
+def _device_peaks(plan: MemoryPlan, devices: int) -> list[int]:
+    """Each device's peak: a cell per device, or (interleaved) the sum of its cells' peaks."""
+    peaks = [0] * devices
+    for s in plan.stages:
+        peaks[s.stage % devices] += s.peak
+    return peaks
+
+
 def evaluate(planner: MemoryPlanner, partitions: int, micro_batches: int, checkpoint: str,
              budget: float, link: LinkModel, flops_per_second: float, schedule: str = "gpipe",
              attempts: int = 4) -> Candidate:
-    """One (K, M, checkpoint): a memory-capped cut, its plan and, if it fits, its throughput."""
+    """One (K, M, checkpoint, schedule): a memory-capped cut, its plan and, if it fits, its
+    throughput. Interleaved cuts 2K cells and a device's peak is the sum of its two cells' peaks."""
     cand = Candidate(partitions, micro_batches, checkpoint, schedule=schedule)
-    if partitions > planner.num_layers or micro_batches > planner.batch:
-        cand.note = "more devices than layers" if partitions > planner.num_layers else "M > batch"
+    cells = 2 * partitions if schedule == "interleaved" else partitions
+    per_device = cells // partitions
+    if cells > planner.num_layers or micro_batches > planner.batch:
+        cand.note = "more devices than layers" if cells > planner.num_layers else "M > batch"
         return cand
     flops = planner.layer_flops(micro_batches)
     replay = 2.0 if checkpoint != "never" else 1.0
     work = [micro_batches * (replay * f + b) for f, b in flops]
     memory = planner.layer_memory(micro_batches, checkpoint)
-    cap = budget
+    cap = budget / per_device
     plan = None
     for _ in range(attempts):
         try:
-            balance = (partition(work, partitions, "bottleneck", memory=memory, memory_cap=cap)
-                       if partitions > 1 else [planner.num_layers])
+            balance = (partition(work, cells, "bottleneck", memory=memory, memory_cap=cap)
+                       if cells > 1 else [planner.num_layers])
         except ValueError as e:
-            cand.note = str(e)
+            if plan is not None:
+                cand.note = str(e)
+                break
+            # The per-layer estimate holds every micro-batch (fill-drain's worst case), so it can
+            # rule out a cut that 1F1B, ZB-H1 or interleaved fit: cut on time alone and let the
+            # exact plan decide.
+            balance = partition(work, cells, "bottleneck")
+        plan = planner.plan(cells, micro_batches, checkpoint, balance=balance, schedule=schedule)
+        cand.balance, cand.plan = balance, plan
+        cand.max_peak = max(_device_peaks(plan, partitions))
+        if cand.max_peak <= budget or cells == 1:
             break
-        plan = planner.plan(partitions, micro_batches, checkpoint, balance=balance, schedule=schedule)
-        cand.balance, cand.max_peak, cand.plan = balance, plan.max_peak, plan
-        if plan.fits(budget) or partitions == 1:
-            break
-        cap -= plan.max_peak - budget
-    if plan is None or not plan.fits(budget):
+        cap -= (cand.max_peak - budget) / per_device
+    if plan is None or cand.max_peak > budget:
         cand.note = cand.note or "does not fit"
         return cand
-    sched = make_schedule(schedule, partitions, micro_batches, checkpoint)
+    sched = make_schedule(schedule, cells, micro_batches, checkpoint)
     sim = simulate(sched, _costs(planner, cand.balance, micro_batches, flops_per_second), link,
                    planner.batch)
     cand.fits, cand.throughput, cand.step_time = True, sim.throughput, sim.step_time
@@ -121,18 +163,53 @@ def search(planner: MemoryPlanner, max_devices: int, budget: float, link: LinkMo
            checkpoints: Sequence[str] = ("except_last", "never"),
            schedule: str = "gpipe", schedules: Sequence[str] | None = None) -> list[Candidate]:
     """Every candidate, the fastest fitting one first. With `schedules` (e.g.
-    ``sorted(engine.schedule.SCHEDULES)``) every schedule is a candidate too, each with its own
-    memory plan and simulated step, so the answer chooses the schedule; otherwise `schedule` only."""
+    ``sorted(engine.schedule.SCHEDULES)``) every schedule that applies to a (K, M)
+    (:func:`not_applicable`) is a candidate too, each with its own memory plan and simulated step,
+    so the answer chooses the schedule; otherwise `schedule` only."""
     ks = sorted(set(_powers(max_devices)) | {max_devices})
     ms = list(micro_batches) if micro_batches else _powers(planner.batch)
     names = list(schedules) if schedules else [schedule]
-    if "interleaved" in names:
-        raise ValueError("the planner search cuts one cell per device; interleaved 1F1B runs two per "
-                         "device: compare it with gpipe_repro.memory.schedule_ablation, and search "
-                         "over gpipe, 1f1b and zb-h1 here")
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown:
+        raise ValueError(f"unknown schedule(s) {', '.join(unknown)}: choose from "
+                         f"{', '.join(sorted(SCHEDULES))}")
     cands = [evaluate(planner, k, m, c, budget, link, flops_per_second, name)
-             for k in ks for m in ms for c in checkpoints for name in names]
+             for k in ks for m in ms for c in checkpoints for name in names
+             if not _skip(name, k, m, planner.num_layers, several=len(names) > 1)]
     return sorted(cands, key=lambda c: (not c.fits, -c.throughput, c.max_peak))
 
 
-__all__ = ["Candidate", "evaluate", "search"]
+def schedule_verdict(cands: Sequence[Candidate], schedules: Sequence[str], budget: float) -> list[str]:
+    """Why the chosen schedule: one line per schedule, its best fitting candidate against the chosen
+    one (throughput and largest device peak), or why it has none. `cands` as :func:`search` returns
+    them (fastest fitting first)."""
+    gib = float(1 << 30)
+    best = cands[0] if cands and cands[0].fits else None
+
+    def where(c: Candidate) -> str:
+        return f"K={c.partitions}, M={c.micro_batches}, {c.checkpoint}"
+
+    lines = []
+    for name in schedules:
+        mine = [c for c in cands if c.schedule == name]
+        top = next((c for c in mine if c.fits), None)
+        if top is None:
+            smallest = min((c.max_peak for c in mine if c.max_peak), default=0)
+            lines.append(f"{name}: " + ("applies to none of the K, M tried" if not mine else
+                                        f"nothing fits in {budget / gib:.3g} GiB" +
+                                        (f" (smallest device peak {smallest / gib:.3g} GiB)" if smallest
+                                         else " (no cut meets the memory cap)")))
+        elif best is not None and top is best:
+            lines.append(f"{name}: chosen, {top.throughput:.1f} samples/s ({where(top)}), largest "
+                         f"device peak {top.max_peak / gib:.3g} GiB")
+        elif best is not None:
+            slower = 1 - top.throughput / best.throughput
+            memory = ("less memory than" if top.max_peak < best.max_peak else
+                      "more memory than" if top.max_peak > best.max_peak else "as much memory as")
+            lines.append(f"{name}: at best {top.throughput:.1f} samples/s ({where(top)}), {slower:.1%} "
+                         f"slower, largest device peak {top.max_peak / gib:.3g} GiB ({memory} the "
+                         "choice)")
+    return lines
+
+
+__all__ = ["Candidate", "evaluate", "not_applicable", "schedule_verdict", "search"]

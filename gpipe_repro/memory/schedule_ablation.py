@@ -2,49 +2,76 @@
 
 For K devices and M micro-batches, each schedule of :data:`gpipe_repro.engine.schedule.SCHEDULES` is
 planned (:class:`~gpipe_repro.memory.planner.MemoryPlanner`: each device's peak, replaying the
-schedule's own actions) and simulated (:func:`gpipe_repro.sim.simulator.simulate` over FLOP-model
-costs at a fixed device rate, the same cost model as :mod:`gpipe_repro.memory.autoplan`), on the
-same cut where the schedule allows it. All numbers are simulated.
+schedule's own actions) and simulated (:func:`gpipe_repro.sim.simulator.simulate`), on the same cut
+where the schedule allows it. All numbers are simulated.
 
-Interleaved 1F1B runs v=2 cells per device, so it is planned on 2K cells (cut by the planner's own
-memory-balanced candidates) and a device's peak is the SUM of its two cells' peaks: an upper bound
-(the two cells' peaks need not coincide), labelled as such in each row.
+By default the step is simulated over FLOP-model costs at a fixed device rate (the same cost model as
+:mod:`gpipe_repro.memory.autoplan`) on the planner's memory-balanced cut. A caller with other costs
+(e.g. per-layer costs calibrated on a device, as ``make throughput-table`` does) passes ``cut`` and
+``simulate_step``; the memory side is the planner's either way.
+
+Interleaved 1F1B runs v=2 cells per device, so it is planned on 2K cells and a device's peak is the
+SUM of its two cells' peaks: an upper bound (the two cells' peaks need not coincide), labelled as
+such in each row.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpipe_repro.engine.schedule import SCHEDULES, make_schedule
+from gpipe_repro.engine.schedule import SCHEDULES, Schedule, make_schedule
 from gpipe_repro.memory.autoplan import _costs
 from gpipe_repro.memory.planner import MemoryPlanner
 from gpipe_repro.sim.links import LinkModel
-from gpipe_repro.sim.simulator import simulate
+from gpipe_repro.sim.simulator import Simulation, simulate
 
 VIRTUAL_STAGES = 2   # interleaved: cells per device (engine.schedule.interleaved_schedule's default)
 
+#: ``cut(schedule, cells)``: layers per cell for that schedule.
+CutFn = Callable[[str, int], Sequence[int]]
+#: ``simulate_step(schedule, balance)``: one simulated step of that schedule on that cut.
+StepFn = Callable[[Schedule, Sequence[int]], Simulation]
 
-def schedule_ablation(planner: MemoryPlanner, *, devices: int, micro_batches: int, link: LinkModel,
-                      flops_per_second: float, checkpoint: str = "never",
-                      schedules: Sequence[str] | None = None) -> list[dict[str, Any]]:
+
+def schedule_ablation(planner: MemoryPlanner, *, devices: int, micro_batches: int,
+                      link: LinkModel | None = None, flops_per_second: float | None = None,
+                      checkpoint: str = "never", schedules: Sequence[str] | None = None,
+                      cut: CutFn | None = None, simulate_step: StepFn | None = None,
+                      ) -> list[dict[str, Any]]:
     """One row per schedule: simulated step time and throughput, bubble, each device's peak memory
     and peak activation memory (bytes). Schedules that cannot serve (K, M) (e.g. interleaved with M
-    not a multiple of K, or fewer layers than cells) get a row with ``note`` saying why."""
+    not a multiple of K, or fewer layers than cells) get a row with ``note`` saying why.
+
+    The step is simulated by ``simulate_step(schedule, balance)`` if given, else over FLOP-model
+    costs at ``flops_per_second`` across ``link`` (both then required). The cut is
+    ``cut(schedule_name, cells)`` if given, else the planner's memory-balanced one."""
+    if simulate_step is None and (link is None or flops_per_second is None):
+        raise ValueError("schedule_ablation needs link= and flops_per_second= (the FLOP model), or "
+                         "simulate_step= (your own costs)")
+    names = list(schedules or sorted(SCHEDULES))
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown:
+        raise ValueError(f"unknown schedule(s) {unknown}; choose from {sorted(SCHEDULES)}")
     rows = []
-    for name in schedules or sorted(SCHEDULES):
+    for name in names:
         cells = devices * VIRTUAL_STAGES if name == "interleaved" else devices
         row: dict[str, Any] = {"schedule": name, "devices": devices, "cells": cells,
                                "micro_batches": micro_batches, "checkpoint": checkpoint,
                                "method": "simulated"}
         try:
             sched = make_schedule(name, cells, micro_batches, checkpoint)
-            plan = planner.plan(cells, micro_batches, checkpoint, schedule=name)
+            balance = list(cut(name, cells)) if cut is not None else None
+            plan = planner.plan(cells, micro_batches, checkpoint, balance=balance, schedule=name)
         except ValueError as e:
             row["note"] = str(e)
             rows.append(row)
             continue
-        sim = simulate(sched, _costs(planner, plan.balance, micro_batches, flops_per_second), link,
-                       planner.batch)
+        if simulate_step is not None:
+            sim = simulate_step(sched, plan.balance)
+        else:
+            assert link is not None and flops_per_second is not None
+            sim = simulate(sched, _costs(planner, plan.balance, micro_batches, flops_per_second), link,
+                           planner.batch)
         owner = sched.process_of()
         peak = [0] * devices
         activation = [0] * devices
@@ -61,4 +88,4 @@ def schedule_ablation(planner: MemoryPlanner, *, devices: int, micro_batches: in
     return rows
 
 
-__all__ = ["schedule_ablation"]
+__all__ = ["CutFn", "StepFn", "schedule_ablation"]

@@ -3,6 +3,9 @@ bubble fraction against M beside the paper's (K-1)/(M+K-1).
 
 They read the same row dictionaries the results JSON holds (``Row.to_json()``), so a figure can be
 redrawn from a results file without rerunning anything. matplotlib runs headless (Agg).
+
+The figure plumbing every results figure shares (headless pyplot, a log-2 axis ticked at its values,
+saving and closing) is here too: :func:`pyplot`, :func:`log2_axis`, :func:`save_figure`.
 """
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ from typing import Any
 _MARKERS = {1: "o", 2: "v", 4: "s", 8: "D", 16: "P", 32: "^", 64: "X"}
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib.pyplot on the headless Agg backend (imported on first use: matplotlib is slow to
+    import and most commands draw nothing)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -22,12 +27,34 @@ def _pyplot() -> Any:
     return plt
 
 
+def log2_axis(ax: Any, values: Sequence[int], axis: str = "x") -> None:
+    """A log-2 `axis` with one tick at each of `values`, labelled by the value (K or M: 1, 2, 4...)."""
+    if axis == "x":
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(values), [str(v) for v in values])
+    elif axis == "y":
+        ax.set_yscale("log", base=2)
+        ax.set_yticks(list(values), [str(v) for v in values])
+    else:
+        raise ValueError(f"axis must be 'x' or 'y', got {axis!r}")
+
+
+def save_figure(fig: Any, path: str | Path, *, dpi: int = 120) -> Path:
+    """Save `fig` as `path` (creating its folder), close it (pyplot keeps every open figure alive)
+    and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
 def plot_speedups(tables: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path,
                   title: str = "Normalized training throughput (K=2, M=1 = 1)") -> Path:
     """One panel per model: our simulated speedup against K for each M (solid), our measured points
     (filled, large; hollow, red-edged and labelled "busy" where the host was not idle or its state
     was not recorded), the paper's (dashed, hollow) and torchgpipe's (dotted) where known."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(tables), figsize=(5.5 * len(tables), 4.2), squeeze=False)
     for ax, (model, rows) in zip(axes[0], tables.items()):
         ms = sorted({r["M"] for r in rows})
@@ -63,8 +90,7 @@ def plot_speedups(tables: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
         ks_all = sorted({r["K"] for r in rows})
         ax.plot(ks_all, [k / min(ks_all) for k in ks_all], color="grey", lw=0.8, alpha=0.5,
                 label="linear in K")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ks_all, [str(k) for k in ks_all])
+        log2_axis(ax, ks_all)
         ax.set_xlabel("partitions K")
         ax.set_ylabel("normalized throughput")
         ax.set_title(model)
@@ -72,26 +98,20 @@ def plot_speedups(tables: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
         ax.legend(fontsize=7, ncol=2)
     fig.suptitle(title)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_bubble(curves: Sequence[Mapping[str, Any]], path: str | Path,
                 title: str = "Bubble fraction against micro-batches") -> Path:
     """Simulated bubble (share of stage-time idle on every stage) against M, per K, with the paper's
     (K-1)/(M+K-1) as dashed lines."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for i, c in enumerate(curves):
         color = f"C{i}"
         ax.plot(c["ms"], c["simulated"], "-o", color=color, label=f"K={c['K']} simulated")
         ax.plot(c["ms"], c["theory"], "--", color=color, alpha=0.7, label=f"K={c['K']} (K-1)/(M+K-1)")
-    ax.set_xscale("log", base=2)
-    ms = curves[0]["ms"] if curves else []
-    ax.set_xticks(ms, [str(m) for m in ms])
+    log2_axis(ax, curves[0]["ms"] if curves else [])
     ax.set_xlabel("micro-batches M")
     ax.set_ylabel("bubble fraction")
     ax.set_ylim(0, 1)
@@ -99,8 +119,7 @@ def plot_bubble(curves: Sequence[Mapping[str, Any]], path: str | Path,
     ax.legend(fontsize=8)
     ax.set_title(title)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
+
+
+__all__ = ["log2_axis", "plot_bubble", "plot_speedups", "pyplot", "save_figure"]

@@ -49,6 +49,20 @@ def environment() -> dict[str, Any]:
 
 
 @functools.cache
+def host_block(*, idle_fraction_before: float | None = None) -> dict[str, Any]:
+    """A results file's top-level ``"host"``: where a measurement ran and how busy the host was.
+
+    Usable cores, CPU model, hostname, the 1/5/15-minute load averages now, the idle fraction of
+    the CPU measured just before (``report.host.host_idle_fraction``, if the caller took it), and
+    the code (git commit, dirty tree). Call it when the measurement starts; record the load again
+    when it ends if the run is long."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"usable_cores": cores, "cpu": cpu_model(), "hostname": socket.gethostname(),
+            "load_average": list(os.getloadavg()), "idle_fraction_before": idle_fraction_before,
+            **git_state(),
+            "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+
+
 def cpu_model() -> str:
     """The CPU model name from /proc/cpuinfo (Linux), else what `platform` knows."""
     try:

@@ -276,15 +276,11 @@ def verdict_text(r: dict[str, Any]) -> str:
 
 def plot_losses(metrics: dict[str, Path], shapes: dict[str, str], path: Path) -> Path:
     """The two training-loss curves (smoothed) on one plot: is one model still catching up?"""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    from gpipe_repro.report.plots import pyplot, save_figure
     from gpipe_repro.report.wandb_log import read_metrics
     from gpipe_repro.train.curves import series, smoothed
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for label, file in metrics.items():
         steps, loss = series(read_metrics(file), "train/loss")
         ax.plot(steps, loss, alpha=0.25, lw=0.8)
@@ -296,18 +292,14 @@ def plot_losses(metrics: dict[str, Path], shapes: dict[str, str], path: Path) ->
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_gains(r: dict[str, Any], path: Path) -> Path:
-    import matplotlib
+    """Per language: BLEU gain of the deep model over the wide one against its training pairs."""
+    from gpipe_repro.report.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, ax = pyplot().subplots(figsize=(8, 4.8))
     colors = {"high": "tab:blue", "low": "tab:orange"}
     for lang, x in r["languages"].items():
         ax.scatter(x["train_pairs"], x["bleu_gain_deep_over_wide"]["value"], color=colors[x["group"]],
@@ -329,10 +321,7 @@ def plot_gains(r: dict[str, Any], path: Path) -> Path:
                  f"{r['budget']['steps']} steps (point size: test sentences)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------- large batches

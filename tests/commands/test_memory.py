@@ -82,3 +82,20 @@ def test_bad_counts_are_one_clear_line_before_any_work() -> None:
         result = CliRunner().invoke(app, args, terminal_width=200)
         assert result.exit_code == 2 and message in result.output, result.output
         assert "Traceback" not in result.output
+
+
+def test_plan_chooses_the_schedule_and_names_the_runner_ups(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["plan", *TINY, "--devices", "2", "--memory", "1", "--link",
+                                      "ideal", "-M", "4", "--schedules", "gpipe,1f1b,zb-h1",
+                                      "--json", str(out)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    choice, fitting = data["choice"], [c for c in data["candidates"] if c["fits"]]
+    assert choice["throughput"] == max(c["throughput"] for c in fitting)
+    assert choice["schedule"] in {"gpipe", "1f1b", "zb-h1"}
+    assert f"schedule={choice['schedule']}" in result.output
+    assert {c["schedule"] for c in data["candidates"]} == {"gpipe", "1f1b", "zb-h1"}
+    assert len(data["schedule_verdict"]) == 3 and "schedules (best fitting" in result.output
+    bad = CliRunner().invoke(app, ["plan", *TINY, "--schedules", "gpipe,fifo"], terminal_width=200)
+    assert bad.exit_code == 2 and "--schedules takes names from" in bad.output, bad.output

@@ -10,16 +10,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from gpipe_repro.report.plots import pyplot, save_figure
 from gpipe_repro.report.records import format_record, markdown_table
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _labels_then_numbers(n: int) -> list[Literal["left", "right", "center"]]:
@@ -96,10 +88,21 @@ def validation_markdown(results: Sequence[Mapping[str, Any]]) -> str:
                            "planned* (MiB)", "engine on fake tensors* (MiB)", "max error"], rows)
 
 
+def _log_log(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    """The memory figures' axes: log-2 x (devices or micro-batches), log y, labels, grid, legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def plot_max_params(models: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path) -> Path:
     """Per model: the largest parameter count against devices, ours (simulated) and the paper's;
     Naive-1 drawn apart at one device."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
     for ax, (title, rows) in zip(axes[0], models.items()):
         pipe = [r for r in rows if r["name"] != "Naive-1"]
@@ -114,23 +117,15 @@ def plot_max_params(models: Mapping[str, Sequence[Mapping[str, Any]]], path: str
                 ax.plot([1], [r["params"]["value"]], "x", ms=10, color="C0", label="ours, Naive-1")
             if r["params"].get("paper"):
                 ax.plot([1], [r["params"]["paper"]], "+", ms=12, color="C1", label="paper, Naive-1")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("devices K")
-        ax.set_ylabel("largest model (parameters)")
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        _log_log(ax, "devices K", "largest model (parameters)", title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 def plot_activation_grid(grid: Sequence[Mapping[str, Any]], fit: Mapping[str, float],
                          path: str | Path, title: str) -> Path:
     """Peak activation per device against M, one line per K, with the fitted a + b/(K M)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for i, k in enumerate(sorted({g["K"] for g in grid})):
         pts = sorted((g["M"], g["max_device_activation_gib"]) for g in grid if g["K"] == k)
@@ -138,17 +133,9 @@ def plot_activation_grid(grid: Sequence[Mapping[str, Any]], fit: Mapping[str, fl
         ax.plot(ms, [v for _, v in pts], "o-", color=f"C{i}", label=f"K={k} (planner)")
         ax.plot(ms, [fit["a_gib"] + fit["b_gib"] / (k * m) for m in ms], ":", color=f"C{i}")
     ax.plot([], [], "k:", label=f"a + b/(K M) fit, R^2={fit['r2']:.3f}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("micro-batches M")
-    ax.set_ylabel("peak activation per device (GiB)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    _log_log(ax, "micro-batches M", "peak activation per device (GiB)", title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 __all__ = ["table1_markdown", "paper_models_markdown", "variants_markdown", "grid_markdown",

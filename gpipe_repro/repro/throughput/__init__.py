@@ -30,7 +30,8 @@ seconds of forward + recompute + backward); each row records its balance and how
 Modules: ``settings`` (what decides a table), ``workloads`` (its models), ``rows`` (partition, simulate,
 normalize), ``measure`` (real processes), ``targets`` (the paper's numbers), ``ablations``, ``table``
 (the whole sweep), ``report`` (markdown), ``outputs`` (files, figures, W&B) and ``validation``
-(simulated against measured). The names below are the package's public surface.
+(simulated against measured), ``schedules`` (every schedule at K=8: throughput beside
+memory). The names below are the package's public surface.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from gpipe_repro.repro.throughput.ablations import (
     BubbleCurve,
     bubble_curves,
     objective_ablation,
-    schedule_ablation,
+    rematerialization_ablation,
 )
 from gpipe_repro.repro.throughput.measure import (
     MeasureFn,
@@ -59,6 +60,7 @@ from gpipe_repro.repro.throughput.rows import (
     normalize,
     simulate_rows,
 )
+from gpipe_repro.repro.throughput.schedules import ABLATION_K, ABLATION_MS, schedule_tradeoff
 from gpipe_repro.repro.throughput.settings import MODELS, POLICIES, SweepSettings
 from gpipe_repro.repro.throughput.table import (
     calibration_summary,
@@ -70,6 +72,7 @@ from gpipe_repro.repro.throughput.targets import CLAIMS, check_claims, table2_pa
 from gpipe_repro.repro.throughput.validation import (
     VALIDATION_CHECKPOINTS,
     VALIDATION_MS,
+    VALIDATION_SCHEDULES,
     VALIDATION_TARGETS,
     validate_simulator,
     validation_ks,
@@ -85,7 +88,8 @@ from gpipe_repro.repro.throughput.workloads import (
 from gpipe_repro.sim.platform import Platform, platform_for
 
 __all__ = [
-    "BubbleCurve", "bubble_curves", "objective_ablation", "schedule_ablation",
+    "BubbleCurve", "bubble_curves", "objective_ablation", "rematerialization_ablation",
+    "ABLATION_K", "ABLATION_MS", "schedule_tradeoff",
     "MeasureFn", "distributed_measure", "measurable_k", "measure_rows",
     "draw_gantt", "log_to_wandb", "run_with_progress", "write_outputs",
     "differences", "render_markdown", "render_validation_summary",
@@ -93,7 +97,8 @@ __all__ = [
     "MODELS", "POLICIES", "SweepSettings",
     "calibration_summary", "mini_variant", "plan_steps", "run_throughput_table",
     "CLAIMS", "check_claims", "table2_paper", "table2_peer", "table3_paper",
-    "VALIDATION_CHECKPOINTS", "VALIDATION_MS", "VALIDATION_TARGETS", "validate_simulator", "validation_ks",
+    "VALIDATION_CHECKPOINTS", "VALIDATION_MS", "VALIDATION_SCHEDULES", "VALIDATION_TARGETS",
+    "validate_simulator", "validation_ks",
     "PAPER_MICROBATCH", "PAPER_TABLE3_WORKLOADS", "PAPER_WORKLOADS", "SCALED_MICROBATCH",
     "SCALED_TABLE3_WORKLOADS", "SCALED_WORKLOADS",
     "Platform", "platform_for", "host_idle_fraction", "usable_cores", "wait_for_idle",

@@ -59,10 +59,11 @@ def objective_ablation(calib: Calibration, settings: SweepSettings, platform: Pl
     return out
 
 
-def schedule_ablation(calib: Calibration, settings: SweepSettings, platform: Platform, model: str,
+def rematerialization_ablation(calib: Calibration, settings: SweepSettings, platform: Platform, model: str,
                       k: int = 8, m: int = 32) -> list[dict[str, Any]]:
     """Absolute and normalized throughput of K x M under each re-materialization setting: why the
-    normalized numbers depend on what the K=2, M=1 baseline pays."""
+    normalized numbers depend on what the K=2, M=1 baseline pays. (The ablation over pipeline
+    schedules is :func:`gpipe_repro.repro.throughput.schedules.schedule_tradeoff`.)"""
     b = dict(settings.microbatch)[model]
     out = []
     for checkpoint in ("always", "except_last", "never"):

@@ -227,6 +227,7 @@ def render_markdown(payload: dict[str, Any], validation: dict[str, Any] | None =
                   "while it waits for the gradient, which is all of its wait when M=1), so it "
                   "*lowers* the normalized number; `except_last` skips the recompute of the last "
                   "micro-batch, which at M=1 is the only one, so its baseline is cheaper too.", ""]
+    lines += render_schedule_ablation(payload.get("schedule_ablation") or {})
     if validation:
         lines += ["## Simulator validation (simulated vs measured throughput)", "",
                   render_validation_summary(validation), ""]
@@ -248,6 +249,41 @@ def render_markdown(payload: dict[str, Any], validation: dict[str, Any] | None =
                   "(the distributed runtime's own timeline):", "",
                   f"![measured gantt]({payload['gantt_measured']['file']})", ""]
     return "\n".join(lines)
+
+
+def render_schedule_ablation(ablation: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The schedule ablation's section (markdown lines; none if there is no ablation): per model,
+    cost model and M, every schedule's simulated samples/s and bubble beside the largest device's
+    peak memory and peak activation memory."""
+    rows = [r for items in ablation.values() for r in items]
+    if not rows:
+        return []
+    gib = float(1 << 30)
+    body = []
+    for r in rows:
+        if "note" in r:
+            body.append([r["workload"], r["costs"], str(r["micro_batches"]), r["schedule"],
+                         "-", "-", "-", "-", r["note"]])
+            continue
+        body.append([r["workload"], r["costs"], str(r["micro_batches"]), r["schedule"],
+                     _num(r["throughput"], 1), _num(r["bubble"], 3),
+                     f"{r['max_peak_bytes'] / gib:.3g}", f"{r['max_activation_peak_bytes'] / gib:.3g}",
+                     "2 cells per device: sum of their peaks (upper bound)"
+                     if r["cells"] != r["devices"] else ""])
+    k = rows[0]["devices"]
+    return [f"## Which schedule: throughput beside memory at K={k} (simulated)", "",
+            markdown_table(["model", "costs", "M", "schedule", "samples/s", "bubble",
+                            "largest device peak GiB", "its activations GiB", "note"], body,
+                           align=["left", "left", "right", "left", "right", "right", "right",
+                                  "right", "left"]), "",
+            "Every number is simulated: the step by the simulator executing each schedule's own "
+            "actions, the memory by the memory planner replaying them, on the same cut. `flop model`: "
+            "the paper's model, FLOP costs on a TPUv3-core model and the TPU interconnect; "
+            "`calibrated`: the scaled model, per-layer costs measured on this host. `gpipe` keeps "
+            "every micro-batch's activations; `1f1b` at most K - s on stage s with the same bubble; "
+            "`interleaved` (v=2 cells per device, Narayanan et al., SC'21) divides the bubble by v; "
+            "`zb-h1` (Qi et al., ICLR 2024) fills it with weight gradients, keeping their graphs "
+            "until then. Compare samples/s at equal or lower memory.", ""]
 
 
 def differences(payload: dict[str, Any]) -> list[str]:
@@ -306,7 +342,7 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
         return {"idle_fraction_before": r["host_idle_before"],
                 "load_average_before": (r.get("load_average") or [None])[0]}
 
-    body = [[r["model"], r["K"], r["M"], r["checkpoint"],
+    body = [[r["model"], r["K"], r["M"], r["checkpoint"], r.get("schedule", "gpipe"),
              _num(r["measured_throughput"], 2) + busy_note(host(r)),
              _num(r["simulated_throughput"], 2), pct(r["relative_error"]),
              pct(r.get("replay_error")),
@@ -322,6 +358,13 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
                  f"(pipeline model alone, cost model excluded): median "
                  f"{summary['replay_median_abs_error'] * 100:.1f}%, worst "
                  f"{summary['replay_max_abs_error'] * 100:.1f}%.")
+    per = summary.get("per_schedule") or {}
+    if len(per) > 1:
+        head += " Per schedule: " + "; ".join(
+            f"`{name}` median {p['median_abs_error'] * 100:.1f}%, worst {p['max_abs_error'] * 100:.1f}% "
+            f"({'met' if p['met'] else 'NOT met'})" for name, p in per.items()) + "."
+    for name, why in (summary.get("not_validated") or {}).items():
+        head += f" `{name}` is not validated: {why}."
     if summary.get("load_average"):
         lo, hi = summary["load_average"]
         head += (f" Host load average during the measurements: {lo:.1f} to {hi:.1f} on "
@@ -329,6 +372,6 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
                                                "which a cost calibrated at another moment cannot "
                                                "see." if hi > usable_cores() * 0.75 else "."))
     return head + "\n\n" + markdown_table(
-        ["model", "K", "M", "checkpoint", "measured samples/s", "simulated samples/s", "error",
+        ["model", "K", "M", "checkpoint", "schedule", "measured samples/s", "simulated samples/s", "error",
          "replay error", "host idle before", "load"], body)
 

@@ -5,10 +5,16 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
+from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import conditions, is_clean
-from gpipe_repro.repro.throughput.ablations import bubble_curves, objective_ablation, schedule_ablation
+from gpipe_repro.repro.throughput.ablations import (
+    bubble_curves,
+    objective_ablation,
+    rematerialization_ablation,
+)
 from gpipe_repro.repro.throughput.measure import MeasureFn, distributed_measure, measurable_k, measure_rows
 from gpipe_repro.repro.throughput.rows import Row, attach_flop_model, flop_model_rows, simulate_rows
+from gpipe_repro.repro.throughput.schedules import ABLATION_K, ABLATION_MS, schedule_tradeoff
 from gpipe_repro.repro.throughput.settings import MODELS, SweepSettings
 from gpipe_repro.repro.throughput.targets import check_claims, table2_paper, table2_peer, table3_paper
 from gpipe_repro.repro.throughput.workloads import (
@@ -19,19 +25,21 @@ from gpipe_repro.repro.throughput.workloads import (
     SCALED_WORKLOADS,
 )
 from gpipe_repro.sim.calibration import Calibration, calibrate
+from gpipe_repro.sim.devices import DEVICES
 from gpipe_repro.sim.partition_choice import choose_partition
-from gpipe_repro.sim.platform import platform_for
+from gpipe_repro.sim.platform import Platform, platform_for
 
 
 def plan_steps(settings: SweepSettings, measuring: bool) -> int:
     """How many progress steps :func:`run_throughput_table` reports (for a progress bar)."""
     calibrations = sum(len(settings.sizes(m)) for m in MODELS) + len(MODELS)   # Table 2 + Table 3
     flop_models = 2 * len(MODELS)
+    schedule_ablations = 2 * len(MODELS)    # FLOP model + calibrated, per model
     measured = (len(MODELS) * len(settings.ms) * sum(1 for k in settings.ks
                                                       if k <= measurable_k(settings))
                 if measuring else 0)
     minibatch_variant = len(mini_variant(settings).sizes("transformer")) if settings.policy == "micro" else 0
-    return 1 + calibrations + flop_models + minibatch_variant + measured + 1
+    return 1 + calibrations + flop_models + schedule_ablations + minibatch_variant + measured + 1
 
 
 def mini_variant(settings: SweepSettings) -> SweepSettings:
@@ -118,9 +126,12 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
     objectives = {model: objective_ablation(calibrations[model], settings, platform, model,
                                             k=max(settings.ks), m=max(settings.ms))
                   for model in MODELS}
-    ablation = {model: schedule_ablation(calibrations[model], settings, platform, model,
-                                         k=max(settings.ks), m=max(settings.ms))
+    ablation = {model: rematerialization_ablation(calibrations[model], settings, platform, model,
+                                                  k=max(settings.ks), m=max(settings.ms))
                 for model in MODELS}
+    schedules = {model: schedule_ablation_rows(model, calibrations[model], settings, platform,
+                                               workloads[model], say)
+                 for model in MODELS}
     return {
         "settings": asdict(settings),
         "host": {**host, "clean": is_clean(host)},
@@ -135,12 +146,33 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
         "table2_fixed_minibatch": fixed_minibatch,
         "bubble_curves": [asdict(c) for c in curves],
         "ablation": ablation,
+        "schedule_ablation": schedules,
         "objectives": objectives,
         "claims": check_claims(table2),
         "timelines": {m: {f"K{k}_M{mm}": t.to_json() for (k, mm), t in tl.items()}
                       for m, tl in timelines.items()},
         "gantt": gantt,
     }
+
+
+def schedule_ablation_rows(model: str, calib: Calibration, settings: SweepSettings,
+                           platform: Platform, workload: Workload,
+                           say: Callable[[str], None] = lambda msg: None) -> list[dict[str, Any]]:
+    """The schedule ablation at K=8 for one model: the paper-size FLOP model (as Table 2's FLOP
+    column: TPUv3-core rate, TPU interconnect), then this host's calibrated costs on the scaled model
+    (at the sweep's micro-batch size for each M, where calibrated)."""
+    say(f"schedule ablation of {PAPER_WORKLOADS[model].name}: FLOP model, K={ABLATION_K}")
+    b = PAPER_MICROBATCH[model]
+    flops = calibrate(PAPER_WORKLOADS[model], [b], method="flops", device_model=DEVICES["tpu-v3-core"])
+    rows = schedule_tradeoff(flops, PAPER_WORKLOADS[model], settings, platform_for("tpu-ici"),
+                             microbatch=b, costs="flop model")
+    say(f"schedule ablation of {workload.name}: calibrated costs, K={ABLATION_K}")
+    for m in ABLATION_MS:
+        size = settings.microbatch_size(model, m)
+        if size in calib.costs:
+            rows += schedule_tradeoff(calib, workload, settings, platform, microbatch=size,
+                                      costs="calibrated", ms=[m])
+    return rows
 
 
 def calibration_summary(calib: Calibration) -> dict[str, Any]:

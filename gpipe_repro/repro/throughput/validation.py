@@ -4,22 +4,29 @@ from __future__ import annotations
 import os
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from gpipe_repro.engine.schedule import make_schedule
+from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import conditions, usable_cores, wait_for_idle
 from gpipe_repro.repro.throughput.measure import MeasureFn
 from gpipe_repro.repro.throughput.settings import MODELS, SweepSettings
 from gpipe_repro.repro.throughput.workloads import PAPER_WORKLOADS, SCALED_WORKLOADS
-from gpipe_repro.sim.calibration import calibrate
+from gpipe_repro.sim.calibration import Calibration, calibrate
 from gpipe_repro.sim.partition_choice import choose_partition
-from gpipe_repro.sim.platform import platform_for
+from gpipe_repro.sim.platform import Platform, platform_for
 from gpipe_repro.sim.simulator import replay_costs, simulate
 
 VALIDATION_MS = (1, 2, 4, 8, 16)
 VALIDATION_CHECKPOINTS = ("always", "never")
 VALIDATION_TARGETS = {"median": 0.05, "max": 0.10}
+#: Schedules the distributed runtime runs (one stage per process); interleaved 1F1B needs two stages
+#: per process, which it refuses, so interleaved is simulated but not validated against real runs.
+VALIDATION_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+NOT_VALIDATED = {"interleaved": "the distributed runtime runs one stage per process and refuses "
+                                "interleaved 1F1B (two per process), so there is no real run to "
+                                "compare with"}
 
 
 VALIDATION_KS = (2, 4, 8)
@@ -44,23 +51,106 @@ def unvalidated_note(ks: Sequence[int], cores: int) -> str:
             "validates them with no change.")
 
 
+def _met(errors: Sequence[float]) -> bool:
+    return (statistics.median(errors) <= VALIDATION_TARGETS["median"]
+            and max(errors) <= VALIDATION_TARGETS["max"])
+
+
+def _per_schedule(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One schedule's error summary: median and worst |error|, configurations, targets met."""
+    errors = [abs(r["relative_error"]) for r in rows]
+    return {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
+            "configurations": len(errors), "met": _met(errors)}
+
+
+def _validate_cut(model: str, workload: Workload, calib: Calibration, settings: SweepSettings,
+                  measure: MeasureFn, platform: Platform, balance: list[int], b: int,
+                  ms: Sequence[int], checkpoint: str, say: Callable[[str], None],
+                  timelines: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every M of one (model, cut, checkpoint, settings.schedule): simulated, measured, replayed."""
+    k = len(balance)
+    suffix = "" if settings.schedule == "gpipe" else f"_{settings.schedule}"
+    rows: list[dict[str, Any]] = []
+    for m in ms:
+        say(f"validating {model} K={k} M={m} checkpoint={checkpoint} "
+            f"schedule={settings.schedule}")
+        sim = platform.simulate(calib, balance, m, m * b, settings, checkpoint)
+        if settings.wait_idle > 0:
+            wait_for_idle(settings.wait_idle)
+        host = conditions()
+        idle, load = host["idle_fraction_before"], host["load_average_before"]
+        measured = measure(workload, balance, m, m * b, checkpoint)
+        meas_tp = m * b / measured["step_time_s"]
+        replay = None
+        if measured.get("timeline") is not None:
+            replay = simulate(
+                make_schedule(settings.schedule, k, m, checkpoint,
+                              settings.recompute_ahead),
+                replay_costs(measured["timeline"], measured["step_time_s"],
+                             [calib.at(b)[sum(balance[:s + 1]) - 1].output_bytes
+                              for s in range(k - 1)]),
+                platform.link, m * b)
+        rows.append({"model": model, "K": k, "M": m, "checkpoint": checkpoint,
+                     "schedule": settings.schedule,
+                     "balance": balance, "microbatch": b, "batch": m * b,
+                     "simulated_step_s": sim.step_time,
+                     "measured_step_s": measured["step_time_s"],
+                     "measured_step_times_s": measured.get("step_times"),
+                     "simulated_throughput": sim.throughput,
+                     "measured_throughput": meas_tp,
+                     "relative_error": sim.throughput / meas_tp - 1.0,
+                     "load_average": [load, os.getloadavg()[0]],
+                     "host_idle_before": idle,
+                     "replay_step_s": replay.step_time if replay else None,
+                     "replay_error": (replay.throughput / meas_tp - 1.0
+                                      if replay else None),
+                     "simulated_breakdown": sim.breakdown,
+                     "measured_breakdown": (measured["timeline"].breakdown()
+                                            if measured.get("timeline") else None)})
+        if measured.get("timeline") is not None:
+            timelines[f"{model}_K{k}_M{m}_{checkpoint}" + suffix] = {
+                "measured": measured["timeline"].to_json(),
+                "simulated": sim.timeline.to_json()}
+    return rows
+
+
 def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                        models: Sequence[str] = MODELS, ks: Sequence[int] | None = None,
                        ms: Sequence[int] = VALIDATION_MS,
                        checkpoints: Sequence[str] = VALIDATION_CHECKPOINTS,
                        fresh_calibration: bool = True,
+                       schedules: Sequence[str] | None = None,
+                       measure_schedule: Callable[[str], MeasureFn] | None = None,
                        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Simulate and measure the same configurations; relative error of simulated throughput.
 
+    Each schedule of `schedules` (default: ``settings.schedule`` only) is simulated and measured on
+    the same cut, and the summary gives the error per schedule beside the overall one. `measure`
+    runs ``settings.schedule``; ``measure_schedule(name)`` gives the MeasureFn of any other schedule
+    (required when `schedules` names one). Interleaved is refused (:data:`NOT_VALIDATED`).
+
     The costs are calibrated afresh (not read from the cache) by default, so that calibration and
     measurement see the machine in the same state."""
+    names = list(schedules) if schedules else [settings.schedule]
+    refused = [n for n in names if n not in VALIDATION_SCHEDULES]
+    if refused:
+        raise ValueError(f"cannot validate {', '.join(refused)}: "
+                         + "; ".join(NOT_VALIDATED.get(n, f"{n!r} is not a schedule of the "
+                                                          "distributed runtime") for n in refused)
+                         + f". Validate among {', '.join(VALIDATION_SCHEDULES)}")
+    if measure_schedule is None and any(n != settings.schedule for n in names):
+        raise ValueError(f"measure runs {settings.schedule!r} only: pass measure_schedule= to "
+                         f"measure {', '.join(n for n in names if n != settings.schedule)}")
+    measures = {n: (measure if n == settings.schedule or measure_schedule is None
+                    else measure_schedule(n)) for n in names}
     say = progress or (lambda msg: None)
     platform = platform_for(settings.link)
     ks = list(ks) if ks is not None else validation_ks(usable_cores())
     if not ks:
         raise ValueError("validation needs at least 2 usable cores (one stage process per core)")
     workloads = PAPER_WORKLOADS if settings.paper_size else SCALED_WORKLOADS
-    rows, timelines = [], {}
+    rows: list[dict[str, Any]] = []
+    timelines: dict[str, Any] = {}
     for model in models:
         b = dict(settings.microbatch)[model]
         if settings.wait_idle > 0:
@@ -74,44 +164,10 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
             for k in ks:
                 balance = choose_partition(calib.partition_costs(b, checkpoint), k, settings.objective,
                                            measured=calib.method == "time")
-                for m in ms:
-                    say(f"validating {model} K={k} M={m} checkpoint={checkpoint}")
-                    sim = platform.simulate(calib, balance, m, m * b, settings, checkpoint)
-                    if settings.wait_idle > 0:
-                        wait_for_idle(settings.wait_idle)
-                    host = conditions()
-                    idle, load = host["idle_fraction_before"], host["load_average_before"]
-                    measured = measure(workloads[model], balance, m, m * b, checkpoint)
-                    meas_tp = m * b / measured["step_time_s"]
-                    replay = None
-                    if measured.get("timeline") is not None:
-                        replay = simulate(
-                            make_schedule(settings.schedule, k, m, checkpoint,
-                                          settings.recompute_ahead),
-                            replay_costs(measured["timeline"], measured["step_time_s"],
-                                         [calib.at(b)[sum(balance[:s + 1]) - 1].output_bytes
-                                          for s in range(k - 1)]),
-                            platform.link, m * b)
-                    rows.append({"model": model, "K": k, "M": m, "checkpoint": checkpoint,
-                                 "balance": balance, "microbatch": b, "batch": m * b,
-                                 "simulated_step_s": sim.step_time,
-                                 "measured_step_s": measured["step_time_s"],
-                                 "measured_step_times_s": measured.get("step_times"),
-                                 "simulated_throughput": sim.throughput,
-                                 "measured_throughput": meas_tp,
-                                 "relative_error": sim.throughput / meas_tp - 1.0,
-                                 "load_average": [load, os.getloadavg()[0]],
-                                 "host_idle_before": idle,
-                                 "replay_step_s": replay.step_time if replay else None,
-                                 "replay_error": (replay.throughput / meas_tp - 1.0
-                                                  if replay else None),
-                                 "simulated_breakdown": sim.breakdown,
-                                 "measured_breakdown": (measured["timeline"].breakdown()
-                                                        if measured.get("timeline") else None)})
-                    if measured.get("timeline") is not None:
-                        timelines[f"{model}_K{k}_M{m}_{checkpoint}"] = {
-                            "measured": measured["timeline"].to_json(),
-                            "simulated": sim.timeline.to_json()}
+                for name in names:
+                    rows += _validate_cut(model, workloads[model], calib, replace(settings, schedule=name),
+                                          measures[name], platform, balance, b, ms, checkpoint, say,
+                                          timelines)
     errors = [abs(r["relative_error"]) for r in rows]
     replays = [abs(r["replay_error"]) for r in rows if r["replay_error"] is not None]
     summary = {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
@@ -119,8 +175,9 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                "replay_max_abs_error": max(replays) if replays else None,
                "load_average": [min(r["load_average"][0] for r in rows),
                                 max(r["load_average"][1] for r in rows)],
-               "targets": VALIDATION_TARGETS,
-               "met": (statistics.median(errors) <= VALIDATION_TARGETS["median"]
-                       and max(errors) <= VALIDATION_TARGETS["max"])}
+               "targets": VALIDATION_TARGETS, "met": _met(errors),
+               "per_schedule": {n: _per_schedule([r for r in rows if r["schedule"] == n])
+                                for n in names},
+               "not_validated": dict(NOT_VALIDATED)}
     return {"settings": asdict(settings), "link": platform.to_json(), "rows": rows,
             "summary": summary, "timelines": timelines}

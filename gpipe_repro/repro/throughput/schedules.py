@@ -1,0 +1,78 @@
+"""The schedule ablation of ``make throughput-table``: every schedule at the paper's K=8, throughput
+beside peak memory per device (issue #17).
+
+GPipe's fill-drain keeps all M micro-batches' activations; 1F1B keeps at most K - s on stage s at the
+same bubble; interleaved 1F1B shrinks the bubble by v=2 with two cells per device; ZB-H1 fills the
+bubble with weight gradients and keeps their graphs until then. The paper could not show this
+trade-off; this table does, twice, all simulated:
+
+- ``flop model``: the paper's exact model (Table 2's), FLOP costs on a TPUv3-core model over the
+  TPU interconnect (deterministic, no hardware), exactly as the ``flop model`` column of Table 2;
+- ``calibrated``: the scaled model this host runs, per-layer costs calibrated on this device and the
+  host's link, as the table's simulated cells.
+
+Throughput comes from :func:`gpipe_repro.sim.simulator.simulate` over those costs on a cut of the
+calibrated costs (the sweep's objective; 2K cells for interleaved); memory from the memory planner
+replaying each schedule's own actions on the same cut (:func:`gpipe_repro.memory.schedule_ablation`,
+which this module drives with the calibrated costs).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gpipe_repro.engine.microbatch import split_sizes
+from gpipe_repro.engine.schedule import Schedule
+from gpipe_repro.memory.planner import MemoryPlanner
+from gpipe_repro.memory.profile import rmsprop_foreach
+from gpipe_repro.memory.schedule_ablation import schedule_ablation
+from gpipe_repro.models.workload import Workload
+from gpipe_repro.repro.throughput.settings import SweepSettings
+from gpipe_repro.sim.calibration import Calibration
+from gpipe_repro.sim.partition_choice import choose_partition
+from gpipe_repro.sim.platform import Platform
+from gpipe_repro.sim.simulator import Simulation, simulate, stage_costs
+
+ABLATION_K = 8            # the paper's largest pipeline in Table 2
+ABLATION_MS = (8, 32)     # M = K (fill-drain's worst case) and Table 2's largest M
+
+
+def schedule_tradeoff(calib: Calibration, workload: Workload, settings: SweepSettings,
+                      platform: Platform, *, microbatch: int, costs: str, k: int = ABLATION_K,
+                      ms: Sequence[int] = ABLATION_MS) -> list[dict[str, Any]]:
+    """One row per (M, schedule) at K=`k`: simulated samples/s, bubble and each device's peak and
+    peak activation memory, on the cut `settings.objective` gives `calib`'s costs at `microbatch`.
+
+    `workload` is the model `calib` was calibrated on (the planner builds it on the meta device with
+    mini-batch M x `microbatch`); `costs` labels the rows ("flop model" or "calibrated")."""
+    if k < 1 or not ms or min(ms) < 1:
+        raise ValueError(f"the schedule ablation needs K >= 1 and M >= 1, got K={k}, M={list(ms)}")
+    if microbatch not in calib.costs:
+        raise ValueError(f"the calibration has no costs at micro-batch size {microbatch} (it has "
+                         f"{sorted(calib.costs)}): calibrate that size first")
+    per_layer = calib.partition_costs(microbatch, settings.checkpoint)
+
+    def cut(name: str, cells: int) -> list[int]:
+        return choose_partition(per_layer, cells, settings.objective, measured=calib.method == "time")
+
+    rows: list[dict[str, Any]] = []
+    for m in ms:
+        n = m * microbatch
+        planner = MemoryPlanner(*workload.with_batch(n).planner_inputs(), optimizer=rmsprop_foreach,
+                                optimizer_foreach=True)
+        if planner.num_layers != calib.num_layers:
+            raise ValueError(f"the planner sees {planner.num_layers} layers of {workload.name} but "
+                             f"the calibration {calib.num_layers}: calibrate this workload")
+
+        def step(sched: Schedule, balance: Sequence[int], m: int = m, n: int = n) -> Simulation:
+            return simulate(sched, stage_costs(calib, balance, split_sizes(n, m), platform.setup,
+                                               platform.teardown), platform.link, n)
+
+        for row in schedule_ablation(planner, devices=k, micro_batches=m, checkpoint=settings.checkpoint,
+                                     cut=cut, simulate_step=step):
+            rows.append({"costs": costs, "workload": workload.name, "microbatch": microbatch,
+                         "batch": n, "link": platform.link.name, **row})
+    return rows
+
+
+__all__ = ["ABLATION_K", "ABLATION_MS", "schedule_tradeoff"]

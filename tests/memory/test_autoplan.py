@@ -1,0 +1,55 @@
+"""The planner's search choosing the schedule too (memory/autoplan.py), at toy scale."""
+from __future__ import annotations
+
+import pytest
+
+from gpipe_repro.memory.autoplan import evaluate, not_applicable, schedule_verdict, search
+from gpipe_repro.memory.planner import MemoryPlanner
+from gpipe_repro.memory.workloads import workload
+from gpipe_repro.sim.links import PRESETS
+
+
+def _tiny() -> MemoryPlanner:
+    work = workload("transformer-lm", 8, L=2, d_model=32, d_ff=64, num_heads=2, vocab_size=100,
+                    seq_len=16)
+    return MemoryPlanner(*work.planner_inputs())         # 4 layers
+
+
+def test_search_chooses_the_schedule_and_says_why_the_others_lost() -> None:
+    planner = _tiny()
+    names = ["gpipe", "1f1b", "interleaved", "zb-h1"]
+    cands = search(planner, 2, 1e12, PRESETS["ideal"], 1e12, micro_batches=[4], checkpoints=("never",),
+                   schedules=names)
+    # K=1 runs gpipe only; K=2 every schedule (4 layers = 2K cells for interleaved).
+    assert sorted((c.partitions, c.schedule) for c in cands) == [
+        (1, "gpipe"), (2, "1f1b"), (2, "gpipe"), (2, "interleaved"), (2, "zb-h1")]
+    by = {c.schedule: c for c in cands if c.partitions == 2}
+    assert all(c.fits for c in cands) and cands[0].throughput == max(c.throughput for c in cands)
+    # Interleaved: 2K cells, a device's peak is the sum of its two cells' (cell c on device c mod K).
+    inter = by["interleaved"]
+    assert len(inter.balance) == 4 and inter.plan is not None
+    cells = [s.peak for s in inter.plan.stages]
+    assert inter.max_peak == max(cells[0] + cells[2], cells[1] + cells[3])
+    # With FLOP costs and a free link, ZB-H1 beats fill-drain at equal K, M (Qi et al., ICLR 2024).
+    assert by["zb-h1"].throughput > by["gpipe"].throughput
+    lines = schedule_verdict(cands, names, 1e12)
+    assert len(lines) == 4 and sum("chosen" in line for line in lines) == 1
+    assert any(line.startswith(f"{cands[0].schedule}: chosen") for line in lines)
+    assert all("slower" in line for line in lines if "chosen" not in line)
+
+
+def test_what_does_not_apply_is_said_and_skipped() -> None:
+    planner = _tiny()
+    assert "not a multiple of K=2" in not_applicable("interleaved", 2, 3, 4)
+    assert "only 4 layers" in not_applicable("interleaved", 4, 4, 4)
+    assert "gpipe's" in not_applicable("zb-h1", 1, 4, 4)
+    assert not_applicable("1f1b", 2, 3, 4) == ""
+    cands = search(planner, 2, 1e12, PRESETS["ideal"], 1e12, micro_batches=[3], checkpoints=("never",),
+                   schedules=["gpipe", "interleaved"])
+    assert {c.schedule for c in cands} == {"gpipe"}
+    assert schedule_verdict(cands, ["gpipe", "interleaved"], 1e12)[1] == (
+        "interleaved: applies to none of the K, M tried")
+    tight = evaluate(planner, 2, 4, "never", 1.0, PRESETS["ideal"], 1e12, "interleaved")
+    assert not tight.fits and tight.note
+    with pytest.raises(ValueError, match="unknown schedule.*choose from"):
+        search(planner, 2, 1e12, PRESETS["ideal"], 1e12, schedules=["fifo"])

@@ -1,0 +1,32 @@
+"""The detector's results file (repro/regression_detector.py) carries its label and its host block.
+No detector run here (each takes minutes): a made-up run goes through the real writer."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpipe_repro.report.provenance import host_block
+from gpipe_repro.report.records import read_json, write_json
+from gpipe_repro.repro import regression_detector as rd
+
+
+def _run(passed: bool) -> dict:
+    return {"passed": passed, "returncode": 0 if passed else 1, "tests": {"test_x": "passed"},
+            "values": {"overlap": 0.8}, "seconds": 1.0, "load_average": [0.5, 0.7], "tail": ""}
+
+
+def test_the_results_file_says_measured_and_where(tmp_path: Path) -> None:
+    conditions = [rd.HEALTHY, "one core"]
+    payload = rd._payload(1, conditions, {rd.HEALTHY: [_run(True)], "one core": [_run(False)]},
+                          host_block(idle_fraction_before=0.95))
+    payload["summary"] = rd.summarize(payload)
+    data = read_json(write_json(tmp_path / "regression_detector.json", payload))
+    assert data["method"] == "measured"
+    host = data["host"]
+    assert host["usable_cores"] >= 1 and len(host["load_average"]) == 3
+    assert len(host["load_average_end"]) == 3 and host["idle_fraction_before"] == 0.95
+    assert "git_commit" in host and "git_dirty" in host and "environment" in data
+    page = rd.render(data)
+    assert "load " in page and "at the end" in page and "Verdict: every healthy run passed" in page
+    # A file written before the host block existed still renders.
+    old = {**data, "host": {"usable_cores": 2, "idle_fraction_before": 0.0}}
+    assert "2 usable cores)" in rd.render(old)

@@ -1,0 +1,70 @@
+"""`make validate-sim` per schedule (repro/throughput/validation.py), with made-up costs and fake
+'measured' runs: the orchestration, the per-schedule summary and the refusals. Nothing is timed."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpipe_repro.engine.schedule import make_schedule
+from gpipe_repro.repro.throughput import validation
+from gpipe_repro.repro.throughput.report import render_validation_summary
+from gpipe_repro.repro.throughput.settings import SweepSettings
+from gpipe_repro.sim.calibration import Calibration, LayerCost
+from gpipe_repro.sim.links import PRESETS
+from gpipe_repro.sim.platform import Platform
+from gpipe_repro.sim.simulator import simulate, stage_costs
+
+
+def _calibrate(workload: Any, sizes: list[int], **kw: Any) -> Calibration:
+    cost = LayerCost(forward=1e-3, forward_nograd=1e-3, recompute=1e-3, backward=2e-3, optimizer=0.0,
+                     forward_flops=1.0, flops=3.0, params=1, output_bytes=0, grad_bytes=0)
+    return Calibration(workload.name, "time", "synthetic", list(range(8)), {b: [cost] * 8 for b in sizes})
+
+
+def _fake_measure(schedule: str, slowdown: float) -> validation.MeasureFn:
+    """A 'measured' run: the simulated step of `schedule` on the same costs, `slowdown` times longer,
+    with the simulated timeline standing in for the measured one."""
+    def run(workload: Any, balance: list[int], m: int, n: int, checkpoint: str) -> dict[str, Any]:
+        cal = _calibrate(workload, [n // m])
+        sim = simulate(make_schedule(schedule, len(balance), m, checkpoint),
+                       stage_costs(cal, balance, [n // m] * m), PRESETS["ideal"], n)
+        return {"step_time_s": sim.step_time * slowdown, "step_times": [sim.step_time * slowdown],
+                "timeline": sim.timeline}
+    return run
+
+
+def test_validation_reports_each_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(validation, "calibrate", _calibrate)
+    monkeypatch.setattr(validation, "platform_for", lambda name: Platform(PRESETS["ideal"]))
+    # the host probe samples the CPU for a second per configuration: a fixed answer instead
+    monkeypatch.setattr(validation, "conditions",
+                        lambda: {"idle_fraction_before": 0.9, "load_average_before": 0.5})
+    settings = SweepSettings(link="ideal", wait_idle=0.0)
+    slow = {"gpipe": 1.0, "1f1b": 1.25, "zb-h1": 1.02}
+    result = validation.validate_simulator(
+        settings, _fake_measure("gpipe", 1.0), models=["transformer"], ks=[2], ms=[2, 4],
+        checkpoints=("never",), schedules=["gpipe", "1f1b", "zb-h1"],
+        measure_schedule=lambda name: _fake_measure(name, slow[name]))
+    rows = result["rows"]
+    assert sorted({r["schedule"] for r in rows}) == ["1f1b", "gpipe", "zb-h1"] and len(rows) == 6
+    for r in rows:        # simulated / measured throughput - 1 = slowdown - 1, exactly
+        assert r["relative_error"] == pytest.approx(slow[r["schedule"]] - 1, abs=1e-12)
+        # the replay pads the measured timeline to the measured step: the pipeline model is exact
+        assert r["replay_error"] == pytest.approx(0.0, abs=1e-9)
+    per = result["summary"]["per_schedule"]
+    assert per["gpipe"]["met"] and per["zb-h1"]["met"] and not per["1f1b"]["met"]
+    assert per["1f1b"]["max_abs_error"] == pytest.approx(0.25) and per["1f1b"]["configurations"] == 2
+    assert not result["summary"]["met"] and "interleaved" in result["summary"]["not_validated"]
+    assert {"transformer_K2_M4_never", "transformer_K2_M4_never_zb-h1"} <= set(result["timelines"])
+    text = render_validation_summary(result)
+    assert "`1f1b` median 25.0%, worst 25.0% (NOT met)" in text and "| zb-h1 " in text
+    assert "`interleaved` is not validated" in text
+
+
+def test_validation_refuses_what_it_cannot_measure() -> None:
+    settings = SweepSettings(link="ideal")
+    with pytest.raises(ValueError, match="cannot validate interleaved: the distributed runtime"):
+        validation.validate_simulator(settings, _fake_measure("gpipe", 1.0), schedules=["interleaved"])
+    with pytest.raises(ValueError, match="pass measure_schedule= to measure 1f1b"):
+        validation.validate_simulator(settings, _fake_measure("gpipe", 1.0), schedules=["gpipe", "1f1b"])
