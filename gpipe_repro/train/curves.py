@@ -7,14 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from gpipe_repro.report.plots import pyplot as _pyplot
 
 
 def series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:

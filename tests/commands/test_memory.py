@@ -58,7 +58,8 @@ def test_fit_reports_every_device() -> None:
 def test_plan_chooses_a_fitting_configuration(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     result = CliRunner().invoke(app, ["plan", *TINY, "--devices", "4", "--memory", "0.01",
-                                      "--link", "ideal", "-M", "1,2,8", "--json", str(out)])
+                                      "--link", "ideal", "-M", "1,2,8", "--schedules", "gpipe",
+                                      "--json", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     choice = data["choice"]
