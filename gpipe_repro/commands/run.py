@@ -10,8 +10,9 @@ One subcommand per task; every one builds a `Task` factory and a `RunConfig` and
 `run_task`, which starts the one run loop (`gpipe_repro.train.loop.train`) in this process or, with
 `--runtime distributed`, in K stage processes (`gpipe_repro.train.ranks.launch`). To add a task (e.g.
 `transformer`), write its Task in `gpipe_repro/train/<task>.py` and add a function here decorated with
-`@group.command("<task>")`, taking the shared options (`PIPELINE_HELP`) and calling `run_task`, as
-`amoebanet` does. Options left out keep the preset's value.
+`@group.command("<task>")` and `@pipeline_options()` (the shared options, declared once in
+`gpipe_repro/commands/_vocabulary.py`), taking a `pipeline` dict and calling `run_task`, as `amoebanet`
+does. Options left out keep the preset's value.
 
     torchrun --nproc-per-node 4 $(which gpipe-repro) run amoebanet --k 4 --runtime distributed \
         --launcher torchrun                                  # one process per cell, under torchrun
@@ -24,38 +25,7 @@ from typing import Any, NoReturn, Optional
 
 import typer
 
-# The pipeline / run options every task shares: name -> (flag, help). Declared once here so each task
-# subcommand accepts them the same way (see `amoebanet` below for how they are used).
-PIPELINE_HELP = {
-    "k": "partitions K (cells, one per device)",
-    "replicas": "R: data-parallel replicas of the pipeline (--runtime distributed: K x R processes)",
-    "m": "micro-batches M per mini-batch",
-    "batch_size": "examples per mini-batch (one synchronous update)",
-    "steps": "optimizer steps (overrides --epochs)",
-    "epochs": "epochs of the training set",
-    "checkpoint": "re-materialization: always | except_last | never",
-    "schedule": "pipeline schedule: gpipe | 1f1b",
-    "objective": "partitioner objective: bottleneck | variance | greedy | equal",
-    "partition_cost": "what the partitioner balances: params | time | flops | activations",
-    "runtime": "local (one process) | distributed (one process per cell)",
-    "launcher": "distributed runtime launcher: local | torchrun",
-    "device": "cpu | cuda | auto",
-    "threads": "torch CPU threads (default: the preset's, else one per core)",
-    "optimizer": "override the task's optimizer: rmsprop | rmsprop-torch | sgd | adam | adamw",
-    "lr": "override the task's peak learning rate",
-    "seed": "seed of weights, data order, augmentation, dropout",
-    "eval_every": "evaluate every N steps (0: only at the end)",
-    "save_every": "save a checkpoint every N steps (0: only at the end and on Ctrl-C)",
-    "timeline_every": "sample per-stage busy/idle and memory every N steps (0: never)",
-    "name": "run name: the run writes to a fresh runs/<name> (runs/<name>-2, ... if taken)",
-    "out": "run directory: empty, new, or a previous run of the same task (only its files are replaced)",
-    "record": "write the result of record, results/training/<name> (what `make train-*` does)",
-    "timeout": "distributed runs: seconds a stage waits for a silent peer before the job fails",
-    "precision": "fp32 | bf16 | fp16 (autocast per cell, fp32 master weights; fp16 adds loss scaling)",
-    "clip_grad_norm": "clip the global gradient norm (all cells) to this value (default: the task's recipe)",
-    "wandb": "W&B mode: offline | online | disabled (default: $WANDB_MODE, else offline)",
-}
-
+from gpipe_repro.commands._vocabulary import PIPELINE_HELP, pipeline_options
 
 # Fewer examples than this per micro-batch and per-micro-batch BatchNorm statistics are noise
 # (issue 16: with 2 examples AmoebaNet stays at chance level).
@@ -184,7 +154,9 @@ def register(app: typer.Typer) -> None:
     app.add_typer(group, name="run")
 
     @group.command("amoebanet")
+    @pipeline_options()
     def amoebanet(
+        *,
         preset: str = typer.Option("cpu", help="cpu | paper | smoke; `--preset list` shows their values"),
         dataset: Optional[str] = typer.Option(None, help="mnist-sample | digits (offline) | cifar10 | "
                                               "cifar100 | hub:<repo id> | folder:<root>"),
@@ -192,44 +164,12 @@ def register(app: typer.Typer) -> None:
         L: Optional[int] = typer.Option(None, "--L", help="normal cells"),
         F: Optional[int] = typer.Option(None, "--F", help="filters of the first stack"),
         genotype: Optional[str] = typer.Option(None, help="B (the paper's Table 4) or D"),
-        k: Optional[int] = typer.Option(None, "--k", "-k", help=PIPELINE_HELP["k"]),
-        replicas: Optional[int] = typer.Option(None, help=PIPELINE_HELP["replicas"]),
-        m: Optional[int] = typer.Option(None, "--m", "-m", help=PIPELINE_HELP["m"]),
-        batch_size: Optional[int] = typer.Option(None, help=PIPELINE_HELP["batch_size"]),
-        batch: Optional[int] = typer.Option(None, "--batch", hidden=True),
-        steps: Optional[int] = typer.Option(None, help=PIPELINE_HELP["steps"]),
-        epochs: Optional[float] = typer.Option(None, help=PIPELINE_HELP["epochs"]),
-        checkpoint: Optional[str] = typer.Option(None, help=PIPELINE_HELP["checkpoint"]),
-        schedule: Optional[str] = typer.Option(None, help=PIPELINE_HELP["schedule"]),
-        objective: Optional[str] = typer.Option(None, help=PIPELINE_HELP["objective"]),
-        partition_cost: Optional[str] = typer.Option(None, help=PIPELINE_HELP["partition_cost"]),
-        runtime: Optional[str] = typer.Option(None, help=PIPELINE_HELP["runtime"]),
-        launcher: Optional[str] = typer.Option(None, help=PIPELINE_HELP["launcher"]),
-        device: Optional[str] = typer.Option(None, help=PIPELINE_HELP["device"]),
-        threads: Optional[int] = typer.Option(None, help=PIPELINE_HELP["threads"]),
-        optimizer: Optional[str] = typer.Option(None, help=PIPELINE_HELP["optimizer"]),
-        lr: Optional[float] = typer.Option(None, help=PIPELINE_HELP["lr"]),
-        seed: Optional[int] = typer.Option(None, help=PIPELINE_HELP["seed"]),
-        eval_every: Optional[int] = typer.Option(None, help=PIPELINE_HELP["eval_every"]),
-        save_every: Optional[int] = typer.Option(None, help=PIPELINE_HELP["save_every"]),
-        timeline_every: Optional[int] = typer.Option(None, help=PIPELINE_HELP["timeline_every"]),
-        name: Optional[str] = typer.Option(None, help=PIPELINE_HELP["name"]),
-        out: Optional[str] = typer.Option(None, help=PIPELINE_HELP["out"]),
-        record: bool = typer.Option(False, "--record", help=PIPELINE_HELP["record"]),
-        timeout: Optional[float] = typer.Option(None, help=PIPELINE_HELP["timeout"]),
-        precision: Optional[str] = typer.Option(None, help=PIPELINE_HELP["precision"]),
-        clip_grad_norm: Optional[float] = typer.Option(None, help=PIPELINE_HELP["clip_grad_norm"]),
-        wandb: Optional[str] = typer.Option(None, help=PIPELINE_HELP["wandb"]),
-        resume: bool = typer.Option(False, "--resume", help="continue from the run's latest checkpoint"),
-        progress: bool = typer.Option(True, "--progress/--no-progress", help="show the progress bar"),
+        pipeline: dict[str, Any],
         small_micro_batches: bool = typer.Option(
             False, "--small-micro-batches",
             help=f"allow fewer than {MIN_BATCHNORM_MICRO_BATCH} examples per micro-batch (BatchNorm)"),
     ) -> None:
         """AmoebaNet image classification (the paper's Table 4 recipe); presets: cpu, paper, smoke."""
-        from gpipe_repro.commands._vocabulary import resolve
-        batch_size = resolve("--batch-size", batch_size, batch, "--batch")
-        options = dict(locals())
         from gpipe_repro.train.tasks.image_classification import AmoebaNetTask, describe_presets
         from gpipe_repro.train.tasks.image_classification import preset as get_preset
 
@@ -241,7 +181,7 @@ def register(app: typer.Typer) -> None:
             run_config, task_config = get_preset(preset)
             task_config = task_config.replace(dataset=dataset, image_size=image_size, L=L, F=F,
                                               genotype=genotype)
-            config = apply_pipeline_options(run_config, options)
+            config = apply_pipeline_options(run_config, pipeline)
             check_batchnorm_micro_batches(config, uses_batchnorm=True, allow=small_micro_batches)
             return functools.partial(AmoebaNetTask, task_config), config
 

@@ -7,9 +7,9 @@
 
 Why its own module: `gpipe_repro/commands/run.py` owns the `run` group and the options every task
 shares; this module adds the `transformer` subcommand to that group (the CLI registers command
-modules in name order, so `run` exists by the time `run_transformer` registers) and reuses its
-`PIPELINE_HELP`, `apply_pipeline_options` and `run_task`, so the pipeline options mean exactly what
-they mean for `run amoebanet`.
+modules in name order, so `run` exists by the time `run_transformer` registers) and reuses the shared
+options (`pipeline_options`), `apply_pipeline_options` and `run_task`, so the pipeline options mean
+exactly what they mean for `run amoebanet`.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from typing import Any, Optional
 
 import typer
 
-from gpipe_repro.commands.run import PIPELINE_HELP, apply_pipeline_options, run_task
+from gpipe_repro.commands._vocabulary import pipeline_options
+from gpipe_repro.commands.run import apply_pipeline_options, run_task
 
 
 def _languages(value: str | None) -> tuple[str, ...] | None:
@@ -42,7 +43,9 @@ def corpus_vocabulary(corpus: str, data_dir: str | None) -> int | None:
     return sizes[0] if len(sizes) == 1 else None
 
 
+@pipeline_options(batch_size_help="sentences per mini-batch (one synchronous update)")
 def transformer(
+    *,
     preset: str = typer.Option("cpu", help="cpu | paper | smoke; `--preset list` shows their values"),
     layers: Optional[int] = typer.Option(None, "--layers", "--L", help="L: encoder (= decoder) layers"),
     ffn: Optional[int] = typer.Option(None, "--ffn", "--H", help="H: feed-forward hidden size"),
@@ -68,41 +71,9 @@ def transformer(
                                                   help="share embedding and output matrix (K=1 only)"),
     beam: Optional[int] = typer.Option(None, help="beam size for BLEU (1: greedy)"),
     eval_sentences: Optional[int] = typer.Option(None, help="test sentences per language scored"),
-    k: Optional[int] = typer.Option(None, "--k", "-k", help=PIPELINE_HELP["k"]),
-    replicas: Optional[int] = typer.Option(None, help=PIPELINE_HELP["replicas"]),
-    m: Optional[int] = typer.Option(None, "--m", "-m", help=PIPELINE_HELP["m"]),
-    batch_size: Optional[int] = typer.Option(None, help="sentences per mini-batch (one synchronous update)"),
-    batch: Optional[int] = typer.Option(None, "--batch", hidden=True),
-    steps: Optional[int] = typer.Option(None, help=PIPELINE_HELP["steps"]),
-    epochs: Optional[float] = typer.Option(None, help=PIPELINE_HELP["epochs"]),
-    checkpoint: Optional[str] = typer.Option(None, help=PIPELINE_HELP["checkpoint"]),
-    schedule: Optional[str] = typer.Option(None, help=PIPELINE_HELP["schedule"]),
-    objective: Optional[str] = typer.Option(None, help=PIPELINE_HELP["objective"]),
-    partition_cost: Optional[str] = typer.Option(None, help=PIPELINE_HELP["partition_cost"]),
-    runtime: Optional[str] = typer.Option(None, help=PIPELINE_HELP["runtime"]),
-    launcher: Optional[str] = typer.Option(None, help=PIPELINE_HELP["launcher"]),
-    device: Optional[str] = typer.Option(None, help=PIPELINE_HELP["device"]),
-    threads: Optional[int] = typer.Option(None, help=PIPELINE_HELP["threads"]),
-    optimizer: Optional[str] = typer.Option(None, help=PIPELINE_HELP["optimizer"]),
-    lr: Optional[float] = typer.Option(None, help=PIPELINE_HELP["lr"]),
-    seed: Optional[int] = typer.Option(None, help=PIPELINE_HELP["seed"]),
-    eval_every: Optional[int] = typer.Option(None, help=PIPELINE_HELP["eval_every"]),
-    save_every: Optional[int] = typer.Option(None, help=PIPELINE_HELP["save_every"]),
-    timeline_every: Optional[int] = typer.Option(None, help=PIPELINE_HELP["timeline_every"]),
-    name: Optional[str] = typer.Option(None, help=PIPELINE_HELP["name"]),
-    out: Optional[str] = typer.Option(None, help=PIPELINE_HELP["out"]),
-    record: bool = typer.Option(False, "--record", help=PIPELINE_HELP["record"]),
-    timeout: Optional[float] = typer.Option(None, help=PIPELINE_HELP["timeout"]),
-    precision: Optional[str] = typer.Option(None, help=PIPELINE_HELP["precision"]),
-    clip_grad_norm: Optional[float] = typer.Option(None, help=PIPELINE_HELP["clip_grad_norm"]),
-    wandb: Optional[str] = typer.Option(None, help=PIPELINE_HELP["wandb"]),
-    resume: bool = typer.Option(False, "--resume", help="continue from the run's latest checkpoint"),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="show the progress bar"),
+    pipeline: dict[str, Any],
 ) -> None:
     """Multilingual many-to-English translation with T(L, H, A); presets: cpu, paper, smoke."""
-    from gpipe_repro.commands._vocabulary import resolve
-    batch_size = resolve("--batch-size", batch_size, batch, "--batch")
-    options = dict(locals())
     if preset == "list":
         from gpipe_repro.train.tasks.translation import PRESETS
         from gpipe_repro.train.tasks.translation import preset as get_preset
@@ -143,7 +114,7 @@ def transformer(
                 print(f"note: using the corpus's own {built}-piece vocabulary (built by `gpipe-repro corpus "
                       f"build`) instead of the preset's {task_config.vocab_size}; --vocab-size chooses")
                 task_config = dataclasses.replace(task_config, vocab_size=built)
-        run_config = apply_pipeline_options(run_config, options)
+        run_config = apply_pipeline_options(run_config, pipeline)
         if task_config.tie_embeddings and run_config.partitions > 1:
             raise ValueError("--tie-embeddings shares one matrix between the first layer and the "
                              f"last, which land in different cells with --k {run_config.partitions}: "

@@ -178,3 +178,41 @@ def test_every_visible_option_of_every_command_is_documented() -> None:
 
     walk(typer.main.get_command(app), [])
     assert not undocumented, undocumented
+
+
+def test_both_run_commands_take_every_shared_pipeline_option_as_declared_once(launched: list[Any]) -> None:
+    """Each option of PIPELINE_OPTIONS reaches `run amoebanet` and `run transformer` with its one
+    declaration (flags, default, help), and its value reaches the RunConfig; `--batch` still merges."""
+    import typer.main
+
+    from gpipe_repro.commands._vocabulary import PIPELINE_OPTIONS
+    run = typer.main.get_command(app).commands["run"]                       # type: ignore[attr-defined]
+    for task in ("amoebanet", "transformer"):
+        params = {p.name: p for p in run.commands[task].params}
+        for option in PIPELINE_OPTIONS:
+            param = params[option.name]
+            flags = [*param.opts, *(f"{a}/{b}" for a, b in zip(param.opts, param.secondary_opts))]
+            assert (param.default, param.hidden) == (option.default, option.hidden), (task, option.name)
+            assert not option.flags or set(option.flags) <= set(flags), (task, option.name, flags)
+            if option.name != "batch_size":
+                assert param.help == option.help, (task, option.name)
+    result = CliRunner().invoke(app, ["run", "amoebanet", "--k", "2", "--m", "2", "--batch", "32",
+                                      "--seed", "7", "--no-progress", "--name", "x"])
+    assert result.exit_code == 0, result.output
+    config = launched[-1]
+    assert (config.partitions, config.micro_batches, config.batch_size, config.seed, config.progress) \
+        == (2, 2, 32, 7, False)
+    result = CliRunner().invoke(app, ["run", "amoebanet", "--batch", "32", "--batch-size", "64"])
+    assert result.exit_code == 2 and "disagree" in result.output and not launched[1:]
+
+
+def test_a_run_command_cannot_redeclare_a_shared_option() -> None:
+    from gpipe_repro.commands._vocabulary import pipeline_options
+
+    def clashing(*, k: int = 1, pipeline: dict[str, Any]) -> None: ...
+
+    def without_pipeline(*, preset: str = "cpu") -> None: ...
+
+    for command, message in ((clashing, r"\['k'\]"), (without_pipeline, "pipeline")):
+        with pytest.raises(TypeError, match=message):
+            pipeline_options()(command)
