@@ -76,9 +76,9 @@ def test_normalization_constants_match_the_train_split(mnist: tuple[ImageDataset
 def test_digits_are_scikit_learns_digits() -> None:
     from sklearn.datasets import load_digits
 
-    from gpipe_repro.data.images import _sklearn_digits  # the fast path that skips importing sklearn
+    from gpipe_repro.data.image_sources import sklearn_digits  # the fast path that skips importing sklearn
 
-    pixels, labels = _sklearn_digits()
+    pixels, labels = sklearn_digits()
     reference = load_digits()
     assert torch.equal(pixels[:, 0], torch.from_numpy(reference.images).to(torch.uint8))
     assert torch.equal(labels, torch.from_numpy(reference.target))
@@ -116,12 +116,12 @@ def test_hub_dataset_offline_fails_fast_and_clearly(monkeypatch: pytest.MonkeyPa
     assert "'mnist-sample'" in message and "'digits'" in message
 
     # Not in offline mode but no route to the hub: refuse at once rather than wait on retries.
-    from gpipe_repro.data import images
+    from gpipe_repro.data import image_hub
 
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY",
                 "all_proxy"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(images, "_hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(image_hub, "_hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(DatasetUnavailableError, match=r"unreachable.*'mnist-sample'"):
         load_image_dataset("hub:someone/pets")
 
@@ -295,3 +295,17 @@ def test_default_augmentation_keeps_digits_unflipped() -> None:
     assert (natural.crop_padding, natural.cutout_size) == (4, 16)
     x = torch.rand(4, 3, 32, 32)
     assert natural(x).shape == x.shape
+
+
+def test_every_name_the_images_module_had_is_still_importable_from_it() -> None:
+    """data/images.py was split by responsibility (issue 14); its public names stay where they were."""
+    from gpipe_repro.data import image_batches, image_dataset, image_hub, image_sources, images
+    homes = {"BatchIterator": image_batches, "DatasetUnavailableError": image_dataset,
+             "ImageDataset": image_dataset, "ImageSplits": image_dataset, "NORMALIZATION": image_dataset,
+             "channel_stats": image_dataset, "stratified_split": image_dataset, "HUB_ALIASES": image_hub,
+             "hub_offline": image_hub, "hub_splits": image_hub, "load_hub_dataset": image_hub,
+             "IMAGE_EXTENSIONS": image_sources, "OFFLINE_DATASETS": image_sources,
+             "load_image_folder": image_sources}
+    for name, home in homes.items():
+        assert getattr(images, name) is getattr(home, name), name
+    assert set(images.__all__) == {*homes, "load_image_dataset"}
