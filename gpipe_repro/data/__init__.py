@@ -1,4 +1,5 @@
-"""Data for the paper's experiments: translation corpora, tokenizers, batching (and images elsewhere).
+"""Data for the paper's experiments: translation corpora, tokenizers and batching; images in `images.py`
+(`load_image_dataset`) and its `image_*.py` modules (dataset and splits, offline sources, hub, batches).
 
 Nothing heavy is imported here: import the submodule you need (`gpipe_repro.data.translation`, ...).
 """
