@@ -183,7 +183,7 @@ def test_split_is_a_fixed_function_of_the_english_sentence(small_corpus: Path,
         assert welsh(alone, split) == welsh(small_corpus, split)
 
 
-@pytest.mark.slow   # the whole offline build: ~15 s of CPU
+@pytest.mark.host_data   # the whole offline build from every catalog installed here: minutes on 2 cores
 def test_full_offline_corpus_spans_high_and_low_resource_languages(tmp_path: Path) -> None:
     start = time.perf_counter()
     manifest = tr.build_gettext_corpus(tmp_path / "gettext")
