@@ -64,7 +64,8 @@ def test_validation_reports_each_schedule(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_validation_refuses_what_it_cannot_measure() -> None:
     settings = SweepSettings(link="ideal")
-    with pytest.raises(ValueError, match="cannot validate interleaved: validate-sim measures one stage per process"):
+    with pytest.raises(ValueError,
+                       match="cannot validate interleaved: validate-sim measures one stage per process"):
         validation.validate_simulator(settings, _fake_measure("gpipe", 1.0), schedules=["interleaved"])
     with pytest.raises(ValueError, match="pass measure_schedule= to measure 1f1b"):
         validation.validate_simulator(settings, _fake_measure("gpipe", 1.0), schedules=["gpipe", "1f1b"])
