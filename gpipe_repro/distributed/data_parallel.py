@@ -185,11 +185,11 @@ def sync_batchnorm_stats(module: nn.Module, group: dist.ProcessGroup | None, rep
         c = bn.num_features
         device = bn.running_mean.device if bn.running_mean is not None else torch.device("cpu")
         mine = torch.zeros(1 + 2 * c, dtype=torch.float64, device=device)
-        if bn._count > 0:
-            assert bn._mean is not None and bn._m2 is not None
-            mine[0] = bn._count
-            mine[1:1 + c] = bn._mean.double()
-            mine[1 + c:] = bn._m2.double()
+        merged = bn.pending_statistics()
+        if merged is not None:
+            mine[0] = merged[0]
+            mine[1:1 + c] = merged[1].to(device)
+            mine[1 + c:] = merged[2].to(device)
         everyone = [torch.empty_like(mine) for _ in range(replicas)]
         dist.all_gather(everyone, mine, group=group)
         count, mean, m2 = 0.0, torch.zeros(c, dtype=torch.float64, device=device), \
@@ -208,4 +208,4 @@ def sync_batchnorm_stats(module: nn.Module, group: dist.ProcessGroup | None, rep
             m2 = m2 + tm2 + delta * delta * (count * n / total)
             count = total
         if count > 0:
-            bn._count, bn._mean, bn._m2 = int(count), mean.float(), m2.float()
+            bn.replace_pending_statistics(int(count), mean, m2)

@@ -1,0 +1,53 @@
+"""DeferredBatchNorm alone: running statistics after micro-batches equal one plain BatchNorm pass over
+the whole mini-batch (the reference is torch's own nn.BatchNorm2d), on both of its paths (statistics
+taken from the normalization itself in float32/float64; a separate float32 pass in other dtypes)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe_repro.engine.batchnorm import DeferredBatchNorm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("sizes", [(3, 5, 8), (2, 2), (16,)])
+def test_micro_batches_commit_one_full_batch_update(dtype: torch.dtype, sizes: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(sum(sizes), 6, 4, 3, dtype=torch.float64) * 3 + 7      # far from zero mean
+    ref = nn.BatchNorm2d(6, momentum=0.3).double().train()
+    expected = ref(x)
+    ours = DeferredBatchNorm(6, momentum=0.3).to(dtype).train()
+    outs = [ours(part.to(dtype)) for part in x.split(list(sizes))]
+    assert int(ours.num_batches_tracked) == 0                                # nothing before commit
+    ours.commit()
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(ours.running_mean.double(), ref.running_mean, **tol)
+    torch.testing.assert_close(ours.running_var.double(), ref.running_var, **tol)
+    assert int(ours.num_batches_tracked) == 1
+    if len(sizes) == 1 and dtype != torch.bfloat16:                          # one micro-batch: same output
+        torch.testing.assert_close(outs[0].double(), expected, **tol)
+
+
+def test_discard_leaves_no_statistics() -> None:
+    bn = DeferredBatchNorm(4).train()
+    bn(torch.randn(5, 4))
+    bn.discard()
+    before = bn.running_mean.clone()
+    bn.commit()
+    torch.testing.assert_close(bn.running_mean, before)
+    assert int(bn.num_batches_tracked) == 0
+
+
+def test_pending_statistics_replaced_as_synchronized_batchnorm_does() -> None:
+    torch.manual_seed(1)
+    a, b = torch.randn(6, 3) + 2, torch.randn(10, 3) - 1
+    bn = DeferredBatchNorm(3, momentum=1.0).train()
+    bn(a)
+    rows, mean, m2 = bn.pending_statistics()                                  # type: ignore[misc]
+    assert rows == 6
+    whole = torch.cat([a, b]).double()
+    bn.replace_pending_statistics(16, whole.mean(0), ((whole - whole.mean(0)) ** 2).sum(0))
+    bn.commit()
+    torch.testing.assert_close(bn.running_var.double(), whole.var(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bn.running_mean.double(), whole.mean(0), rtol=1e-5, atol=1e-6)
