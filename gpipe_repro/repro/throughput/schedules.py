@@ -75,4 +75,39 @@ def schedule_tradeoff(calib: Calibration, workload: Workload, settings: SweepSet
     return rows
 
 
-__all__ = ["ABLATION_K", "ABLATION_MS", "schedule_tradeoff"]
+def link_control(model: str = "amoebanet", *, m: int = 32,
+                 checkpoint: str = "never") -> dict[str, dict[str, float]]:
+    """The schedule ablation's FLOP-model row at K=8 twice: on the TPU link and on a free link (no
+    latency, infinite bandwidth), same costs and cut. Shows how much of a schedule's simulated
+    throughput the link costs it (why `gpipe` can beat `1f1b` on AmoebaNet-D's large activations).
+    Returns {link name: {schedule: samples/s}}; all simulated."""
+    import dataclasses
+
+    from gpipe_repro.repro.throughput.workloads import PAPER_MICROBATCH, PAPER_WORKLOADS
+    from gpipe_repro.sim.calibration import calibrate
+    from gpipe_repro.sim.devices import DEVICES
+    from gpipe_repro.sim.links import LinkModel
+    from gpipe_repro.sim.platform import platform_for
+
+    settings = dataclasses.replace(SweepSettings(), checkpoint=checkpoint)
+    b = PAPER_MICROBATCH[model]
+    flops = calibrate(PAPER_WORKLOADS[model], [b], method="flops", device_model=DEVICES["tpu-v3-core"])
+    real = platform_for("tpu-ici")
+    free = Platform(LinkModel("free", 0.0, float("inf")), real.setup, real.teardown)
+    return {plat.link.name: {r["schedule"]: float(r["throughput"])
+                             for r in schedule_tradeoff(flops, PAPER_WORKLOADS[model], settings, plat,
+                                                        microbatch=b, costs="flop model", ms=[m])}
+            for plat in (real, free)}
+
+
+def main() -> None:
+    """`python -m experiments.schedule_link_control`: print :func:`link_control`'s table."""
+    result = link_control()
+    names = sorted(next(iter(result.values())))
+    print("AmoebaNet-D, FLOP model, K=8, M=32, checkpoint never: simulated samples/s")
+    print(f"{'link':10s}" + "".join(f"{n:>13s}" for n in names))
+    for link, row in result.items():
+        print(f"{link:10s}" + "".join(f"{row[n]:13.0f}" for n in names))
+
+
+__all__ = ["ABLATION_K", "ABLATION_MS", "schedule_tradeoff", "link_control"]
