@@ -27,62 +27,30 @@ import torch
 from torch import nn
 
 from gpipe_repro.engine import microbatch
+from gpipe_repro.engine.arguments import (
+    as_layers,
+    batch_key,
+    check_arguments,
+    check_shared_parameters,
+    declared_reduction,
+)
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_all
 from gpipe_repro.engine.layer_costs import layer_costs
 from gpipe_repro.engine.local_runtime import LocalTransport, run_local
-from gpipe_repro.engine.partition import OBJECTIVES, check_balance, partition
+from gpipe_repro.engine.partition import check_balance, partition
+from gpipe_repro.engine.placement import RUNTIMES, place_stages
 from gpipe_repro.engine.rng import preserved_rng
-from gpipe_repro.engine.schedule import (
-    CHECKPOINT_MODES,
-    SCHEDULES,
-    Schedule,
-    forward_on_processes,
-    gpipe_schedule,
-    make_schedule,
-    num_processes,
-)
-from gpipe_repro.engine.stage import PRECISIONS, Agreement, LossFn, StageExecutor, StepConfig, wall_clock
+from gpipe_repro.engine.schedule import Schedule, forward_on_processes, gpipe_schedule, make_schedule
+from gpipe_repro.engine.stage import Agreement, LossFn, StageExecutor, StepConfig, wall_clock
 from gpipe_repro.engine.timeline import Timeline
 
 __all__ = ["GPipe", "OptimizerFactory", "RUNTIMES", "as_layers", "split_cells"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-RUNTIMES = ("local", "distributed")
-# The distributed runtime lives in a later layer (gpipe_repro.distributed, which imports the engine);
-# the engine names it here and loads it only when a user asks for it, as torch loads its backends.
-# The module provides init_distributed(), broadcast_object() and StageProcess.
-_RUNTIME_PLUGINS = {"distributed": "gpipe_repro.distributed.runtime"}
-
-
-def _runtime_plugin(runtime: str) -> Any:
-    import importlib
-    return importlib.import_module(_RUNTIME_PLUGINS[runtime])
-
-
-def as_layers(layers: nn.Sequential | Sequence[nn.Module]) -> list[nn.Module]:
-    """Validate a model given as a sequence of layers and return it as a list."""
-    if isinstance(layers, nn.Sequential):
-        out = list(layers)
-    elif isinstance(layers, (list, tuple)):
-        out = list(layers)
-    else:
-        raise TypeError(f"the model must be an nn.Sequential or a list of nn.Module, got "
-                        f"{type(layers).__name__}; wrap its parts in nn.Sequential(...)")
-    if not out:
-        raise ValueError("the model has no layers")
-    seen: dict[int, int] = {}
-    for i, layer in enumerate(out):
-        if not isinstance(layer, nn.Module):
-            raise TypeError(f"layer {i} is a {type(layer).__name__}, not an nn.Module")
-        if id(layer) in seen:
-            raise ValueError(f"layers {seen[id(layer)]} and {i} are the same module object; a pipeline "
-                             "runs each layer once per micro-batch, so give each position its own "
-                             "module (copy.deepcopy it), or share weights inside one layer")
-        seen[id(layer)] = i
-    return out
 
 
 def split_cells(layers: list[nn.Module], balance: Sequence[int]) -> list[nn.Sequential]:
+    """Cut `layers` into cells of `balance` layers each (the same module objects)."""
     cells, i = [], 0
     for n in balance:
         cells.append(nn.Sequential(*layers[i:i + n]))
@@ -97,32 +65,6 @@ def _to_device(cell: nn.Module, device: torch.device) -> nn.Module:
     return cell if all(t.device == device for t in tensors) else cell.to(device)
 
 
-def _check_shared_parameters(cells: list[nn.Sequential]) -> None:
-    owner: dict[int, int] = {}
-    for c, cell in enumerate(cells):
-        for name, p in cell.named_parameters(remove_duplicate=False):
-            if owner.setdefault(id(p), c) != c:
-                raise ValueError(f"parameter {name!r} of cell {c} is shared with cell {owner[id(p)]}; each "
-                                 "cell has its own optimizer (and device), so tied weights must live in "
-                                 "one cell: choose a balance that keeps the tied layers together, or "
-                                 "untie them")
-
-
-BATCHNORM_STATS = ("per_replica", "synchronized")   # GPipe(batchnorm_stats=...), with replicas
-
-
-def _batch_key(inputs: Any, targets: Any) -> Any:
-    """What every rank's global mini-batch must have in common with replicas: structure, shapes,
-    dtypes and plain values (not the data; reading it would cost a pass over the batch)."""
-    def describe(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return ("tensor", tuple(v.shape), str(v.dtype))
-        if isinstance(v, (tuple, list)):
-            return tuple(describe(x) for x in v)
-        return ("value", repr(v))
-    return (describe(inputs), describe(targets))
-
-
 class _Unset:
     def __repr__(self) -> str:
         return "<not given>"
@@ -131,20 +73,6 @@ class _Unset:
 _NOT_GIVEN: Any = _Unset()
 LOSS_SCALER = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5,
                "growth_interval": 2000}   # torch.amp.GradScaler's defaults
-
-
-def _declared_reduction(loss_fn: Any) -> str | None:
-    """The reduction a loss declares (``nn.CrossEntropyLoss(reduction=...)``), normalized; None if
-    it declares none. Raises for a loss that does not reduce."""
-    declared = getattr(loss_fn, "reduction", None)
-    if not isinstance(declared, str):
-        return None
-    if declared == "batchmean":   # nn.KLDivLoss: sum / batch size, a per-example mean
-        return "mean"
-    if declared not in ("mean", "sum"):
-        raise ValueError(f"loss_fn has reduction={declared!r}; the pipeline needs a scalar loss per "
-                         "micro-batch: use reduction='mean' or 'sum', or return (sum, count)")
-    return declared
 
 
 class GPipe(nn.Module):
@@ -226,92 +154,31 @@ class GPipe(nn.Module):
                  batchnorm_stats: str = "per_replica", bucket_cap_mb: float = 25.0) -> None:
         super().__init__()
         layer_list = as_layers(layers)
-        if not isinstance(partitions, int) or partitions < 1:
-            raise ValueError(f"partitions must be an integer >= 1, got {partitions!r}")
-        if partitions > len(layer_list):
-            raise ValueError(f"partitions={partitions} is larger than the number of layers "
-                             f"({len(layer_list)}): use partitions <= {len(layer_list)}, or split the "
-                             "model into more, smaller layers")
-        if not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-        if loss_reduction not in (None, "mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        declared = _declared_reduction(loss_fn)
-        if declared is not None and loss_reduction is not None and loss_reduction != declared:
-            raise ValueError(f"loss_fn has reduction={getattr(loss_fn, 'reduction', None)!r} but "
-                             f"loss_reduction={loss_reduction!r}: leave loss_reduction out (it is read "
-                             f"from the loss), or build the loss with reduction={loss_reduction!r}")
-        if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float))
-                                               and clip_grad_norm > 0):
-            raise ValueError(f"clip_grad_norm must be a number > 0 (or None), got {clip_grad_norm!r}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
-        if runtime not in RUNTIMES:
-            raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
-        if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-        if not isinstance(replicas, int) or replicas < 1:
-            raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
-        if replicas > 1 and runtime != "distributed":
-            raise ValueError(f"replicas={replicas} needs runtime='distributed' (one process per stage "
-                             f"of each replica, {partitions * replicas} processes); the local runtime "
-                             "runs one pipeline: use replicas=1, or runtime='distributed'")
-        if batchnorm_stats not in BATCHNORM_STATS:
-            raise ValueError(f"batchnorm_stats must be one of {BATCHNORM_STATS}, got {batchnorm_stats!r}")
-        if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
-            raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
-        if devices is not None and len(devices) != partitions:
-            raise ValueError(f"{len(devices)} devices given for partitions={partitions}: give one device "
-                             "per partition")
-        context = None
-        plugin = _runtime_plugin(runtime) if runtime in _RUNTIME_PLUGINS else None
-        # The processes of one pipeline: one per partition, or K = partitions / v with "interleaved"
-        # (its v cells per process, round robin); owner[s] is the process running cell s.
-        procs = partitions if plugin is None else num_processes(schedule, partitions)
-        owner = (list(range(partitions)) if procs == partitions else
-                 make_schedule(schedule, partitions, procs, checkpoint).process_of())
-        if procs != partitions and replicas > 1:
-            raise ValueError(f"schedule={schedule!r} with replicas={replicas}: replicas of a pipeline "
-                             "whose processes hold several cells are not supported (each stage's "
-                             "gradient all-reduce is per cell); use replicas=1, or schedule='1f1b'")
-        if plugin is not None:
-            context = plugin.init_distributed()
-            world = context.world_size
-            per = "partition" if procs == partitions else f"pair of cells ({schedule!r} puts 2 per process)"
-            if world % procs != 0:
-                raise ValueError(f"partitions={partitions} but the job has {world} processes, which is "
-                                 f"not a multiple of {procs}: start one process per {per} and "
-                                 f"replica, {procs} x replicas processes (torchrun "
-                                 f"--nproc-per-node {procs}, or launch_local(fn, {procs} * R))")
-            if world != procs * replicas:
-                raise ValueError(f"partitions={partitions} x replicas={replicas} needs "
-                                 f"{procs * replicas} processes but the job has {world}: start "
-                                 f"{procs * replicas} processes, or pass replicas={world // procs}")
-        if balance is None:
-            balance = ([len(layer_list)] if partitions == 1 else
-                       partition(layer_costs(layer_list, cost, sample), partitions, objective))
-            if context is not None and plugin is not None:  # measured costs differ: rank 0's cut wins
-                balance = plugin.broadcast_object(balance)
+        check_arguments(num_layers=len(layer_list), partitions=partitions, micro_batches=micro_batches,
+                        checkpoint=checkpoint, loss_fn=loss_fn, loss_reduction=loss_reduction,
+                        clip_grad_norm=clip_grad_norm, precision=precision, schedule=schedule,
+                        runtime=runtime, objective=objective, replicas=replicas,
+                        batchnorm_stats=batchnorm_stats, bucket_cap_mb=bucket_cap_mb, devices=devices)
+        placement = place_stages(runtime=runtime, schedule=schedule, partitions=partitions,
+                                 checkpoint=checkpoint, replicas=replicas)
+        if balance is None:   # measured costs differ between processes: rank 0's cut wins
+            balance = placement.same_on_every_rank(
+                [len(layer_list)] if partitions == 1 else
+                partition(layer_costs(layer_list, cost, sample), partitions, objective))
         check_balance(balance, len(layer_list), partitions)
 
         if deferred_batchnorm:
             layer_list = [DeferredBatchNorm.convert(layer) for layer in layer_list]
         cells = split_cells(layer_list, balance)
-        _check_shared_parameters(cells)
+        check_shared_parameters(cells)
         # runtime="distributed": this process's index in its pipeline: its stage, or with
         # "interleaved" its first stage (it runs stages rank, rank + K, ...: `self.stages_here`).
-        self.rank: int | None = None
-        self.replicas, self.replica = replicas, 0   # R, and this process's replica
-        self.stages_here = list(range(partitions))   # the stages (cells) this process runs
-        if context is not None:
-            self.rank, self.replica = context.rank % procs, context.rank // procs
-            self.stages_here = [s for s in range(partitions) if owner[s] == self.rank]
+        self.rank: int | None = placement.rank
+        self.replicas, self.replica = replicas, placement.replica   # R, and this process's replica
+        self.stages_here = placement.stages_here   # the stages (cells) this process runs
+        if placement.context is not None:
             if devices is None:
-                devices = [context.device] * partitions
+                devices = [placement.context.device] * partitions
             # This process runs only its own cells; the others' layers are not kept.
             cells = [c if s in self.stages_here else nn.Sequential() for s, c in enumerate(cells)]
         if devices is None:
@@ -322,7 +189,7 @@ class GPipe(nn.Module):
         self.partitions, self.micro_batches = partitions, micro_batches
         self.checkpoint, self.schedule_name, self.recompute_ahead = checkpoint, schedule, recompute_ahead
         self.loss_fn = loss_fn
-        self.loss_reduction = declared or loss_reduction or "mean"
+        self.loss_reduction = declared_reduction(loss_fn) or loss_reduction or "mean"
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.precision = precision
         self.loss_scale = LOSS_SCALER["init_scale"] if precision == "fp16" else 1.0
@@ -345,13 +212,15 @@ class GPipe(nn.Module):
             StageExecutor(self._cell(s), s, partitions, firsts[s], self.devices[s], self._transport,
                           loss_fn, self.optimizers[s], self.seed)
             for s in self.stages_here]
-        self._owner = owner
+        self._process_of = placement.process_of
         self.stage_process = None  # runtime="distributed": this rank's StageProcess
-        if plugin is not None:
-            self.stage_process = plugin.StageProcess(
-                self.executors if procs != partitions else self.executors[0], context,
-                layout=plugin.Layout(procs, replicas), process_of=owner,
-                bucket_cap_mb=float(bucket_cap_mb), batchnorm_stats=batchnorm_stats)
+        if placement.plugin is not None:
+            shared = placement.processes != partitions   # a process runs several cells
+            self.stage_process = placement.plugin.StageProcess(
+                self.executors if shared else self.executors[0], placement.context,
+                layout=placement.plugin.Layout(placement.processes, replicas),
+                process_of=placement.process_of, bucket_cap_mb=float(bucket_cap_mb),
+                batchnorm_stats=batchnorm_stats)
 
     # -- training ---------------------------------------------------------------------------------
     def make_schedule(self) -> Schedule:
@@ -371,7 +240,7 @@ class GPipe(nn.Module):
                              "gradients without updating")
         if self.replicas > 1:   # before any work: every rank has the same global mini-batch
             assert self.stage_process is not None
-            self.stage_process.check_same_batch(_batch_key(inputs, targets))
+            self.stage_process.check_same_batch(batch_key(inputs, targets))
         mbs, tgts, sizes = self._split(inputs, targets)
         n = sum(sizes)
         weights = [s / n for s in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
@@ -424,7 +293,7 @@ class GPipe(nn.Module):
             if n < self.replicas:
                 raise ValueError(f"a batch of {n} cannot be shared by replicas={self.replicas}: give "
                                  f"at least {self.replicas} examples")
-            self.stage_process.check_same_batch(_batch_key(inputs, None))
+            self.stage_process.check_same_batch(batch_key(inputs, None))
             inputs = microbatch.split(inputs, self.replicas)[self.replica]
             n = microbatch.batch_size(inputs)
         m = self.micro_batches if self.training else min(self.micro_batches, n)
@@ -434,7 +303,7 @@ class GPipe(nn.Module):
         mbs = microbatch.split(inputs, m)
         schedule = gpipe_schedule(self.partitions, m, training=False)
         if self.stage_process is not None and len(self.stages_here) > 1:   # processes hold several cells
-            schedule = forward_on_processes(schedule, self._owner)
+            schedule = forward_on_processes(schedule, self._process_of)
         # Masks of a forward() call must differ between calls and from every training step's:
         # negative step numbers are never used by train_step.
         step = -1 - self._forward_calls

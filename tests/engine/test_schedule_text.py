@@ -76,6 +76,12 @@ def test_zoo_of_broken_schedules_is_rejected_with_the_action_marked(name: str) -
     ("schedule x stages=2 micro_batches=1\nstage 0: F0 B0 U", r"stages=2 but the text lists stages \[0\]"),
     ("schedule x stages=1 micro_batches=1\nstage 0: F0\nstage 0: B0", "listed twice"),
     ("schedule x stages=1 micro_batches=1\nrow 0: F0", "expected 'stage N: actions"),
+    # the same reader serves the process form: the same errors, in its own words
+    ("schedule x stages=2 micro_batches=1 processes=1\nprocess 0: F0@0\nprocess 0: F0@1",
+     "line 3: process 0 is listed twice"),
+    ("schedule x stages=2 micro_batches=1 processes=1\nstage 0: F0@0",
+     r"line 2: expected 'process N: actions@stage\.\.\.'"),
+    ("schedule x stages=2 micro_batches=1 processes=1\nprocess 0: F0@0 >>Q1@1<<", "unknown action 'Q1'"),
 ])
 def test_unreadable_text_names_the_problem(text: str, message: str) -> None:
     with pytest.raises(ScheduleError, match=message):

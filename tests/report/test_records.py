@@ -206,25 +206,21 @@ def test_online_without_api_key_fails_clearly(wandb_sandbox: Path) -> None:
         RunLogger("p", mode="online", dir=wandb_sandbox / "run")
 
 
-def test_offline_wandb_run_is_quick_and_lands_locally(wandb_sandbox: Path) -> None:
-    import time
-
+def test_offline_wandb_run_lands_locally(wandb_sandbox: Path) -> None:
+    # How long it takes (target 30 s) is `make bench-latency`'s, not a test's.
     run_dir = wandb_sandbox / "run"
-    start = time.perf_counter()
     logger = RunLogger("gpipe-repro-test", {"K": 2, "M": 4}, dir=run_dir)  # mode from default
     for step in range(3):
         logger.log({"loss": 1.0 / (step + 1)}, step=step)
     logger.log_table("t", ["a"], [[1]])
     logger.summary({"final": 0.25})
     logger.finish()
-    elapsed = time.perf_counter() - start
     run = read_json(run_dir / "run.json")
     assert run["mode"] == "offline" and run["status"] == "finished" and run["wandb_id"]
     wandb_run = Path(run["wandb_dir"])
     assert wandb_run.parent.parent == run_dir and wandb_run.name.startswith("offline-run-")
     assert list(wandb_run.glob("run-*.wandb")), "wandb wrote no offline run file"
     assert [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1.0, 0.5, 1.0 / 3]
-    assert elapsed < 30, f"offline W&B init+finish took {elapsed:.1f}s"
 
 
 # ----------------------------------------------------------------------------- measured-cell cleanliness

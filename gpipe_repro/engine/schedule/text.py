@@ -74,15 +74,7 @@ def from_text(text: str) -> Schedule:
                             "'schedule NAME stages=K micro_batches=M training=1'") from None
     if "processes" in fields:
         return _from_process_text(head[1], k, m, training, lines[1:])
-    stages: dict[int, tuple[Action, ...]] = {}
-    for lineno, ln in lines[1:]:
-        label, sep, body = ln.partition(":")
-        if not sep or not re.fullmatch(r"stage \d+", label.strip()):
-            raise ScheduleError(f"line {lineno}: expected 'stage N: actions...', got {ln!r}")
-        s = int(label.split()[1])
-        if s in stages:
-            raise ScheduleError(f"line {lineno}: stage {s} is listed twice")
-        stages[s] = tuple(_parse_action(tok, s, lineno) for tok in body.replace("<-- ERROR", "").split())
+    stages = _read_rows(lines[1:], "stage", "actions...", _parse_action)
     if sorted(stages) != list(range(k)):
         raise ScheduleError(f"the header says stages={k} but the text lists stages {sorted(stages)}")
     return Schedule(head[1], k, m, tuple(stages[s] for s in range(k)), training)
@@ -90,25 +82,35 @@ def from_text(text: str) -> Schedule:
 
 def _from_process_text(name: str, k: int, m: int, training: bool,
                        lines: list[tuple[int, str]]) -> Schedule:
-    programs: dict[int, tuple[Action, ...]] = {}
-    for lineno, ln in lines:
-        label, sep, body = ln.partition(":")
-        if not sep or not re.fullmatch(r"process \d+", label.strip()):
-            raise ScheduleError(f"line {lineno}: expected 'process N: actions@stage...', got {ln!r}")
-        p = int(label.split()[1])
-        if p in programs:
-            raise ScheduleError(f"line {lineno}: process {p} is listed twice")
-        acts = []
-        for tok in body.replace("<-- ERROR", "").split():
-            bare = tok[2:-2] if tok.startswith(">>") and tok.endswith("<<") else tok
-            action, at, stage = bare.rpartition("@")
-            if not at or not stage.isdigit():
-                raise ScheduleError(f"line {lineno}: {tok!r} needs its stage: write e.g. F3@2")
-            acts.append(_parse_action(action, int(stage), lineno))
-        programs[p] = tuple(acts)
+    programs = _read_rows(lines, "process", "actions@stage...", _parse_placed_action)
     procs = tuple(programs[p] for p in sorted(programs))
     stages = tuple(tuple(a for prog in procs for a in prog if a.stage == s) for s in range(k))
     return Schedule(name, k, m, stages, training, procs)
+
+
+def _read_rows(lines: list[tuple[int, str]], row: str, form: str,
+               parse: Callable[[str, int, int], Action]) -> dict[int, tuple[Action, ...]]:
+    """The rows ``ROW N: tokens`` (``row`` is "stage" or "process") as {N: actions}, each token read
+    by ``parse(token, N, line number)``; a malformed or repeated row names its line."""
+    rows: dict[int, tuple[Action, ...]] = {}
+    for lineno, ln in lines:
+        label, sep, body = ln.partition(":")
+        if not sep or not re.fullmatch(rf"{row} \d+", label.strip()):
+            raise ScheduleError(f"line {lineno}: expected '{row} N: {form}', got {ln!r}")
+        n = int(label.split()[1])
+        if n in rows:
+            raise ScheduleError(f"line {lineno}: {row} {n} is listed twice")
+        rows[n] = tuple(parse(tok, n, lineno) for tok in body.replace("<-- ERROR", "").split())
+    return rows
+
+
+def _parse_placed_action(token: str, process: int, lineno: int) -> Action:
+    """An action of a process row, ``F3@2`` (optionally marked ``>>F3@2<<``): it names its stage."""
+    bare = token[2:-2] if token.startswith(">>") and token.endswith("<<") else token
+    action, at, stage = bare.rpartition("@")
+    if not at or not stage.isdigit():
+        raise ScheduleError(f"line {lineno}: {token!r} needs its stage: write e.g. F3@2")
+    return _parse_action(action, int(stage), lineno)
 
 
 _FROM_SHORT = {short: kind for kind, short in _SHORT.items()}

@@ -1,0 +1,136 @@
+"""The checks of :class:`~gpipe_repro.engine.gpipe.GPipe`'s arguments.
+
+Every check runs before any work starts (no partitioner, no process group, no optimizer), and every
+error says what to change. :func:`check_arguments` covers the scalar configuration (K, M, the
+re-materialization mode, the loss's reduction, clipping, precision, schedule, runtime, objective,
+replicas, devices); :func:`as_layers` the model; :func:`check_shared_parameters` the cut cells;
+:func:`batch_key` what every rank's mini-batch must share when there are replicas.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe_repro.engine.agreement import PRECISIONS
+from gpipe_repro.engine.partition import OBJECTIVES
+from gpipe_repro.engine.placement import RUNTIMES
+from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES
+
+__all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_shared_parameters",
+           "declared_reduction"]
+
+BATCHNORM_STATS = ("per_replica", "synchronized")   # GPipe(batchnorm_stats=...), with replicas
+
+
+def as_layers(layers: nn.Sequential | Sequence[nn.Module]) -> list[nn.Module]:
+    """Validate a model given as a sequence of layers and return it as a list."""
+    if isinstance(layers, nn.Sequential):
+        out = list(layers)
+    elif isinstance(layers, (list, tuple)):
+        out = list(layers)
+    else:
+        raise TypeError(f"the model must be an nn.Sequential or a list of nn.Module, got "
+                        f"{type(layers).__name__}; wrap its parts in nn.Sequential(...)")
+    if not out:
+        raise ValueError("the model has no layers")
+    seen: dict[int, int] = {}
+    for i, layer in enumerate(out):
+        if not isinstance(layer, nn.Module):
+            raise TypeError(f"layer {i} is a {type(layer).__name__}, not an nn.Module")
+        if id(layer) in seen:
+            raise ValueError(f"layers {seen[id(layer)]} and {i} are the same module object; a pipeline "
+                             "runs each layer once per micro-batch, so give each position its own "
+                             "module (copy.deepcopy it), or share weights inside one layer")
+        seen[id(layer)] = i
+    return out
+
+
+def declared_reduction(loss_fn: Any) -> str | None:
+    """The reduction a loss declares (``nn.CrossEntropyLoss(reduction=...)``), normalized; None if
+    it declares none. Raises for a loss that does not reduce."""
+    declared = getattr(loss_fn, "reduction", None)
+    if not isinstance(declared, str):
+        return None
+    if declared == "batchmean":   # nn.KLDivLoss: sum / batch size, a per-example mean
+        return "mean"
+    if declared not in ("mean", "sum"):
+        raise ValueError(f"loss_fn has reduction={declared!r}; the pipeline needs a scalar loss per "
+                         "micro-batch: use reduction='mean' or 'sum', or return (sum, count)")
+    return declared
+
+
+def check_arguments(*, num_layers: int, partitions: Any, micro_batches: Any, checkpoint: Any,
+                    loss_fn: Any, loss_reduction: Any, clip_grad_norm: Any, precision: Any,
+                    schedule: Any, runtime: Any, objective: Any, replicas: Any, batchnorm_stats: Any,
+                    bucket_cap_mb: Any, devices: Sequence[Any] | None) -> None:
+    """Check GPipe's configuration (the arguments of the same names; `num_layers` is the model's
+    length). Raises ValueError naming the first argument out of range or inconsistent, and what to
+    change; checked in the order of GPipe's signature, so the message for a given call is stable."""
+    if not isinstance(partitions, int) or partitions < 1:
+        raise ValueError(f"partitions must be an integer >= 1, got {partitions!r}")
+    if partitions > num_layers:
+        raise ValueError(f"partitions={partitions} is larger than the number of layers "
+                         f"({num_layers}): use partitions <= {num_layers}, or split the "
+                         "model into more, smaller layers")
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+    if loss_reduction not in (None, "mean", "sum"):
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    declared = declared_reduction(loss_fn)
+    if declared is not None and loss_reduction is not None and loss_reduction != declared:
+        raise ValueError(f"loss_fn has reduction={getattr(loss_fn, 'reduction', None)!r} but "
+                         f"loss_reduction={loss_reduction!r}: leave loss_reduction out (it is read "
+                         f"from the loss), or build the loss with reduction={loss_reduction!r}")
+    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float))
+                                           and clip_grad_norm > 0):
+        raise ValueError(f"clip_grad_norm must be a number > 0 (or None), got {clip_grad_norm!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
+    if replicas > 1 and runtime != "distributed":
+        raise ValueError(f"replicas={replicas} needs runtime='distributed' (one process per stage "
+                         f"of each replica, {partitions * replicas} processes); the local runtime "
+                         "runs one pipeline: use replicas=1, or runtime='distributed'")
+    if batchnorm_stats not in BATCHNORM_STATS:
+        raise ValueError(f"batchnorm_stats must be one of {BATCHNORM_STATS}, got {batchnorm_stats!r}")
+    if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
+        raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
+    if devices is not None and len(devices) != partitions:
+        raise ValueError(f"{len(devices)} devices given for partitions={partitions}: give one device "
+                         "per partition")
+
+
+def check_shared_parameters(cells: Sequence[nn.Module]) -> None:
+    """Refuse a parameter held by two cells (each cell has its own optimizer and device)."""
+    owner: dict[int, int] = {}
+    for c, cell in enumerate(cells):
+        for name, p in cell.named_parameters(remove_duplicate=False):
+            if owner.setdefault(id(p), c) != c:
+                raise ValueError(f"parameter {name!r} of cell {c} is shared with cell {owner[id(p)]}; each "
+                                 "cell has its own optimizer (and device), so tied weights must live in "
+                                 "one cell: choose a balance that keeps the tied layers together, or "
+                                 "untie them")
+
+
+def batch_key(inputs: Any, targets: Any) -> Any:
+    """What every rank's global mini-batch must have in common with replicas: structure, shapes,
+    dtypes and plain values (not the data; reading it would cost a pass over the batch)."""
+    def describe(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return ("tensor", tuple(v.shape), str(v.dtype))
+        if isinstance(v, (tuple, list)):
+            return tuple(describe(x) for x in v)
+        return ("value", repr(v))
+    return (describe(inputs), describe(targets))

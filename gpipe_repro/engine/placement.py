@@ -1,0 +1,98 @@
+"""Which process runs which stage: the runtime, the processes of one pipeline, the replicas.
+
+With ``runtime="local"`` one process runs every stage. With ``runtime="distributed"`` each pipeline
+has one process per stage, or K = partitions / v processes with ``schedule="interleaved"`` (each
+runs its v cells round robin, ``Schedule.process_of()``); a job of R replicas has that many
+processes times R, and ``rank = replica * processes + process`` (see
+:mod:`gpipe_repro.distributed.groups`). :func:`place_stages` checks the job against that and says
+which stages this process keeps.
+
+The distributed runtime lives in a later layer (``gpipe_repro.distributed``, which imports the
+engine); the engine names it here and loads it only when a user asks for it, as torch loads its
+backends. The module provides ``init_distributed()``, ``broadcast_object()``, ``Layout`` and
+``StageProcess``.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from gpipe_repro.engine.schedule import make_schedule, num_processes
+
+__all__ = ["RUNTIMES", "Placement", "place_stages", "runtime_plugin"]
+
+RUNTIMES = ("local", "distributed")
+_RUNTIME_PLUGINS = {"distributed": "gpipe_repro.distributed.runtime"}
+
+
+def runtime_plugin(runtime: str) -> Any:
+    """The module that implements `runtime`, imported on first use; None for ``"local"``."""
+    if runtime not in _RUNTIME_PLUGINS:
+        return None
+    return importlib.import_module(_RUNTIME_PLUGINS[runtime])
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the stages of one GPipe run.
+
+    Attributes:
+        processes: the processes of one pipeline (K; ``partitions`` unless stages share processes).
+        process_of: ``process_of[s]``, the process (index in its pipeline) running stage s.
+        stages_here: the stages this process runs (all of them with the local runtime).
+        rank: this process's index in its pipeline (its stage, or with ``"interleaved"`` its first
+            stage); None with the local runtime.
+        replica: this process's replica (0 with the local runtime).
+        plugin: the distributed runtime's module, or None.
+        context: the distributed runtime's context of this process (rank, world size, device), or
+            None.
+    """
+    processes: int
+    process_of: list[int]
+    stages_here: list[int]
+    rank: int | None = None
+    replica: int = 0
+    plugin: Any = None
+    context: Any = None
+
+    def same_on_every_rank(self, value: Any) -> Any:
+        """Rank 0's `value` on every process (a collective with the distributed runtime); `value`
+        itself with the local runtime."""
+        return value if self.plugin is None else self.plugin.broadcast_object(value)
+
+
+def place_stages(*, runtime: str, schedule: str, partitions: int, checkpoint: str,
+                 replicas: int) -> Placement:
+    """Place `partitions` stages on processes for `runtime` (the arguments are GPipe's, already
+    checked by :func:`~gpipe_repro.engine.arguments.check_arguments`). With the distributed runtime
+    this starts the process group (``init_distributed``) and checks the job's size: raises
+    ValueError, saying how many processes to start, for a job that does not match K x R, and for
+    replicas of a pipeline whose processes hold several stages (checked before the process group)."""
+    plugin = runtime_plugin(runtime)
+    # The processes of one pipeline: one per partition, or K = partitions / v with "interleaved"
+    # (its v cells per process, round robin); owner[s] is the process running cell s.
+    procs = partitions if plugin is None else num_processes(schedule, partitions)
+    owner = (list(range(partitions)) if procs == partitions else
+             make_schedule(schedule, partitions, procs, checkpoint).process_of())
+    if procs != partitions and replicas > 1:
+        raise ValueError(f"schedule={schedule!r} with replicas={replicas}: replicas of a pipeline "
+                         "whose processes hold several cells are not supported (each stage's "
+                         "gradient all-reduce is per cell); use replicas=1, or schedule='1f1b'")
+    if plugin is None:
+        return Placement(procs, owner, list(range(partitions)))
+    context = plugin.init_distributed()
+    world = context.world_size
+    per = "partition" if procs == partitions else f"pair of cells ({schedule!r} puts 2 per process)"
+    if world % procs != 0:
+        raise ValueError(f"partitions={partitions} but the job has {world} processes, which is "
+                         f"not a multiple of {procs}: start one process per {per} and "
+                         f"replica, {procs} x replicas processes (torchrun "
+                         f"--nproc-per-node {procs}, or launch_local(fn, {procs} * R))")
+    if world != procs * replicas:
+        raise ValueError(f"partitions={partitions} x replicas={replicas} needs "
+                         f"{procs * replicas} processes but the job has {world}: start "
+                         f"{procs * replicas} processes, or pass replicas={world // procs}")
+    rank, replica = context.rank % procs, context.rank // procs
+    return Placement(procs, owner, [s for s in range(partitions) if owner[s] == rank], rank, replica,
+                     plugin, context)
