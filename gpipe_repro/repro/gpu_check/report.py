@@ -33,13 +33,18 @@ def previous_output(out: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and data.get("experiment") == EXPERIMENT else None
 
 
+# Other records of the same device that may share its results/gpu/<device>/ directory: gpu-check
+# writes beside them and never touches them (the microbatch probe's `--json` writes there).
+COMPANION_RECORDS = frozenset({"probe_gpu_microbatches.json"})
+
+
 def check_out_dir(out: Path, *, overwrite: bool = False,
                   confirm: Callable[[str], bool] | None = None) -> None:
     """Refuse `out` unless it is new, empty, or a previous gpu-check output the user agrees to replace
     (see the module docstring). Call it before any work starts."""
     if out.exists() and not out.is_dir():
         raise OutputRefused(f"--out {out} is a file, not a directory: give a directory")
-    if not out.exists() or not any(out.iterdir()):
+    if not out.exists() or all(p.name in COMPANION_RECORDS for p in out.iterdir()):
         return
     previous = previous_output(out)
     if previous is None:
