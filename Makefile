@@ -7,7 +7,7 @@ export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help venv test test-host-data lint throughput-table memory-table validate-sim bench-overhead bench-runtime \
-        bench-replicas bench-schedules replicas-plan-table deep-vs-wide train-amoebanet corpus baseline \
+        bench-replicas bench-schedules bench-latency replicas-plan-table deep-vs-wide train-amoebanet corpus baseline \
         gpu-check check-speedups check-regression-detector clean
 
 help:
