@@ -29,11 +29,14 @@ help:
 	@echo "make check-regression-detector  the CI regression vs 4 breakages (RUNS=10), results/ci/"
 	@echo "make gpu-check         engine, memory planner and cost model on one GPU, results/gpu/<device>/"
 
+# One pip call with the pip the venv comes with (no upgrade first: pip >= 21.3 installs this
+# editable pyproject project, and resolving once is cheaper than three times). torch is named so
+# that the constraint picks the local CPU wheel (find-links) before anything else is resolved.
+# Bytecode is compiled at install on purpose (no --no-compile): with PYTHONDONTWRITEBYTECODE set,
+# every process would otherwise recompile torch's modules on each import.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt torch
-	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	$(PY) -m pip install -q -c constraints.txt torch -e ".[test]"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -120,7 +120,7 @@ class GpuCheckSettings:
             depth_dims={"d_model": 32, "d_ff": 64, "heads": 2, "vocab": 64},
             depth_batch=(8, 16), depth_micro_batches=4, depth_budget_bytes=2 << 20, depth_max_layers=64,
             costs_table2=tiny_costs, costs_table3=tiny_costs,   # one set of models, timed once
-            costs_ks=(2, 4), costs_ms=(1, 4), costs_repeats=2,
+            costs_ks=(2, 4), costs_ms=(1, 4), costs_repeats=1,   # one timed repeat: the code path
             # no time budgets: the toy run must take every code path however loaded the host is
             # (a budget spent on a busy CI host skipped the transformer tables once)
             budgets_s={})
