@@ -1,6 +1,6 @@
 """`gpipe-repro run <task>`: train a model through the pipeline, with logging, checkpoints and resume.
 
-    gpipe-repro run amoebanet --preset cpu                   # ~5 min on 2 CPU cores, MNIST sample
+    gpipe-repro run amoebanet --preset cpu                   # ~7 min on 2 CPU cores, MNIST sample
     gpipe-repro run amoebanet --k 4 --m 32 --batch-size 128  # the preset's model, another pipeline
     gpipe-repro run amoebanet --preset cpu --resume          # continue a killed / Ctrl-C'd run
     gpipe-repro run amoebanet --preset paper                 # AmoebaNet-B (18, 512), 480x480, GPUs

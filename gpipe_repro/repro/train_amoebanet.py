@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from gpipe_repro.report.records import markdown_table, measured, read_json, writ
 from gpipe_repro.train.checkpoints import latest_checkpoint
 from gpipe_repro.train.curves import plot_loss_comparison
 from gpipe_repro.train.loop import train
+from gpipe_repro.train.ranks import launch
 from gpipe_repro.train.tasks.image_classification import AmoebaNetTask, preset
 
 OUT = Path("results/training")
@@ -37,7 +39,9 @@ def cpu_run(rerun: bool) -> dict[str, Any]:
     summary_path = run.run_dir / "summary.json"
     if rerun or not summary_path.is_file() or read_json(summary_path).get("status") != "finished":
         resume = not rerun and latest_checkpoint(run.checkpoint_dir) is not None
-        train(AmoebaNetTask(task), dataclasses.replace(run, resume=resume))
+        # as `make train-amoebanet` runs it: the preset's runtime (one process per cell on a
+        # multi-core host) through the same launcher
+        launch(functools.partial(AmoebaNetTask, task), dataclasses.replace(run, resume=resume))
     return read_json(summary_path)
 
 
@@ -49,6 +53,7 @@ def k_equivalence(steps: int) -> dict[str, Any]:
     seconds = {}
     for k in (1, 4):
         config = dataclasses.replace(run, name=f"k-equivalence-k{k}", partitions=k, steps=steps,
+                                     runtime="local",    # one process: the comparison is about K
                                      eval_every=0, save_every=0, timeline_every=0, wandb="disabled",
                                      out_dir=f"/tmp/gpipe-repro-k-equivalence/k{k}")
         summary = train(AmoebaNetTask(task), config)
