@@ -26,6 +26,7 @@ from torch import nn
 from gpipe_repro.distributed import launch_local
 from gpipe_repro.engine.gpipe import GPipe
 from gpipe_repro.engine.timeline import Timeline
+from gpipe_repro.report.host import BUSY_MARK, conditions, is_clean
 from gpipe_repro.report.records import markdown_table, measured, results_dir, write_json, write_markdown
 
 
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternations of 1 and 2 processes")
     args = ap.parse_args(argv)
     common = (args.width, args.depth, args.batch, args.m, args.steps, args.warmup)
+    before = conditions()            # idle fraction and load just before: this run's own load is not in it
     load_before = os.getloadavg()
     one: list[float] = []
     two: list[float] = []
@@ -119,9 +121,13 @@ def main(argv: list[str] | None = None) -> None:
              f"{efficiency:.2f} of ideal 2x (target >= 0.90)"]]
     table = markdown_table(["job", "median step ms (measured)", "samples/s", "speedup", "vs ideal"], rows)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    busy = max(load_before[0], load_after[0]) > 0.5 * (cores or 1)
-    note = (f"load average (1, 5, 15 min) before {load_before}, after {load_after} on {cores} cores"
-            + (": the host was BUSY with other work, so this ratio is not a clean measurement"
+    # Clean or busy from the host's state before the run (report.host.is_clean, as every measured
+    # table): the load average after includes this benchmark's own two processes.
+    busy = not is_clean(before)
+    note = (f"host idle {before['idle_fraction_before']:.0%} before; load average (1, 5, 15 min) before "
+            f"{tuple(round(x, 2) for x in load_before)}, after {tuple(round(x, 2) for x in load_after)} "
+            f"(this run's own processes included) on {cores} cores"
+            + (f": {BUSY_MARK} the host was BUSY with other work, so this ratio is not a clean measurement"
                if busy else ""))
     print(table)
     print(note)
@@ -139,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         "median_step_s": {"one": measured(t1, unit="s"), "two": measured(t2, unit="s")},
         "speedup": measured(speedup), "efficiency_vs_ideal": measured(efficiency),
         "load_average": {"before": list(load_before), "after": list(load_after)}, "host_busy": busy,
+        "conditions": before,
         "steps": {"one": one, "two": two}, "timeline_k2_r2": gantt_timeline,
         "simulator_vs_measured_k2_r2": check})
     write_markdown(out / "bench.md", "# Data-parallel replicas vs one process (measured)\n\n"
