@@ -26,7 +26,7 @@ from torch import nn
 from gpipe_repro.distributed import launch_local
 from gpipe_repro.engine.gpipe import GPipe
 from gpipe_repro.engine.timeline import Timeline
-from gpipe_repro.report.host import BUSY_MARK, conditions, is_clean
+from gpipe_repro.report.host import BUSY_MARK, conditions, is_clean, usable_cores
 from gpipe_repro.report.records import markdown_table, measured, results_dir, write_json, write_markdown
 
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
             ["2 processes (K=1 x R=2)", t2 * 1e3, args.batch / t2, speedup,
              f"{efficiency:.2f} of ideal 2x (target >= 0.90)"]]
     table = markdown_table(["job", "median step ms (measured)", "samples/s", "speedup", "vs ideal"], rows)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     # Clean or busy from the host's state before the run (report.host.is_clean, as every measured
     # table): the load average after includes this benchmark's own two processes.
     busy = not is_clean(before)

