@@ -120,16 +120,29 @@ def test_sigkilled_subprocess_resumes_identically(tmp_path: Path,
                "--small-micro-batches",
                "--no-progress"]
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # The child writes to a file, not a pipe: an undrained pipe blocks a child that prints 64 KiB.
+    # It is killed as soon as its first checkpoint is on disk, however long a busy host takes to get
+    # there; the bound below only stops a child that hangs, and then the test fails with its output.
+    log = tmp_path.with_name(tmp_path.name + "-child.log")    # beside the run directory, not in it
     first = checkpoint_path(tmp_path / "checkpoints", 2)
-    deadline = time.monotonic() + 60
-    while not first.exists() and child.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    child.send_signal(signal.SIGKILL)
-    output = child.communicate()[0].decode()
-    assert child.returncode == -signal.SIGKILL, output
+    with log.open("wb") as sink:
+        child = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            hang_bound = time.monotonic() + 900
+            while not first.exists() and child.poll() is None:
+                assert time.monotonic() < hang_bound, "no checkpoint in 900 s:\n" + log.read_text()[-3000:]
+                time.sleep(0.01)
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    output = log.read_text()
+    assert child.returncode == -signal.SIGKILL, \
+        f"the child ended before its first checkpoint:\n{output[-3000:]}"
     saved = [int(p.stem.split("-")[1]) for p in list_checkpoints(tmp_path / "checkpoints")]
-    assert saved and max(saved) < STEPS, f"the child got to the end before it was killed: {saved}"
+    assert saved and max(saved) < STEPS, f"killed after checkpoint 2, yet saved {saved}:\n{output[-3000:]}"
     resumed = train(AmoebaNetTask(task), dataclasses.replace(run, resume=True))
     assert resumed.resumed_from == max(saved)
     assert_same_training_state(final_state(tmp_path), final_state(reference[0]))
