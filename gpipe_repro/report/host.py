@@ -52,14 +52,111 @@ def conditions() -> dict[str, Any]:
             "usable_cores": usable_cores()}
 
 
+OTHERS_CLEAN = 0.10
+"""A measurement is *clean* only if, while it ran, processes other than its own used at most this
+share of the host's CPU capacity (see :class:`HostWatch`): a host idle in the second before can get
+busy a second later, and the load average counts the measurement's own processes."""
+
+
+def _cpu_ticks_and_parents() -> dict[int, tuple[int, int]]:
+    """pid -> (CPU ticks of the process and of its reaped children, parent pid), from /proc."""
+    table: dict[int, tuple[int, int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue                      # gone in between, or unreadable
+        # after the command name: state, ppid, ..., utime (index 11), stime, cutime, cstime
+        table[int(entry)] = (sum(int(x) for x in rest[11:15]), int(rest[1]))
+    return table
+
+
+def _descendants(root: int, *tables: Mapping[int, tuple[int, int]]) -> set[int]:
+    """`root` and every process that was its descendant in any of the snapshots."""
+    children: dict[int, list[int]] = {}
+    for table in tables:
+        for pid, (_, parent) in table.items():
+            children.setdefault(parent, []).append(pid)
+    tree, todo = {root}, [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in tree:
+                tree.add(child)
+                todo.append(child)
+    return tree
+
+
+class HostWatch:
+    """The host's conditions before, during and after a measurement (a context manager).
+
+    ::
+
+        with HostWatch() as host:
+            ...measure...
+        record["host"] = host.conditions      # then is_clean(host.conditions)
+
+    Before: :func:`conditions` (idle fraction over the last second, load average). During: the CPU
+    time that processes *outside this process's tree* used while the body ran, as a share of the
+    host's capacity (``others_cpu_fraction_during``), from /proc (each process's own and reaped
+    children's ticks); the measurement's own stage processes, forkservers and torchrun workers are
+    descendants and are not counted, however busy they are. After: the load average. Where /proc
+    cannot be read the "during" share is None and only the state before decides.
+    """
+
+    def __init__(self) -> None:
+        self.conditions: dict[str, Any] = {}
+        self._start: dict[int, tuple[int, int]] = {}
+        self._t0 = 0.0
+
+    def __enter__(self) -> HostWatch:
+        self.conditions = conditions()
+        try:
+            self._start = _cpu_ticks_and_parents()
+        except OSError:
+            self._start = {}
+        self._t0 = time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.monotonic() - self._t0
+        others = None
+        try:
+            end = _cpu_ticks_and_parents()
+        except OSError:
+            end = {}
+        seconds = None
+        if self._start and end and wall > 0:
+            seconds = others_cpu_ticks(self._start, end, os.getpid()) / os.sysconf("SC_CLK_TCK")
+            others = seconds / (wall * usable_cores())
+        self.conditions.update(others_cpu_fraction_during=others, others_cpu_seconds_during=seconds,
+                               load_average_after=os.getloadavg()[0], seconds=wall)
+
+
+def others_cpu_ticks(start: Mapping[int, tuple[int, int]], end: Mapping[int, tuple[int, int]],
+                     root: int) -> int:
+    """CPU ticks spent between two /proc snapshots (pid -> (ticks incl. reaped children, parent))
+    by processes outside `root`'s tree. A process in the tree at either snapshot is the
+    measurement's own; a process that appeared in between counts whole; one that ended in between
+    counts through its parent's reaped-children ticks (or not at all if nothing reaped it)."""
+    mine = _descendants(root, start, end)
+    return max(0, sum(total - start.get(pid, (0, 0))[0] for pid, (total, _) in end.items()
+                      if pid not in mine))
+
+
 def is_clean(cond: Mapping[str, Any] | None) -> bool | None:
     """True/False for a measurement with recorded conditions; None where none were recorded (a
-    result written before conditions were recorded: its cleanliness is unknown)."""
+    result written before conditions were recorded: its cleanliness is unknown). Clean: the host
+    was idle in the second before (>= IDLE_CLEAN) and, where it was watched (:class:`HostWatch`),
+    other processes used at most OTHERS_CLEAN of its CPU while the measurement ran."""
     if not cond or cond.get("idle_fraction_before") is None:
         return None
     idle = cond["idle_fraction_before"]
     assert isinstance(idle, (int, float))
-    return idle >= IDLE_CLEAN
+    others = cond.get("others_cpu_fraction_during")
+    return idle >= IDLE_CLEAN and (others is None or float(others) <= OTHERS_CLEAN)
 
 
 def busy_note(cond: Mapping[str, Any] | None) -> str:
@@ -70,5 +167,7 @@ def busy_note(cond: Mapping[str, Any] | None) -> str:
     if clean is None:
         return f" {BUSY_MARK}(host state not recorded)"
     assert cond is not None
-    return (f" {BUSY_MARK}busy (idle {float(cond['idle_fraction_before']):.0%}"
-            f", load {float(cond.get('load_average_before') or 0.0):.1f})")
+    others = cond.get("others_cpu_fraction_during")
+    during = "" if others is None else f", other processes {float(others):.0%} of the CPU during"
+    return (f" {BUSY_MARK}busy (idle {float(cond['idle_fraction_before']):.0%} before"
+            f", load {float(cond.get('load_average_before') or 0.0):.1f}{during})")

@@ -1,0 +1,50 @@
+"""report.host.HostWatch: a measurement is judged by what other processes did while it ran."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from gpipe_repro.report.host import OTHERS_CLEAN, HostWatch, busy_note, is_clean, others_cpu_ticks
+
+
+def test_only_processes_outside_the_measurement_tree_count() -> None:
+    # pid -> (ticks, parent): 10 is the measurement, 11 its stage process, 12 a grandchild that
+    # appeared during it; 20 another user's job, 21 a job that started during the measurement.
+    start = {1: (0, 0), 10: (100, 1), 11: (50, 10), 20: (1000, 1)}
+    end = {1: (0, 0), 10: (400, 1), 11: (900, 10), 12: (300, 11), 20: (1250, 1), 21: (70, 1)}
+    assert others_cpu_ticks(start, end, 10) == 250 + 70
+    # a stage process reparented away from the tree at the end is still the measurement's own
+    end_reparented = {**end, 11: (900, 1)}
+    assert others_cpu_ticks(start, end_reparented, 10) == 250 + 70
+    assert others_cpu_ticks(start, start, 10) == 0
+
+
+def test_a_process_that_starts_during_the_measurement_makes_it_busy() -> None:
+    # A process outside this one's tree (its parent shell exits at once, so it is reparented)
+    # burns 1 s of CPU while the watch runs; the watch waits for it, so at least that much counts,
+    # whatever else the host does. The measurement's own CPU (this loop) is not counted.
+    hog = "import sys, time\nwhile time.process_time() < 1.0: pass\nopen(sys.argv[1], 'w').close()"
+    done = Path(tempfile.gettempdir()) / f"gpipe-repro-hostwatch-{os.getpid()}-{time.monotonic_ns()}"
+    with HostWatch() as host:
+        subprocess.run(["sh", "-c", '"$@" &', "sh", sys.executable, "-c", hog, str(done)], check=True)
+        bound = time.monotonic() + 300          # a hang bound, not a speed target
+        while not done.exists():
+            assert time.monotonic() < bound, "the CPU-burning process never finished"
+            time.sleep(0.05)
+    done.unlink()
+    assert host.conditions["others_cpu_seconds_during"] >= 0.9
+    if host.conditions["others_cpu_fraction_during"] > OTHERS_CLEAN:
+        assert is_clean(host.conditions) is False
+        assert "other processes" in busy_note(host.conditions)
+
+
+def test_conditions_without_a_watch_are_judged_by_the_state_before() -> None:
+    assert is_clean({"idle_fraction_before": 0.95}) is True
+    assert is_clean({"idle_fraction_before": 0.95, "others_cpu_fraction_during": 0.3}) is False
+    assert is_clean({"idle_fraction_before": 0.95, "others_cpu_fraction_during": 0.05}) is True
+    assert is_clean({"idle_fraction_before": 0.5, "others_cpu_fraction_during": 0.0}) is False
+    assert is_clean(None) is None
