@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -106,13 +106,16 @@ class HostWatch:
     cannot be read the "during" share is None and only the state before decides.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, before: Callable[[], dict[str, Any]] | None = None) -> None:
+        """`before`: the probe of the state before (default :func:`conditions`, which samples the
+        CPU for a second)."""
+        self._before = before or conditions
         self.conditions: dict[str, Any] = {}
         self._start: dict[int, tuple[int, int]] = {}
         self._t0 = 0.0
 
     def __enter__(self) -> HostWatch:
-        self.conditions = conditions()
+        self.conditions = dict(self._before())
         try:
             self._start = _cpu_ticks_and_parents()
         except OSError:
@@ -169,5 +172,5 @@ def busy_note(cond: Mapping[str, Any] | None) -> str:
     assert cond is not None
     others = cond.get("others_cpu_fraction_during")
     during = "" if others is None else f", other processes {float(others):.0%} of the CPU during"
-    return (f" {BUSY_MARK}busy (idle {float(cond['idle_fraction_before']):.0%} before"
+    return (f" {BUSY_MARK}busy (idle {float(cond['idle_fraction_before']):.0%}"
             f", load {float(cond.get('load_average_before') or 0.0):.1f}{during})")

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpipe_repro.report.host import busy_note, conditions
+from gpipe_repro.report.host import HostWatch, busy_note
 
 FIT_ARGS = ["fit", "transformer-lm", "--L", "1663", "-K", "128", "-M", "8", "--memory", "16"]
 FIT_TARGET_S, FIT_TARGET_RSS = 60.0, 2 * 2 ** 30
@@ -49,11 +49,12 @@ print(json.dumps({"seconds": time.perf_counter() - start}))
 
 def time_fit(timeout_s: float) -> dict[str, Any]:
     """`gpipe-repro fit` of the 80B Transformer in a fresh process: seconds, peak RSS, parameters."""
-    host = conditions()
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", _CLI, *FIT_ARGS], capture_output=True, text=True,
-                         timeout=timeout_s)
-    seconds = time.perf_counter() - t0
+    with HostWatch() as watch:       # idle before, other processes' CPU during
+        t0 = time.perf_counter()
+        out = subprocess.run([sys.executable, "-c", _CLI, *FIT_ARGS], capture_output=True, text=True,
+                             timeout=timeout_s)
+        seconds = time.perf_counter() - t0
+    host = watch.conditions
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024   # Linux: KiB
     if out.returncode != 0:
         raise RuntimeError(f"gpipe-repro {' '.join(FIT_ARGS)} failed:\n{out.stderr[-2000:]}")
@@ -65,8 +66,7 @@ def time_fit(timeout_s: float) -> dict[str, Any]:
 def time_offline_wandb(timeout_s: float) -> dict[str, Any]:
     """An offline W&B run in a fresh process, its W&B home a temporary directory: seconds of
     init-to-finish (the import of wandb included, the start of Python not)."""
-    host = conditions()
-    with tempfile.TemporaryDirectory(prefix="gpipe-bench-wandb-") as tmp:
+    with HostWatch() as watch, tempfile.TemporaryDirectory(prefix="gpipe-bench-wandb-") as tmp:
         env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
         env.update({"HOME": str(Path(tmp) / "home"), "WANDB_CONFIG_DIR": str(Path(tmp) / "wandb-home"),
                     "WANDB_CACHE_DIR": str(Path(tmp) / "wandb-home"),
@@ -75,7 +75,8 @@ def time_offline_wandb(timeout_s: float) -> dict[str, Any]:
                              capture_output=True, text=True, timeout=timeout_s)
     if out.returncode != 0:
         raise RuntimeError(f"the offline W&B run failed:\n{out.stderr[-2000:]}")
-    return {"seconds": float(json.loads(out.stdout.strip().splitlines()[-1])["seconds"]), "host": host}
+    return {"seconds": float(json.loads(out.stdout.strip().splitlines()[-1])["seconds"]),
+            "host": watch.conditions}
 
 
 def _line(name: str, value: float, target: float, unit: str, host: dict[str, Any]) -> str:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from gpipe_repro import GPipe
+from gpipe_repro.report.host import HostWatch, busy_note, is_clean
 from gpipe_repro.report.records import markdown_table, measured, results_dir, write_json, write_markdown
 
 
@@ -90,15 +91,17 @@ def main() -> None:
              **{m: _train_step_of(p, x, y) for m, p in variants.items()}}
     load_before = os.getloadavg()
     names = list(steps)
-    for i in range(args.warmup + args.steps):
-        # Rotate the order every step so no variant always runs first (warm caches, allocator state).
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            fn = steps[name]
-            t0 = time.perf_counter()
-            fn()
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
+    with HostWatch() as watch:      # idle before, other processes' CPU during
+        for i in range(args.warmup + args.steps):
+            # Rotate the order every step so no variant always runs first (warm caches, allocator).
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                fn = steps[name]
+                t0 = time.perf_counter()
+                fn()
+                if i >= args.warmup:
+                    times[name].append(time.perf_counter() - t0)
     load_after = os.getloadavg()
+    clean = busy_note(watch.conditions) or " clean host"
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio_never, ratio_always = med["never"] / med["plain"], med["always"] / med["plain"]
     ratio_inplace = med["cut before ReLU(inplace)"] / med["cut before ReLU"]
@@ -114,7 +117,7 @@ def main() -> None:
             ["GPipe K=1 M=1 clip_grad_norm=1 (norm at AGREE)", med["clip"] * 1e3, ratio_clip, "<= 1.03"]]
     table = markdown_table(["step", "median ms (measured)", "ratio to its baseline", "target"], rows)
     print(table)
-    print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
+    print(f"load average (1, 5, 15 min) before {load_before}, after {load_after};{clean}")
     out = results_dir("overhead")
     config = vars(args)
     write_json(out / "overhead.json", {
@@ -123,11 +126,12 @@ def main() -> None:
         "ratio_never": measured(ratio_never), "ratio_always": measured(ratio_always),
         "ratio_inplace_copy": measured(ratio_inplace), "ratio_clip": measured(ratio_clip),
         "load_average": {"before": list(load_before), "after": list(load_after)},
+        "host": watch.conditions, "host_clean": is_clean(watch.conditions),
         "steps": {k: v for k, v in times.items()}})
     write_markdown(out / "overhead.md", "# Engine overhead (measured)\n\n"
                    f"MLP {args.depth}x{args.width}, batch {args.batch}, {args.threads} thread(s), "
                    f"median of {args.steps} interleaved steps after {args.warmup} warm-up; load average "
-                   f"before {load_before}, after {load_after}.\n\n" + table)
+                   f"before {load_before}, after {load_after};{clean}.\n\n" + table)
 
 
 if __name__ == "__main__":

@@ -299,7 +299,11 @@ def run(args: argparse.Namespace) -> None:
     print(f"MLP {args.blocks} x Linear({args.width}, {args.width}), batch {args.batch}, "
           f"{args.threads} thread(s) per process; load average {load_before[0]:.2f}", flush=True)
 
-    per_rank = launch_local(bench_processes, 2, cfg, timeout=120, threads=args.threads)
+    from gpipe_repro.report.host import HostWatch, busy_note, is_clean
+    with HostWatch() as watch:      # idle before, other processes' CPU during (not this run's own)
+        per_rank = launch_local(bench_processes, 2, cfg, timeout=120, threads=args.threads)
+    clean = busy_note(watch.conditions) or " clean host"
+    print(f"host:{clean}", flush=True)
     print(f"measured in {time.time() - started:.0f} s", flush=True)
     load_after = os.getloadavg()
 
@@ -387,6 +391,7 @@ def run(args: argparse.Namespace) -> None:
             med([r["idle_reduction"]["value"] for r in ahead_records]))}
     payload = {"experiment": "distributed runtime vs K=1 and torch.distributed.pipelining",
                "config": cfg, "load_average_before": load_before, "load_average_after": load_after,
+               "host": watch.conditions, "host_clean": is_clean(watch.conditions),
                "wall_s": time.time() - started, "speedups": records, "recompute_ahead": ahead_records,
                "receive_posting": prepost_records, "checks": checks,
                "timeline_k2_m8_always_ahead": timelines["ours_ahead/on/8"][-1].to_json(),
@@ -416,7 +421,7 @@ def run(args: argparse.Namespace) -> None:
             f"2 stage processes x {args.threads} thread (gloo, CPU) vs ONE process x {args.threads} "
             f"thread (K=1). Medians of {args.steps} steps after {args.warmup} warm-up steps. Load "
             f"average before/after: {load_before[0]:.2f} / {load_after[0]:.2f} (other work on the "
-            "machine inflates and scatters every number); scheduling priority change: "
+            f"machine inflates and scatters every number);{clean}; scheduling priority change: "
             f"{args.nice}.\n\n"
             "## Speedup over K=1 and throughput against torch.distributed.pipelining\n\n"
             f"{speed_table}\n\nK=1: plain PyTorch, the whole model on the whole batch in one "

@@ -41,9 +41,6 @@ from gpipe_repro.models.mlp import synthetic_mlp
 TORCH_SINGLE = ("ScheduleGPipe", "Schedule1F1B")
 TORCH_LOOPED = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble")
 TORCH_V = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-# Load average per core BEFORE the run (1 and 5 minutes) above which the host counts as busy and the
-# numbers are not of record: the benchmark itself keeps every core of a 2-core host busy.
-BUSY_LOAD = 0.25
 
 
 def sgd(params: Any) -> torch.optim.Optimizer:
@@ -218,9 +215,11 @@ def run(args: argparse.Namespace) -> None:
     print(f"MLP {args.blocks} x Linear({args.width}), batches {args.batches}, M {args.ms}, "
           f"{args.threads} thread(s) per process; load average {load_before[0]:.2f} on {cores} cores",
           flush=True)
-    per_rank = launch_local(bench_processes, 2, cfg, timeout=300, threads=args.threads)
+    from gpipe_repro.report.host import HostWatch, busy_note, is_clean
+    with HostWatch() as watch:     # idle before, other processes' CPU during (not this run's own)
+        per_rank = launch_local(bench_processes, 2, cfg, timeout=300, threads=args.threads)
     load_after = os.getloadavg()
-    busy = max(load_before[0], load_before[1]) > BUSY_LOAD * cores or args.smoke
+    busy = not is_clean(watch.conditions) or args.smoke
     med = statistics.median
     rows, records = [], []
     for batch in args.batches:
@@ -255,11 +254,15 @@ def run(args: argparse.Namespace) -> None:
         "min over (batch, M): ours-best / torch-best throughput (target >= 1.0)": measured(min(ratios)),
         "M=4: best of ours, fraction of the ideal from measured costs (target >= 0.95)":
             measured(min(m4)) if m4 else None}
-    note = ("NOT OF RECORD: smoke run or busy host (load average before the run "
-            f"{load_before[0]:.2f} / {load_before[1]:.2f} (1 / 5 min) on {cores} cores)" if busy
-            else f"idle host: load average before the run {load_before[0]:.2f} on {cores} cores")
+    note = (("NOT OF RECORD: smoke run" if args.smoke else "NOT OF RECORD:")
+            + busy_note(watch.conditions) + f" (load average before the run {load_before[0]:.2f} / "
+            f"{load_before[1]:.2f} (1 / 5 min) on {cores} cores)" if busy
+            else f"idle host: idle {watch.conditions['idle_fraction_before']:.0%} before, other "
+            f"processes {watch.conditions['others_cpu_fraction_during'] or 0.0:.0%} of the CPU during;"
+            f" load average before the run {load_before[0]:.2f} on {cores} cores")
     payload = {"experiment": "schedules: ours vs torch.distributed.pipelining, K=2", "config": cfg,
                "load_average_before": load_before, "load_average_after": load_after, "status": note,
+               "host": watch.conditions,
                "peak_memory": "n/a on CPU (no allocator statistics); the best-vs-best comparison is made "
                               "without the equal-or-lower-memory condition",
                "wall_s": time.time() - started, "rows": records, "checks": checks}

@@ -3,8 +3,9 @@ benchmark (never a pytest threshold; issue #12).
 
 Each repetition measures K=2, M=1 and K=2, M=4 on two real stage processes
 (:func:`gpipe_repro.repro.speedup_baseline.measured_speedup`), alternating which goes first, after
-sampling how idle the host was over the second before. Only repetitions that started on an idle
-host (idle fraction >= ``IDLE_CLEAN``) count; when fewer than half did, the verdict is **"host busy:
+watching the host (:class:`gpipe_repro.report.host.HostWatch`: idle in the second before, other
+processes' CPU while it ran). Only clean repetitions (:func:`gpipe_repro.report.host.is_clean`)
+count; when fewer than half were, the verdict is **"host busy:
 not comparable"** instead of pass or fail, because a speedup measured beside another busy process
 says nothing about the pipeline (a healthy one measured 1.06-1.15 there against 1.56 idle).
 
@@ -14,34 +15,36 @@ says nothing about the pipeline (a healthy one measured 1.06-1.15 there against 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from typing import Any
 
-from gpipe_repro.report.host import host_idle_fraction, usable_cores
+from gpipe_repro.report.host import IDLE_CLEAN, OTHERS_CLEAN, HostWatch, is_clean, usable_cores
 from gpipe_repro.report.records import read_json, write_json
 from gpipe_repro.repro import speedup_baseline as sb
 
-IDLE_CLEAN = 0.9      # share of the host's CPU time idle in the second before a repetition
 BAND = 0.25           # relative band around the baseline speedup (two-sided)
 
 
 def measure(runs: int, steps: int = 4) -> dict[str, Any]:
-    """`runs` repetitions of the measured K=2 speedup, each with the host's idle fraction and load
-    average recorded before it."""
+    """`runs` repetitions of the measured K=2 speedup, each with the host's conditions (idle before,
+    load, other processes' CPU during) recorded beside it."""
     if runs < 1:
         raise ValueError(f"--runs must be >= 1, got {runs}")
     reps = []
     for i in range(runs):
-        idle = host_idle_fraction()
-        load = os.getloadavg()[0]
-        r = sb.measured_speedup(steps=steps, many_first=i % 2 == 1)
-        reps.append({**r, "idle_fraction_before": idle, "load_average_before": load,
-                     "clean": idle >= IDLE_CLEAN})
-        print(f"repetition {i + 1}/{runs}: speedup {r['speedup']:.3f}  (host idle {idle:.0%}, "
-              f"load {load:.1f}{'' if idle >= IDLE_CLEAN else ', BUSY'})", flush=True)
-    return {"repetitions": reps, "idle_threshold": IDLE_CLEAN, "usable_cores": usable_cores()}
+        with HostWatch() as watch:
+            r = sb.measured_speedup(steps=steps, many_first=i % 2 == 1)
+        host = watch.conditions
+        clean = bool(is_clean(host))
+        reps.append({**r, **host, "clean": clean})
+        others = host["others_cpu_fraction_during"]
+        print(f"repetition {i + 1}/{runs}: speedup {r['speedup']:.3f}  (host idle "
+              f"{host['idle_fraction_before']:.0%} before, load {host['load_average_before']:.1f}"
+              + ("" if others is None else f", other processes {others:.0%} of the CPU during")
+              + f"{'' if clean else ', BUSY'})", flush=True)
+    return {"repetitions": reps, "idle_threshold": IDLE_CLEAN, "others_threshold": OTHERS_CLEAN,
+            "usable_cores": usable_cores()}
 
 
 def verdict(result: dict[str, Any], baseline: dict[str, Any] | None) -> tuple[str, str]:

@@ -31,7 +31,7 @@ from typing import Any
 from gpipe_repro.engine.partition import OBJECTIVES
 from gpipe_repro.engine.schedule import CHECKPOINT_MODES
 from gpipe_repro.models.workload import Workload
-from gpipe_repro.report.host import conditions, is_clean, usable_cores
+from gpipe_repro.report.host import HostWatch, is_clean, usable_cores
 from gpipe_repro.sim.calibration import calibrate
 from gpipe_repro.sim.links import LINK_NAMES
 from gpipe_repro.sim.partition_choice import choose_partition
@@ -127,12 +127,13 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
     if validate:
         from gpipe_repro.distributed.measure import measure_pipeline
 
-        host = conditions()
-        measured = measure_pipeline(functools.partial(workload.build, "cpu"), balance, m,
-                                    workload.sample(n), checkpoint=checkpoint,
-                                    recompute_ahead=recompute_ahead, schedule=schedule,
-                                    loss_fn=workload.loss_fn(), steps=steps, warmup=2,
-                                    threads=threads or 1)
+        with HostWatch() as watch:       # idle before, other processes' CPU during
+            measured = measure_pipeline(functools.partial(workload.build, "cpu"), balance, m,
+                                        workload.sample(n), checkpoint=checkpoint,
+                                        recompute_ahead=recompute_ahead, schedule=schedule,
+                                        loss_fn=workload.loss_fn(), steps=steps, warmup=2,
+                                        threads=threads or 1)
+        host = watch.conditions
         result.measured_step_time_s = float(measured.median_step_time)
         result.relative_error = measured.median_step_time / sim.step_time - 1.0
         result.measured_host = host

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
 from gpipe_repro.distributed.measure import measure_pipeline
 from gpipe_repro.models.workload import Workload
-from gpipe_repro.report.host import conditions, is_clean, usable_cores, wait_for_idle
+from gpipe_repro.report.host import HostWatch, is_clean, usable_cores, wait_for_idle
 from gpipe_repro.repro.throughput.rows import Row, normalize
 from gpipe_repro.repro.throughput.settings import SweepSettings
 
@@ -39,9 +38,9 @@ def measure_rows(rows: list[Row], workload: Workload, measure: MeasureFn, max_k:
             progress(f"measuring {r.model} K={r.K} M={r.M} on {r.K} processes")
         if wait_idle > 0:
             wait_for_idle(wait_idle)
-        host = conditions()
-        result = measure(workload, r.balance, r.M, r.batch, checkpoint)
-        host["load_average_after"] = os.getloadavg()[0]
+        with HostWatch() as watch:       # idle before, other processes' CPU during
+            result = measure(workload, r.balance, r.M, r.batch, checkpoint)
+        host = watch.conditions
         host["clean"] = is_clean(host)
         r.measured = {"step_time_s": result["step_time_s"],
                       "step_times_s": result.get("step_times"),

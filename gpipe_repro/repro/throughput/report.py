@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpipe_repro.report.host import BUSY_MARK, IDLE_CLEAN, busy_note, usable_cores
+from gpipe_repro.report.host import BUSY_MARK, IDLE_CLEAN, OTHERS_CLEAN, busy_note, usable_cores
 from gpipe_repro.report.records import markdown_table
 
 
@@ -108,8 +108,9 @@ def render_markdown(payload: dict[str, Any], validation: dict[str, Any] | None =
         f"{' (dirty)' if env.get('git_dirty') else ''}.",
         "",
         *([f"**{BUSY_MARK} marks a measured number taken on a busy host** (less than "
-           f"{IDLE_CLEAN:.0%} of the CPU time idle in the second before the run, or, for a "
-           "normalized number, before its K=2, M=1 reference): other processes shared the cores, so "
+           f"{IDLE_CLEAN:.0%} of the CPU time idle in the second before the run, or other processes "
+           f"using more than {OTHERS_CLEAN:.0%} of the CPU while it ran, or, for a "
+           "normalized number, the same of its K=2, M=1 reference): other processes shared the cores, so "
            "it is not a clean measurement of the pipeline. Rerun `make throughput-table` on an idle "
            "host to replace it.", ""] if any_busy(payload) else []),
         *([f"**The calibration ran on a busy host** (idle "
@@ -349,7 +350,8 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
         if r.get("host_idle_before") is None:
             return None
         return {"idle_fraction_before": r["host_idle_before"],
-                "load_average_before": (r.get("load_average") or [None])[0]}
+                "load_average_before": (r.get("load_average") or [None])[0],
+                "others_cpu_fraction_during": r.get("others_cpu_fraction_during")}
 
     body = [[r["model"], r["K"], r["M"], r["checkpoint"], r.get("schedule", "gpipe"),
              _num(r["measured_throughput"], 2) + busy_note(host(r)),

@@ -9,7 +9,7 @@ from typing import Any
 
 from gpipe_repro.engine.schedule import make_schedule
 from gpipe_repro.models.workload import Workload
-from gpipe_repro.report.host import conditions, usable_cores, wait_for_idle
+from gpipe_repro.report.host import HostWatch, conditions, usable_cores, wait_for_idle
 from gpipe_repro.repro.throughput.measure import MeasureFn
 from gpipe_repro.repro.throughput.settings import MODELS, SweepSettings
 from gpipe_repro.repro.throughput.workloads import PAPER_WORKLOADS, SCALED_WORKLOADS
@@ -77,9 +77,11 @@ def _validate_cut(model: str, workload: Workload, calib: Calibration, settings: 
         sim = platform.simulate(calib, balance, m, m * b, settings, checkpoint)
         if settings.wait_idle > 0:
             wait_for_idle(settings.wait_idle)
-        host = conditions()
+        # the probe is looked up at call time, so tests can give a fixed answer for the 1 s CPU sample
+        with HostWatch(before=lambda: conditions()) as watch:   # idle before, others' CPU during
+            measured = measure(workload, balance, m, m * b, checkpoint)
+        host = watch.conditions
         idle, load = host["idle_fraction_before"], host["load_average_before"]
-        measured = measure(workload, balance, m, m * b, checkpoint)
         meas_tp = m * b / measured["step_time_s"]
         replay = None
         if measured.get("timeline") is not None:
@@ -101,6 +103,7 @@ def _validate_cut(model: str, workload: Workload, calib: Calibration, settings: 
                      "relative_error": sim.throughput / meas_tp - 1.0,
                      "load_average": [load, os.getloadavg()[0]],
                      "host_idle_before": idle,
+                     "others_cpu_fraction_during": host["others_cpu_fraction_during"],
                      "replay_step_s": replay.step_time if replay else None,
                      "replay_error": (replay.throughput / meas_tp - 1.0
                                       if replay else None),
