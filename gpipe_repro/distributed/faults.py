@@ -13,6 +13,8 @@ from typing import Any
 
 from torch import nn
 
+from gpipe_repro.engine.choices import require_one_of
+
 FAULT_MODES = ("raise", "kill", "exit", "hang")
 
 
@@ -21,8 +23,7 @@ class InjectedFault(nn.Module):
 
     def __init__(self, mode: str, at_call: int = 1) -> None:
         super().__init__()
-        if mode not in FAULT_MODES:
-            raise ValueError(f"mode must be one of {FAULT_MODES}, got {mode!r}")
+        require_one_of("mode", mode, FAULT_MODES)
         self.mode, self.at_call, self.calls = mode, at_call, 0
 
     def forward(self, x: Any) -> Any:

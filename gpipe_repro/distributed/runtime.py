@@ -46,6 +46,7 @@ from gpipe_repro.distributed.process_group import (
 )
 from gpipe_repro.distributed.transport import ProcessGroupTransport, signature
 from gpipe_repro.engine import boundary, microbatch
+from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.driver import drive
 from gpipe_repro.engine.rng import preserved_rng
 from gpipe_repro.engine.schedule import COMPUTE, RECVS, SENDS, Action, ActionKind, Schedule, ScheduleError
@@ -85,8 +86,7 @@ class StageProcess:
         if len(executors) > 1 and layout.replicas > 1:
             raise ValueError("replicas of a pipeline whose processes hold several stages are not "
                              "supported: use replicas=1")
-        if batchnorm_stats not in BATCHNORM_STATS:
-            raise ValueError(f"batchnorm_stats must be one of {BATCHNORM_STATS}, got {batchnorm_stats!r}")
+        require_one_of("batchnorm_stats", batchnorm_stats, BATCHNORM_STATS)
         executor = executors[0]
         self.executors, self.executor, self.context, self.layout = executors, executor, context, layout
         # rank: this rank's process in its pipeline (its stage when it runs one)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from gpipe_repro.engine.agreement import PRECISIONS
+from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.partition import OBJECTIVES
 from gpipe_repro.engine.placement import RUNTIMES
 from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES
@@ -77,8 +78,7 @@ def check_arguments(*, num_layers: int, partitions: Any, micro_batches: Any, che
                          "model into more, smaller layers")
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+    require_one_of("checkpoint", checkpoint, CHECKPOINT_MODES)
     if loss_reduction not in (None, "mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     declared = declared_reduction(loss_fn)
@@ -89,22 +89,17 @@ def check_arguments(*, num_layers: int, partitions: Any, micro_batches: Any, che
     if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float))
                                            and clip_grad_norm > 0):
         raise ValueError(f"clip_grad_norm must be a number > 0 (or None), got {clip_grad_norm!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
-    if runtime not in RUNTIMES:
-        raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    require_one_of("precision", precision, PRECISIONS)
+    require_one_of("schedule", schedule, SCHEDULES)
+    require_one_of("runtime", runtime, RUNTIMES)
+    require_one_of("objective", objective, OBJECTIVES)
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
     if replicas > 1 and runtime != "distributed":
         raise ValueError(f"replicas={replicas} needs runtime='distributed' (one process per stage "
                          f"of each replica, {partitions * replicas} processes); the local runtime "
                          "runs one pipeline: use replicas=1, or runtime='distributed'")
-    if batchnorm_stats not in BATCHNORM_STATS:
-        raise ValueError(f"batchnorm_stats must be one of {BATCHNORM_STATS}, got {batchnorm_stats!r}")
+    require_one_of("batchnorm_stats", batchnorm_stats, BATCHNORM_STATS)
     if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
         raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
     if devices is not None and len(devices) != partitions:

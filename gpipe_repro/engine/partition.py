@@ -23,6 +23,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+from gpipe_repro.engine.choices import require_one_of
+
 __all__ = ["OBJECTIVES", "cell_costs", "check_balance", "partition"]
 
 OBJECTIVES = ("bottleneck", "variance", "greedy", "equal")
@@ -62,8 +64,7 @@ def partition(costs: Sequence[float], partitions: int, objective: str = "bottlen
                          f"partitions <= {n}, or split the model into more, smaller layers")
     if any(c < 0 for c in costs):
         raise ValueError("layer costs must be >= 0")
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    require_one_of("objective", objective, OBJECTIVES)
     if (memory is None) != (memory_cap is None):
         raise ValueError("give both memory (per-layer bytes) and memory_cap, or neither")
     if memory is not None:

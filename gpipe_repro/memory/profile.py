@@ -41,6 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm
+from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.memory.fake import fake_module
 from gpipe_repro.memory.tracker import MemoryTracker, storage_of
 from gpipe_repro.models.signature import TensorSig, ValueSig, layer_key, make_value, value_sig
@@ -156,8 +157,7 @@ class _Profiler:
 
     def __init__(self, layer: nn.Module, in_sig: ValueSig, optimizer: OptimizerFactory | None,
                  attention: str, flops: bool) -> None:
-        if attention not in ATTENTION:
-            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        require_one_of("attention", attention, ATTENTION)
         self.in_sig, self.optimizer, self.attention = in_sig, optimizer, attention
         self.count_flops = flops
         self.mode = FakeTensorMode()

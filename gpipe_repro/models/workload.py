@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.models import build, get_family
 from gpipe_repro.models.amoebanet import amoebanet_loss
 from gpipe_repro.models.transformer_lm import lm_loss
@@ -74,8 +75,7 @@ class Workload:
     def create(cls, name: str, family: str, kind: str, input_shape: Sequence[int], classes: int,
                batch: int | None = None, **options: Any) -> Workload:
         """Keyword `options` go to the family's builder; checked here, before any work starts."""
-        if kind not in KINDS:
-            raise ValueError(f"workload kind must be one of {KINDS}, got {kind!r}")
+        require_one_of("workload kind", kind, KINDS)
         if batch is not None and batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         if ":" in family:           # a user's factory, "module:function"

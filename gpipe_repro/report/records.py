@@ -30,6 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Literal
 
+from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.report.provenance import environment
 
 Method = Literal["measured", "simulated"]
@@ -48,8 +49,7 @@ class Result:
     unit: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        require_one_of("method", self.method, METHODS)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"value": self.value, "method": self.method}

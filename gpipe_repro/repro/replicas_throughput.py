@@ -13,6 +13,7 @@ import argparse
 import json
 from typing import Any
 
+from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.partition import partition
 from gpipe_repro.sim.calibration import DEVICES, calibrate
 from gpipe_repro.sim.data_parallel import ALGORITHMS, replicate
@@ -28,10 +29,8 @@ def simulate_job(*, model: str, k: int, replicas: int, m: int, microbatch: int, 
     """One simulated step of K x R devices; returns the numbers :func:`main` prints."""
     from gpipe_repro.repro.throughput import PAPER_WORKLOADS
 
-    if model not in MODELS:
-        raise ValueError(f"model must be one of {MODELS}, got {model!r}")
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {sorted(DEVICES)}, got {device!r}")
+    require_one_of("model", model, MODELS)
+    require_one_of("device", device, DEVICES)
     if min(k, replicas, m, microbatch, devices_per_host) < 1:
         raise ValueError("--k, --replicas, --m, --microbatch and --devices-per-host must be >= 1")
     workload = PAPER_WORKLOADS[model]

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.schedule import ActionKind
 from gpipe_repro.sim.links import get_link
 from gpipe_repro.sim.simulator import Simulation
@@ -83,8 +84,7 @@ INTER_HOST = INTER_HOST_PER_HOST
 
 def flat_allreduce(nbytes: float, p: int, link: CollectiveLink, algorithm: str) -> float:
     """Seconds to all-reduce `nbytes` over `p` ranks on one link class (see the module docstring)."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    require_one_of("algorithm", algorithm, ALGORITHMS)
     if p <= 1 or nbytes <= 0:
         return 0.0
     if algorithm == "ring":

@@ -28,6 +28,7 @@ import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.partition import OBJECTIVES
 from gpipe_repro.engine.schedule import CHECKPOINT_MODES
 from gpipe_repro.models.workload import Workload
@@ -95,12 +96,9 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
     usable cores and the device is a CPU). All options are checked before any work starts."""
     if k < 1 or m < 1 or microbatch < 1:
         raise ValueError(f"k, m and microbatch must be >= 1, got k={k}, m={m}, microbatch={microbatch}")
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if link not in LINK_NAMES:
-        raise ValueError(f"link must be one of {LINK_NAMES}, got {link!r}")
+    require_one_of("checkpoint", checkpoint, CHECKPOINT_MODES)
+    require_one_of("objective", objective, OBJECTIVES)
+    require_one_of("link", link, LINK_NAMES)
     if validate and (device != "cpu" or k > usable_cores()):
         raise ValueError(f"validation runs K={k} stage processes on one core each, but this host has "
                          f"{usable_cores()} usable core(s): use k <= {usable_cores()} or validate=False")

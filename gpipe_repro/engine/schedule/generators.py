@@ -2,6 +2,7 @@
 ZB-H1, with the forward and backward blocks every generator (interleaved 1F1B too) builds from."""
 from __future__ import annotations
 
+from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.schedule.actions import CHECKPOINT_MODES, Action, ActionKind
 from gpipe_repro.engine.schedule.core import Schedule
 
@@ -11,8 +12,7 @@ __all__ = ["checkpointed_microbatches", "gpipe_schedule", "one_f_one_b_schedule"
 
 def checkpointed_microbatches(mode: str, num_microbatches: int) -> frozenset[int]:
     """Which micro-batches re-materialize under a checkpoint mode."""
-    if mode not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {mode!r}")
+    require_one_of("checkpoint", mode, CHECKPOINT_MODES)
     if mode == "never":
         return frozenset()
     if mode == "always":

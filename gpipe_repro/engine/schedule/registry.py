@@ -1,6 +1,7 @@
 """The schedules by name: what ``GPipe(schedule=...)``, the CLI, the simulator and the planner ask for."""
 from __future__ import annotations
 
+from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.schedule.core import Schedule
 from gpipe_repro.engine.schedule.generators import (
     gpipe_schedule,
@@ -22,8 +23,7 @@ SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule, "zb-h1": zer
 def make_schedule(name: str, num_stages: int, num_microbatches: int, checkpoint: str,
                   recompute_ahead: bool = False) -> Schedule:
     """Build a training schedule by name (the one entry point runtimes and tools use)."""
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}")
+    require_one_of("schedule", name, SCHEDULES)
     return SCHEDULES[name](num_stages, num_microbatches, checkpoint, recompute_ahead)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.report.host import usable_cores
 from gpipe_repro.repro.throughput.workloads import SCALED_MICROBATCH
 
@@ -56,8 +57,7 @@ class SweepSettings:
         return max(0, min(usable_cores(), max(self.ks)) - 1)
 
     def validate(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        require_one_of("policy", self.policy, POLICIES)
         if self.policy == "mini":
             bad = [m for m in self.ms if self.minibatch % m]
             if bad:

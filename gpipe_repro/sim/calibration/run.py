@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from gpipe_repro.engine import boundary
+from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.layer_costs import activation_bytes, layer_flops
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.provenance import cpu_model
@@ -78,8 +79,7 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    if method not in METHODS:
-        raise ValueError(f"calibration method must be one of {METHODS}, got {method!r}")
+    require_one_of("calibration method", method, METHODS)
     device = torch.device(device)
     if method == "time" and device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but torch sees no GPU: use --device cpu")
