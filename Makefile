@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv test test-host-data lint throughput-table memory-table validate-sim bench-overhead bench-runtime \
+.PHONY: help venv test test-host-data lint throughput-table memory-table validate-sim validate-unseen bench-overhead bench-runtime \
         bench-replicas bench-schedules bench-latency replicas-plan-table deep-vs-wide train-amoebanet corpus baseline \
         gpu-check check-speedups check-regression-detector clean
 
@@ -16,6 +16,7 @@ help:
 	@echo "make test-host-data    checks of this host's installed data (the full gettext corpus)"
 	@echo "make memory-table      the paper's Table 1 (max model size), results/memory/"
 	@echo "make validate-sim      simulator vs real stage processes, results/throughput/validation.*"
+	@echo "make validate-unseen   simulator vs real runs on two models it was never tuned on (K=2, 20 configs)"
 	@echo "make bench-overhead    engine (K=1,M=1) vs plain PyTorch step time"
 	@echo "make bench-runtime     distributed runtime vs K=1 and vs torch.distributed.pipelining"
 	@echo "make bench-replicas    K=1 x R=2 data parallel vs one process; K=2 x R=2 Gantt, results/replicas/"
@@ -75,6 +76,9 @@ memory-table: $(STAMP)
 
 validate-sim: $(STAMP)
 	$(PY) -m experiments.validate_simulator
+
+validate-unseen: $(STAMP)
+	$(PY) -m experiments.validate_unseen
 
 bench-overhead: $(STAMP)
 	$(PY) -m experiments.bench_overhead
