@@ -36,15 +36,17 @@ help:
 # find-links: where this host keeps the CPU build of torch) are passed on; torch is named so that
 # constraints.txt picks that wheel before anything else is resolved. Bytecode is compiled at install
 # on purpose: with PYTHONDONTWRITEBYTECODE set, every process would otherwise recompile torch's
-# modules on each import. UV=no installs with pip alone, as before.
+# modules on each import. UV=no installs with pip alone, as before; so does a failed uv install.
 UV ?= yes
 FIND_LINKS := $(strip $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 ifeq ($(UV),yes)
-	$(PY) -m pip install -q uv
-	$(VENV)/bin/uv pip install --python $(PY) -q --compile-bytecode $(addprefix --find-links ,$(sort $(FIND_LINKS))) \
-	    -c constraints.txt torch -e ".[test]"
+	( $(PY) -m pip install -q uv && \
+	  $(VENV)/bin/uv pip install --python $(PY) -q --compile-bytecode \
+	      $(addprefix --find-links ,$(sort $(FIND_LINKS))) -c constraints.txt torch -e ".[test]" ) || \
+	{ echo "uv could not install the venv: installing with pip"; \
+	  $(PY) -m pip install -q -c constraints.txt torch -e ".[test]"; }
 else
 	$(PY) -m pip install -q -c constraints.txt torch -e ".[test]"
 endif
