@@ -134,15 +134,20 @@ def test_root_cause_follows_the_chain_of_timeouts_to_the_silent_rank() -> None:
 
 
 def test_cli_exits_nonzero_names_the_rank_and_writes_no_results(tmp_path: Path) -> None:
+    """`gpipe-repro pipeline` with a stage that exits: exit code 1, the rank named, no results file.
+    In-process (CliRunner runs the command as the console script does, SystemExit code included):
+    the stage processes come from this worker's fork server, not from a fresh interpreter's.
+    A real process's exit status on a distributed run is checked by the SIGTERM test below."""
+    from typer.testing import CliRunner
+
+    from gpipe_repro.cli import app
     timeline = tmp_path / "timeline.json"
-    cmd = [sys.executable, "-c", "from gpipe_repro.cli import main; main()", "pipeline",
-           "--partitions", "2", "--steps", "3", "--batch", "64", "--width", "32", "--blocks", "2",
-           "--fail-mode", "exit", "--fail-rank", "1", "--fail-call", "12", "--timeout", str(TIMEOUT),
-           "--timeline", str(timeline)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode != 0
-    assert "job failed: rank 1 failed: exited with code 3" in done.stderr, done.stderr[-2000:]
+    args = ["pipeline", "--partitions", "2", "--steps", "3", "--batch", "64", "--width", "32",
+            "--blocks", "2", "--fail-mode", "exit", "--fail-rank", "1", "--fail-call", "12",
+            "--timeout", str(TIMEOUT), "--timeline", str(timeline)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output[-2000:]
+    assert "job failed: rank 1 failed: exited with code 3" in result.stderr, result.output[-2000:]
     assert not timeline.exists() and not list(tmp_path.iterdir()), "a failed job left a results file"
 
 
@@ -161,21 +166,24 @@ def wait_for_a_signal(folder: str) -> str:
     return "stopped"
 
 
-LAUNCHER = ("import sys; from gpipe_repro.distributed import launch_local; "
+# One launcher process runs two jobs one after the other: the first gets a SIGTERM (and must return
+# normally, its stages having stopped), the second a SIGKILL of the launcher. A launcher per job
+# would start a second interpreter and a second fork server (~20 s of CPU on a 2-core host).
+LAUNCHER = ("import sys; from pathlib import Path; from gpipe_repro.distributed import launch_local; "
             "from tests.distributed.test_faults import wait_for_a_signal; "
-            "print(launch_local(wait_for_a_signal, 2, sys.argv[1], timeout=5))")
+            "folder = Path(sys.argv[1]); "
+            "result = launch_local(wait_for_a_signal, 2, str(folder / 'term'), timeout=5); "
+            "(folder / 'term' / 'result').write_text(repr(result)); "
+            "launch_local(wait_for_a_signal, 2, str(folder / 'kill'), timeout=5)")
 
 
-def start_launcher(folder: Path) -> tuple[subprocess.Popen, list[int]]:
-    """A launcher of 2 stages in a subprocess, and the stage pids once both are waiting."""
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(folder)], text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                cwd=Path(__file__).resolve().parents[2])
+def wait_for_stages(launcher: subprocess.Popen, folder: Path, log: Path) -> list[int]:
+    """The pids of the 2 stages that write to `folder`, once both are waiting for a signal."""
     hang_bound = time.time() + 600    # however long a busy host takes to start two processes
     while not all((folder / f"pid{r}").is_file() for r in range(2)):
-        assert launcher.poll() is None and time.time() < hang_bound, launcher.communicate()
+        assert launcher.poll() is None and time.time() < hang_bound, log.read_text()[-3000:]
         time.sleep(0.1)
-    return launcher, [int((folder / f"pid{r}").read_text()) for r in range(2)]
+    return [int((folder / f"pid{r}").read_text()) for r in range(2)]
 
 
 def alive(pid: int) -> bool:
@@ -187,21 +195,36 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_a_sigterm_to_the_launcher_reaches_every_stage(tmp_path: Path) -> None:
-    launcher, _ = start_launcher(tmp_path)
-    launcher.send_signal(signal.SIGTERM)      # SIGINT takes the same path (launcher._forwarding)
-    out, err = launcher.communicate(timeout=60)
-    assert launcher.returncode == 0 and "['stopped', 'stopped']" in out, err[-2000:]
-    stopped = [tmp_path / f"stopped{r}" for r in range(2)]
-    # each stage noted SIGTERM itself (a stage that never got it would note None after its 60 s wait)
-    assert [int(p.read_text()) for p in stopped] == [signal.SIGTERM] * 2
+def test_a_sigterm_to_the_launcher_reaches_every_stage_and_a_killed_launcher_takes_them_with_it(
+        tmp_path: Path) -> None:
+    """SIGTERM to the launcher: every stage gets it, stops, and the launcher returns their results
+    (and lives on). SIGKILL to the launcher (no chance to clean up): its stages end with it."""
+    term, kill = tmp_path / "term", tmp_path / "kill"
+    term.mkdir()
+    kill.mkdir()
+    log = tmp_path / "launcher.log"    # a file, not a pipe nobody drains while the jobs run
+    with log.open("w") as sink:
+        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)], text=True,
+                                    stdout=sink, stderr=subprocess.STDOUT,
+                                    cwd=Path(__file__).resolve().parents[2])
+        try:
+            wait_for_stages(launcher, term, log)
+            launcher.send_signal(signal.SIGTERM)      # SIGINT takes the same path (launcher._forwarding)
+            hang_bound = time.time() + 60
+            while not (term / "result").is_file():
+                assert launcher.poll() is None and time.time() < hang_bound, log.read_text()[-3000:]
+                time.sleep(0.05)
+            assert (term / "result").read_text() == "['stopped', 'stopped']", log.read_text()[-3000:]
+            # each stage noted SIGTERM itself (one that never got it would note None after its 60 s wait)
+            assert [int((term / f"stopped{r}").read_text()) for r in range(2)] == [signal.SIGTERM] * 2
 
-
-@pytest.mark.slow
-def test_a_killed_launcher_takes_every_stage_with_it(tmp_path: Path) -> None:
-    launcher, pids = start_launcher(tmp_path)
-    launcher.kill()
-    launcher.wait(timeout=10)
+            pids = wait_for_stages(launcher, kill, log)    # the launcher went on: SIGTERM did not end it
+            launcher.kill()
+            launcher.wait(timeout=10)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()
     hang_bound = time.time() + 60     # stops the wait for stages that never die; not a speed target
     while any(alive(p) for p in pids) and time.time() < hang_bound:
         time.sleep(0.05)

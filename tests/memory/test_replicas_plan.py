@@ -18,18 +18,6 @@ def _planner() -> MemoryPlanner:
     return MemoryPlanner(layers, ids, ids, lm_loss)
 
 
-def _compose_knows_agree() -> bool:
-    try:
-        _planner().plan(2, 2)
-    except ValueError as e:
-        if "has no micro-batch" in str(e):
-            return False
-        raise
-    return True
-
-
-@pytest.mark.skipif(not _compose_knows_agree(),
-                    reason="memory/compose.py does not walk AGREE yet (the schedules branch adds it)")
 def test_plan_replicas_covers_every_k_and_ranks_by_job_throughput() -> None:
     cands = plan_replicas(_planner(), 8, 1.0 * GiB, get_link("nvlink"), 1e12, micro_batches=[1, 2],
                           checkpoints=("never",))
