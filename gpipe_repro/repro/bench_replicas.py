@@ -43,20 +43,30 @@ def _layers(width: int, depth: int) -> list[nn.Module]:
     return layers + [nn.Linear(width, 10)]
 
 
-def train_steps(k: int, replicas: int, width: int, depth: int, batch: int, m: int, steps: int,
-                warmup: int, record: bool = False) -> dict[str, Any]:
-    """Runs in every process: `warmup` + `steps` steps; step times (and a timeline if asked)."""
-    pipe = GPipe(_layers(width, depth), partitions=k, replicas=replicas, micro_batches=m,
-                 checkpoint="never", loss_fn=nn.CrossEntropyLoss(), runtime="distributed",
-                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
+def _batch(batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    return torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def _step_times(pipe: GPipe, x: torch.Tensor, y: torch.Tensor, warmup: int, steps: int) -> list[float]:
+    """Seconds of each of `steps` training steps after `warmup` untimed ones."""
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
         pipe.train_step(x, y)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+    return times
+
+
+def train_steps(k: int, replicas: int, width: int, depth: int, batch: int, m: int, steps: int,
+                warmup: int, record: bool = False) -> dict[str, Any]:
+    """Runs in every process: `warmup` + `steps` steps; step times (and a timeline if asked)."""
+    pipe = GPipe(_layers(width, depth), partitions=k, replicas=replicas, micro_batches=m,
+                 checkpoint="never", loss_fn=nn.CrossEntropyLoss(), runtime="distributed",
+                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
+    x, y = _batch(batch, width)
+    times = _step_times(pipe, x, y, warmup, steps)
     timeline = None
     params = sum(p.numel() for p in pipe.parameters())   # this rank's cell
     if record:
@@ -75,14 +85,8 @@ def train_alone(width: int, depth: int, batch: int, steps: int, warmup: int) -> 
     torch.set_num_threads(1)
     pipe = GPipe(_layers(width, depth), partitions=1, micro_batches=1, checkpoint="never",
                  loss_fn=nn.CrossEntropyLoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
-    times = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        pipe.train_step(x, y)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+    x, y = _batch(batch, width)
+    times = _step_times(pipe, x, y, warmup, steps)
     return {"times": times}
 
 
