@@ -49,6 +49,11 @@ class PipelineCosts:
     # The zero-bubble split: seconds of BACKWARD_INPUT per [stage][microbatch]; BACKWARD_WEIGHT gets
     # the rest of `backward`. None: half of `backward` (see :func:`input_share`).
     backward_input: Sequence[Sequence[float]] | None = None
+    # Extra seconds per [stage][microbatch] of a backward that adds into existing parameter
+    # gradients: every BACKWARD (or BACKWARD_WEIGHT) of a stage but its first in the step, which
+    # writes fresh ones (`backward` is that first one's cost). None: no such cost (a FLOP model, or
+    # costs replayed from a measured timeline, whose durations already hold it).
+    accumulate: Sequence[Sequence[float]] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -79,7 +84,8 @@ def stage_costs(calibration: Calibration, balance: Sequence[int],
     split = [[sum(c.backward * input_share(c) for c in cells[b][s]) for b in microbatch_sizes]
              for s in range(len(balance))]
     return PipelineCosts(per_mb("forward"), per_mb("forward_nograd"), per_mb("recompute"),
-                         per_mb("backward"), optimizer, boundary, grads, setup, teardown, split)
+                         per_mb("backward"), optimizer, boundary, grads, setup, teardown, split,
+                         per_mb("accumulate"))
 
 
 def input_share(cost: LayerCost) -> float:
@@ -125,6 +131,14 @@ def simulate(schedule: Schedule, costs: PipelineCosts, link: LinkModel,
         raise ValueError(f"costs are for {costs.num_stages} stages but the schedule has {k}")
     ckpt = [schedule.checkpointed(s) for s in range(k)]
     A = ActionKind
+    # Each stage's first action writing parameter gradients: it writes fresh ones, later ones add.
+    fresh = {next((a for a in actions if a.kind in (A.BACKWARD, A.BACKWARD_WEIGHT)), None)
+             for actions in schedule.stages}
+
+    def accumulating(a: Action) -> float:
+        m = a.microbatch
+        assert m is not None
+        return 0.0 if costs.accumulate is None or a in fresh else costs.accumulate[a.stage][m]
 
     def nbytes(a: Action) -> float:
         m = a.microbatch
@@ -145,13 +159,13 @@ def simulate(schedule: Schedule, costs: PipelineCosts, link: LinkModel,
         if a.kind is A.RECOMPUTE:
             return costs.recompute[s][m]
         if a.kind is A.BACKWARD:
-            return costs.backward[s][m]
+            return costs.backward[s][m] + accumulating(a)
         if a.kind in (A.BACKWARD_INPUT, A.BACKWARD_WEIGHT):
             # Stage 0 has no input gradient to send: its I does nothing, its W the whole backward
             # (StageExecutor._backward_input).
             i = 0.0 if s == 0 else (costs.backward_input[s][m] if costs.backward_input is not None
                                     else 0.5 * costs.backward[s][m])
-            return i if a.kind is A.BACKWARD_INPUT else costs.backward[s][m] - i
+            return i if a.kind is A.BACKWARD_INPUT else costs.backward[s][m] - i + accumulating(a)
         if a.kind in (A.SEND_ACT, A.SEND_GRAD):
             return link.send_time(nbytes(a))
         return link.recv_time(nbytes(a))

@@ -49,11 +49,36 @@ def test_a_48_layer_model_costs_one_layers_profiling(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(cal_run, "time_layer_actions", counting)
     deep = Workload.create("deep", "transformer-lm", "tokens", (4,), 20, L=48, d_model=8, d_ff=16,
                            num_heads=2, vocab_size=20)
-    calib = calibrate(deep, [2], repeats=1)
+    calib = calibrate(deep, [2], repeats=1, in_sequence=False)
     assert timed == [0, 1, 49]                    # embed, one transformer layer, head
     costs = calib.at(2)
     assert len(costs) == 50 and all(c == costs[1] for c in costs[1:49])
     assert all(c.forward > 0 and c.backward > 0 for c in costs[1:])
+
+
+def test_in_sequence_times_every_layer_where_it_sits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole model timed in stage order: each layer its own timings (not its group's), the
+    FLOP counts still per group; the automatic choice takes it where the model fits in memory and
+    falls back to one layer per group where it does not."""
+    calls: list[int] = []
+    real = cal.time_model_actions
+
+    def counting(layers: list[nn.Module], x: object, device: object, **kw: object) -> list[tuple[float, ...]]:
+        calls.append(len(layers))
+        out = real(layers, x, device, **{**kw, "repeats": 1, "warmup": 0})
+        assert len(out) == len(layers) and all(len(row) == 6 and min(row) >= 0 for row in out)
+        return [(1e-3 * (1 + i),) * 6 for i in range(len(out))]      # tell the layers apart
+
+    monkeypatch.setattr(cal_run, "time_model_actions", counting)
+    calib = calibrate(TINY_LM, [2], repeats=1)                       # fits: in sequence
+    assert calls == [7]
+    costs = calib.at(2)
+    assert [c.forward for c in costs] == pytest.approx([1e-3 * (1 + i) for i in range(7)])
+    assert costs[2].accumulate == pytest.approx(3e-3) == costs[2].backward   # its own, not its group's
+    assert costs[2].flops == costs[1].flops and calib.groups[1] == calib.groups[2]
+    monkeypatch.setattr(cal_run, "fits_in_sequence", lambda *a: False)
+    calibrate(TINY_LM, [3], repeats=1)                               # too big: one per group
+    assert calls == [7]
 
 
 def test_flops_are_exact_and_linear_in_the_microbatch_size() -> None:
@@ -97,8 +122,13 @@ def test_time_calibration_times_every_action_of_the_schedule() -> None:
     assert c.optimizer_call > 0
     assert c.device.startswith("cpu:") and "1 thread" in c.device
     parts = c.partition_costs(2, "always")
-    assert parts[3] == pytest.approx(costs[3].forward_nograd + costs[3].recompute + costs[3].backward)
-    assert c.partition_costs(2, "never")[3] == pytest.approx(costs[3].forward + costs[3].backward)
+    assert parts[3] == pytest.approx(costs[3].forward_nograd + costs[3].recompute + costs[3].backward
+                                     + costs[3].accumulate)
+    assert c.partition_costs(2, "never")[3] == pytest.approx(costs[3].forward + costs[3].backward
+                                                             + costs[3].accumulate)
+    assert all(layer.accumulate >= 0 for layer in costs)
+    relu = cal.time_layer_actions(nn.ReLU(), torch.ones(2, 4), "cpu", repeats=2)
+    assert len(relu) == 6 and relu[5] == 0.0      # no parameters: nothing to accumulate into
 
 
 def test_materialize_gives_real_finite_layers_from_meta() -> None:
@@ -132,13 +162,13 @@ def test_rounds_keep_the_median_round_and_key_the_cache(monkeypatch: pytest.Monk
     def fake(layer: nn.Module, x: object, device: object, **kw: object) -> tuple[float, ...]:
         n = next(rounds)
         slow = 50.0 if n == 4 else 1.0           # round 2 of layer 1 (of 3 timed) hit a burst
-        return (slow * 1e-3, 1e-3, 1e-3, 2e-3, 1e-4)
+        return (slow * 1e-3, 1e-3, 1e-3, 2e-3, 1e-4, 0.0)
 
     monkeypatch.setattr(cal_run, "time_layer_actions", fake)
-    c = calibrate(TINY_LM, [2], repeats=1, rounds=3)
+    c = calibrate(TINY_LM, [2], repeats=1, rounds=3, in_sequence=False)
     assert all(cost.forward == pytest.approx(1e-3) for cost in c.at(2))
     names = {p.name for p in (private_cache / "calibration").glob("*.json")}
-    calibrate(TINY_LM, [2], repeats=1, rounds=1)
+    calibrate(TINY_LM, [2], repeats=1, rounds=1, in_sequence=False)
     assert len({p.name for p in (private_cache / "calibration").glob("*.json")} - names) == 1
     with pytest.raises(ValueError, match="rounds"):
         calibrate(TINY_LM, [2], rounds=0)

@@ -2,6 +2,7 @@
 bandwidth, link serialization, recompute-ahead, and the schedule it consumes being the runtimes'."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,32 @@ def calibration(per_layer: list[tuple[float, float, float, float]], size: int = 
              for i, (f, r, b, o) in enumerate(per_layer)]
     return Calibration("test", "time", "test", list(range(len(costs))), {size: costs},
                        optimizer_call=0.01)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved"])
+def test_every_backward_but_a_stages_first_adds_into_existing_gradients(schedule: str) -> None:
+    """The stage executor sets p.grad to None at the start of a step: the first action writing a
+    stage's parameter gradients writes fresh ones, the others add into them (calibrated
+    `accumulate`). Removing the term, or charging it to the first backward, changes every duration."""
+    layers = [(1.0, 1.0, 2.0, 0.0)] * 4
+    cal = calibration(layers)
+    acc = 0.25
+    cal.costs[2] = [dataclasses.replace(c, accumulate=acc) for c in cal.costs[2]]
+    k = 2
+    sim = simulate_config(cal, [2, 2], 4, 8, get_link("ideal"), checkpoint="never", schedule=schedule)
+    plain = simulate_config(calibration(layers), [2, 2], 4, 8, get_link("ideal"), checkpoint="never",
+                            schedule=schedule)
+    writers = ("backward", "backward_weight")
+    for s in range(k):
+        got = [e.end - e.start for e in sim.timeline.events if e.stage == s and e.kind in writers]
+        base = [e.end - e.start for e in plain.timeline.events if e.stage == s and e.kind in writers]
+        if schedule == "interleaved":      # one process runs both cells: one fresh backward each
+            assert sorted(g - b for g, b in zip(got, base)) == pytest.approx(
+                [0.0] * 2 + [2 * acc] * 6 if s == 0 else [])
+            continue
+        assert got[0] == pytest.approx(base[0])                         # fresh gradients
+        assert [g - b for g, b in zip(got[1:], base[1:])] == pytest.approx([2 * acc] * 3)
+    assert sim.step_time > plain.step_time
 
 
 def test_stage_costs_sum_each_cell_and_take_the_cut_layer_bytes() -> None:

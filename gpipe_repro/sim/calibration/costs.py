@@ -21,6 +21,9 @@ class LayerCost:
     params: int
     output_bytes: int        # the layer's output: what crosses a boundary cut after it
     grad_bytes: int          # the floating part of the output: what its gradient sends back
+    accumulate: float = 0.0  # extra seconds of a BACKWARD adding into existing parameter gradients
+                             # (every micro-batch of a step but the stage's first; `backward` is
+                             # the first's, into fresh ones)
 
 
 @dataclass
@@ -47,10 +50,11 @@ class Calibration:
     def partition_costs(self, size: int, checkpoint: str = "always") -> list[float]:
         """Per-layer cost the partitioner balances: the seconds of the actions one micro-batch runs
         through the layer (checkpointed forward + recompute + backward under re-materialization,
-        forward + backward without)."""
+        forward + backward without), the backward adding into existing gradients as all of a step's
+        micro-batches but the first do."""
         if checkpoint == "never":
-            return [c.forward + c.backward for c in self.at(size)]
-        return [c.forward_nograd + c.recompute + c.backward for c in self.at(size)]
+            return [c.forward + c.backward + c.accumulate for c in self.at(size)]
+        return [c.forward_nograd + c.recompute + c.backward + c.accumulate for c in self.at(size)]
 
     def to_json(self) -> dict[str, Any]:
         return {"workload": self.workload, "method": self.method, "device": self.device,

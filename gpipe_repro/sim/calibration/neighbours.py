@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe_repro.engine import cpu_allocator
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm
 from gpipe_repro.models.workload import Workload
 
@@ -15,6 +16,7 @@ from gpipe_repro.models.workload import Workload
 def _busy_loop(workload: Workload, size: int, stop: Any, ready: Any) -> None:
     """Train `workload` on micro-batches of `size` until `stop` is set (a pipeline's other stage)."""
     torch.set_num_threads(1)
+    cpu_allocator.keep_freed_memory()     # a stage process runs with it (engine/cpu_allocator.py)
     model = nn.Sequential(*[DeferredBatchNorm.convert(layer) for layer in workload.build("cpu")])
     x, y = workload.sample(size)
     loss_fn = workload.loss_fn()
@@ -48,8 +50,7 @@ def busy_neighbours(workload: Workload, size: int, count: int) -> Iterator[None]
     for p in procs:
         p.start()
     try:
-        for _ in procs:
-            ready.get(timeout=300)
+        _wait_ready(procs, ready)
         yield
     finally:
         stop.set()
@@ -59,3 +60,28 @@ def busy_neighbours(workload: Workload, size: int, count: int) -> Iterator[None]
                 p.terminate()
 
 
+
+
+def _wait_ready(procs: list[Any], ready: Any, timeout_s: float = 300.0) -> None:
+    """Wait until every neighbour trains; fail at once, naming the cause, if one died starting."""
+    import queue
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    started = 0
+    while started < len(procs):
+        try:
+            ready.get(timeout=0.5)
+            started += 1
+            continue
+        except queue.Empty:
+            pass
+        dead = [p.exitcode for p in procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(
+                f"a busy-neighbour process of the calibration exited with code {dead[0]} before "
+                "training (its error is printed above). It is started with multiprocessing's spawn: "
+                "the calling script must be importable (not stdin) and guard its entry point with "
+                "`if __name__ == '__main__':`; or calibrate with neighbours=0")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"busy-neighbour processes did not start training within {timeout_s:.0f} s")

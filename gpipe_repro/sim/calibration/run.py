@@ -1,6 +1,7 @@
 """calibrate(): per-layer costs of a workload at each micro-batch size, cached on disk."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gpipe_repro.engine import boundary
+from gpipe_repro.engine import boundary, cpu_allocator
 from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.layer_costs import activation_bytes, layer_flops
 from gpipe_repro.models.workload import Workload
@@ -22,12 +23,17 @@ from gpipe_repro.sim.cache import cache_dir
 from gpipe_repro.sim.calibration.costs import Calibration, LayerCost
 from gpipe_repro.sim.calibration.neighbours import busy_neighbours
 from gpipe_repro.sim.calibration.shapes import materialize, materialize_value, trace_shapes
-from gpipe_repro.sim.calibration.timing import forward_flops, optimizer_call_overhead, time_layer_actions
+from gpipe_repro.sim.calibration.timing import (
+    forward_flops,
+    optimizer_call_overhead,
+    time_layer_actions,
+    time_model_actions,
+)
 from gpipe_repro.sim.devices import DEVICES, DeviceModel
 
 METHODS = ("time", "flops")
 # Bump when what a calibration measures changes, so cached timings are not reused across the change.
-CALIBRATION_VERSION = 5
+CALIBRATION_VERSION = 6
 
 
 def device_description(device: torch.device | str, threads: int, neighbours: int = 0) -> str:
@@ -51,11 +57,12 @@ def code_digest() -> str:
 
 
 def _cache_file(workload: Workload, method: str, device_desc: str, size: int, repeats: int,
-                rounds: int = 1) -> Path:
+                rounds: int = 1, in_sequence: bool = False) -> Path:
     host = platform.node() if method == "time" else ""
     code = code_digest() if method == "time" else ""
+    allocator = cpu_allocator.describe() if method == "time" and device_desc.startswith("cpu") else ""
     key = json.dumps([CALIBRATION_VERSION, workload.key(), method, device_desc, size,
-                      torch.__version__, repeats, rounds, host, code])
+                      torch.__version__, repeats, rounds, host, code, allocator, in_sequence])
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
     return cache_dir() / "calibration" / f"{workload.family}-{method}-b{size}-{digest}.json"
 
@@ -63,7 +70,7 @@ def _cache_file(workload: Workload, method: str, device_desc: str, size: int, re
 def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
               device: torch.device | str = "cpu", device_model: DeviceModel | None = None,
               threads: int | None = 1, repeats: int = 20, use_cache: bool = True,
-              neighbours: int = 0, rounds: int = 1,
+              neighbours: int = 0, rounds: int = 1, in_sequence: bool | None = None,
               progress: Callable[[str], None] | None = None) -> Calibration:
     """Per-layer costs of `workload` at each micro-batch size in `sizes` (see the module docstring).
 
@@ -72,6 +79,12 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
     method="flops" counts FLOPs and converts them with `device_model` (default: "nominal").
     `rounds` > 1 times every layer that many times, interleaved across layers, and keeps the median
     round (robust to a burst of load during one layer's timing); the cache is keyed by it too.
+    `in_sequence` (method="time"): True times every layer of the whole model in the order a stage
+    runs them (:func:`time_model_actions`: the caches as in a pipeline stage); False times one layer
+    of each group of identical layers alone (:func:`time_layer_actions`: any model size, but a layer
+    alone keeps its weights in the caches and looks up to a third cheaper at small micro-batches);
+    None: in sequence where the whole model fits in half the device's free memory
+    (:func:`fits_in_sequence`).
 
     Cached per (workload and its shapes, micro-batch size, method, device and thread count, host,
     the source of the code whose cost is timed, torch version, repeats, rounds): a calibration is
@@ -86,6 +99,8 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
     previous_threads = torch.get_num_threads()
     if method == "time" and threads is not None and device.type == "cpu":
         torch.set_num_threads(threads)
+    if method == "time" and device.type == "cpu":
+        cpu_allocator.keep_freed_memory()     # as the stage processes run (process-wide, for good)
     try:
         used_threads = torch.get_num_threads()
         if method == "flops":
@@ -97,7 +112,9 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
         layers = workload.build("meta")
         calib: Calibration | None = None
         for size in sizes:
-            path = _cache_file(workload, method, desc, size, repeats, rounds)
+            whole = method == "time" and (fits_in_sequence(workload, layers, size, device)
+                                          if in_sequence is None else in_sequence)
+            path = _cache_file(workload, method, desc, size, repeats, rounds, whole)
             cached_now = use_cache and path.exists()
             if progress:
                 progress(f"calibrating {workload.name} at micro-batch {size} ({method}"
@@ -110,7 +127,7 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
                 continue
             with busy_neighbours(workload, size, neighbours if method == "time" else 0):
                 one = _calibrate_size(workload, layers, size, method, device, device_model,
-                                      repeats, rounds)
+                                      repeats, rounds, whole)
             one.device = desc
             _write_cache(path, one)
             calib = calib or Calibration(workload.name, method, desc, one.groups,
@@ -131,7 +148,7 @@ def _write_cache(path: Path, calib: Calibration) -> None:
 
 def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, method: str,
                     device: torch.device, device_model: DeviceModel | None,
-                    repeats: int, rounds: int = 1) -> Calibration:
+                    repeats: int, rounds: int = 1, in_sequence: bool = False) -> Calibration:
     inputs, target = workload.sample(size, "cpu")
     ins, outs, groups = trace_shapes(layers, inputs)
     call = optimizer_call_overhead(device) if method == "time" else 0.0
@@ -145,8 +162,16 @@ def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, meth
             timed.append(i)
             if i not in (0, last):
                 seen.add(g)
-    timings: dict[int, list[tuple[float, float, float, float, float]]] = {i: [] for i in timed}
-    if method == "time":
+    timings: dict[int, list[tuple[float, float, float, float, float, float]]] = {i: [] for i in timed}
+    if method == "time" and in_sequence:
+        whole_loss = (workload.loss_fn(), target.to(device))
+        for _ in range(rounds):
+            reals = [materialize(layer, device) for layer in layers]
+            for i, t in enumerate(time_model_actions(reals, inputs, device, loss=whole_loss,
+                                                     repeats=repeats)):
+                timings.setdefault(i, []).append(t)
+            del reals
+    elif method == "time":
         # Rounds interleaved across layers: a burst of load on the host lands in one round of a
         # few layers, and the median over rounds drops it.
         for _ in range(rounds):
@@ -169,13 +194,41 @@ def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, meth
             b = (flops - fwd_flops) / device_model.flop_rate
             o = 16 * params / device_model.memory_bandwidth
             timing = (f, f, f, b, o)
+            accumulate = 0.0
         else:
-            f, fng, r, b, o = (statistics.median(col) for col in zip(*timings[i]))
+            f, fng, r, b, o, accumulate = (statistics.median(col) for col in zip(*timings[i]))
             timing = (f, fng, r, b, max(0.0, o - call))
-        per_layer[i] = LayerCost(*timing, forward_flops=float(fwd_flops), flops=float(flops),
+        per_layer[i] = LayerCost(*timing, accumulate=accumulate,
+                                 forward_flops=float(fwd_flops), flops=float(flops),
                                  params=params, output_bytes=activation_bytes(y),
                                  grad_bytes=sum(t.numel() * t.element_size()
                                                 for t in boundary.tensors(y) if t.is_floating_point()))
     representative = {groups[i]: per_layer[i] for i in timed if i not in (0, last)}
     costs = [per_layer[i] if i in per_layer else representative[g] for i, g in enumerate(groups)]
+    if in_sequence and method == "time":      # every layer timed where it sits; FLOPs per group
+        costs = [c if i in per_layer else _with_timing(c, timings[i], call)
+                 for i, c in enumerate(costs)]
     return Calibration(workload.name, method, "", groups, {size: costs}, call)
+
+
+def _with_timing(cost: LayerCost, rounds: Sequence[tuple[float, ...]], call: float) -> LayerCost:
+    """`cost` (a group's representative) with a layer's own timings (medians over rounds)."""
+    f, fng, r, b, o, accumulate = (statistics.median(col) for col in zip(*rounds))
+    return dataclasses.replace(cost, forward=f, forward_nograd=fng, recompute=r, backward=b,
+                               optimizer=max(0.0, o - call), accumulate=accumulate)
+
+
+def fits_in_sequence(workload: Workload, layers: list[nn.Module], size: int,
+                     device: torch.device) -> bool:
+    """Whether the whole model, trained at micro-batch `size` with an optimizer, fits in half of the
+    free memory of `device` (parameters and gradients twice over, plus four times every layer's
+    output for what autograd keeps): then :func:`calibrate` times it in sequence."""
+    param_bytes = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
+    inputs, _ = workload.sample(size, "cpu")
+    _, outs, _ = trace_shapes(layers, inputs)
+    need = 4 * param_bytes + 4 * sum(activation_bytes(y) for y in outs)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return need <= free // 2
