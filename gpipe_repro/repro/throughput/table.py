@@ -6,7 +6,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from gpipe_repro.models.workload import Workload
-from gpipe_repro.report.host import conditions, is_clean
+from gpipe_repro.report.host import HostWatch, conditions, is_clean
 from gpipe_repro.repro.throughput.ablations import (
     bubble_curves,
     objective_ablation,
@@ -53,7 +53,6 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
     settings.validate()
     say = progress or (lambda msg: None)
     say(f"link model: {settings.link}")
-    host = conditions()          # how clean the calibration's conditions were
     platform = platform_for(settings.link)
     workloads = PAPER_WORKLOADS if settings.paper_size else SCALED_WORKLOADS
     workloads3 = PAPER_TABLE3_WORKLOADS if settings.paper_size else SCALED_TABLE3_WORKLOADS
@@ -62,34 +61,38 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
                                     neighbours=settings.busy_neighbours(),
                                     rounds=settings.calibration_rounds)
 
-    calibrations: dict[str, Calibration] = {}
-    table2: dict[str, list[Row]] = {}
-    for model in MODELS:
-        calibrations[model] = calibrate(workloads[model], settings.sizes(model), progress=say,
-                                        **calib_kw)
-        table2[model] = simulate_rows(model, calibrations[model], settings, platform, settings.ks,
-                                      settings.ms, base=(2, 1) if 2 in settings.ks and 1 in settings.ms
-                                      else None, paper_values=table2_paper(model),
-                                      peer_values=table2_peer(model))
-        say(f"FLOP model of {PAPER_WORKLOADS[model].name} on a TPUv3 core")
-        attach_flop_model(table2[model], flop_model_rows(
-            model, PAPER_WORKLOADS[model], "tpu-v3-core", platform_for("tpu-ici"), settings,
-            settings.ks,
-            settings.ms, PAPER_MICROBATCH[model]))
+    # How clean the calibrations' conditions were: idle before, other processes' CPU during (the
+    # calibration's own busy-neighbour processes are descendants and do not count).
+    with HostWatch(before=lambda: conditions()) as calibration_watch:
+        calibrations: dict[str, Calibration] = {}
+        table2: dict[str, list[Row]] = {}
+        for model in MODELS:
+            calibrations[model] = calibrate(workloads[model], settings.sizes(model), progress=say,
+                                            **calib_kw)
+            table2[model] = simulate_rows(model, calibrations[model], settings, platform, settings.ks,
+                                          settings.ms, base=(2, 1) if 2 in settings.ks and 1 in settings.ms
+                                          else None, paper_values=table2_paper(model),
+                                          peer_values=table2_peer(model))
+            say(f"FLOP model of {PAPER_WORKLOADS[model].name} on a TPUv3 core")
+            attach_flop_model(table2[model], flop_model_rows(
+                model, PAPER_WORKLOADS[model], "tpu-v3-core", platform_for("tpu-ici"), settings,
+                settings.ks,
+                settings.ms, PAPER_MICROBATCH[model]))
 
-    pcie = platform_for("pcie")
-    table3: dict[str, list[Row]] = {}
-    calibrations3: dict[str, Calibration] = {}
-    m3 = 32
-    for model in MODELS:
-        b = settings.microbatch_size(model, m3)
-        calibrations3[model] = calibrate(workloads3[model], [b], progress=say, **calib_kw)
-        table3[model] = simulate_rows(model, calibrations3[model], settings, pcie, settings.ks, [m3],
-                                      base=(min(settings.ks), m3), paper_values=table3_paper(model))
-        say(f"FLOP model of {PAPER_TABLE3_WORKLOADS[model].name} on a P100 with PCIe")
-        attach_flop_model(table3[model], flop_model_rows(
-            model, PAPER_TABLE3_WORKLOADS[model], "p100", pcie, settings, settings.ks, [m3],
-            PAPER_MICROBATCH[model]))
+        pcie = platform_for("pcie")
+        table3: dict[str, list[Row]] = {}
+        calibrations3: dict[str, Calibration] = {}
+        m3 = 32
+        for model in MODELS:
+            b = settings.microbatch_size(model, m3)
+            calibrations3[model] = calibrate(workloads3[model], [b], progress=say, **calib_kw)
+            table3[model] = simulate_rows(model, calibrations3[model], settings, pcie, settings.ks, [m3],
+                                          base=(min(settings.ks), m3), paper_values=table3_paper(model))
+            say(f"FLOP model of {PAPER_TABLE3_WORKLOADS[model].name} on a P100 with PCIe")
+            attach_flop_model(table3[model], flop_model_rows(
+                model, PAPER_TABLE3_WORKLOADS[model], "p100", pcie, settings, settings.ks, [m3],
+                PAPER_MICROBATCH[model]))
+    host = calibration_watch.conditions
 
     timelines: dict[str, dict[tuple[int, int], Any]] = {}
     measure = measure if measure is not None else (distributed_measure(settings)
