@@ -113,8 +113,9 @@ def render_markdown(payload: dict[str, Any], validation: dict[str, Any] | None =
            "normalized number, the same of its K=2, M=1 reference): other processes shared the cores, so "
            "it is not a clean measurement of the pipeline. Rerun `make throughput-table` on an idle "
            "host to replace it.", ""] if any_busy(payload) else []),
-        *([f"**The calibration ran on a busy host**{busy_note(payload['host']).replace(BUSY_MARK, '')}"
-           ": per-layer costs measured beside other processes, so the simulated cells may not "
+        *(["**The calibration ran on a busy host**"
+           + busy_note(payload["host"]).replace(f" {BUSY_MARK}busy ", " ")
+           + ": per-layer costs measured beside other processes, so the simulated cells may not "
            "reproduce on an idle host.", ""]
           if (payload.get("host") or {}).get("clean") is False else []),
         "**How to read.** Every number of ours is labelled: **bold\\*** = simulated (the pipeline "
