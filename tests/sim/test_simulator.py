@@ -253,6 +253,11 @@ def test_the_throughput_table_end_to_end_on_synthetic_costs(monkeypatch: pytest.
     assert "measured 1.00" in md and "paper 6.30" in md and "torchgpipe 4.95" in md
     assert "`bottleneck`" in md and "policy `micro`" in md
     assert "throughput beside memory at K=8" in md
+    assert "calibration ran on a busy host" not in md
+    busy = {**payload, "host": {"idle_fraction_before": 0.4, "load_average_before": 1.2,
+                                "others_cpu_fraction_during": 0.5, "clean": False}}
+    assert ("**The calibration ran on a busy host** (idle 40%, load 1.2, other processes 50% of the "
+            "CPU during): per-layer costs") in tp.render_markdown(busy)
 
 
 # ----------------------------------------------------------------------------- your own model
