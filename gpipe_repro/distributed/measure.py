@@ -62,6 +62,7 @@ def measure_pipeline(layers: LayersArg, balance: Sequence[int], micro_batches: i
     `loss_fn` defaults to cross-entropy. Everything passed must be picklable (module-level functions).
     """
     from gpipe_repro.distributed.launcher import launch_local
+    from gpipe_repro.engine.schedule import num_processes
 
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -69,7 +70,8 @@ def measure_pipeline(layers: LayersArg, balance: Sequence[int], micro_batches: i
               "checkpoint": checkpoint, "recompute_ahead": recompute_ahead, "schedule": schedule,
               "steps": steps, "warmup": warmup, "threads": threads, "prepost": prepost,
               "batch_size": _batch_size(batch[0])}
-    per_rank = launch_local(_measure_rank, len(balance), layers, config, batch,
+    # one process per stage; interleaved: one per v cells (`balance` has a cell per stage)
+    per_rank = launch_local(_measure_rank, num_processes(schedule, len(balance)), layers, config, batch,
                             loss_fn or nn.CrossEntropyLoss(), optimizer, timeout=timeout,
                             threads=threads)
     times = [max(rank[0][i] for rank in per_rank) for i in range(steps)]
@@ -109,7 +111,8 @@ def _measure_rank(layers: LayersArg, config: dict[str, Any], batch: tuple[Any, A
     cpu_events: list[list[Event]] = []
     for i in range(config["warmup"] + config["steps"]):
         sink: list[Event] = []
-        record_cpu_times(pipe.stage_process.executor, sink)
+        for executor in pipe.stage_process.executors:      # several cells per process: interleaved
+            record_cpu_times(executor, sink)
         cpu0 = time.process_time()
         losses.append(pipe.train_step(inputs, targets))
         if i >= config["warmup"]:

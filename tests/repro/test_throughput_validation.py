@@ -41,31 +41,37 @@ def test_validation_reports_each_schedule(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(validation, "conditions",
                         lambda: {"idle_fraction_before": 0.9, "load_average_before": 0.5})
     settings = SweepSettings(link="ideal", wait_idle=0.0)
-    slow = {"gpipe": 1.0, "1f1b": 1.25, "zb-h1": 1.02}
+    slow = {"gpipe": 1.0, "1f1b": 1.25, "zb-h1": 1.02, "interleaved": 1.03}
     result = validation.validate_simulator(
-        settings, _fake_measure("gpipe", 1.0), models=["transformer"], ks=[2], ms=[2, 4],
-        checkpoints=("never",), schedules=["gpipe", "1f1b", "zb-h1"],
+        settings, _fake_measure("gpipe", 1.0), models=["transformer"], ks=[2], ms=[1, 2, 4],
+        checkpoints=("never",), schedules=["gpipe", "1f1b", "zb-h1", "interleaved"],
         measure_schedule=lambda name: _fake_measure(name, slow[name]))
     rows = result["rows"]
-    assert sorted({r["schedule"] for r in rows}) == ["1f1b", "gpipe", "zb-h1"] and len(rows) == 6
+    # interleaved takes M in groups of the K processes: M=1 is skipped
+    assert sorted((r["schedule"], r["M"]) for r in rows if r["schedule"] == "interleaved") == [
+        ("interleaved", 2), ("interleaved", 4)] and len(rows) == 3 * 3 + 2
     for r in rows:        # simulated / measured throughput - 1 = slowdown - 1, exactly
         assert r["relative_error"] == pytest.approx(slow[r["schedule"]] - 1, abs=1e-12)
+        if r["schedule"] == "interleaved":   # K=2 processes of 2 cells; a timeline row per process
+            assert r["K"] == 2 and r["cells"] == 4 == len(r["balance"]) and r["replay_error"] is None
+            continue
+        assert r["K"] == r["cells"] == 2
         # the replay pads the measured timeline to the measured step: the pipeline model is exact
         assert r["replay_error"] == pytest.approx(0.0, abs=1e-9)
     per = result["summary"]["per_schedule"]
     assert per["gpipe"]["met"] and per["zb-h1"]["met"] and not per["1f1b"]["met"]
-    assert per["1f1b"]["max_abs_error"] == pytest.approx(0.25) and per["1f1b"]["configurations"] == 2
-    assert not result["summary"]["met"] and "interleaved" in result["summary"]["not_validated"]
+    assert per["1f1b"]["max_abs_error"] == pytest.approx(0.25) and per["1f1b"]["configurations"] == 3
+    assert per["interleaved"]["met"] and per["interleaved"]["configurations"] == 2
+    assert not result["summary"]["met"] and result["summary"]["not_validated"] == {}
     assert {"transformer_K2_M4_never", "transformer_K2_M4_never_zb-h1"} <= set(result["timelines"])
     text = render_validation_summary(result)
     assert "`1f1b` median 25.0%, worst 25.0% (NOT met)" in text and "| zb-h1 " in text
-    assert "`interleaved` is not validated" in text
+    assert "| interleaved " in text and "not validated" not in text
 
 
 def test_validation_refuses_what_it_cannot_measure() -> None:
     settings = SweepSettings(link="ideal")
-    with pytest.raises(ValueError,
-                       match="cannot validate interleaved: validate-sim measures one stage per process"):
-        validation.validate_simulator(settings, _fake_measure("gpipe", 1.0), schedules=["interleaved"])
+    with pytest.raises(ValueError, match="cannot validate dualpipe: 'dualpipe' is not a schedule"):
+        validation.validate_simulator(settings, _fake_measure("gpipe", 1.0), schedules=["dualpipe"])
     with pytest.raises(ValueError, match="pass measure_schedule= to measure 1f1b"):
         validation.validate_simulator(settings, _fake_measure("gpipe", 1.0), schedules=["gpipe", "1f1b"])

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
-from gpipe_repro.engine.schedule import make_schedule
+from gpipe_repro.engine.schedule import INTERLEAVED_VIRTUAL_STAGES, make_schedule, num_processes
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import HostWatch, conditions, usable_cores, wait_for_idle
 from gpipe_repro.repro.throughput.measure import MeasureFn
@@ -21,12 +21,11 @@ from gpipe_repro.sim.simulator import replay_costs, simulate
 VALIDATION_MS = (1, 2, 4, 8, 16)
 VALIDATION_CHECKPOINTS = ("always", "never")
 VALIDATION_TARGETS = {"median": 0.05, "max": 0.10}
-#: Schedules validated against real runs: one stage per process, the cuts the validation measures.
-#: Interleaved 1F1B (two cells per process) runs on the distributed runtime, but this validation's
-#: measurement and replay are written per stage process; it is simulated, not yet validated.
-VALIDATION_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
-NOT_VALIDATED = {"interleaved": "validate-sim measures one stage per process; interleaved 1F1B runs two "
-                                "cells per process and is not validated yet"}
+#: Schedules validated against real runs. Interleaved 1F1B runs K processes of v = 2 cells each: its
+#: cut has K*v cells, and its measured timeline has a row per process, so it is not replayed (the
+#: replay reads each cell's action durations).
+VALIDATION_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
+NOT_VALIDATED: dict[str, str] = {}
 
 
 VALIDATION_KS = (2, 4, 8)
@@ -67,11 +66,15 @@ def _validate_cut(model: str, workload: Workload, calib: Calibration, settings: 
                   measure: MeasureFn, platform: Platform, balance: list[int], b: int,
                   ms: Sequence[int], checkpoint: str, say: Callable[[str], None],
                   timelines: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every M of one (model, cut, checkpoint, settings.schedule): simulated, measured, replayed."""
-    k = len(balance)
+    """Every M of one (model, cut, checkpoint, settings.schedule): simulated, measured, replayed.
+    `balance` has a cell per stage: K*v cells on K processes for interleaved."""
+    cells = len(balance)
+    k = num_processes(settings.schedule, cells)
     suffix = "" if settings.schedule == "gpipe" else f"_{settings.schedule}"
     rows: list[dict[str, Any]] = []
     for m in ms:
+        if settings.schedule == "interleaved" and m % k:
+            continue        # interleaved 1F1B takes micro-batches in groups of the K processes
         say(f"validating {model} K={k} M={m} checkpoint={checkpoint} "
             f"schedule={settings.schedule}")
         sim = platform.simulate(calib, balance, m, m * b, settings, checkpoint)
@@ -84,15 +87,15 @@ def _validate_cut(model: str, workload: Workload, calib: Calibration, settings: 
         idle, load = host["idle_fraction_before"], host["load_average_before"]
         meas_tp = m * b / measured["step_time_s"]
         replay = None
-        if measured.get("timeline") is not None:
+        if measured.get("timeline") is not None and measured["timeline"].num_stages == cells:
             replay = simulate(
-                make_schedule(settings.schedule, k, m, checkpoint,
+                make_schedule(settings.schedule, cells, m, checkpoint,
                               settings.recompute_ahead),
                 replay_costs(measured["timeline"], measured["step_time_s"],
                              [calib.at(b)[sum(balance[:s + 1]) - 1].output_bytes
-                              for s in range(k - 1)]),
+                              for s in range(cells - 1)]),
                 platform.link, m * b)
-        rows.append({"model": model, "K": k, "M": m, "checkpoint": checkpoint,
+        rows.append({"model": model, "K": k, "cells": cells, "M": m, "checkpoint": checkpoint,
                      "schedule": settings.schedule,
                      "balance": balance, "microbatch": b, "batch": m * b,
                      "simulated_step_s": sim.step_time,
@@ -165,9 +168,10 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                           neighbours=settings.busy_neighbours(), rounds=settings.calibration_rounds)
         for checkpoint in checkpoints:
             for k in ks:
-                balance = choose_partition(calib.partition_costs(b, checkpoint), k, settings.objective,
-                                           measured=calib.method == "time")
                 for name in names:
+                    cells = k * (INTERLEAVED_VIRTUAL_STAGES if name == "interleaved" else 1)
+                    balance = choose_partition(calib.partition_costs(b, checkpoint), cells,
+                                               settings.objective, measured=calib.method == "time")
                     rows += _validate_cut(model, workloads[model], calib, replace(settings, schedule=name),
                                           measures[name], platform, balance, b, ms, checkpoint, say,
                                           timelines)
