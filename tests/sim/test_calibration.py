@@ -161,7 +161,8 @@ def test_one_pass_flop_counts_equal_a_forward_and_a_forward_backward_counted_apa
     for layers, sample in cases:
         ins, _, _ = trace_shapes(layers, sample)
         counts = [layer_flop_counts(layer, x) for layer, x in zip(layers, ins)]
-        assert counts == [(cal.forward_flops(layer, x), layer_flops(layer, x)) for layer, x in zip(layers, ins)]
+        assert counts == [(cal.forward_flops(layer, x), layer_flops(layer, x))
+                          for layer, x in zip(layers, ins)]
         assert all(total >= forward for forward, total in counts) and any(f > 0 for f, _ in counts)
 
 
