@@ -168,23 +168,31 @@ def test_one_pass_flop_counts_equal_a_forward_and_a_forward_backward_counted_apa
 
 def test_flops_counted_by_one_calibration_are_reused_by_the_next_of_the_same_layers(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A FLOP calibration after a time calibration of the same workload and size counts nothing
-    again and gives the counts a fresh one gives; use_cache=False counts afresh."""
+    """A FLOP calibration after a time calibration of the same workload and size traces and counts
+    nothing again and gives the counts a fresh one gives; use_cache=False traces and counts afresh."""
     counted: list[int] = []
-    real = cal_run.layer_flop_counts
+    traced: list[int] = []
+    real_count, real_trace = cal_run.layer_flop_counts, cal_run.trace_signatures
 
     def counting(layer: nn.Module, x: object) -> tuple[int, int]:
         counted.append(1)
-        return real(layer, x)
+        return real_count(layer, x)
+
+    def tracing(layers: list[nn.Module], sample: object) -> object:
+        traced.append(1)
+        return real_trace(layers, sample)
 
     monkeypatch.setattr(cal_run, "_FLOP_COUNTS", {})
+    monkeypatch.setattr(cal_run, "_TRACES", {})
     monkeypatch.setattr(cal_run, "layer_flop_counts", counting)
+    monkeypatch.setattr(cal_run, "trace_signatures", tracing)
     timed = calibrate(TINY_LM, [2], repeats=1, use_cache=False)
-    assert len(counted) == 3                      # embed, one transformer layer, head
+    assert len(counted) == 3 and len(traced) == 1      # embed, one transformer layer, head
     reused = calibrate(TINY_LM, [2], method="flops")
-    assert len(counted) == 3
+    assert len(counted) == 3 and len(traced) == 1
     fresh = calibrate(TINY_LM, [2], method="flops", use_cache=False)
-    assert len(counted) == 6
+    assert len(counted) == 6 and len(traced) == 2
+    assert reused.groups == fresh.groups == timed.groups
     for a, b, c in zip(timed.at(2), reused.at(2), fresh.at(2)):
         assert (a.forward_flops, a.flops) == (b.forward_flops, b.flops) == (c.forward_flops, c.flops)
         assert b == c

@@ -130,14 +130,17 @@ def _write_cache(path: Path, calib: Calibration) -> None:
     os.replace(tmp, path)
 
 
-# (forward, forward + backward) FLOPs already counted in this process, by the layer's signature (the
-# one its group is made of: same type, modules, parameter shapes, input and output) and the modes of
-# its modules. Counting runs every op of a layer through FlopCounterMode's Python dispatch on meta
-# tensors, the bulk of a small model's calibration, and a run that calibrates one workload at one
-# size by time and then by FLOPs (gpu-check, the throughput table) would count the same layers again.
-# Written by every calibration, read only by those allowed to reuse what was computed before
-# (use_cache=True); a hash, so a paper-size layer's long repr is not kept.
+# What a calibration derives from the model's structure alone, kept for the rest of the process:
+# (forward, forward + backward) FLOPs by the layer's signature (the one its group is made of: same
+# type, modules, parameter shapes, input and output) and the modes of its modules; the meta trace
+# (inputs, outputs, groups, signatures) by (workload key, micro-batch size), the key the disk cache of
+# FLOP calibrations trusts. Both run every op through Python dispatch on meta tensors (the counting
+# through FlopCounterMode too), the bulk of a small model's calibration, and a run that calibrates one
+# workload at one size by time and then by FLOPs (gpu-check, the throughput table) would trace and
+# count the same layers again. Written by every calibration, read only by those allowed to reuse what
+# was computed before (use_cache=True). Signatures are kept as hashes (a paper-size layer's repr is long).
 _FLOP_COUNTS: dict[str, tuple[int, int]] = {}
+_TRACES: dict[tuple[str, int], tuple[list[Any], list[Any], list[int], list[str]]] = {}
 
 
 def _flop_counts(layer: nn.Module, x: Any, signature: str, reuse: bool) -> tuple[int, int]:
@@ -152,7 +155,14 @@ def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, meth
                     device: torch.device, device_model: DeviceModel | None,
                     repeats: int, rounds: int = 1, *, reuse_counts: bool = True) -> Calibration:
     inputs, target = workload.sample(size, "cpu")
-    ins, outs, groups, signatures = trace_signatures(layers, inputs)
+    trace_key = (workload.key(), size)
+    if not reuse_counts or trace_key not in _TRACES:
+        if len(_TRACES) >= 64:
+            _TRACES.clear()
+        traced_ins, traced_outs, traced_groups, sigs = trace_signatures(layers, inputs)
+        _TRACES[trace_key] = (traced_ins, traced_outs, traced_groups,
+                              [hashlib.sha1(sig.encode()).hexdigest() for sig in sigs])
+    ins, outs, groups, signatures = _TRACES[trace_key]
     call = optimizer_call_overhead(device) if method == "time" else 0.0
     last = len(layers) - 1
     # The layers to measure: one per group of identical layers, plus the first and the last (they
