@@ -46,6 +46,7 @@ def tiny(out: Path, **run_changes: Any) -> tuple[RunConfig, AmoebaNetConfig]:
 
 # ----------------------------------------------------------------------------- the same training for any K
 
+@pytest.mark.usefixtures("undrawn_curves")     # curves.png not drawn (tests/curves.py)
 def test_k1_and_k4_give_the_same_loss_curve_and_weights(tmp_path: Path) -> None:
     results = {}
     for k in (1, 4):
@@ -66,6 +67,7 @@ def test_k1_and_k4_give_the_same_loss_curve_and_weights(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- the distributed runtime
 
+@pytest.mark.usefixtures("undrawn_curves")     # curves.png not drawn (tests/curves.py)
 def test_distributed_run_trains_like_the_local_one_and_its_checkpoints_resume_locally(tmp_path: Path) -> None:
     local_run, task = tiny(tmp_path / "local", partitions=2, save_every=2)
     local = train(AmoebaNetTask(task), local_run)
@@ -92,6 +94,7 @@ def test_distributed_run_trains_like_the_local_one_and_its_checkpoints_resume_lo
 
 
 @pytest.mark.slow   # four stage processes
+@pytest.mark.usefixtures("undrawn_curves")     # curves.png not drawn (tests/curves.py)
 def test_replicas_train_like_one_pipeline_of_all_their_micro_batches(tmp_path: Path) -> None:
     """Issue #13: K=2 x R=2 (4 processes, M=2 each) takes the same steps as one local pipeline with
     the R x M = 4 micro-batches (replica r runs micro-batches r*M ..); rank 0 alone writes: one
@@ -186,6 +189,7 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return attempts
 
 
+@pytest.mark.usefixtures("undrawn_curves")     # curves.png not drawn (tests/curves.py)
 def test_offline_datasets_train_without_touching_the_network(tmp_path: Path, no_network: list[Any]) -> None:
     run, task = tiny(tmp_path, steps=1, eval_every=0, timeline_every=0)
     for dataset in ("digits", "mnist-sample"):
@@ -260,6 +264,7 @@ def test_pretrained_weights_load_across_partitionings_with_a_new_classifier(tmp_
         load_pretrained(wider.build_layers(), tmp_path)
 
 
+@pytest.mark.usefixtures("undrawn_curves")     # curves.png not drawn (tests/curves.py)
 def test_transfer_protocol_reports_mean_over_seeds_beside_the_paper(tmp_path: Path) -> None:
     run, task = tiny(tmp_path / "pre", steps=2, eval_every=0, timeline_every=0)
     train(AmoebaNetTask(task), run)
