@@ -9,9 +9,13 @@ semantics against CPU references (a one-GPU host would otherwise fall back with 
 multi-GPU one would run NCCL with TF32 convolutions). `make gpu-check` is where GPUs are tested.
 """
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+
+from tests.curves import curves_not_drawn
 
 os.environ.setdefault("GPIPE_REPRO_BACKEND", "gloo")
 
@@ -50,3 +54,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return rank.get(path, len(rank))
 
     items.sort(key=key)      # stable: files keep their collection order within each rank
+
+
+@pytest.fixture
+def undrawn_curves() -> Iterator[list[Path]]:
+    """The test's training runs write curves.png without drawing it (tests/curves.py)."""
+    with curves_not_drawn() as written:
+        yield written

@@ -20,6 +20,7 @@ and compares every loss, and after the last step every gradient, parameter and b
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -167,6 +168,13 @@ def assert_same_training(layers: list[nn.Module], inputs: Any, targets: Any, los
     batches = list(batches) if batches is not None else [(inputs, targets)] * steps
     keep = [(_clone(x), _clone(y)) for x, y in batches]
     ref_layers = copy.deepcopy(layers)
+    reduction = loss_reduction or getattr(loss_fn, "reduction", "mean")
+    reference_args = dict(loss_reduction=reduction if reduction in ("mean", "sum") else "mean",
+                          clip_grad_norm=gpipe_kwargs.get("clip_grad_norm"),
+                          autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+                              gpipe_kwargs.get("precision", "fp32")))
+    key = _reference_key(ref_layers, keep, loss_fn, micro_batches, optimizer,
+                         tuple(sorted(reference_args.items())))
     kwargs = dict(gpipe_kwargs)
     if loss_reduction is not None:
         kwargs["loss_reduction"] = loss_reduction
@@ -176,31 +184,98 @@ def assert_same_training(layers: list[nn.Module], inputs: Any, targets: Any, los
     for (x, y), (x0, y0) in zip(batches, keep):
         _assert_equal_values(x, x0, "the caller's inputs were modified")
         _assert_equal_values(y, y0, "the caller's targets were modified")
-    reduction = loss_reduction or getattr(loss_fn, "reduction", "mean")
-    ref_losses = reference_train(ref_layers, batches, loss_fn, micro_batches, optimizer,
-                                 loss_reduction=reduction if reduction in ("mean", "sum") else "mean",
-                                 clip_grad_norm=gpipe_kwargs.get("clip_grad_norm"),
-                                 autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-                                     gpipe_kwargs.get("precision", "fp32")))
+    ref_losses, ref_params, ref_buffers = _reference(ref_layers, batches, loss_fn, micro_batches, optimizer,
+                                                     key, **reference_args)
     where = f"K={partitions} M={micro_batches} checkpoint={checkpoint} balance={pipe.balance}"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=atol,
                                msg=lambda msg: f"losses differ ({where}): {msg}")
     ours = dict(pipe.unpartitioned().named_parameters())
-    theirs = dict(nn.Sequential(*ref_layers).named_parameters())
+    theirs = ref_params
     assert ours.keys() == theirs.keys()
     for name in ours:
-        g, rg = ours[name].grad, theirs[name].grad
+        g, (value, rg) = ours[name].grad, theirs[name]
         assert (g is None) == (rg is None), f"{name}: gradient presence differs ({where})"
         if g is not None:
             torch.testing.assert_close(g, rg, rtol=rtol, atol=atol,
                                        msg=lambda msg, name=name: f"grad of {name} differs ({where}): {msg}")
-        torch.testing.assert_close(ours[name].detach(), theirs[name].detach(), rtol=rtol, atol=atol,
+        torch.testing.assert_close(ours[name].detach(), value, rtol=rtol, atol=atol,
                                    msg=lambda msg, name=name: f"updated {name} differs ({where}): {msg}")
     our_buffers = dict(pipe.unpartitioned().named_buffers())
-    for name, buf in nn.Sequential(*ref_layers).named_buffers():
+    for name, buf in ref_buffers.items():
         torch.testing.assert_close(our_buffers[name].float(), buf.float(), rtol=rtol, atol=atol,
                                    msg=lambda msg, name=name: f"buffer {name} differs ({where}): {msg}")
     return pipe
+
+
+# Reference runs already made in this process, by everything a run depends on (_reference_key): the
+# same reference is asked for by every K and checkpoint mode compared against it (in
+# tests/engine/test_equivalence.py 108 comparisons need 18 references). reference_train is
+# deterministic on the CPU (each layer's dropout masks come from rule_seed, its inputs are the
+# caller's), so a stored run is exactly what running it again gives; the CPU generator's state it
+# leaves behind is stored and restored too. Keys hold the loss, optimizer and module classes
+# themselves, so their identities cannot be reused by other objects while an entry lives.
+_REFERENCES: dict[tuple[Any, ...], tuple[list[float], dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                                          dict[str, torch.Tensor], torch.Tensor]] = {}
+
+
+def _fingerprint(value: Any) -> Any:
+    """A hashable stand-in for what a reference run reads of `value`: each tensor's dtype, shape,
+    requires_grad, device and bytes; each module's class (the object: its forward), mode, public
+    attributes (a head count kept beside equal-shaped weights) and hooks, recursively."""
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        data = flat.to(torch.uint8) if flat.dtype == torch.bool else flat.view(torch.uint8)
+        return ("tensor", value.dtype, tuple(value.shape), value.requires_grad, value.device.type,
+                hashlib.sha1(data.numpy().tobytes()).hexdigest())
+    if isinstance(value, nn.Module):
+        attrs = tuple(sorted((k, _fingerprint(v)) for k, v in vars(value).items()
+                             if not k.startswith("_") and k != "training"))
+        hooks = tuple(tuple(getattr(value, name).values()) for name in
+                      ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
+                       "_backward_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks"))
+        return ("module", type(value), value.training, attrs, hooks,
+                tuple((k, _fingerprint(v)) for k, v in value._parameters.items()),
+                tuple((k, _fingerprint(v)) for k, v in value._buffers.items()),
+                tuple((k, _fingerprint(v)) for k, v in value._modules.items()))
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_fingerprint(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _fingerprint(v)) for k, v in value.items()))
+    try:
+        hash(value)
+        return value                # held by the key: its identity stays its own
+    except TypeError:
+        return ("unhashable", type(value), repr(value))
+
+
+def _reference_key(layers: list[nn.Module], batches: Sequence[tuple[Any, Any]],
+                   *args: Any) -> tuple[Any, ...]:
+    """The key of a reference run: the layers, which of their modules, parameters and buffers are
+    one object (a layer listed twice trains differently from two equal copies), the batches and the
+    other arguments."""
+    objects = [o for layer in layers for _, m in layer.named_modules(remove_duplicate=False)
+               for o in (m, *m._parameters.values(), *m._buffers.values()) if o is not None]
+    first: dict[int, int] = {}
+    sharing = tuple(first.setdefault(id(o), i) for i, o in enumerate(objects))
+    return (_fingerprint(layers), sharing, _fingerprint(list(batches)), *args)
+
+
+def _reference(layers: list[nn.Module], batches: Sequence[tuple[Any, Any]], loss_fn: Callable,
+               micro_batches: int, optimizer: Callable[[Any], torch.optim.Optimizer], key: tuple[Any, ...],
+               **kwargs: Any) -> tuple[list[float], dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                                       dict[str, torch.Tensor]]:
+    """:func:`reference_train` of `layers` (trained in place) on `batches`: (losses, every parameter's
+    value and gradient, every buffer), made once per `key` (see _REFERENCES)."""
+    if key not in _REFERENCES:
+        losses = reference_train(layers, batches, loss_fn, micro_batches, optimizer, **kwargs)
+        model = nn.Sequential(*layers)
+        params = {name: (p.detach().clone(), None if p.grad is None else p.grad.clone())
+                  for name, p in model.named_parameters()}
+        buffers = {name: b.clone() for name, b in model.named_buffers()}
+        _REFERENCES[key] = (losses, params, buffers, torch.get_rng_state())
+    losses, params, buffers, rng = _REFERENCES[key]
+    torch.set_rng_state(rng)
+    return losses, params, buffers
 
 
 def _assert_equal_values(a: Any, b: Any, what: str) -> None:

@@ -29,8 +29,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_repro.engine import boundary
 
-__all__ = ["METHODS", "layer_inputs", "measure_layer", "layer_flops", "param_bytes", "activation_bytes",
-           "layer_costs"]
+__all__ = ["METHODS", "layer_inputs", "measure_layer", "layer_flops", "layer_flop_counts", "param_bytes",
+           "activation_bytes", "layer_costs"]
 
 METHODS = ("time", "flops", "params", "activations")
 
@@ -97,6 +97,23 @@ def layer_flops(layer: nn.Module, x: Any) -> int:
         if s is not None:
             s.backward()
     return counter.get_total_flops()
+
+
+def layer_flop_counts(layer: nn.Module, x: Any) -> tuple[int, int]:
+    """(forward, forward + backward) FLOPs of `layer` on `x` in one pass: the counter is read after
+    the forward and again after the backward (meta tensors are fine). The same counts as
+    :func:`gpipe_repro.sim.calibration.timing.forward_flops` and :func:`layer_flops` (tests/sim/
+    test_calibration.py checks it layer by layer on every model family) for one forward fewer."""
+    layer = copy.deepcopy(layer)
+    inp = _copy(boundary.attach(x, torch.device("cpu") if not boundary.tensors(x)
+                                else boundary.tensors(x)[0].device))
+    with FlopCounterMode(display=False) as counter:
+        out = layer(inp)
+        forward = counter.get_total_flops()
+        s = _floating_sum(out)
+        if s is not None:
+            s.backward()
+    return forward, counter.get_total_flops()
 
 
 def param_bytes(layer: nn.Module) -> int:

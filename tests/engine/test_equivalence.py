@@ -178,3 +178,39 @@ def test_caller_rng_stream_is_untouched_by_a_step() -> None:
     torch.manual_seed(123)
     pipe.train_step(x, y)
     torch.testing.assert_close(torch.rand(3), expected)
+
+
+def test_a_stored_reference_is_reused_only_for_the_same_run_and_still_catches_a_wrong_pipeline() -> None:
+    """tests/equivalence.py runs each distinct reference once per process: what it keys on
+    distinguishes a changed weight, a module attribute no weight shows (Block.heads), a layer listed
+    twice instead of two equal copies, another M; and a pipeline compared against a stored reference
+    still fails when it trains differently."""
+    import tests.equivalence as eq
+
+    x, y = data("mlp")
+    batches = [(x, y)]
+    loss_fn = nn.CrossEntropyLoss()
+
+    def same(a: list[nn.Module], b: list[nn.Module], m: int = 3, n: int = 3) -> bool:
+        return (eq._reference_key(a, batches, loss_fn, m, sgd_momentum) ==
+                eq._reference_key(b, batches, loss_fn, n, sgd_momentum))
+
+    assert same(mlp(), mlp())
+    changed = mlp()
+    with torch.no_grad():
+        changed[0].weight[0, 0] += 1e-3
+    assert not same(mlp(), changed)
+    assert not same(mlp(), mlp(), m=3, n=7)
+    assert not same([Block(16, 2)], [Block(16, 4)])
+    lin = nn.Linear(6, 6)
+    assert not same([lin, lin], [lin, copy.deepcopy(lin)])
+
+    assert_same_training(mlp(), None, None, loss_fn, partitions=2, micro_batches=3, checkpoint="never",
+                         batches=batches, optimizer=sgd_momentum)
+    stored = len(eq._REFERENCES)
+    with pytest.raises(AssertionError, match="differ"):      # the same reference, other dropout masks
+        assert_same_training(mlp(), None, None, loss_fn, partitions=2, micro_batches=3, checkpoint="never",
+                             batches=batches, optimizer=sgd_momentum, seed=1)
+    assert_same_training(mlp(), None, None, loss_fn, partitions=3, micro_batches=3, checkpoint="always",
+                         batches=batches, optimizer=sgd_momentum)
+    assert len(eq._REFERENCES) == stored                    # both compared against the stored run

@@ -172,3 +172,57 @@ def test_rounds_keep_the_median_round_and_key_the_cache(monkeypatch: pytest.Monk
     assert len({p.name for p in (private_cache / "calibration").glob("*.json")} - names) == 1
     with pytest.raises(ValueError, match="rounds"):
         calibrate(TINY_LM, [2], rounds=0)
+
+
+def test_one_pass_flop_counts_equal_a_forward_and_a_forward_backward_counted_apart() -> None:
+    """The calibration reads the forward and the total FLOPs off one counter; they equal a no-grad
+    forward counted alone and a forward + backward counted alone, layer by layer: a language model,
+    an AmoebaNet (BatchNorm, tuple boundaries, pass-through inputs) and a translation model (a
+    tuple input)."""
+    from gpipe_repro.engine.layer_costs import layer_flop_counts, layer_flops
+    from gpipe_repro.models.translation import translation_transformer
+
+    amoeba = Workload.create("AmoebaNet", "amoebanet-d", "image", (3, 16, 16), 5, L=3, F=4,
+                             num_classes=5, image_size=16, aux_head=True)
+    with torch.device("meta"):
+        translation = list(translation_transformer(1, 32, 2, d_model=16, head_dim=8, vocab_size=40))
+    cases = [(TINY_LM.build("meta"), TINY_LM.sample(3)[0]), (amoeba.build("meta"), amoeba.sample(3)[0]),
+             (translation, (torch.randint(1, 40, (3, 7)), torch.randint(1, 40, (3, 5))))]
+    for layers, sample in cases:
+        ins, _, _ = trace_shapes(layers, sample)
+        counts = [layer_flop_counts(layer, x) for layer, x in zip(layers, ins)]
+        assert counts == [(cal.forward_flops(layer, x), layer_flops(layer, x))
+                          for layer, x in zip(layers, ins)]
+        assert all(total >= forward for forward, total in counts) and any(f > 0 for f, _ in counts)
+
+
+def test_flops_counted_by_one_calibration_are_reused_by_the_next_of_the_same_layers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A FLOP calibration after a time calibration of the same workload and size traces and counts
+    nothing again and gives the counts a fresh one gives; use_cache=False traces and counts afresh."""
+    counted: list[int] = []
+    traced: list[int] = []
+    real_count, real_trace = cal_run.layer_flop_counts, cal_run.trace_signatures
+
+    def counting(layer: nn.Module, x: object) -> tuple[int, int]:
+        counted.append(1)
+        return real_count(layer, x)
+
+    def tracing(layers: list[nn.Module], sample: object) -> object:
+        traced.append(1)
+        return real_trace(layers, sample)
+
+    monkeypatch.setattr(cal_run, "_FLOP_COUNTS", {})
+    monkeypatch.setattr(cal_run, "_TRACES", {})
+    monkeypatch.setattr(cal_run, "layer_flop_counts", counting)
+    monkeypatch.setattr(cal_run, "trace_signatures", tracing)
+    timed = calibrate(TINY_LM, [2], repeats=1, use_cache=False)
+    assert len(counted) == 3 and len(traced) == 1      # embed, one transformer layer, head
+    reused = calibrate(TINY_LM, [2], method="flops")
+    assert len(counted) == 3 and len(traced) == 1
+    fresh = calibrate(TINY_LM, [2], method="flops", use_cache=False)
+    assert len(counted) == 6 and len(traced) == 2
+    assert reused.groups == fresh.groups == timed.groups
+    for a, b, c in zip(timed.at(2), reused.at(2), fresh.at(2)):
+        assert (a.forward_flops, a.flops) == (b.forward_flops, b.flops) == (c.forward_flops, c.flops)
+        assert b == c

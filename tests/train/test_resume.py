@@ -25,6 +25,7 @@ from gpipe_repro.train.checkpoints import checkpoint_path, list_checkpoints, loa
 from gpipe_repro.train.config import RunConfig
 from gpipe_repro.train.loop import train
 from gpipe_repro.train.tasks.image_classification import AmoebaNetConfig, AmoebaNetTask, preset
+from tests.curves import curves_not_drawn
 
 STEPS = 8
 
@@ -67,7 +68,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[floa
     """The uninterrupted run."""
     out = tmp_path_factory.mktemp("reference")
     run, task = configs(out)
-    summary = train(AmoebaNetTask(task), run)
+    with curves_not_drawn():           # its picture is never looked at (tests/curves.py)
+        summary = train(AmoebaNetTask(task), run)
     assert summary.status == "finished" and summary.steps == STEPS
     return out, summary.losses
 
@@ -94,6 +96,7 @@ def test_resume_after_a_crash_gives_identical_weights(tmp_path: Path,
     assert logged == list(range(1, STEPS + 1))                  # numbered by steps completed
 
 
+@pytest.mark.usefixtures("undrawn_curves")     # curves.png not drawn (tests/curves.py)
 def test_ctrl_c_saves_and_exits_cleanly_then_resumes_identically(
         tmp_path: Path, reference: tuple[Path, list[float]]) -> None:
     run, task = configs(tmp_path)
@@ -110,6 +113,7 @@ def test_ctrl_c_saves_and_exits_cleanly_then_resumes_identically(
     assert_same_training_state(final_state(tmp_path), final_state(reference[0]))
 
 
+@pytest.mark.usefixtures("undrawn_curves")     # curves.png not drawn (tests/curves.py)
 def test_sigkilled_subprocess_resumes_identically(tmp_path: Path,
                                                   reference: tuple[Path, list[float]]) -> None:
     run, task = configs(tmp_path)

@@ -273,6 +273,7 @@ def test_cached_decoding_split_over_stages_equals_the_whole_model() -> None:
 
 
 @pytest.mark.slow   # two stage processes (their imports dominate)
+@pytest.mark.usefixtures("undrawn_curves")     # curves.png not drawn (tests/curves.py)
 def test_distributed_evaluation_decodes_with_the_cache_and_scores_as_the_local_one(
         data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Issue #16: each stage process decodes its own cell with the key/value cache (DistributedDecoder,
@@ -347,6 +348,7 @@ def test_training_lowers_the_loss_and_reports_bleu_per_language_and_group(
     assert set(task.last_hypotheses) == {"xa", "xb", "xc"}
 
 
+@pytest.mark.usefixtures("undrawn_curves")     # curves.png not drawn (tests/curves.py)
 def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(data_dir: Path,
                                                                     tmp_path: Path) -> None:
     config = toy_config(data_dir, dropout=0.1, eval_sentences=2)
@@ -370,6 +372,7 @@ def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(data_dir: Pat
         assert torch.equal(value, b["state"]["pipeline"]["model"][key]), key
 
 
+@pytest.mark.usefixtures("undrawn_curves")     # curves.png not drawn (tests/curves.py)
 def test_run_transformer_command(data_dir: Path, tmp_path: Path) -> None:
     from gpipe_repro.cli import app
 
@@ -392,6 +395,7 @@ def test_run_transformer_command(data_dir: Path, tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------ the experiment
 
+@pytest.mark.usefixtures("undrawn_curves")     # curves.png not drawn (tests/curves.py)
 def test_deep_vs_wide_and_large_batch_experiments_at_toy_size(data_dir: Path, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     from gpipe_repro.report.records import read_json

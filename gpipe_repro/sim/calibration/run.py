@@ -10,21 +10,26 @@ import platform
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from gpipe_repro.engine import boundary, cpu_allocator
 from gpipe_repro.engine.choices import require_one_of
-from gpipe_repro.engine.layer_costs import activation_bytes, layer_flops
+from gpipe_repro.engine.layer_costs import activation_bytes, layer_flop_counts
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.provenance import cpu_model
 from gpipe_repro.sim.cache import cache_dir
 from gpipe_repro.sim.calibration.costs import Calibration, LayerCost
 from gpipe_repro.sim.calibration.neighbours import busy_neighbours
-from gpipe_repro.sim.calibration.shapes import materialize, materialize_value, trace_shapes
+from gpipe_repro.sim.calibration.shapes import (
+    materialize,
+    materialize_value,
+    trace_shapes,
+    trace_signatures,
+)
 from gpipe_repro.sim.calibration.timing import (
-    forward_flops,
     optimizer_call_overhead,
     time_layer_actions,
     time_model_actions,
@@ -127,7 +132,7 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
                 continue
             with busy_neighbours(workload, size, neighbours if method == "time" else 0):
                 one = _calibrate_size(workload, layers, size, method, device, device_model,
-                                      repeats, rounds, whole)
+                                      repeats, rounds, whole, reuse_counts=use_cache)
             one.device = desc
             _write_cache(path, one)
             calib = calib or Calibration(workload.name, method, desc, one.groups,
@@ -146,11 +151,40 @@ def _write_cache(path: Path, calib: Calibration) -> None:
     os.replace(tmp, path)
 
 
+# What a calibration derives from the model's structure alone, kept for the rest of the process:
+# (forward, forward + backward) FLOPs by the layer's signature (the one its group is made of: same
+# type, modules, parameter shapes, input and output) and the modes of its modules; the meta trace
+# (inputs, outputs, groups, signatures) by (workload key, micro-batch size), the key the disk cache of
+# FLOP calibrations trusts. Both run every op through Python dispatch on meta tensors (the counting
+# through FlopCounterMode too), the bulk of a small model's calibration, and a run that calibrates one
+# workload at one size by time and then by FLOPs (gpu-check, the throughput table) would trace and
+# count the same layers again. Written by every calibration, read only by those allowed to reuse what
+# was computed before (use_cache=True). Signatures are kept as hashes (a paper-size layer's repr is long).
+_FLOP_COUNTS: dict[str, tuple[int, int]] = {}
+_TRACES: dict[tuple[str, int], tuple[list[Any], list[Any], list[int], list[str]]] = {}
+
+
+def _flop_counts(layer: nn.Module, x: Any, signature: str, reuse: bool) -> tuple[int, int]:
+    modes = "".join("t" if m.training else "e" for m in layer.modules())
+    key = hashlib.sha1(f"{signature}|{modes}".encode()).hexdigest()
+    if not reuse or key not in _FLOP_COUNTS:
+        _FLOP_COUNTS[key] = layer_flop_counts(layer, x)
+    return _FLOP_COUNTS[key]
+
+
 def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, method: str,
                     device: torch.device, device_model: DeviceModel | None,
-                    repeats: int, rounds: int = 1, in_sequence: bool = False) -> Calibration:
+                    repeats: int, rounds: int = 1, in_sequence: bool = False, *,
+                    reuse_counts: bool = True) -> Calibration:
     inputs, target = workload.sample(size, "cpu")
-    ins, outs, groups = trace_shapes(layers, inputs)
+    trace_key = (workload.key(), size)
+    if not reuse_counts or trace_key not in _TRACES:
+        if len(_TRACES) >= 64:
+            _TRACES.clear()
+        traced_ins, traced_outs, traced_groups, sigs = trace_signatures(layers, inputs)
+        _TRACES[trace_key] = (traced_ins, traced_outs, traced_groups,
+                              [hashlib.sha1(sig.encode()).hexdigest() for sig in sigs])
+    ins, outs, groups, signatures = _TRACES[trace_key]
     call = optimizer_call_overhead(device) if method == "time" else 0.0
     last = len(layers) - 1
     # The layers to measure: one per group of identical layers, plus the first and the last (they
@@ -185,8 +219,7 @@ def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, meth
     per_layer: dict[int, LayerCost] = {}
     for i in timed:
         layer, x, y = layers[i], ins[i], outs[i]
-        flops = layer_flops(layer, x)
-        fwd_flops = forward_flops(layer, x)
+        fwd_flops, flops = _flop_counts(layer, x, signatures[i], reuse_counts)
         params = sum(p.numel() for p in layer.parameters())
         if method == "flops":
             assert device_model is not None

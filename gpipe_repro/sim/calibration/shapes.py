@@ -18,10 +18,18 @@ def trace_shapes(layers: Sequence[nn.Module], sample: Any) -> tuple[list[Any], l
     `layers` may live on any device; they are copied to ``meta`` one at a time, so tracing a model of
     any size costs no memory and almost no time.
     """
+    inputs, outputs, groups, _ = trace_signatures(layers, sample)
+    return inputs, outputs, groups
+
+
+def trace_signatures(layers: Sequence[nn.Module],
+                     sample: Any) -> tuple[list[Any], list[Any], list[int], list[str]]:
+    """:func:`trace_shapes` and each layer's :func:`layer_signature` (what its group is made of)."""
     x = boundary.map_tensors(sample, lambda t: t.to("meta"))
     inputs: list[Any] = []
     outputs: list[Any] = []
     groups: list[int] = []
+    signatures: list[str] = []
     seen: dict[str, int] = {}
     with torch.no_grad():
         for layer in layers:
@@ -29,10 +37,11 @@ def trace_shapes(layers: Sequence[nn.Module], sample: Any) -> tuple[list[Any], l
             y = meta(x)
             sig = layer_signature(meta, x, y)
             groups.append(seen.setdefault(sig, len(seen)))
+            signatures.append(sig)
             inputs.append(x)
             outputs.append(y)
             x = y
-    return inputs, outputs, groups
+    return inputs, outputs, groups, signatures
 
 
 def materialize(layer: nn.Module, device: torch.device | str) -> nn.Module:
