@@ -250,7 +250,7 @@ class StageExecutor:
                 torch.autograd.backward(outs, grads)
             self.weight_work[m] = full
         else:
-            self.weight_work[m] = _split_backward_input(outs, grads, leaves, params)
+            self.weight_work[m] = split_backward_input(outs, grads, leaves, params)
         if self.stage > 0:
             self.outbox[(ActionKind.SEND_GRAD, m)] = boundary.input_grads(x)
 
@@ -373,7 +373,7 @@ class StageExecutor:
         return cast_boundary(value, self.config.precision)
 
 
-def _split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor],
+def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor],
                           params: list[nn.Parameter]) -> Callable[[], None]:
     """Compute the input gradients of ``outs`` (seeded with ``grads``) into ``leaves[i].grad`` now;
     return the function that later computes the parameters' gradients into ``p.grad``.

@@ -19,7 +19,7 @@ the same code.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,10 @@ class PipelineCosts:
     # writes fresh ones (`backward` is that first one's cost). None: no such cost (a FLOP model, or
     # costs replayed from a measured timeline, whose durations already hold it).
     accumulate: Sequence[Sequence[float]] | None = None
+    # Seconds of BACKWARD_WEIGHT per [stage][microbatch] adding into existing gradients, as measured
+    # (the split's two halves cost more than one backward: two graph walks and PyTorch's graph
+    # analysis). None: the rest of `backward` after `backward_input`.
+    backward_weight: Sequence[Sequence[float]] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -81,11 +85,26 @@ def stage_costs(calibration: Calibration, balance: Sequence[int],
                 for s in range(len(balance) - 1)]
     grads = [[float(cells[b][s][-1].grad_bytes) for b in microbatch_sizes]
              for s in range(len(balance) - 1)]
-    split = [[sum(c.backward * input_share(c) for c in cells[b][s]) for b in microbatch_sizes]
-             for s in range(len(balance))]
+    def split(half: Callable[[LayerCost], float]) -> list[list[float]]:
+        return [[sum(half(c) for c in cells[b][s]) for b in microbatch_sizes] for s in range(len(balance))]
+
     return PipelineCosts(per_mb("forward"), per_mb("forward_nograd"), per_mb("recompute"),
-                         per_mb("backward"), optimizer, boundary, grads, setup, teardown, split,
-                         per_mb("accumulate"))
+                         per_mb("backward"), optimizer, boundary, grads, setup, teardown,
+                         split(split_input), per_mb("accumulate"), split(split_weight))
+
+
+def split_input(cost: LayerCost) -> float:
+    """A layer's BACKWARD_INPUT: measured where the calibration timed the split, else its
+    :func:`input_share` of the backward."""
+    return cost.backward_input if cost.backward_input is not None else cost.backward * input_share(cost)
+
+
+def split_weight(cost: LayerCost) -> float:
+    """A layer's BACKWARD_WEIGHT into existing gradients: measured, else the rest of the backward
+    plus the accumulation."""
+    if cost.backward_weight is not None:
+        return cost.backward_weight
+    return cost.backward * (1.0 - input_share(cost)) + cost.accumulate
 
 
 def input_share(cost: LayerCost) -> float:
@@ -165,7 +184,13 @@ def simulate(schedule: Schedule, costs: PipelineCosts, link: LinkModel,
             # (StageExecutor._backward_input).
             i = 0.0 if s == 0 else (costs.backward_input[s][m] if costs.backward_input is not None
                                     else 0.5 * costs.backward[s][m])
-            return i if a.kind is A.BACKWARD_INPUT else costs.backward[s][m] - i + accumulating(a)
+            if a.kind is A.BACKWARD_INPUT:
+                return i
+            if s == 0 or costs.backward_weight is None:
+                return costs.backward[s][m] - i + accumulating(a)
+            # measured into existing gradients: the stage's first writes fresh ones
+            fresh_saving = 0.0 if costs.accumulate is None else costs.accumulate[s][m]
+            return costs.backward_weight[s][m] - fresh_saving + accumulating(a)
         if a.kind in (A.SEND_ACT, A.SEND_GRAD):
             return link.send_time(nbytes(a))
         return link.recv_time(nbytes(a))

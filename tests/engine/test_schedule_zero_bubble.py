@@ -125,12 +125,12 @@ def test_zb_h1_with_parameters_the_split_cannot_group() -> None:
 
 
 def test_split_backward_defers_the_weight_gradients() -> None:
-    from gpipe_repro.engine.stage import _split_backward_input
+    from gpipe_repro.engine.stage import split_backward_input
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
     ref = nn.Sequential(*[m for m in __import__("copy").deepcopy(net)])
     x, g = torch.randn(4, 5, requires_grad=True), torch.randn(4, 3)
-    later = _split_backward_input([net(x)], [g], [x], list(net.parameters()))
+    later = split_backward_input([net(x)], [g], [x], list(net.parameters()))
     assert x.grad is not None and all(p.grad is None for p in net.parameters()), "I must not touch weights"
     later()
     x_ref = x.detach().clone().requires_grad_()

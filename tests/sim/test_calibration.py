@@ -66,8 +66,9 @@ def test_in_sequence_times_every_layer_where_it_sits(monkeypatch: pytest.MonkeyP
     def counting(layers: list[nn.Module], x: object, device: object, **kw: object) -> list[tuple[float, ...]]:
         calls.append(len(layers))
         out = real(layers, x, device, **{**kw, "repeats": 1, "warmup": 0})
-        assert len(out) == len(layers) and all(len(row) == 6 and min(row) >= 0 for row in out)
-        return [(1e-3 * (1 + i),) * 6 for i in range(len(out))]      # tell the layers apart
+        assert len(out) == len(layers) and all(len(row) == 8 for row in out)
+        assert out[0][6] is None and all(row[6] is not None and min(row) >= 0 for row in out[1:])
+        return [(1e-3 * (1 + i),) * 8 for i in range(len(out))]      # tell the layers apart
 
     monkeypatch.setattr(cal_run, "time_model_actions", counting)
     calib = calibrate(TINY_LM, [2], repeats=1)                       # fits: in sequence
@@ -128,7 +129,10 @@ def test_time_calibration_times_every_action_of_the_schedule() -> None:
                                                              + costs[3].accumulate)
     assert all(layer.accumulate >= 0 for layer in costs)
     relu = cal.time_layer_actions(nn.ReLU(), torch.ones(2, 4), "cpu", repeats=2)
-    assert len(relu) == 6 and relu[5] == 0.0      # no parameters: nothing to accumulate into
+    assert len(relu) == 8 and relu[5] == 0.0      # no parameters: nothing to accumulate into
+    # the zero-bubble split as the stage executor runs it, except where the input takes no gradient
+    assert costs[0].backward_input is None and costs[0].backward_weight is None
+    assert all(c.backward_input and c.backward_weight is not None for c in costs[1:])
 
 
 def test_materialize_gives_real_finite_layers_from_meta() -> None:
@@ -162,7 +166,7 @@ def test_rounds_keep_the_median_round_and_key_the_cache(monkeypatch: pytest.Monk
     def fake(layer: nn.Module, x: object, device: object, **kw: object) -> tuple[float, ...]:
         n = next(rounds)
         slow = 50.0 if n == 4 else 1.0           # round 2 of layer 1 (of 3 timed) hit a burst
-        return (slow * 1e-3, 1e-3, 1e-3, 2e-3, 1e-4, 0.0)
+        return (slow * 1e-3, 1e-3, 1e-3, 2e-3, 1e-4, 0.0, 1e-3, 1e-3)
 
     monkeypatch.setattr(cal_run, "time_layer_actions", fake)
     c = calibrate(TINY_LM, [2], repeats=1, rounds=3, in_sequence=False)

@@ -147,6 +147,25 @@ def test_every_backward_but_a_stages_first_adds_into_existing_gradients(schedule
     assert sim.step_time > plain.step_time
 
 
+def test_a_measured_zero_bubble_split_is_what_the_simulator_charges() -> None:
+    """Calibrated BACKWARD_INPUT / BACKWARD_WEIGHT (the split costs more than one backward: two graph
+    walks and PyTorch's graph analysis) replace the half-and-half rule; W was timed into existing
+    gradients, so a stage's first W (fresh gradients) is cheaper by the accumulation."""
+    cal = calibration([(1.0, 1.0, 2.0, 0.0)] * 4)
+    cal.costs[2] = [dataclasses.replace(c, accumulate=0.25, backward_input=1.5, backward_weight=2.0)
+                    for c in cal.costs[2]]
+    sim = simulate_config(cal, [2, 2], 4, 8, get_link("ideal"), checkpoint="never", schedule="zb-h1")
+
+    def seconds(stage: int, kind: str) -> list[float]:
+        return [e.end - e.start for e in sim.timeline.events if e.stage == stage and e.kind == kind]
+
+    assert seconds(1, "backward_input") == pytest.approx([2 * 1.5] * 4)
+    assert seconds(1, "backward_weight") == pytest.approx([2 * (2.0 - 0.25)] + [2 * 2.0] * 3)
+    # stage 0 sends no input gradient: its I does nothing, its W is its whole (plain) backward
+    assert seconds(0, "backward_input") == pytest.approx([0.0] * 4)
+    assert seconds(0, "backward_weight") == pytest.approx([2 * 2.0] + [2 * (2.0 + 0.25)] * 3)
+
+
 def test_stage_costs_sum_each_cell_and_take_the_cut_layer_bytes() -> None:
     cal = calibration([(1.0, 1.0, 2.0, 0.1), (2.0, 2.0, 4.0, 0.2), (3.0, 3.0, 6.0, 0.3)])
     costs = stage_costs(cal, [1, 2], [2, 2, 2])

@@ -24,6 +24,10 @@ class LayerCost:
     accumulate: float = 0.0  # extra seconds of a BACKWARD adding into existing parameter gradients
                              # (every micro-batch of a step but the stage's first; `backward` is
                              # the first's, into fresh ones)
+    backward_input: float | None = None   # the zero-bubble split as the stage executor runs it:
+    backward_weight: float | None = None  # BACKWARD_INPUT, and BACKWARD_WEIGHT into existing
+                                          # gradients (None: not measured, e.g. FLOP costs, or the
+                                          # model's first layer, whose input takes no gradient)
 
 
 @dataclass

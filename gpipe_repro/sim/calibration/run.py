@@ -30,6 +30,7 @@ from gpipe_repro.sim.calibration.shapes import (
     trace_signatures,
 )
 from gpipe_repro.sim.calibration.timing import (
+    ActionSeconds,
     optimizer_call_overhead,
     time_layer_actions,
     time_model_actions,
@@ -196,7 +197,7 @@ def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, meth
             timed.append(i)
             if i not in (0, last):
                 seen.add(g)
-    timings: dict[int, list[tuple[float, float, float, float, float, float]]] = {i: [] for i in timed}
+    timings: dict[int, list[ActionSeconds]] = {i: [] for i in timed}
     if method == "time" and in_sequence:
         whole_loss = (workload.loss_fn(), target.to(device))
         for _ in range(rounds):
@@ -217,6 +218,7 @@ def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, meth
                                                      loss=loss, repeats=repeats))
                 del real, x_real
     per_layer: dict[int, LayerCost] = {}
+    split: list[float | None]
     for i in timed:
         layer, x, y = layers[i], ins[i], outs[i]
         fwd_flops, flops = _flop_counts(layer, x, signatures[i], reuse_counts)
@@ -227,11 +229,12 @@ def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, meth
             b = (flops - fwd_flops) / device_model.flop_rate
             o = 16 * params / device_model.memory_bandwidth
             timing = (f, f, f, b, o)
-            accumulate = 0.0
+            accumulate, split = 0.0, [None, None]
         else:
-            f, fng, r, b, o, accumulate = (statistics.median(col) for col in zip(*timings[i]))
+            f, fng, r, b, o, accumulate, *split = _medians(timings[i])
             timing = (f, fng, r, b, max(0.0, o - call))
-        per_layer[i] = LayerCost(*timing, accumulate=accumulate,
+        per_layer[i] = LayerCost(*timing, accumulate=accumulate, backward_input=split[0],
+                                 backward_weight=split[1],
                                  forward_flops=float(fwd_flops), flops=float(flops),
                                  params=params, output_bytes=activation_bytes(y),
                                  grad_bytes=sum(t.numel() * t.element_size()
@@ -244,11 +247,17 @@ def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, meth
     return Calibration(workload.name, method, "", groups, {size: costs}, call)
 
 
-def _with_timing(cost: LayerCost, rounds: Sequence[tuple[float, ...]], call: float) -> LayerCost:
+def _medians(rounds: Sequence[ActionSeconds]) -> list[Any]:
+    """Each value's median over calibration rounds (None where a round has None: no split)."""
+    return [None if any(v is None for v in col) else statistics.median(col) for col in zip(*rounds)]
+
+
+def _with_timing(cost: LayerCost, rounds: Sequence[ActionSeconds], call: float) -> LayerCost:
     """`cost` (a group's representative) with a layer's own timings (medians over rounds)."""
-    f, fng, r, b, o, accumulate = (statistics.median(col) for col in zip(*rounds))
+    f, fng, r, b, o, accumulate, b_in, b_w = _medians(rounds)
     return dataclasses.replace(cost, forward=f, forward_nograd=fng, recompute=r, backward=b,
-                               optimizer=max(0.0, o - call), accumulate=accumulate)
+                               optimizer=max(0.0, o - call), accumulate=accumulate,
+                               backward_input=b_in, backward_weight=b_w)
 
 
 def fits_in_sequence(workload: Workload, layers: list[nn.Module], size: int,

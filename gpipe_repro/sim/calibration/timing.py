@@ -16,6 +16,7 @@ from gpipe_repro.engine import boundary
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_all
 from gpipe_repro.engine.recompute import recomputing
 from gpipe_repro.engine.rng import seed_layer
+from gpipe_repro.engine.stage import split_backward_input
 
 
 def _sync(device: torch.device) -> None:
@@ -58,6 +59,18 @@ class _TimedLayer:
             torch.autograd.backward(outs, None if self.loss is not None else
                                     [torch.ones_like(t) for t in outs])
 
+    def backward_input(self, y: Any, inp: Any) -> Callable[[], None] | None:
+        """The zero-bubble split's BACKWARD_INPUT as the stage executor runs it
+        (:func:`gpipe_repro.engine.stage.split_backward_input`); returns its BACKWARD_WEIGHT. None
+        where there is no input gradient to split off (the model's first layer: a stage 0 runs its
+        whole backward at W)."""
+        outs = [t for t in boundary.tensors(y) if t.is_floating_point() and t.requires_grad]
+        leaves = [t for t in boundary.tensors(inp) if boundary.carries_grad(t) and t.requires_grad]
+        if not outs or not leaves:
+            return None
+        params = [p for p in self.layer.parameters() if p.requires_grad]
+        return split_backward_input(outs, [torch.ones_like(t) for t in outs], leaves, params)
+
     def step(self) -> None:
         commit_all(self.layer)            # the OPTIMIZER_STEP commits DeferredBatchNorm statistics
         if self.opt is not None:
@@ -68,21 +81,28 @@ class _TimedLayer:
             self.opt.zero_grad(set_to_none=True)
 
 
-def _summary(samples: Sequence[tuple[float, ...]], has_params: bool
-             ) -> tuple[float, float, float, float, float, float]:
-    """(forward, checkpointed forward, recompute, backward, optimizer, accumulation) from samples of
-    (..., backward into fresh gradients, optimizer, backward into existing ones)."""
-    f, fng, r, b, o, b_acc = (robust_seconds(col) for col in zip(*samples))
-    return f, fng, r, b, o, (max(0.0, b_acc - b) if has_params else 0.0)
+#: What the timing functions return per layer: seconds of FORWARD, checkpointed FORWARD, RECOMPUTE,
+#: BACKWARD (into fresh gradients), OPTIMIZER_STEP, the extra of a BACKWARD into existing gradients,
+#: and the zero-bubble split's BACKWARD_INPUT and BACKWARD_WEIGHT (into existing gradients; None for
+#: a layer whose input takes no gradient).
+ActionSeconds = tuple[float, float, float, float, float, float, float | None, float | None]
+
+
+def _summary(samples: Sequence[tuple[float, ...]], has_params: bool, splits: bool) -> ActionSeconds:
+    """:data:`ActionSeconds` from samples of (forward, checkpointed forward, recompute, backward into
+    fresh gradients, optimizer, backward into existing ones, split input, split weight)."""
+    f, fng, r, b, o, b_acc, b_in, b_w = (robust_seconds(col) for col in zip(*samples))
+    return (f, fng, r, b, o, (max(0.0, b_acc - b) if has_params else 0.0),
+            b_in if splits else None, b_w if splits else None)
 
 
 def time_layer_actions(layer: nn.Module, x: Any, device: torch.device | str, *, index: int = 0,
                        first: bool = False, loss: tuple[Callable[..., torch.Tensor], Any] | None = None,
-                       repeats: int = 20, warmup: int = 2
-                       ) -> tuple[float, float, float, float, float, float]:
+                       repeats: int = 20, warmup: int = 2) -> ActionSeconds:
     """Seconds of (forward, checkpointed forward, recompute, backward, optimizer step, gradient
-    accumulation) of a copy of `layer` as the stage executor runs it (see the module docstring), by
-    :func:`robust_seconds`, the layer alone: every action right after the previous one on the same
+    accumulation, split input backward, split weight backward: :data:`ActionSeconds`) of a copy of
+    `layer` as the stage executor runs it (see the module docstring), by :func:`robust_seconds`, the
+    layer alone: every action right after the previous one on the same
     layer, so its weights stay in the caches (see :func:`time_model_actions` for the difference).
 
     The backward is timed twice: into parameters without gradients (a stage's first backward of a
@@ -127,16 +147,24 @@ def time_layer_actions(layer: nn.Module, x: Any, device: torch.device | str, *, 
             t6 = stamp()
             t.backward(y)                 # a BACKWARD adding into existing gradients
             t7 = stamp()
+        with recomputing():
+            y = t.run(inp)
+        t8 = stamp()
+        weight = t.backward_input(y, inp)         # the zero-bubble split: BACKWARD_INPUT
+        t9 = stamp()
+        if weight is not None:
+            weight()                              # BACKWARD_WEIGHT, into existing gradients
+        t10 = stamp()
+        splits = weight is not None
         t.zero_grad()
         if i >= warmup:
-            samples.append((t2 - t1, t1 - t0, t3 - t2, t4 - t3, t5 - t4, t7 - t6))
-    return _summary(samples, t.opt is not None)
+            samples.append((t2 - t1, t1 - t0, t3 - t2, t4 - t3, t5 - t4, t7 - t6, t9 - t8, t10 - t9))
+    return _summary(samples, t.opt is not None, splits)
 
 
 def time_model_actions(layers: Sequence[nn.Module], x: Any, device: torch.device | str, *,
                        loss: tuple[Callable[..., torch.Tensor], Any] | None = None,
-                       repeats: int = 20, warmup: int = 2
-                       ) -> list[tuple[float, float, float, float, float, float]]:
+                       repeats: int = 20, warmup: int = 2) -> list[ActionSeconds]:
     """:func:`time_layer_actions` of every layer of a whole model at once, in the order a stage
     runs them: each action through all the layers (forwards first to last, backwards last to
     first) before the next action, so between two uses of a layer's weights the other layers' weights,
@@ -159,11 +187,13 @@ def time_model_actions(layers: Sequence[nn.Module], x: Any, device: torch.device
         return time.perf_counter()
 
     samples: list[list[tuple[float, ...]]] = [[] for _ in timed]
+    splits = [True] * len(timed)
     forward_order, backward_order = list(range(len(timed))), list(range(last, -1, -1))
     # Slots: 0 FORWARD, 1 checkpointed FORWARD, 2 RECOMPUTE, 3 BACKWARD into fresh gradients,
-    # 4 OPTIMIZER_STEP, 5 BACKWARD adding into existing gradients.
+    # 4 OPTIMIZER_STEP, 5 BACKWARD adding into existing gradients, 6 and 7 the zero-bubble split's
+    # BACKWARD_INPUT and BACKWARD_WEIGHT (every input pass last to first, then every weight pass).
     for rep in range(warmup + repeats):
-        seconds = [[0.0] * 6 for _ in timed]
+        seconds = [[0.0] * 8 for _ in timed]
         outs: list[Any] = []
         with torch.no_grad():
             for i in forward_order:
@@ -190,12 +220,27 @@ def time_model_actions(layers: Sequence[nn.Module], x: Any, device: torch.device
                     t0 = stamp()
                     timed[i].step()
                     seconds[i][4] = stamp() - t0
+        with recomputing():
+            ys = [timed[i].run(ins[i]) for i in forward_order]
+        weights: dict[int, Callable[[], None] | None] = {}
+        for i in backward_order:
+            t0 = stamp()
+            weights[i] = timed[i].backward_input(ys[i], ins[i])
+            seconds[i][6] = stamp() - t0
+            splits[i] = weights[i] is not None
+        for i in backward_order:
+            work = weights[i]
+            if work is not None:
+                t0 = stamp()
+                work()
+                seconds[i][7] = stamp() - t0
+        del ys, weights
         for t in timed:
             t.zero_grad()
         if rep >= warmup:
             for i, row in enumerate(seconds):
                 samples[i].append(tuple(row))
-    return [_summary(col, t.opt is not None) for col, t in zip(samples, timed)]
+    return [_summary(col, t.opt is not None, split) for col, t, split in zip(samples, timed, splits)]
 
 
 def make_optimizer(params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
