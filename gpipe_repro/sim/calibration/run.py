@@ -241,8 +241,17 @@ def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, meth
                                                 for t in boundary.tensors(y) if t.is_floating_point()))
     representative = {groups[i]: per_layer[i] for i in timed if i not in (0, last)}
     costs = [per_layer[i] if i in per_layer else representative[g] for i, g in enumerate(groups)]
-    if in_sequence and method == "time":      # every layer timed where it sits; FLOPs per group
-        costs = [c if i in per_layer else _with_timing(c, timings[i], call)
+    if in_sequence and method == "time":
+        # Every layer was timed where it sits; identical layers (one group, the first and the last
+        # apart: they run different actions) get their pooled median: the differences between them
+        # are noise, and pooling both steadies the cost and keeps the partitioner's ties between
+        # identical layers broken the same way on every run. FLOPs come per group either way.
+        members: dict[int, list[int]] = {}
+        for i, g in enumerate(groups):
+            if i not in (0, last):
+                members.setdefault(g, []).append(i)
+        pooled = {g: [row for i in ids for row in timings[i]] for g, ids in members.items()}
+        costs = [c if i in (0, last) else _with_timing(c, pooled[groups[i]], call)
                  for i, c in enumerate(costs)]
     return Calibration(workload.name, method, "", groups, {size: costs}, call)
 
@@ -253,7 +262,7 @@ def _medians(rounds: Sequence[ActionSeconds]) -> list[Any]:
 
 
 def _with_timing(cost: LayerCost, rounds: Sequence[ActionSeconds], call: float) -> LayerCost:
-    """`cost` (a group's representative) with a layer's own timings (medians over rounds)."""
+    """`cost` (a group's representative) with timings from `rounds` (their medians)."""
     f, fng, r, b, o, accumulate, b_in, b_w = _medians(rounds)
     return dataclasses.replace(cost, forward=f, forward_nograd=fng, recompute=r, backward=b,
                                optimizer=max(0.0, o - call), accumulate=accumulate,
