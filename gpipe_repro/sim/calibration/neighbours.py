@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +22,10 @@ def _busy_loop(workload: Workload, size: int, stop: Any, ready: Any) -> None:
     x, y = workload.sample(size)
     loss_fn = workload.loss_fn()
     first = True
-    while not stop.is_set():
+    parent = os.getppid()
+    # Ends with its calibration: when `stop` is set, or when the calibrating process is gone (killed
+    # before it could set it: the neighbour is re-parented and must not train on forever).
+    while not stop.is_set() and os.getppid() == parent:
         loss_fn(model(x), y).backward()
         model.zero_grad(set_to_none=True)
         if first:

@@ -1,0 +1,56 @@
+"""A calibration's busy-neighbour processes never outlive it: killed before it could stop them, the
+calibrating process takes them with it (they were found training on forever, orphaned, and making
+every later measurement on the host read "busy")."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CALIBRATING = textwrap.dedent("""
+    import multiprocessing as mp
+    import time
+    from gpipe_repro.models.workload import Workload
+    from gpipe_repro.sim.calibration.neighbours import busy_neighbours
+    if __name__ == "__main__":
+        w = Workload.create("m", "gpipe_repro.repro.validate_unseen:residual_mlp", "features", (16,),
+                            10, width=16, blocks=1)
+        with busy_neighbours(w, 4, 1):
+            print(" ".join(str(p.pid) for p in mp.active_children()), flush=True)
+            time.sleep(600)
+""")
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_a_killed_calibration_takes_its_busy_neighbours_with_it(tmp_path: Path) -> None:
+    script = tmp_path / "calibrating.py"
+    script.write_text(CALIBRATING)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout is not None
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert pids and all(_running(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    # Each neighbour checks its parent every training step; the guard only catches one that never stops.
+    guard = time.monotonic() + 120
+    while any(_running(p) for p in pids) and time.monotonic() < guard:
+        time.sleep(0.1)
+    left = [p for p in pids if _running(p)]
+    for p in left:
+        os.kill(p, 9)
+    assert not left, f"busy neighbours {left} outlived their calibration"
