@@ -217,3 +217,70 @@ def test_zb_h1_global_clipping_reads_every_w() -> None:
     batches = [data("mlp", seed=3 + step) for step in range(2)]
     assert_same_training(build(), None, None, loss_fn, partitions=3, micro_batches=4, checkpoint="never",
                          batches=batches, schedule="zb-h1", clip_grad_norm=0.05, atol=1e-5)
+
+
+# The split runs layer by layer on a graph cut at every layer boundary (StageExecutor._run / _cut):
+# every layer boundary inside a cell is then a cut, with the cell input's in-place rules.
+@pytest.mark.parametrize("mode", ["always", "except_last", "never"])
+@pytest.mark.parametrize("k", [2, 3])
+def test_zb_h1_with_inplace_layers_inside_cells(mode: str, k: int) -> None:
+    from tests.engine.test_inplace import images, resnet, vgg
+    batches = [images(s) for s in range(3)]
+    for build in (resnet, vgg):     # SGD: a conv bias before BatchNorm has a gradient of rounding
+        assert_same_training(build(), None, None, nn.CrossEntropyLoss(), partitions=k,  # noise
+                             micro_batches=3, checkpoint=mode, batches=batches,
+                             optimizer=sgd_momentum, atol=1e-5, schedule="zb-h1")
+
+
+def test_zb_h1_inplace_that_starts_late_inside_a_cell_fails_the_step_before_any_update() -> None:
+    import copy
+
+    from gpipe_repro import GPipe
+    from tests.engine.test_inplace import LateInplace
+    torch.manual_seed(0)
+    pipe = GPipe([nn.Linear(4, 4), nn.Linear(4, 4), LateInplace(after=2), nn.Linear(4, 1)],
+                 partitions=2, balance=[1, 3], micro_batches=2, checkpoint="never",
+                 schedule="zb-h1", loss_fn=nn.MSELoss(),
+                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    x, y = torch.randn(4, 4), torch.randn(4, 1)
+    pipe.train_step(x, y)          # calls 1..2: the probe at the cut saw no change
+    before = copy.deepcopy(pipe.state_dict())
+    with pytest.raises(RuntimeError, match="layer 2 modified its input.*in place.*no cell was updated"):
+        pipe.train_step(x, y)
+    for name, value in pipe.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    pipe.train_step(x, y)          # now copied: works
+    assert pipe.step == 2
+
+
+def _graph_size(outs: list[torch.Tensor]) -> int:
+    seen, todo = set(), [t.grad_fn for t in outs]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(f for f, _ in node.next_functions)
+    return len(seen)
+
+
+def test_zb_h1_splits_one_layer_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each split call sees one layer's graph, not the cell's: the weight half's autograd calls
+    each walk the graph below their start, so a whole-cell split costs the square of the cell's
+    size (see StageExecutor._backward_input)."""
+    import gpipe_repro.engine.stage as stage_module
+    from gpipe_repro import GPipe
+    real, seen = stage_module.split_backward_input, []
+
+    def recording(outs, grads, leaves, params):  # type: ignore[no-untyped-def]
+        seen.append((_graph_size(outs), len(params)))
+        return real(outs, grads, leaves, params)
+    monkeypatch.setattr(stage_module, "split_backward_input", recording)
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4) for _ in range(6)]
+    whole = _graph_size([nn.Sequential(*layers[3:])(torch.randn(2, 4, requires_grad=True))])
+    pipe = GPipe(layers, partitions=2, balance=[3, 3], micro_batches=2, checkpoint="never",
+                 schedule="zb-h1", loss_fn=lambda out, y: out.pow(2).mean(), optimizer=None)
+    pipe.train_step(torch.randn(4, 4), torch.randn(4, 4))
+    # stage 1 (stage 0 has no input gradient: its whole backward runs at W): 3 layers x 2 micro-batches
+    assert len(seen) == 6 and all(n == 2 for _, n in seen)
+    assert max(size for size, _ in seen) < whole, (seen, whole)
