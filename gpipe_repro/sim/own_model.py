@@ -110,8 +110,7 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
     calib = calibrate(workload, sorted({microbatch, n}), method=method, device=device,
                       threads=threads, repeats=repeats, neighbours=neighbours)
     platform = platform_for(link)
-    balance = choose_partition(calib.partition_costs(microbatch, checkpoint), k, objective,
-                               measured=calib.method == "time")
+    balance = choose_partition(calib.partition_costs(microbatch, checkpoint), k, objective)
     sim = simulate_config(calib, balance, m, n, platform.link, checkpoint=checkpoint,
                           recompute_ahead=recompute_ahead, schedule=schedule,
                           setup=platform.setup, teardown=platform.teardown)

@@ -3,37 +3,35 @@
 The exact partitioner (:func:`gpipe_repro.engine.partition.partition`) is deterministic given its
 input, but calibrated costs are not: two calibrations minutes apart differ by a few percent, and
 where two cuts are nearly tied that is enough to flip the choice (issue #12 saw AmoebaNet K=8 cut as
-[4,4,3,2,2,2,3,4] and as [4,3,3,3,3,2,2,4] in two runs). :func:`choose_partition` therefore rounds
-each layer's cost to a logarithmic grid of ratio ``1 + resolution`` before partitioning: costs that
-differ by less than the grid's width give the same cut, and the cut it gives is within a factor of
-about ``1 + resolution`` of the optimum on the unrounded costs (each rounded cost is within a factor
-``sqrt(1 + resolution)`` of its true value).
+[4,4,3,2,2,2,3,4] and as [4,3,3,3,3,2,2,4] in two runs).
+
+What keeps the choice stable is in the costs, not here: identical layers get one pooled cost (so the
+Transformer's 48 blocks are exact ties, broken the same way every time), and every distinct layer
+is timed in interleaved rounds whose median round is kept (:mod:`gpipe_repro.sim.calibration`).
+:func:`choose_partition` then partitions the measured costs exactly.
+
+Decided against, with the evidence: rounding every cost to a 5% logarithmic grid before
+partitioning (this module's rule until 2026-11-23). It makes equal measurements give equal cuts,
+but real noise does not stay inside a grid cell: each layer near a grid boundary becomes a new
+discontinuity (and where the boundaries fall depends on the unit the costs are in). On this
+project's calibrated AmoebaNet costs (24 layers, ``AMOEBANET_COSTS`` in
+tests/sim/test_partition_choice.py) with 1% noise per group of identical layers, two draws chose
+different K=8 cuts 8-14% of the time on the grid and never exactly; with 2% noise, 24-33% against
+10-19% (100-200 seeded pairs of draws). A tolerance set with a deterministic tie-break (the
+FLOP-best cut among those within 3% or 5% of the measured optimum) flipped more still (26-68% at
+K=8): where FLOPs and time disagree, the tie-break's favourite lies on the set's edge. Keeping the
+previous run's cut while it stays within 1-3% of the new optimum flipped 3-9% of the time at 2%
+noise, against 12%: a small gain for a result that would depend on what ran before, so not taken.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from gpipe_repro.engine.partition import partition
 
-RESOLUTION = 0.05
-"""Default grid ratio: costs within 5% of each other are treated as equal for the choice (the
-calibration's run-to-run spread on a 2-core host is a few percent)."""
 
-
-def rounded_costs(costs: Sequence[float], resolution: float = RESOLUTION) -> list[float]:
-    """Each cost rounded to the nearest power of ``1 + resolution`` (zero stays zero)."""
-    if resolution <= 0:
-        raise ValueError(f"resolution must be > 0, got {resolution}")
-    step = math.log1p(resolution)
-    return [0.0 if c <= 0 else math.exp(round(math.log(c) / step) * step) for c in costs]
-
-
-def choose_partition(costs: Sequence[float], k: int, objective: str = "bottleneck", *,
-                     measured: bool = True, resolution: float = RESOLUTION) -> list[int]:
-    """:func:`gpipe_repro.engine.partition.partition` of the costs rounded by :func:`rounded_costs`:
-    the same cut for costs that differ only by measurement noise smaller than the grid. Costs that
-    are not measured (``measured=False``: FLOP counts, deterministic) are partitioned exactly."""
-    if objective in ("equal", "greedy") or not measured:
-        return partition(costs, k, objective)
-    return partition(rounded_costs(costs, resolution), k, objective)
+def choose_partition(costs: Sequence[float], k: int, objective: str = "bottleneck") -> list[int]:
+    """The balance of `costs` (timed or counted) into `k` cells under `objective`: the exact
+    :func:`gpipe_repro.engine.partition.partition` (see the module docstring for why measured costs
+    are not rounded first)."""
+    return partition(costs, k, objective)

@@ -383,47 +383,6 @@ def test_validate_sim_takes_every_k_up_to_the_usable_cores() -> None:
 
 # ----------------------------------------------------------------------------- reproducible partitions
 
-def _bottleneck(costs: list[float], balance: list[int]) -> float:
-    out, i = 0.0, 0
-    for n in balance:
-        out = max(out, sum(costs[i:i + n]))
-        i += n
-    return out
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(min_value=1, max_value=400), min_size=8, max_size=24),
-       st.integers(min_value=2, max_value=6), st.randoms(use_true_random=False))
-def test_the_partition_choice_is_a_function_of_the_costs_up_to_noise(grid: list[int], k: int,
-                                                                      rnd: Any) -> None:
-    """Two calibrations whose costs differ only inside the grid's cells get the same cut, and that
-    cut is within the grid's factor of the optimum on either set of true costs."""
-    from gpipe_repro.engine.partition import partition
-    from gpipe_repro.sim.partition_choice import RESOLUTION, choose_partition
-
-    ratio = 1 + RESOLUTION
-    # Two noisy measurements of the same per-layer costs, each inside its grid cell.
-    a = [ratio ** (g + rnd.uniform(-0.45, 0.45)) for g in grid]
-    b = [ratio ** (g + rnd.uniform(-0.45, 0.45)) for g in grid]
-    assert choose_partition(a, k) == choose_partition(b, k) == choose_partition(list(a), k)
-    for costs in (a, b):
-        best = _bottleneck(costs, partition(costs, k))
-        assert _bottleneck(costs, choose_partition(costs, k)) <= best * ratio
-
-
-def test_the_partition_choice_does_not_flip_on_a_near_tie() -> None:
-    """Issue #12: a cost 1% off flipped the exact partitioner's cut; the grid keeps it."""
-    from gpipe_repro.engine.partition import partition
-    from gpipe_repro.sim.partition_choice import choose_partition
-
-    base = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-    one, other = list(base), list(base)
-    one[3] *= 1.01
-    other[5] *= 1.01
-    assert partition(one, 2) != partition(other, 2)                 # the exact cut flips
-    assert choose_partition(one, 2) == choose_partition(other, 2)   # the choice does not
-
-
 def test_two_tables_are_compared_cell_by_cell_and_partition_by_partition() -> None:
     from gpipe_repro.repro.compare_tables import compare, render
 

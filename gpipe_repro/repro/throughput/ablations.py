@@ -32,8 +32,7 @@ def bubble_curves(calib: Calibration, settings: SweepSettings, platform: Platfor
     costs = calib.partition_costs(b, settings.checkpoint)
     curves = []
     for k in ks:
-        balance = choose_partition(costs, k, settings.objective,
-                                   measured=calib.method == "time")
+        balance = choose_partition(costs, k, settings.objective)
         sims = [platform.simulate(calib, balance, m, m * b, settings) for m in ms]
         curves.append(BubbleCurve(k, list(ms), [s.bubble_fraction for s in sims],
                                   [theoretical_bubble(k, m) for m in ms]))
@@ -46,12 +45,10 @@ def objective_ablation(calib: Calibration, settings: SweepSettings, platform: Pl
     public heuristic (lingvo's cumulative-cost cut, "greedy") and equal layer counts."""
     b = dict(settings.microbatch)[model]
     costs = calib.partition_costs(b, settings.checkpoint)
-    base = platform.simulate(calib, choose_partition(costs, 2, settings.objective,
-                                                     measured=calib.method == "time"), 1, b, settings)
+    base = platform.simulate(calib, choose_partition(costs, 2, settings.objective), 1, b, settings)
     out = []
     for objective in OBJECTIVES:
-        balance = choose_partition(costs, k, objective,
-                                   measured=calib.method == "time")
+        balance = choose_partition(costs, k, objective)
         sim = platform.simulate(calib, balance, m, m * b, settings)
         out.append({"objective": objective, "balance": balance,
                     "balance_efficiency": balance_efficiency(costs, balance),
@@ -69,8 +66,7 @@ def rematerialization_ablation(calib: Calibration, settings: SweepSettings, plat
     for checkpoint in ("always", "except_last", "never"):
         costs = calib.partition_costs(b, checkpoint)
         for ahead in ((False, True) if checkpoint != "never" else (False,)):
-            base, top = (platform.simulate(calib, choose_partition(costs, kk, settings.objective,
-                                                                   measured=calib.method == "time"), mm,
+            base, top = (platform.simulate(calib, choose_partition(costs, kk, settings.objective), mm,
                                            mm * b, settings, checkpoint, ahead)
                          for kk, mm in ((2, 1), (k, m)))
             out.append({"checkpoint": checkpoint, "recompute_ahead": ahead,

@@ -63,8 +63,7 @@ def simulate_rows(model: str, calib: Calibration, settings: SweepSettings, platf
         for m in ms:
             b, n = microbatch(m), batch(m)
             costs = calib.partition_costs(b, settings.checkpoint)
-            balance = choose_partition(costs, k, settings.objective,
-                                       measured=calib.method == "time")
+            balance = choose_partition(costs, k, settings.objective)
             sim = platform.simulate(calib, balance, m, n, settings)
             rows.append(Row(model, k, m, b, n, balance, balance_efficiency(costs, balance),
                             sim.summary(),

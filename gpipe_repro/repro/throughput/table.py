@@ -117,7 +117,7 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
     gantt_k = 4 if 4 in settings.ks else max(settings.ks)
     gantt_balance = choose_partition(calibrations["transformer"].partition_costs(
         settings.microbatch_size("transformer", 8), settings.checkpoint), gantt_k,
-        settings.objective, measured=calibrations["transformer"].method == "time") \
+        settings.objective) \
         if settings.microbatch_size("transformer", 8) in calibrations["transformer"].costs else None
     gantt = None
     if gantt_balance is not None:

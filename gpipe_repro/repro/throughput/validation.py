@@ -171,7 +171,7 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                 for name in names:
                     cells = k * (INTERLEAVED_VIRTUAL_STAGES if name == "interleaved" else 1)
                     balance = choose_partition(calib.partition_costs(b, checkpoint), cells,
-                                               settings.objective, measured=calib.method == "time")
+                                               settings.objective)
                     rows += _validate_cut(model, workloads[model], calib, replace(settings, schedule=name),
                                           measures[name], platform, balance, b, ms, checkpoint, say,
                                           timelines)
