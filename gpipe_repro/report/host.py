@@ -46,10 +46,49 @@ BUSY_MARK = "†"
 
 def conditions() -> dict[str, Any]:
     """The host's state just before a measurement: idle fraction over the last second, 1-minute load
-    average, usable cores. Attach it to every measured number (see :func:`is_clean`)."""
+    average, usable cores, and how fast the host runs right now (:func:`speed_probe`, against the
+    fastest probe of this process). Attach it to every measured number (see :func:`is_clean`)."""
     idle = host_idle_fraction()
+    speed = speed_probe()
     return {"idle_fraction_before": idle, "load_average_before": os.getloadavg()[0],
-            "usable_cores": usable_cores()}
+            "usable_cores": usable_cores(), "speed_before": speed, "speed_fastest": fastest_speed()}
+
+
+SPEED_CLEAN = 0.15
+"""A measurement is *clean* only if the host ran the speed probe at no less than ``1 - SPEED_CLEAN``
+of the fastest this process has seen, before and after it (see :func:`speed_probe`)."""
+
+_fastest = 0.0
+
+
+def speed_probe(chunks: int = 7, loop: int = 20_000) -> float:
+    """How fast this host runs a fixed piece of work right now: loops per second of a pure-Python
+    loop, the median of `chunks` runs (about 5 ms in all). Also raises :func:`fastest_speed`.
+
+    Why: a virtual machine's cores can slow down with nothing in the guest to show it (no load, no
+    other process, no steal time): a neighbour on the physical core's other hyperthread, or the
+    package's clock. On the 2-core VM of 2026-11-23 the host alternated, every few seconds to tens
+    of seconds, between two states; this probe read 0.75-0.8 ms in one and 1.35-1.4 ms in the other,
+    while a Transformer layer's forward and backward took 11-12 ms and 16-17 ms. /proc showed
+    the host idle throughout. A measurement taken in the slow state, or across a change of state,
+    is not comparable with a calibration taken in the fast one."""
+    global _fastest
+    samples = []
+    for _ in range(chunks):
+        t0 = time.perf_counter()
+        acc = 0
+        for i in range(loop):
+            acc += i * i
+        samples.append(time.perf_counter() - t0)
+    samples.sort()
+    speed = 1.0 / samples[len(samples) // 2]
+    _fastest = max(_fastest, speed)
+    return speed
+
+
+def fastest_speed() -> float:
+    """The fastest :func:`speed_probe` reading of this process so far (0.0 before the first)."""
+    return _fastest
 
 
 OTHERS_CLEAN = 0.10
@@ -136,6 +175,8 @@ class HostWatch:
             others = seconds / (wall * usable_cores())
         self.conditions.update(others_cpu_fraction_during=others, others_cpu_seconds_during=seconds,
                                load_average_after=os.getloadavg()[0], seconds=wall)
+        if self.conditions.get("speed_before") is not None:   # probed before: probe after too
+            self.conditions.update(speed_after=speed_probe(), speed_fastest=fastest_speed())
 
 
 def others_cpu_ticks(start: Mapping[int, tuple[int, int]], end: Mapping[int, tuple[int, int]],
@@ -159,7 +200,21 @@ def is_clean(cond: Mapping[str, Any] | None) -> bool | None:
     idle = cond["idle_fraction_before"]
     assert isinstance(idle, (int, float))
     others = cond.get("others_cpu_fraction_during")
-    return idle >= IDLE_CLEAN and (others is None or float(others) <= OTHERS_CLEAN)
+    return (idle >= IDLE_CLEAN and (others is None or float(others) <= OTHERS_CLEAN)
+            and not slowed_down(cond))
+
+
+def slowed_down(cond: Mapping[str, Any]) -> float | None:
+    """How much slower than its fastest the host ran the speed probe before or after a measurement,
+    where that exceeds SPEED_CLEAN (e.g. 0.42: 42% slower); None where it did not or was not
+    probed."""
+    fastest = cond.get("speed_fastest")
+    readings = [cond.get(k) for k in ("speed_before", "speed_after")]
+    speeds = [float(r) for r in readings if r is not None]
+    if not fastest or not speeds:
+        return None
+    slowest = 1.0 - min(speeds) / float(fastest)
+    return slowest if slowest > SPEED_CLEAN else None
 
 
 def busy_note(cond: Mapping[str, Any] | None) -> str:
@@ -172,5 +227,7 @@ def busy_note(cond: Mapping[str, Any] | None) -> str:
     assert cond is not None
     others = cond.get("others_cpu_fraction_during")
     during = "" if others is None else f", other processes {float(others):.0%} of the CPU during"
+    slow = slowed_down(cond)
+    slowed = "" if slow is None else f", host {slow:.0%} slower than its fastest"
     return (f" {BUSY_MARK}busy (idle {float(cond['idle_fraction_before']):.0%}"
-            f", load {float(cond.get('load_average_before') or 0.0):.1f}{during})")
+            f", load {float(cond.get('load_average_before') or 0.0):.1f}{during}{slowed})")

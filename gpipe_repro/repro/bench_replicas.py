@@ -31,7 +31,7 @@ from torch import nn
 from gpipe_repro.distributed import launch_local
 from gpipe_repro.engine.gpipe import GPipe
 from gpipe_repro.engine.timeline import Timeline
-from gpipe_repro.report.host import BUSY_MARK, HostWatch, is_clean, usable_cores
+from gpipe_repro.report.host import BUSY_MARK, HostWatch, busy_note, is_clean, usable_cores
 from gpipe_repro.report.records import markdown_table, measured, results_dir, write_json, write_markdown
 
 
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
             + "; load average (1, 5, 15 min) before "
             f"{tuple(round(x, 2) for x in load_before)}, after {tuple(round(x, 2) for x in load_after)} "
             f"(this run's own processes included) on {cores} cores"
-            + (f": {BUSY_MARK} the host was BUSY with other work, so this ratio is not a clean measurement"
-               if busy else ""))
+            + (f": {BUSY_MARK} the host was BUSY with other work{busy_note(host)}, so this ratio is "
+               "not a clean measurement" if busy else ""))
     print(table)
     print(where)
     print(note)

@@ -48,3 +48,33 @@ def test_conditions_without_a_watch_are_judged_by_the_state_before() -> None:
     assert is_clean({"idle_fraction_before": 0.95, "others_cpu_fraction_during": 0.05}) is True
     assert is_clean({"idle_fraction_before": 0.5, "others_cpu_fraction_during": 0.0}) is False
     assert is_clean(None) is None
+
+
+def test_a_host_that_slowed_down_is_not_clean() -> None:
+    """A VM's cores can slow down with /proc showing nothing (report.host.speed_probe): a probe
+    more than SPEED_CLEAN slower than the process's fastest, before or after, marks the
+    measurement."""
+    from gpipe_repro.report.host import SPEED_CLEAN, slowed_down
+    quiet = {"idle_fraction_before": 1.0, "others_cpu_fraction_during": 0.0, "speed_fastest": 100.0}
+    assert is_clean({**quiet, "speed_before": 95.0, "speed_after": 90.0}) is True
+    slow_after = {**quiet, "speed_before": 97.0, "speed_after": 58.0}
+    assert is_clean(slow_after) is False
+    assert slowed_down(slow_after) == 1.0 - 58.0 / 100.0
+    assert "42% slower than its fastest" in busy_note(slow_after)
+    slow_before = {**quiet, "speed_before": 100.0 * (1 - SPEED_CLEAN) - 1.0}
+    assert is_clean(slow_before) is False and slowed_down(slow_before) is not None
+    # not probed (older results, or a test's fixed conditions): judged without it
+    assert is_clean({"idle_fraction_before": 1.0}) is True and slowed_down({"speed_before": 1.0}) is None
+
+
+def test_the_watch_probes_speed_before_and_after_when_the_conditions_do() -> None:
+    from gpipe_repro.report.host import conditions, fastest_speed
+    with HostWatch() as host:
+        pass
+    c = host.conditions
+    assert c["speed_before"] > 0 and c["speed_after"] > 0
+    assert c["speed_fastest"] == fastest_speed() >= max(c["speed_before"], c["speed_after"])
+    with HostWatch(before=lambda: {"idle_fraction_before": 1.0}) as fixed:   # a test's fixed probe
+        pass
+    assert "speed_after" not in fixed.conditions
+    assert set(conditions()) >= {"speed_before", "speed_fastest"}

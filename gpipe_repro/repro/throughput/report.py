@@ -347,6 +347,8 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
         return "-" if x is None else f"{x * 100:+.1f}%"
 
     def host(r: dict[str, Any]) -> dict[str, Any] | None:
+        if r.get("host"):
+            return dict(r["host"])
         if r.get("host_idle_before") is None:
             return None
         return {"idle_fraction_before": r["host_idle_before"],

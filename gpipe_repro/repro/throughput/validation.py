@@ -107,6 +107,7 @@ def _validate_cut(model: str, workload: Workload, calib: Calibration, settings: 
                      "load_average": [load, os.getloadavg()[0]],
                      "host_idle_before": idle,
                      "others_cpu_fraction_during": host["others_cpu_fraction_during"],
+                     "host": host,
                      "replay_step_s": replay.step_time if replay else None,
                      "replay_error": (replay.throughput / meas_tp - 1.0
                                       if replay else None),
