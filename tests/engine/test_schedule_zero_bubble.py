@@ -5,6 +5,7 @@ in every checkpoint mode."""
 from __future__ import annotations
 
 import textwrap
+from typing import Any
 
 import pytest
 import torch
@@ -284,3 +285,51 @@ def test_zb_h1_splits_one_layer_at_a_time(monkeypatch: pytest.MonkeyPatch) -> No
     # stage 1 (stage 0 has no input gradient: its whole backward runs at W): 3 layers x 2 micro-batches
     assert len(seen) == 6 and all(n == 2 for _, n in seen)
     assert max(size for size, _ in seen) < whole, (seen, whole)
+
+
+class _Triple(nn.Module):
+    """Returns a tuple: a new tensor, its own input unchanged and an integer tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.lin(x), x, torch.argmax(x, dim=1)
+
+
+class _UseTriple(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.emb = nn.Linear(4, 4), nn.Embedding(4, 4)
+
+    def forward(self, t: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        a, b, i = t
+        return self.lin(a) + b + self.emb(i)
+
+
+class _Constant(nn.Module):
+    """An output that does not depend on the input (no gradient flows below it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(x.detach(), 2.0)
+
+
+@pytest.mark.parametrize("layers", [
+    lambda: [nn.Linear(4, 4), nn.Identity(), nn.Linear(4, 4), nn.Flatten(), nn.Identity(), nn.Linear(4, 2)],
+    lambda: [nn.Linear(4, 4), _Triple(), _UseTriple(), nn.Tanh(), nn.Linear(4, 2)],
+    lambda: [nn.Linear(4, 4), nn.Linear(4, 4), _Constant(), nn.Linear(4, 4), nn.Linear(4, 2)],
+], ids=["identity-and-views", "tuple-with-input-and-integers", "constant"])
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_zb_h1_cuts_at_any_kind_of_layer_boundary(layers: Any, mode: str) -> None:
+    """The split's cuts at every layer boundary: a layer returning its input (Identity) or a view
+    of it (Flatten), a tuple carrying its input and an integer tensor, an output that does not
+    depend on the input."""
+    torch.manual_seed(0)
+    built = layers()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 4, generator=g), torch.randint(0, 2, (6,), generator=g)) for _ in range(2)]
+    for balance in (None, [1, len(built) - 1]):
+        assert_same_training(built, None, None, nn.CrossEntropyLoss(), partitions=2, micro_batches=3,
+                             checkpoint=mode, batches=batches, optimizer=sgd_momentum, schedule="zb-h1",
+                             balance=balance)
