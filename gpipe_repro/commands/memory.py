@@ -7,7 +7,7 @@
 ``fit`` answers "does this model fit on K devices of X GiB with M micro-batches, and what is each
 device's peak?", and when it does not, says why and what would fit (re-materialization, more
 micro-batches, more devices). ``plan`` chooses K, M, the schedule (``--schedules``, default every
-one that applies: gpipe, 1f1b, interleaved, zb-h1) and the memory-capped partition that maximize
+one that applies: gpipe, 1f1b, interleaved, zb-h1, zb-v) and the memory-capped partition that maximize
 simulated throughput under the budget, and says why each other schedule lost. Model options are
 those of ``gpipe-repro models`` (any
 builder keyword, e.g. ``--L 24 --d-model 1024``), plus ``--seq-len`` (language models) and
@@ -163,7 +163,7 @@ def register(app: typer.Typer) -> None:
              top: int = typer.Option(8, "--top", help="candidates to show"),
              schedules: Optional[str] = typer.Option(
                  None, "--schedules", help="schedules to choose from, e.g. gpipe,1f1b (default: "
-                 "gpipe,1f1b,interleaved,zb-h1, each where it applies)"),
+                 "gpipe,1f1b,interleaved,zb-h1,zb-v, each where it applies)"),
              out: Optional[Path] = typer.Option(None, "--out", help="also write the choice here (JSON)"),
              micro_batches: Optional[str] = alias("--micro-batches", "-M"),
              batch: Optional[int] = alias("--batch"),
@@ -188,7 +188,7 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(f"--m candidates must be >= 1, got {micro_batches}")
         from gpipe_repro.engine.schedule import SCHEDULES
         names = ([x.strip() for x in schedules.split(",") if x.strip()] if schedules is not None
-                 else ["gpipe", "1f1b", "interleaved", "zb-h1"])
+                 else ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
         unknown = [x for x in names if x not in SCHEDULES]
         if unknown or not names:
             raise typer.BadParameter(f"--schedules takes names from {','.join(sorted(SCHEDULES))} "
@@ -209,7 +209,7 @@ def register(app: typer.Typer) -> None:
                       f"{tflops:g} TFLOP/s, link {link} (simulated)", soft_wrap=True)
         table = Table("K", "M", "schedule", "checkpoint", "fits", "peak GiB", "samples/s", "bubble",
                       "balance", title="fastest configurations that fit",
-                      caption="interleaved: 2 cells per device, peak = the sum of their peaks")
+                      caption="interleaved, zb-v: 2 cells per device, peak = the sum of their peaks")
         for c in cands[:top]:
             cuts = ",".join(map(str, c.balance)) if len(c.balance) <= 8 else f"{len(c.balance)} cells"
             table.add_row(str(c.partitions), str(c.micro_batches), c.schedule, c.checkpoint,
@@ -230,7 +230,8 @@ def register(app: typer.Typer) -> None:
                 console.print(f"  - {line}", soft_wrap=True)
         if best is None:
             console.print(f"[red]nothing fits[/red] on up to {devices} devices of {memory:g} GiB.")
-            closest = min((c for c in cands if c.plan is not None and c.schedule != "interleaved"),
+            closest = min((c for c in cands if c.plan is not None
+                           and c.schedule not in ("interleaved", "zb-v")),
                           key=lambda c: c.max_peak, default=None)
             if closest is not None and closest.plan is not None:
                 console.print(f"closest: K={closest.partitions}, M={closest.micro_batches}, "

@@ -90,12 +90,13 @@ def apply_pipeline_options(run_config: Any, options: dict[str, Any], *, task: st
     if note is not None:
         options = {**options, **followed}
         print(f"note: {note}")
-    if options.get("runtime") is None and options.get("schedule") == "interleaved" \
+    if options.get("runtime") is None and options.get("schedule") in ("interleaved", "zb-v") \
             and run_config.runtime == "distributed":
-        # The preset pipelines with one process per cell; the training commands run interleaved
-        # (two stages per process) in one process only, so that choice wins over the preset's.
+        # The preset pipelines with one process per cell; the training commands run interleaved and
+        # zb-v (two stages per process) in one process only, so that choice wins over the preset's.
         options = {**options, "runtime": "local"}
-        print("note: --schedule interleaved runs with the local runtime (the preset's is distributed)")
+        print(f"note: --schedule {options['schedule']} runs with the local runtime (the preset's is "
+              "distributed)")
     config = run_config.replace(
         partitions=options["k"], micro_batches=options["m"], batch_size=options["batch_size"],
         steps=options["steps"], checkpoint=options["checkpoint"], schedule=options["schedule"],

@@ -124,6 +124,9 @@ class ProcessGroupTransport:
         self._sends: list[tuple[dist.Work | None, list[torch.Tensor], int, int]] = []
         self._generation = 0
         self._posted: dict[tuple[int, int, int], tuple[Spec, list[torch.Tensor], list[dist.Work | None]]] = {}
+        # Values between two stages on this same process (zb-v's chunks K-1 and K): handed over in
+        # memory, (kind, sending stage, micro-batch) -> a copy of the value.
+        self._local: dict[tuple[int, int, int], Any] = {}
         # Where each stage runs (Schedule.process_of()); None: stage s is process s. Set per step.
         self.process_of: list[int] | None = None
         self._processes, self._chunks = 1, 1
@@ -149,9 +152,9 @@ class ProcessGroupTransport:
         if self.prepost and not self._learning:
             for a in actions:
                 m = a.microbatch
-                if a.kind is ActionKind.RECV_ACT and m is not None:
+                if a.kind is ActionKind.RECV_ACT and m is not None and not self._here(a.stage - 1):
                     self._post(ACTIVATION, a.stage - 1, m)
-                elif a.kind is ActionKind.RECV_GRAD and m is not None:
+                elif a.kind is ActionKind.RECV_GRAD and m is not None and not self._here(a.stage + 1):
                     self._post(GRADIENT, a.stage + 1, m)
 
     def finish_step(self) -> None:
@@ -163,6 +166,11 @@ class ProcessGroupTransport:
             left = sorted(self._posted)
             self._posted.clear()
             raise RuntimeError(f"rank {self.rank}: receives posted but never used: {left}")
+        if self._local:
+            left = sorted(self._local)
+            self._local.clear()
+            raise RuntimeError(f"rank {self.rank}: values sent between its own stages but never "
+                               f"received (kind, stage, micro-batch): {left}")
 
     # -- the Transport protocol ---------------------------------------------------------------------
     def rank_of(self, stage: int) -> int:
@@ -205,8 +213,16 @@ class ProcessGroupTransport:
     def _chunk(self, stage: int) -> int:
         return 0 if self.process_of is None else stage // self._processes
 
+    def _here(self, stage: int) -> bool:
+        """Whether `stage` runs on this process."""
+        return self.rank_of(stage) == self.rank
+
     def _send(self, kind: int, stage: int, to_stage: int, microbatch: int, value: Any) -> None:
         dst = self.rank_of(to_stage)
+        if dst == self.rank:          # both stages here: a copy, as a message would be
+            self._local[(kind, stage, microbatch)] = boundary.map_tensors(
+                value, lambda t: t.detach().clone())
+            return
         chunk, chunks = self._chunk(stage), self._chunks
         spec = describe(value)
         slot = (kind, stage, microbatch)
@@ -242,6 +258,14 @@ class ProcessGroupTransport:
     def _recv(self, kind: int, stage: int, microbatch: int) -> Any:
         """Receive what `stage` sent (of `kind`, for `microbatch`)."""
         src = self.rank_of(stage)
+        if src == self.rank:
+            try:
+                return self._local.pop((kind, stage, microbatch))
+            except KeyError:
+                raise RuntimeError(
+                    f"rank {self.rank}: stage {stage} runs on this process too but has not sent the "
+                    f"{_KIND_NAMES[kind]} of micro-batch {microbatch} yet; a process's program must "
+                    "send before it receives between its own stages") from None
         what = f"the {_KIND_NAMES[kind]} of micro-batch {microbatch} from rank {src}"
         posted = self._posted.pop((kind, stage, microbatch), None)
         if posted is None:

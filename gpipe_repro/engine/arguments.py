@@ -18,7 +18,7 @@ from gpipe_repro.engine.agreement import PRECISIONS
 from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.partition import OBJECTIVES
 from gpipe_repro.engine.placement import RUNTIMES
-from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES
+from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES, num_processes
 
 __all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_shared_parameters",
            "declared_reduction"]
@@ -91,6 +91,8 @@ def check_arguments(*, num_layers: int, partitions: Any, micro_batches: Any, che
         raise ValueError(f"clip_grad_norm must be a number > 0 (or None), got {clip_grad_norm!r}")
     require_one_of("precision", precision, PRECISIONS)
     require_one_of("schedule", schedule, SCHEDULES)
+    if isinstance(partitions, int) and partitions >= 1:
+        num_processes(schedule, partitions)   # interleaved / zb-v: cells per process must divide
     require_one_of("runtime", runtime, RUNTIMES)
     require_one_of("objective", objective, OBJECTIVES)
     if not isinstance(replicas, int) or replicas < 1:

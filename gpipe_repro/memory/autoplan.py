@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpipe_repro.engine.partition import partition
-from gpipe_repro.engine.schedule import SCHEDULES, make_schedule
+from gpipe_repro.engine.schedule import SCHEDULES, cells_per_process, make_schedule, owner_of_cells
 from gpipe_repro.memory.compose import boundary_bytes, boundary_grad_bytes
 from gpipe_repro.memory.planner import MemoryPlan, MemoryPlanner
 from gpipe_repro.sim.links import LinkModel
@@ -90,25 +90,26 @@ def not_applicable(schedule: str, partitions: int, micro_batches: int, num_layer
         return f"unknown schedule {schedule!r} (choose from {', '.join(sorted(SCHEDULES))})"
     if partitions == 1 and schedule != "gpipe":
         return "on one device every schedule is gpipe's"
-    if schedule == "interleaved":
-        if micro_batches % partitions:
-            return f"M={micro_batches} is not a multiple of K={partitions}"
-        if 2 * partitions > num_layers:
-            return f"2K={2 * partitions} cells but only {num_layers} layers"
+    if schedule == "interleaved" and micro_batches % partitions:
+        return f"M={micro_batches} is not a multiple of K={partitions}"
+    per = cells_per_process(schedule)
+    if per > 1 and per * partitions > num_layers:
+        return f"{per}K={per * partitions} cells but only {num_layers} layers"
     return ""
 
 
 def _skip(schedule: str, partitions: int, micro_batches: int, num_layers: int, *, several: bool) -> bool:
     why = not_applicable(schedule, partitions, micro_batches, num_layers)
     # Asked for one schedule only, K=1 is still a candidate (it runs gpipe's actions under its name).
-    return bool(why) and (several or partitions > 1 or schedule == "interleaved")
+    return bool(why) and (several or partitions > 1 or cells_per_process(schedule) > 1)
 
 
-def _device_peaks(plan: MemoryPlan, devices: int) -> list[int]:
-    """Each device's peak: a cell per device, or (interleaved) the sum of its cells' peaks."""
+def _device_peaks(plan: MemoryPlan, devices: int, schedule: str = "gpipe") -> list[int]:
+    """Each device's peak: a cell per device, or (interleaved, zb-v) the sum of its cells' peaks."""
+    owner = owner_of_cells(schedule, len(plan.stages))
     peaks = [0] * devices
     for s in plan.stages:
-        peaks[s.stage % devices] += s.peak
+        peaks[owner[s.stage]] += s.peak
     return peaks
 
 
@@ -118,7 +119,7 @@ def evaluate(planner: MemoryPlanner, partitions: int, micro_batches: int, checkp
     """One (K, M, checkpoint, schedule): a memory-capped cut, its plan and, if it fits, its
     throughput. Interleaved cuts 2K cells and a device's peak is the sum of its two cells' peaks."""
     cand = Candidate(partitions, micro_batches, checkpoint, schedule=schedule)
-    cells = 2 * partitions if schedule == "interleaved" else partitions
+    cells = partitions * cells_per_process(schedule)
     per_device = cells // partitions
     if cells > planner.num_layers or micro_batches > planner.batch:
         cand.note = "more devices than layers" if cells > planner.num_layers else "M > batch"
@@ -143,7 +144,7 @@ def evaluate(planner: MemoryPlanner, partitions: int, micro_batches: int, checkp
             balance = partition(work, cells, "bottleneck")
         plan = planner.plan(cells, micro_batches, checkpoint, balance=balance, schedule=schedule)
         cand.balance, cand.plan = balance, plan
-        cand.max_peak = max(_device_peaks(plan, partitions))
+        cand.max_peak = max(_device_peaks(plan, partitions, schedule))
         if cand.max_peak <= budget or cells == 1:
             break
         cap -= (cand.max_peak - budget) / per_device

@@ -10,22 +10,20 @@ By default the step is simulated over FLOP-model costs at a fixed device rate (t
 (e.g. per-layer costs calibrated on a device, as ``make throughput-table`` does) passes ``cut`` and
 ``simulate_step``; the memory side is the planner's either way.
 
-Interleaved 1F1B runs v=2 cells per device, so it is planned on 2K cells and a device's peak is the
-SUM of its two cells' peaks: an upper bound (the two cells' peaks need not coincide), labelled as
-such in each row.
+Interleaved 1F1B (v=2) and ZB-V run two cells per device, so they are planned on 2K cells and a
+device's peak is the SUM of its two cells' peaks: an upper bound (the two cells' peaks need not
+coincide), labelled as such in each row.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpipe_repro.engine.schedule import SCHEDULES, Schedule, make_schedule
+from gpipe_repro.engine.schedule import SCHEDULES, Schedule, cells_per_process, make_schedule
 from gpipe_repro.memory.autoplan import _costs
 from gpipe_repro.memory.planner import MemoryPlanner
 from gpipe_repro.sim.links import LinkModel
 from gpipe_repro.sim.simulator import Simulation, simulate
-
-VIRTUAL_STAGES = 2   # interleaved: cells per device (engine.schedule.interleaved_schedule's default)
 
 #: ``cut(schedule, cells)``: layers per cell for that schedule.
 CutFn = Callable[[str, int], Sequence[int]]
@@ -54,7 +52,7 @@ def schedule_ablation(planner: MemoryPlanner, *, devices: int, micro_batches: in
         raise ValueError(f"unknown schedule(s) {unknown}; choose from {sorted(SCHEDULES)}")
     rows = []
     for name in names:
-        cells = devices * VIRTUAL_STAGES if name == "interleaved" else devices
+        cells = devices * cells_per_process(name)
         row: dict[str, Any] = {"schedule": name, "devices": devices, "cells": cells,
                                "micro_batches": micro_batches, "checkpoint": checkpoint,
                                "method": "simulated"}

@@ -83,8 +83,10 @@ class Ours:
 
     def __init__(self, cfg: dict[str, Any], m: int, name: str) -> None:
         from gpipe_repro import GPipe
-        # interleaved: 2 cells on each of the 2 processes (the model cut in 4, cell c on process c mod 2)
-        k = 4 if name == "interleaved" else 2
+        from gpipe_repro.engine.schedule import cells_per_process
+        # interleaved and zb-v: 2 cells on each of the 2 processes (the model cut in 4; cell c on
+        # process c mod 2 for interleaved, in a V for zb-v: cells 0 and 3 on process 0)
+        k = 2 * cells_per_process(name)
         if cfg["blocks"] % k:
             raise ValueError(f"{cfg['blocks']} blocks do not cut into {k} equal cells")
         self.pipe = GPipe(synthetic_mlp(cfg["width"], cfg["blocks"]), partitions=k, micro_batches=m,

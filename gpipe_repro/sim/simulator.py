@@ -159,6 +159,14 @@ def simulate(schedule: Schedule, costs: PipelineCosts, link: LinkModel,
         assert m is not None
         return 0.0 if costs.accumulate is None or a in fresh else costs.accumulate[a.stage][m]
 
+    # One row per process: when stages share processes (interleaved, zb-v), a process's idle time is
+    # what the bubble is, not each stage's; and a value between two stages of one process (zb-v's
+    # chunks K-1 and K) is handed over in memory, not sent.
+    row = schedule.process_of()
+
+    def same_process(a: Action) -> bool:
+        return row[a.stage] == row[a.peer().stage]
+
     def nbytes(a: Action) -> float:
         m = a.microbatch
         assert m is not None
@@ -191,20 +199,19 @@ def simulate(schedule: Schedule, costs: PipelineCosts, link: LinkModel,
             # measured into existing gradients: the stage's first writes fresh ones
             fresh_saving = 0.0 if costs.accumulate is None else costs.accumulate[s][m]
             return costs.backward_weight[s][m] - fresh_saving + accumulating(a)
+        if same_process(a):
+            return 0.0
         if a.kind in (A.SEND_ACT, A.SEND_GRAD):
             return link.send_time(nbytes(a))
         return link.recv_time(nbytes(a))
 
     def transfer(a: Action) -> float:
-        return link.transfer_time(nbytes(a))
+        return 0.0 if same_process(a) else link.transfer_time(nbytes(a))
 
     sim_events = run_dataflow(schedule, duration, transfer)
     send_start = {e.action.peer(): e.start for e in sim_events if e.action.kind in (A.SEND_ACT, A.SEND_GRAD)}
     shift = costs.setup
     events = []
-    # One timeline row per process: when stages share processes (interleaved), a process's idle
-    # time is what the bubble is, not each stage's.
-    row = schedule.process_of()
     for e in sim_events:
         a = e.action
         ready = send_start[a] + shift if a.kind in (A.RECV_ACT, A.RECV_GRAD) else None

@@ -77,10 +77,11 @@ class RunConfig:
              f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}"),
             (self.schedule in SCHEDULES,
              f"schedule must be one of {sorted(SCHEDULES)}, got {self.schedule!r}"),
-            (not (self.schedule == "interleaved" and self.runtime == "distributed"),
-             "--schedule interleaved with --runtime distributed: the training commands start one process "
-             "per stage and gather checkpoints that way, while interleaved runs two stages per process; "
-             "use interleaved with the local runtime here, or through the GPipe API (runtime='distributed')"),
+            (not (self.schedule in ("interleaved", "zb-v") and self.runtime == "distributed"),
+             f"--schedule {self.schedule} with --runtime distributed: the training commands start one "
+             f"process per stage and gather checkpoints that way, while {self.schedule} runs two stages "
+             f"per process; use {self.schedule} with the local runtime here, or through the GPipe API "
+             "(runtime='distributed')"),
             (self.partition_cost in PARTITION_COSTS,
              f"partition_cost must be one of {PARTITION_COSTS}, got {self.partition_cost!r}"),
             (self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}, got {self.objective!r}"),

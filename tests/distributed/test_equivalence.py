@@ -49,7 +49,7 @@ def check_configs(k: int) -> list[str]:
         build, loss_fn = MODELS[kind]
         x, y = data(kind)
         where = f"{kind} K={k} M={m} checkpoint={mode} ahead={ahead} {schedule}"
-        cells = 2 * k if schedule == "interleaved" else k
+        cells = 2 * k if schedule in ("interleaved", "zb-v") else k
         kwargs = dict(partitions=cells, micro_batches=m, checkpoint=mode, recompute_ahead=ahead,
                       schedule=schedule, loss_fn=loss_fn, cost="params",
                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
@@ -59,7 +59,8 @@ def check_configs(k: int) -> list[str]:
         rank = pipe.rank
         assert rank is not None and pipe.balance == local.balance
         here = pipe.stages_here
-        assert here == ([rank, rank + k] if schedule == "interleaved" else [rank]), here
+        assert here == {"interleaved": [rank, rank + k], "zb-v": [rank, 2 * k - 1 - rank]}.get(
+            schedule, [rank]), here
         mine = [layer for s in here for layer in pipe.cells[s]]
         theirs = [ref[i] for s in here for i in range(sum(pipe.balance[:s]), sum(pipe.balance[:s + 1]))]
         local_params = [p for s in here for p in local.cells[s].parameters()]

@@ -111,7 +111,7 @@ def test_schedule_ablation_gives_throughput_beside_memory_for_every_schedule() -
     rows = {r["schedule"]: r for r in schedule_ablation(
         planner, devices=2, micro_batches=8, link=LinkModel("instant", latency=0.0, bandwidth=1e12),
         flops_per_second=1e9)}
-    assert set(rows) == {"gpipe", "1f1b", "zb-h1", "interleaved"}
+    assert set(rows) == {"gpipe", "1f1b", "zb-h1", "interleaved", "zb-v"}
     assert all("note" not in r for r in rows.values()), rows
     assert rows["1f1b"]["max_activation_peak_bytes"] < rows["gpipe"]["max_activation_peak_bytes"]
     assert rows["zb-h1"]["throughput"] > rows["1f1b"]["throughput"]

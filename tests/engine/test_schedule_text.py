@@ -29,6 +29,8 @@ GOLDEN_CASES = {
     "zb-h1_k2_m4_except_last_ahead": lambda: make_schedule("zb-h1", 2, 4, "except_last", True),
     "interleaved_k2_v2_m4_never": lambda: make_schedule("interleaved", 4, 4, "never"),
     "interleaved_k2_v2_m4_except_last_ahead": lambda: make_schedule("interleaved", 4, 4, "except_last", True),
+    "zb-v_k2_m4_never": lambda: make_schedule("zb-v", 4, 4, "never"),
+    "zb-v_k3_m6_always_ahead": lambda: make_schedule("zb-v", 6, 6, "always", True),
 }
 
 

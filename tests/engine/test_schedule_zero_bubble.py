@@ -144,8 +144,11 @@ def test_split_backward_defers_the_weight_gradients() -> None:
 # Distributed: the same checks as tests/distributed/test_equivalence.py (each rank compares its cell
 # with a local GPipe and the reference, two steps) on ZB-H1 configurations.
 ZB_CONFIGS = {2: [("mlp", 4, "never", False, "zb-h1"), ("transformer", 3, "always", True, "zb-h1"),
-                  ("conv", 3, "except_last", False, "zb-h1")],
-              3: [("mlp", 5, "except_last", True, "zb-h1")]}
+                  ("conv", 3, "except_last", False, "zb-h1"),
+                  # zb-v: 2K chunks in a V, chunks K-1 and K on one process
+                  ("mlp", 4, "never", False, "zb-v"), ("transformer", 3, "except_last", True, "zb-v"),
+                  ("conv", 2, "always", False, "zb-v")],
+              3: [("mlp", 5, "except_last", True, "zb-h1"), ("conv", 4, "always", False, "zb-v")]}
 
 
 def check_zb_configs(k: int) -> list[str]:

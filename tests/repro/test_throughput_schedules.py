@@ -35,11 +35,12 @@ def test_schedule_ablation_rows_match_each_schedules_closed_form() -> None:
     k, m, b = 2, 4, 2
     rows = {r["schedule"]: r for r in schedule_tradeoff(calib, work, settings, Platform(PRESETS["ideal"]),
                                                          microbatch=b, costs="calibrated", k=k, ms=[m])}
-    assert set(rows) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert set(rows) == {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"}
     assert all("note" not in r and r["costs"] == "calibrated" and r["method"] == "simulated"
                for r in rows.values()), rows
     # 4 uniform layers: 2 per cell (1 per cell for interleaved's 2K cells).
     assert rows["gpipe"]["balance"] == [2, 2] and rows["interleaved"]["balance"] == [1, 1, 1, 1]
+    assert rows["zb-v"]["balance"] == [1, 1, 1, 1]
     fwd, bwd = 2 * F, 4 * F                   # one cell's forward and backward per micro-batch
     # Fill-drain: (M + K - 1) slots of F + B (GPipe, Huang et al. 2019: bubble (K-1)/(M+K-1)).
     expected = {"gpipe": (m + k - 1) * (fwd + bwd),
@@ -47,13 +48,17 @@ def test_schedule_ablation_rows_match_each_schedules_closed_form() -> None:
                 # Interleaved, v=2 (Narayanan et al. SC'21, sec. 2.2): bubble (K-1)(F+B)/v.
                 "interleaved": m * (fwd + bwd) + (k - 1) * (fwd + bwd) / 2,
                 # ZB-H1 (Qi et al. ICLR 2024, sec. 3): bubble (K-1)(F + I - W) = (K-1) F when I = W.
-                "zb-h1": m * (fwd + bwd) + (k - 1) * fwd}
+                "zb-h1": m * (fwd + bwd) + (k - 1) * fwd,
+                # ZB-V (Qi et al. sec. 6): 2K chunks in a V; only the first chunk's forward, half a
+                # cell's, idles the last process: (K-1) F/2.
+                "zb-v": m * (fwd + bwd) + (k - 1) * fwd / 2}
     for name, step in expected.items():
         assert rows[name]["step_time_s"] == pytest.approx(step, rel=1e-9), name
         assert rows[name]["throughput"] == pytest.approx(m * b / step, rel=1e-9), name
     # Memory: fill-drain holds all M micro-batches; 1F1B at most K - s on stage s.
     assert rows["1f1b"]["max_activation_peak_bytes"] < rows["gpipe"]["max_activation_peak_bytes"]
     assert len(rows["interleaved"]["peak_bytes_per_device"]) == k
+    assert len(rows["zb-v"]["peak_bytes_per_device"]) == k
     # The memory side is the planner's own plan of that schedule on that cut.
     planner = MemoryPlanner(*work.with_batch(m * b).planner_inputs())
     plan = planner.plan(k, m, "never", balance=[2, 2], schedule="1f1b")

@@ -13,11 +13,12 @@ from gpipe_repro.engine.schedule.interleaved import (
     _check_interleaved_stages,
     interleaved_schedule,
 )
+from gpipe_repro.engine.schedule.zero_bubble_v import check_v_stages, zero_bubble_v_schedule
 
-__all__ = ["SCHEDULES", "make_schedule", "num_processes"]
+__all__ = ["SCHEDULES", "make_schedule", "num_processes", "cells_per_process", "owner_of_cells"]
 
 SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule, "zb-h1": zero_bubble_h1_schedule,
-             "interleaved": interleaved_schedule}
+             "interleaved": interleaved_schedule, "zb-v": zero_bubble_v_schedule}
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int, checkpoint: str,
@@ -27,11 +28,31 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, checkpoint:
     return SCHEDULES[name](num_stages, num_microbatches, checkpoint, recompute_ahead)
 
 
+def cells_per_process(name: str) -> int:
+    """How many cells (stages) each process of a `name` schedule holds: v for "interleaved", 2 for
+    "zb-v", else 1. K processes run K * cells_per_process(name) cells."""
+    require_one_of("schedule", name, SCHEDULES)
+    return {"interleaved": INTERLEAVED_VIRTUAL_STAGES, "zb-v": 2}.get(name, 1)
+
+
+def owner_of_cells(name: str, num_stages: int) -> list[int]:
+    """The process running each of the `num_stages` cells of a `name` schedule (round robin for
+    "interleaved", a V for "zb-v", one each otherwise)."""
+    procs = num_processes(name, num_stages)
+    if procs == num_stages:
+        return list(range(num_stages))
+    return make_schedule(name, num_stages, procs, "never").process_of()
+
+
 def num_processes(name: str, num_stages: int) -> int:
     """How many processes :func:`make_schedule`'s `name` schedule of `num_stages` stages runs on:
-    num_stages / v for "interleaved" (v = :data:`INTERLEAVED_VIRTUAL_STAGES`), else one per stage.
-    Raises ValueError (saying what to use) for a stage count the schedule cannot serve."""
+    num_stages / v for "interleaved" (v = :data:`INTERLEAVED_VIRTUAL_STAGES`), num_stages / 2 for
+    "zb-v" (two chunks per process, in a V), else one per stage. Raises ValueError (saying what to
+    use) for a stage count the schedule cannot serve."""
     if name == "interleaved":
         _check_interleaved_stages(num_stages, INTERLEAVED_VIRTUAL_STAGES)
         return num_stages // INTERLEAVED_VIRTUAL_STAGES
+    if name == "zb-v":
+        check_v_stages(num_stages)
+        return num_stages // 2
     return num_stages

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
-from gpipe_repro.engine.schedule import INTERLEAVED_VIRTUAL_STAGES, make_schedule, num_processes
+from gpipe_repro.engine.schedule import cells_per_process, make_schedule, num_processes
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import HostWatch, conditions, usable_cores, wait_for_idle
 from gpipe_repro.repro.throughput.measure import MeasureFn
@@ -24,7 +24,7 @@ VALIDATION_TARGETS = {"median": 0.05, "max": 0.10}
 #: Schedules validated against real runs. Interleaved 1F1B runs K processes of v = 2 cells each: its
 #: cut has K*v cells, and its measured timeline has a row per process, so it is not replayed (the
 #: replay reads each cell's action durations).
-VALIDATION_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
+VALIDATION_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v")
 NOT_VALIDATED: dict[str, str] = {}
 
 
@@ -170,7 +170,7 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
         for checkpoint in checkpoints:
             for k in ks:
                 for name in names:
-                    cells = k * (INTERLEAVED_VIRTUAL_STAGES if name == "interleaved" else 1)
+                    cells = k * cells_per_process(name)
                     balance = choose_partition(calib.partition_costs(b, checkpoint), cells,
                                                settings.objective)
                     rows += _validate_cut(model, workloads[model], calib, replace(settings, schedule=name),

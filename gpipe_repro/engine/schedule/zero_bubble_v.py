@@ -1,0 +1,134 @@
+"""ZB-V (Qi, Wan, Huang, Lin: "Zero Bubble Pipeline Parallelism", ICLR 2024, section 6; PyTorch's
+``ScheduleZBVZeroBubble``): the zero-bubble split (I, W) on a model cut into 2K chunks placed in a V
+on K processes, process p holding chunks p and 2K-1-p, so the first process runs the model's first
+and last chunks and the forward goes down the processes and back up.
+
+Why a V: the last process cannot start before the first one's first forward, so every schedule idles
+one forward of the first chunk. With one cell per process that is a third of a micro-batch's work
+on a cell (T_B = 2 T_F): at K=2 any such schedule takes at least 3M + 1 units for 3M of work, 0.923
+of the ideal at M=4. A V's first chunk is half a process's share, so the cap becomes 6M / (6M + K -
+1): 0.96 at K=2, M=4. And since the loss is on the first process, the backward starts where the
+forward began, with no cross-process round trip between the last forward and the first backward.
+
+The order is made by list scheduling in unit time (T_F = T_I = T_W per chunk, except the model's
+first chunk, whose I is free and whose W is its whole backward, as the runtime runs them; instant
+links), as :func:`gpipe_repro.engine.schedule.generators._zb_h1_order` does for ZB-H1: a free
+process runs, in
+this priority, an input gradient (I) whose gradient has arrived (oldest micro-batch first, then the
+chunk later in the model), else a forward (the chunk later in the model first, so micro-batches
+reach the loss early) while fewer than 2K + 2 of its chunk forwards await their W, else its oldest
+pending weight gradient (W). 2K + 2 chunks are K + 1 micro-batches of a whole cell: one more than
+1F1B's (and ZB-H1's) activation memory. With exactly 1F1B's (2K), K=2 and M=4 take 26 units
+instead of 25 (no better than ZB-H1), and K=8, M=16 107 instead of 103. With 2K + 2 the order
+reaches 6M + K - 1, the cap above, for every K and M >= K tested (tests/engine/
+test_schedule_zero_bubble_v.py).
+
+Chunks K-1 and K are on the same process: their send and receive stay inside it (the distributed
+transport hands the value over in memory). Like ZB-H1, the model's first chunk has no input gradient
+to send: its I does nothing and its W runs its whole backward. All checkpoint modes are allowed (a
+RECOMPUTE right before its I, or before the wait for its gradient with `recompute_ahead`).
+"""
+from __future__ import annotations
+
+from gpipe_repro.engine.schedule.actions import Action, ActionKind
+from gpipe_repro.engine.schedule.core import Schedule
+from gpipe_repro.engine.schedule.generators import (
+    _backward_block,
+    _check_sizes,
+    _forward_block,
+    checkpointed_microbatches,
+)
+
+__all__ = ["zero_bubble_v_schedule", "check_v_stages"]
+
+
+def check_v_stages(num_stages: int) -> None:
+    """ZB-V needs an even number of stages (chunks): two per process."""
+    if num_stages < 2 or num_stages % 2:
+        raise ValueError(f"zb-v cuts the model into 2K chunks for K processes (two per process, in a V): "
+                         f"{num_stages} stages (partitions) is not even; use partitions="
+                         f"{max(2, num_stages + num_stages % 2)}")
+
+
+def _v_order(num_stages: int, num_microbatches: int) -> list[list[tuple[ActionKind, int, int]]]:
+    """Each process's compute order (kind, chunk, micro-batch), by list scheduling in unit time (see
+    the module docstring)."""
+    c_count, m_count = num_stages, num_microbatches
+    k = c_count // 2
+    A = ActionKind
+    chunks = [(p, c_count - 1 - p) for p in range(k)]
+    f_end: list[list[int | None]] = [[None] * m_count for _ in range(c_count)]
+    i_end: list[list[int | None]] = [[None] * m_count for _ in range(c_count)]
+    next_f, next_i = [0] * c_count, [0] * c_count
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(k)]
+    holding = [0] * k                      # chunk forwards on the process whose W is not done
+    order: list[list[tuple[ActionKind, int, int]]] = [[] for _ in range(k)]
+
+    def done_by(end: int | None, t: int) -> bool:
+        return end is not None and end <= t
+
+    # Durations in units of one chunk's forward: F = I = W = 1, except the model's first chunk, which
+    # has no input gradient: its I is free and its W is its whole backward (2), as the runtime runs it.
+    free_at = [0] * k
+    t, left = 0, 3 * c_count * m_count
+    while left:
+        if t > 2 * left + 6 * c_count * m_count:   # every action lasts <= 2 units: a stuck order
+            raise RuntimeError(f"internal error: zb-v's list scheduling is stuck at K={k}, "
+                               f"M={m_count}; please report it")
+        for p in range(k):
+            while free_at[p] <= t and left:
+                ready_i = [(m, -c) for c in chunks[p] for m in (next_i[c],)
+                           if m < next_f[c] and done_by(f_end[c][m], t)
+                           and (c == c_count - 1 or done_by(i_end[c + 1][m], t))]
+                ready_f = [(-c, m) for c in chunks[p] for m in (next_f[c],)
+                           if m < m_count and (c == 0 or done_by(f_end[c - 1][m], t))]
+                if ready_i:
+                    m, c = min(ready_i)
+                    c = -c
+                    order[p].append((A.BACKWARD_INPUT, c, m))
+                    free_at[p] = i_end[c][m] = t + (0 if c == 0 else 1)
+                    next_i[c] += 1
+                    pending_w[p].append((c, m))
+                elif ready_f and holding[p] < 2 * k + 2:
+                    c, m = min(ready_f)
+                    c = -c
+                    order[p].append((A.FORWARD, c, m))
+                    free_at[p] = f_end[c][m] = t + 1
+                    next_f[c] += 1
+                    holding[p] += 1
+                elif pending_w[p]:
+                    c, m = pending_w[p].pop(0)
+                    order[p].append((A.BACKWARD_WEIGHT, c, m))
+                    free_at[p] = t + (2 if c == 0 else 1)
+                    holding[p] -= 1
+                else:
+                    break
+                left -= 1
+        t += 1
+    return order
+
+
+def zero_bubble_v_schedule(num_stages: int, num_microbatches: int, checkpoint: str = "never",
+                           recompute_ahead: bool = False) -> Schedule:
+    """ZB-V on ``num_stages`` = 2K chunks and K processes (see the module docstring). The schedule's
+    stages are the chunks; :attr:`Schedule.processes` gives each process's program."""
+    _check_sizes(num_stages, num_microbatches)
+    check_v_stages(num_stages)
+    ckpt = checkpointed_microbatches(checkpoint, num_microbatches)
+    A = ActionKind
+    procs = []
+    for p, order in enumerate(_v_order(num_stages, num_microbatches)):
+        acts: list[Action] = []
+        for kind, c, m in order:
+            if kind is A.FORWARD:
+                acts += _forward_block(c, num_stages, m)
+            elif kind is A.BACKWARD_INPUT:
+                acts += [Action(A.BACKWARD_INPUT, c, m) if a.kind is A.BACKWARD else a
+                         for a in _backward_block(c, num_stages, m, ckpt, recompute_ahead)]
+            else:
+                acts.append(Action(A.BACKWARD_WEIGHT, c, m))
+        mine = (p, num_stages - 1 - p)
+        acts += [Action(A.AGREE, c) for c in mine] + [Action(A.OPTIMIZER_STEP, c) for c in mine]
+        procs.append(tuple(acts))
+    stages = tuple(tuple(a for prog in procs for a in prog if a.stage == s) for s in range(num_stages))
+    return Schedule("zb-v", num_stages, num_microbatches, stages, True, tuple(procs))
