@@ -33,10 +33,9 @@ from __future__ import annotations
 from gpipe_repro.engine.schedule.actions import Action, ActionKind
 from gpipe_repro.engine.schedule.core import Schedule
 from gpipe_repro.engine.schedule.generators import (
-    _backward_block,
     _check_sizes,
-    _forward_block,
     checkpointed_microbatches,
+    split_backward_program,
 )
 
 __all__ = ["zero_bubble_v_schedule", "check_v_stages"]
@@ -118,15 +117,7 @@ def zero_bubble_v_schedule(num_stages: int, num_microbatches: int, checkpoint: s
     A = ActionKind
     procs = []
     for p, order in enumerate(_v_order(num_stages, num_microbatches)):
-        acts: list[Action] = []
-        for kind, c, m in order:
-            if kind is A.FORWARD:
-                acts += _forward_block(c, num_stages, m)
-            elif kind is A.BACKWARD_INPUT:
-                acts += [Action(A.BACKWARD_INPUT, c, m) if a.kind is A.BACKWARD else a
-                         for a in _backward_block(c, num_stages, m, ckpt, recompute_ahead)]
-            else:
-                acts.append(Action(A.BACKWARD_WEIGHT, c, m))
+        acts = split_backward_program(order, num_stages, ckpt, recompute_ahead)
         mine = (p, num_stages - 1 - p)
         acts += [Action(A.AGREE, c) for c in mine] + [Action(A.OPTIMIZER_STEP, c) for c in mine]
         procs.append(tuple(acts))
