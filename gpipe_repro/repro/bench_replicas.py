@@ -8,10 +8,12 @@ The ideal is twice the samples per second; the target is >= 0.90 of it. Runs alt
 run (report.host.HostWatch: other processes' CPU while it ran): on a busy 2-core host the ratio
 measures the host as much as the engine, and the record says so.
 
-Two more jobs say where a shortfall comes from: one process at the replica's batch N/2 (its speed,
-twice, is the ideal from costs measured at that batch, as every ideal in this project), and two
+Three more jobs say where a shortfall comes from: one process at the replica's batch N/2 (its
+speed, twice, is the ideal from costs measured at that batch, as every ideal in this project); two
 independent processes at N/2 with no gradient exchange (what two cores of this host give two
-trainings at once: the ceiling any data-parallel implementation can reach here).
+trainings at once); and the same two waiting for each other after every step, with no data (the
+ceiling any synchronous data parallelism can reach here: a step lasts as long as the slower
+process's).
 
 It also records one K=2 x R=2 step's merged timeline (4 processes) and draws its Gantt chart, where
 each stage's "AR" bar (its gradient all-reduce, from launch after its last backward to completion)
@@ -90,6 +92,29 @@ def train_alone(width: int, depth: int, batch: int, steps: int, warmup: int) -> 
     return {"times": times}
 
 
+def train_lockstep(width: int, depth: int, batch: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Runs in every process: :func:`train_alone`, but the processes wait for each other after every
+    step (a barrier, no data). What a data-parallel job pays for its synchronization alone: each step
+    lasts as long as the slower process's, so two cores that run at different speeds (a VM's
+    hyperthreads, another tenant) cost the faster one its lead, before any all-reduce."""
+    import torch.distributed as dist
+
+    from gpipe_repro.distributed.process_group import init_distributed
+    init_distributed()
+    torch.set_num_threads(1)
+    pipe = GPipe(_layers(width, depth), partitions=1, micro_batches=1, checkpoint="never",
+                 loss_fn=nn.CrossEntropyLoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
+    x, y = _batch(batch, width)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        pipe.train_step(x, y)
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return {"times": times}
+
+
 def validate_simulator(result: list[dict[str, Any]], k: int, r: int, m: int, batch: int,
                        width: int) -> dict[str, Any]:
     """Simulated vs measured K x R step: replica 0's measured compute replayed through the simulator
@@ -137,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     two: list[float] = []
     half: list[float] = []       # one process, the replica's batch (N/2): the ideal at that batch
     pair: list[float] = []       # two processes at N/2 each, no all-reduce: this host's ceiling
+    lockstep: list[float] = []   # the same, waiting for each other after every step: the sync cost
     alone = (args.width, args.depth, args.batch // 2, args.steps, args.warmup)
     load_before = os.getloadavg()
     with HostWatch() as watch:   # the host before, and what other processes did during the run
@@ -146,10 +172,12 @@ def main(argv: list[str] | None = None) -> None:
             half += launch_local(train_alone, 1, *alone, timeout=120)[0]["times"]
             for result in launch_local(train_alone, 2, *alone, timeout=120):   # each: N/2 per step
                 pair += result["times"]
+            lockstep += launch_local(train_lockstep, 2, *alone, timeout=120)[0]["times"]
     load_after = os.getloadavg()
     host = watch.conditions
     t1, t2 = statistics.median(one), statistics.median(two)
     t_half, t_pair = statistics.median(half), statistics.median(pair)
+    t_lock = statistics.median(lockstep)
     speedup = t1 / t2
     efficiency = speedup / 2
     # The ideal from costs measured at the replica's batch (as every ideal in this project): two
@@ -163,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
         "efficiency_vs_ideal_at_replica_batch": speedup / ideal_at_half,
         "efficiency_of_host_ceiling": (t1 / t_pair) / ideal_at_half,
         "efficiency_vs_host_ceiling": speedup / (t1 / t_pair),
+        "two_processes_in_lockstep_speedup": t1 / t_lock,
+        "efficiency_vs_lockstep": speedup / (t1 / t_lock),
     }
     rows = [["1 process (K=1, R=1), batch N", t1 * 1e3, args.batch / t1, 1.0, "-"],
             ["2 processes (K=1 x R=2), N/2 each", t2 * 1e3, args.batch / t2, speedup,
@@ -172,14 +202,20 @@ def main(argv: list[str] | None = None) -> None:
              t1 / (2 * t_half), "-"],
             ["2 independent processes, N/2 each, no all-reduce", t_pair * 1e3, args.batch / t_pair,
              t1 / t_pair, f"{(t1 / t_pair) / ideal_at_half:.2f} of {ideal_at_half:.2f}x: this "
-             "host's ceiling"]]
+             "host's ceiling"],
+            ["2 processes in lockstep, N/2 each, a barrier per step, no all-reduce", t_lock * 1e3,
+             args.batch / t_lock, t1 / t_lock,
+             f"{(t1 / t_lock) / ideal_at_half:.2f} of {ideal_at_half:.2f}x: the ceiling of any "
+             "synchronous data parallelism here"]]
     table = markdown_table(["job", "median step ms (measured)", "samples/s", "speedup over 1 process",
                             "vs ideal"], rows)
     where = (f"Where the time goes: two independent trainings of N/2 reach {t1 / t_pair:.2f}x, "
              f"{(t1 / t_pair) / ideal_at_half:.2f} of the {ideal_at_half:.2f}x that one process's "
-             "speed at N/2 promises (the host: two processes share caches and memory bandwidth); the "
-             f"data-parallel job keeps {speedup / (t1 / t_pair):.2f} of that ceiling (the all-reduce, "
-             "whose gloo threads share the same 2 cores with compute).")
+             "speed at N/2 promises (the host: two processes share caches and memory bandwidth); "
+             f"waiting for each other after every step they reach {t1 / t_lock:.2f}x (each step "
+             "lasts as long as the slower process's); the data-parallel job keeps "
+             f"{speedup / (t1 / t_lock):.2f} of that (the all-reduce, whose gloo threads share the "
+             "same 2 cores with compute).")
     cores = usable_cores()
     # Clean or busy (report.host.is_clean, as every measured table): the host idle before, and other
     # processes' CPU while it ran; the load average after includes this benchmark's own processes.
