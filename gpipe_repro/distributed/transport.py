@@ -142,6 +142,7 @@ class ProcessGroupTransport:
         `process_of[s]` is the process (within this pipeline) running stage s; default: s."""
         if self._posted or self._sends:
             raise RuntimeError("the previous step left messages in flight; call finish_step()")
+        self._local.clear()           # what a failed step handed over inside this process
         self.process_of = process_of
         self._processes = 1 + max(process_of) if process_of else 1
         self._chunks = -(-len(process_of) // self._processes) if process_of else 1

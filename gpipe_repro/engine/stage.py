@@ -276,7 +276,8 @@ class StageExecutor:
             if not leaves:
                 works.append(_full_backward(outs, grads))
                 break
-            params = [p for p in module.parameters() if p.requires_grad]
+            params = (self._reached_params(outs) if pieces is not None
+                      else [p for p in module.parameters() if p.requires_grad])
             works.append(split_backward_input(outs, grads, leaves, params))
             if k > 0:                 # the cut's gradient seeds the layer below
                 assert pieces is not None
@@ -290,6 +291,25 @@ class StageExecutor:
         self.weight_work[m] = weights
         if self.stage > 0:
             self.outbox[(ActionKind.SEND_GRAD, m)] = boundary.input_grads(x)
+
+    def _reached_params(self, outs: list[torch.Tensor]) -> list[nn.Parameter]:
+        """The cell's trainable parameters that the graph of `outs` reaches, in the cell's order: a
+        layer's own, and any it uses without registering them (a head holding a reference to
+        another layer's weight)."""
+        order = {id(p): i for i, p in enumerate(self.cell.parameters()) if p.requires_grad}
+        found: dict[int, nn.Parameter] = {}
+        seen: set[Any] = set()
+        todo = [t.grad_fn for t in outs]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)     # an AccumulateGrad node's leaf
+            if variable is not None and id(variable) in order:
+                found[id(variable)] = variable
+            todo.extend(f for f, _ in node.next_functions)
+        return sorted(found.values(), key=lambda p: order[id(p)])
 
     def _backward_weight(self, m: int | None) -> None:
         """The zero-bubble split's second half: the parameters' gradients of micro-batch m, from
@@ -343,7 +363,7 @@ class StageExecutor:
         boundary (:meth:`_cut`) and the pieces are kept in ``segments[m]``."""
         mode = self.training
         copy = self.copies_input.get(mode)
-        feed = x if copy is False else boundary.map_tensors(x, _fresh_copy)
+        feed = boundary.map_tensors(x, _alias if copy is False else _fresh_copy)
         watched = boundary.tensors(feed)
         versions = [t._version for t in watched]
         segments: list[tuple[Any, Any]] | None = [] if self._segmented(x, m) else None
@@ -395,10 +415,11 @@ class StageExecutor:
         """Cut the graph before layer i: its input becomes a new autograd leaf (same storage, no
         copy), and the value fed to layer i; a copy of it where layer i modifies its input in place
         (learned as for the cell's input, per layer: see the module docstring)."""
-        leaf = boundary.map_tensors(h, lambda t: t.detach().requires_grad_(boundary.carries_grad(t)))
+        leaf = boundary.map_tensors(      # a value no gradient flows through stays without one
+            h, lambda t: t.detach().requires_grad_(t.requires_grad and boundary.carries_grad(t)))
         key = (self.training, i)
         copy = self.copies_layer_input.get(key)
-        feed = leaf if copy is False else boundary.map_tensors(leaf, _fresh_copy)
+        feed = boundary.map_tensors(leaf, _alias if copy is False else _fresh_copy)
         watched = boundary.tensors(feed)
         self._cut_feed = (i, copy, watched, [t._version for t in watched])
         return leaf, feed
@@ -541,6 +562,15 @@ def _value(t: torch.Tensor) -> float:
 def _fresh_copy(t: torch.Tensor) -> torch.Tensor:
     """A copy a layer may modify in place; gradients flow through it to `t`."""
     return t.clone()
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """What a layer is fed in place of a boundary leaf it does not modify: a view (no copy), so that
+    it is not itself a leaf that requires grad. Autocast caches the low-precision cast of such leaves
+    as it does a weight's, so a boundary value read by two low-precision ops would be cast once and
+    the two gradients summed in bf16/fp16, where plain training (whose activations are not leaves)
+    sums them in fp32."""
+    return t.view_as(t) if t.is_leaf and t.requires_grad else t
 
 
 def wall_clock(t0: float | None = None) -> Callable[[], float]:

@@ -336,3 +336,67 @@ def test_zb_h1_cuts_at_any_kind_of_layer_boundary(layers: Any, mode: str) -> Non
         assert_same_training(built, None, None, nn.CrossEntropyLoss(), partitions=2, micro_batches=3,
                              checkpoint=mode, batches=batches, optimizer=sgd_momentum, schedule="zb-h1",
                              balance=balance)
+
+
+class _TiedHead(nn.Module):
+    """An output layer using an earlier layer's weight without registering it (the
+    ``self._ref = [owner]`` idiom that keeps state_dict free of duplicates)."""
+
+    def __init__(self, owner: nn.Linear) -> None:
+        super().__init__()
+        self._ref = [owner]
+        self.bias = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self._ref[0].weight, self.bias)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_split_reaches_a_weight_a_layer_uses_without_registering_it(schedule: str) -> None:
+    """Each layer's split takes every cell parameter its graph reaches, not only its own: the
+    weight half of the tied head's micro-batches must reach the owner's weight."""
+    torch.manual_seed(0)
+    owner = nn.Linear(4, 4)
+    layers = [nn.Linear(4, 4), owner, nn.Tanh(), _TiedHead(owner), nn.Linear(4, 2)]
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 4, generator=g), torch.randint(0, 2, (6,), generator=g)) for _ in range(2)]
+    assert_same_training(layers, None, None, nn.CrossEntropyLoss(), partitions=2, micro_batches=3,
+                         checkpoint="never", batches=batches, optimizer=sgd_momentum, schedule=schedule,
+                         balance=[1, 4])
+
+
+class _Gate(nn.Module):
+    """Two Linears read the layer's input (a gated MLP; BERT's q, k and v do the same)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * torch.sigmoid(self.b(x))
+
+
+class _Fp32Norm(nn.Module):
+    """LayerNorm in fp32 (as CUDA autocast runs layer_norm): the next layer gets an fp32 value."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(x.float())
+
+
+def test_bf16_split_sums_a_cut_values_gradients_in_fp32_as_plain_autocast() -> None:
+    """A cut's value is an autograd leaf; autocast caches the cast of leaves that require grad (as
+    it does a weight's), so an fp32 value read by two Linears would be cast once and its two
+    gradients summed in bf16. The executor feeds layers a view of the leaf (StageExecutor._cut),
+    and the result equals plain autocast training within the bf16 tolerance of
+    tests/engine/test_steps.py."""
+    from tests.engine.test_steps import batch
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 16), _Fp32Norm(16), _Gate(16), nn.Linear(16, 3)]
+    assert_same_training(layers, None, None, nn.CrossEntropyLoss(), partitions=2, micro_batches=2,
+                         checkpoint="except_last", balance=[1, 3], batches=[batch(s) for s in range(3)],
+                         optimizer=sgd_momentum, precision="bf16", rtol=1e-4, atol=1e-4,
+                         schedule="zb-h1")
