@@ -111,6 +111,7 @@ class StageExecutor:
         self._cut_feed: tuple[int, bool | None, list[torch.Tensor], list[int]] | None = None
         # Micro-batches whose backward is split (BACKWARD_INPUT / BACKWARD_WEIGHT) this step.
         self.split_microbatches: frozenset[int] = frozenset()
+        self.param_order: dict[int, int] = {}
         # One handler per action kind (DeepSpeed's _INSTRUCTION_MAP style).
         self.handlers: dict[ActionKind, Callable[[int | None], None]] = {
             ActionKind.RECV_ACT: self._recv_act, ActionKind.FORWARD: self._forward,
@@ -150,6 +151,10 @@ class StageExecutor:
         self.split_microbatches = frozenset(a.microbatch for a in schedule.stages[self.stage]
                                             if a.kind is ActionKind.BACKWARD_INPUT
                                             and a.microbatch is not None)
+        # The trainable parameters' positions, for the split's per-layer parameter lists (taken once
+        # per step: walking the modules per layer and micro-batch cost more than the split saved).
+        self.param_order = ({id(p): i for i, p in enumerate(self.cell.parameters()) if p.requires_grad}
+                            if self.split_microbatches else {})
         self.training = schedule.training
         self.config = config or StepConfig()
         self.microbatches = list(microbatches) if microbatches is not None else None
@@ -296,7 +301,7 @@ class StageExecutor:
         """The cell's trainable parameters that the graph of `outs` reaches, in the cell's order: a
         layer's own, and any it uses without registering them (a head holding a reference to
         another layer's weight)."""
-        order = {id(p): i for i, p in enumerate(self.cell.parameters()) if p.requires_grad}
+        order = self.param_order
         found: dict[int, nn.Parameter] = {}
         seen: set[Any] = set()
         todo = [t.grad_fn for t in outs]
