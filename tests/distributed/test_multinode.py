@@ -67,7 +67,9 @@ def test_two_nodes_form_one_job_and_a_kill_on_the_second_ends_it(tmp_path: Path)
     # Each survivor detected the loss itself: ranks 0 and 1 in their data-parallel group with rank 3's
     # replica partner, rank 2 from its pipeline neighbour rank 3.
     for rank in (0, 1, 2):
-        assert re.search(rf"rank {rank} failed: PeerFailure: rank {rank} lost", stderr), stderr[-4000:]
+        mine = "\n".join(line for line in stderr.splitlines() if f"rank {rank}" in line)[-3000:]
+        assert re.search(rf"rank {rank} failed: PeerFailure: rank {rank} lost", stderr), (
+            f"rank {rank} did not report losing a peer; its lines:\n{mine}\n---\n{stderr[-2000:]}")
     assert "lost rank 3" in stderr, stderr[-4000:]
     stdout = "".join(out for _, out, _ in results)
     assert re.search(r"step 1 loss \d+\.\d+ over 4 ranks", stdout), stdout
