@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -51,6 +52,7 @@ from gpipe_repro.engine.agreement import (
     autocast,
     cast_boundary,
 )
+from gpipe_repro.engine.backward_split import full_backward, reached_params, split_backward_input
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm
 from gpipe_repro.engine.recompute import recomputing
 from gpipe_repro.engine.rng import seed_layer, step_key
@@ -108,7 +110,6 @@ class StageExecutor:
         self.copies_input: dict[bool, bool] = {}
         # The same for each layer's input at the cuts of a split backward, per (mode, layer).
         self.copies_layer_input: dict[tuple[bool, int], bool] = {}
-        self._cut_feed: tuple[int, bool | None, list[torch.Tensor], list[int]] | None = None
         # Micro-batches whose backward is split (BACKWARD_INPUT / BACKWARD_WEIGHT) this step.
         self.split_microbatches: frozenset[int] = frozenset()
         self.param_order: dict[int, int] = {}
@@ -279,9 +280,9 @@ class StageExecutor:
             inp, module = cells[k]
             leaves = [t for t in boundary.tensors(inp) if boundary.carries_grad(t) and t.requires_grad]
             if not leaves:
-                works.append(_full_backward(outs, grads))
+                works.append(full_backward(outs, grads))
                 break
-            params = (self._reached_params(outs) if pieces is not None
+            params = (reached_params(outs, self.param_order) if pieces is not None
                       else [p for p in module.parameters() if p.requires_grad])
             works.append(split_backward_input(outs, grads, leaves, params))
             if k > 0:                 # the cut's gradient seeds the layer below
@@ -296,25 +297,6 @@ class StageExecutor:
         self.weight_work[m] = weights
         if self.stage > 0:
             self.outbox[(ActionKind.SEND_GRAD, m)] = boundary.input_grads(x)
-
-    def _reached_params(self, outs: list[torch.Tensor]) -> list[nn.Parameter]:
-        """The cell's trainable parameters that the graph of `outs` reaches, in the cell's order: a
-        layer's own, and any it uses without registering them (a head holding a reference to
-        another layer's weight)."""
-        order = self.param_order
-        found: dict[int, nn.Parameter] = {}
-        seen: set[Any] = set()
-        todo = [t.grad_fn for t in outs]
-        while todo:
-            node = todo.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            variable = getattr(node, "variable", None)     # an AccumulateGrad node's leaf
-            if variable is not None and id(variable) in order:
-                found[id(variable)] = variable
-            todo.extend(f for f, _ in node.next_functions)
-        return sorted(found.values(), key=lambda p: order[id(p)])
 
     def _backward_weight(self, m: int | None) -> None:
         """The zero-bubble split's second half: the parameters' gradients of micro-batch m, from
@@ -365,48 +347,69 @@ class StageExecutor:
         """The cell's forward on micro-batch m, seeding each layer; the last stage adds the loss.
         Feeds the cell a copy of `x` when it modifies its input in place (see the module docstring).
         Where m's backward is split (:meth:`_backward_input`), the graph is cut at every layer
-        boundary (:meth:`_cut`) and the pieces are kept in ``segments[m]``."""
-        mode = self.training
-        copy = self.copies_input.get(mode)
-        feed = boundary.map_tensors(x, _alias if copy is False else _fresh_copy)
-        watched = boundary.tensors(feed)
-        versions = [t._version for t in watched]
+        boundary (:func:`_cut`) and the pieces are kept in ``segments[m]``; each cut is fed to its
+        layer by the same rule as the cell's input."""
+        entry = self._feed(x, 0)
+        cut: _Feed | None = None          # the cut fed to the layer running now, if any
         segments: list[tuple[Any, Any]] | None = [] if self._segmented(x, m) else None
         piece_input = x
         try:
             with self._autocast():
-                h = feed
+                h = entry.value
                 for i, layer in enumerate(self.cell):
                     if segments is not None and i > 0:
                         segments.append((piece_input, h))
-                        piece_input, h = self._cut(h, i)
+                        piece_input = _cut(h)
+                        cut = self._feed(piece_input, i)
+                        h = cut.value
                     seed_layer(self.seed, self.step, self.first_layer + i, m + self.microbatch_offset,
                                self.device, self.step_key)
                     h = layer(h)
                     boundary.check(h, f"layer {self.first_layer + i} ({type(layer).__name__})")
-                    if segments is not None and i > 0:
-                        self._check_cut(i, m)
+                    if cut is not None:
+                        self._settle(cut, m)
+                        cut = None
                 if self.is_last and self.training and torch.is_grad_enabled():
                     h = self._loss(h, m, recompute)
         except RuntimeError as e:
-            if "leaf Variable that requires grad" in str(e):
-                if self._cut_feed is not None:       # raised by the layer after a cut
-                    if self._cut_feed[1] is False:
-                        self._learned_late(mode, m, e, layer=self._cut_feed[0])
-                elif copy is False:
-                    self._learned_late(mode, m, e)
+            fed = cut or entry                # a cut's layer raised, or else the cell did
+            if "leaf Variable that requires grad" in str(e) and fed.copy is False:
+                self._learned_late(m, e, fed.layer)
             raise
-        finally:
-            self._cut_feed = None
-        modified = any(t._version != v for t, v in zip(watched, versions))
-        if copy is None:
-            self.copies_input[mode] = modified
-        elif copy is False and modified:
-            self._learned_late(mode, m, None)
+        self._settle(entry, m)
         if segments is not None:
             segments.append((piece_input, h))
             self.segments[m] = segments
         return h
+
+    def _feed(self, value: Any, layer: int) -> _Feed:
+        """What layer `layer` (0: the cell) is fed for `value`: a copy while it is not known not to
+        modify its input in place, else a view (:func:`_alias`); with the version counters to check."""
+        copy = self._copies(layer)
+        fed = boundary.map_tensors(value, _alias if copy is False else _fresh_copy)
+        watched = boundary.tensors(fed)
+        return _Feed(fed, layer, copy, watched, [t._version for t in watched])
+
+    def _settle(self, fed: _Feed, m: int) -> None:
+        """After `fed` was used: learn whether its layer modifies its input in place (first run), or
+        fail the step if one fed without a copy just did."""
+        modified = any(t._version != v for t, v in zip(fed.watched, fed.versions))
+        if fed.copy is None:
+            self._learn_copies(fed.layer, modified)
+        elif fed.copy is False and modified:
+            self._learned_late(m, None, fed.layer)
+
+    def _copies(self, layer: int) -> bool | None:
+        """Whether layer `layer`'s input is copied in this mode (0: the cell's input); None: not known."""
+        if layer == 0:
+            return self.copies_input.get(self.training)
+        return self.copies_layer_input.get((self.training, layer))
+
+    def _learn_copies(self, layer: int, copies: bool) -> None:
+        if layer == 0:
+            self.copies_input[self.training] = copies
+        else:
+            self.copies_layer_input[(self.training, layer)] = copies
 
     def _segmented(self, x: Any, m: int) -> bool:
         """Whether micro-batch m's graph is cut at every layer boundary: its backward is split
@@ -416,38 +419,12 @@ class StageExecutor:
                 and len(self.cell) > 1
                 and any(boundary.carries_grad(t) and t.requires_grad for t in boundary.tensors(x)))
 
-    def _cut(self, h: Any, i: int) -> tuple[Any, Any]:
-        """Cut the graph before layer i: its input becomes a new autograd leaf (same storage, no
-        copy), and the value fed to layer i; a copy of it where layer i modifies its input in place
-        (learned as for the cell's input, per layer: see the module docstring)."""
-        leaf = boundary.map_tensors(      # a value no gradient flows through stays without one
-            h, lambda t: t.detach().requires_grad_(t.requires_grad and boundary.carries_grad(t)))
-        key = (self.training, i)
-        copy = self.copies_layer_input.get(key)
-        feed = boundary.map_tensors(leaf, _alias if copy is False else _fresh_copy)
-        watched = boundary.tensors(feed)
-        self._cut_feed = (i, copy, watched, [t._version for t in watched])
-        return leaf, feed
-
-    def _check_cut(self, i: int, m: int) -> None:
-        """After layer i ran on a cut's value: learn, or check, whether it modified it in place."""
-        assert self._cut_feed is not None and self._cut_feed[0] == i
-        _, copy, watched, versions = self._cut_feed
-        modified = any(t._version != v for t, v in zip(watched, versions))
-        key = (self.training, i)
-        if copy is None:
-            self.copies_layer_input[key] = modified
-        elif copy is False and modified:
-            self._learned_late(self.training, m, None, layer=i)
-        self._cut_feed = None
-
-    def _learned_late(self, mode: bool, m: int, cause: Exception | None, layer: int = 0) -> None:
+    def _learned_late(self, m: int, cause: Exception | None, layer: int) -> None:
+        self._learn_copies(layer, True)
         if layer == 0:
-            self.copies_input[mode] = True
             what = (f"stage {self.stage} (layers {self.first_layer}.."
                     f"{self.first_layer + len(self.cell) - 1}) modified its input")
         else:
-            self.copies_layer_input[(mode, layer)] = True
             what = (f"stage {self.stage}: layer {self.first_layer + layer} modified its input (a cut "
                     "of the zero-bubble split's graph)")
         raise RuntimeError(
@@ -492,76 +469,30 @@ class StageExecutor:
         return cast_boundary(value, self.config.precision)
 
 
-def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor],
-                          params: list[nn.Parameter]) -> Callable[[], None]:
-    """Compute the input gradients of ``outs`` (seeded with ``grads``) into ``leaves[i].grad`` now;
-    return the function that later computes the parameters' gradients into ``p.grad``.
-
-    Uses PyTorch pipelining's graph analysis (torch.distributed.pipelining._backward, the code behind
-    its zero-bubble schedules): the parameters are grouped by the nodes where their gradient paths
-    meet the input's path; pre-hooks on those nodes keep the gradients arriving there during the input
-    pass, and the weight pass starts from them. A parameter whose path never meets the input's (the
-    analysis cannot split it) makes us fall back to one full backward now and nothing later, which is
-    correct, only not split."""
-    from torch.distributed.pipelining._backward import (
-        _get_grad_fn_or_grad_acc,
-        construct_reverse_graph,
-        get_param_groups,
-        stage_backward_weight,
-    )
-    out_fns = [f for f in map(_get_grad_fn_or_grad_acc, outs) if f is not None]
-    in_fns = [f for f in map(_get_grad_fn_or_grad_acc, leaves) if f is not None]
-    param_fns = [f for f in map(_get_grad_fn_or_grad_acc, params) if f is not None]
-    reverse = construct_reverse_graph(out_fns)
-    reachable = {f for f in param_fns if f in reverse}   # (before get_param_groups adds keys to it)
-    groups = get_param_groups(in_fns, param_fns, reverse)
-    grouped = set().union(*(g["params"] for g in groups)) if groups else set()
-    if not reachable <= grouped:
-        torch.autograd.backward(outs, grads)
-        return lambda: None
-    handles = []
-    for group in groups:
-        group["intermediates"] = list(group["intermediates"])
-        group["grads"] = [None] * len(group["intermediates"])
-        for i, node in enumerate(group["intermediates"]):
-            def keep(grad_inputs: Any, group: dict[str, Any] = group, i: int = i) -> None:
-                group["grads"][i] = grad_inputs
-            handles.append(node.register_prehook(keep))
-    try:
-        dx = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
-    for leaf, g in zip(leaves, dx):
-        if g is not None:
-            leaf.grad = g if leaf.grad is None else leaf.grad + g
-    if any(x is None for g in groups for x in g["grads"]):
-        # A join node no gradient reached: walk the retained graph again for the parameters only.
-        used = [p for p, f in zip(params, param_fns) if f in reachable]
-
-        def weights_again() -> None:
-            torch.autograd.backward(outs, grads, inputs=used)
-        return weights_again
-
-    def weights() -> None:
-        stage_backward_weight(iter(params), groups)
-    return weights
-
-
-def _full_backward(outs: list[torch.Tensor], grads: list[torch.Tensor]) -> Callable[[], None]:
-    """The whole backward of `outs`, to run later (BACKWARD_WEIGHT of a cell with no input
-    gradient)."""
-    def run() -> None:
-        torch.autograd.backward(outs, grads)
-    return run
-
-
 def _value(t: torch.Tensor) -> float:
     """A 0-dim tensor's value; NaN for a tensor without data (fake or meta: the memory planner
     runs the engine on those)."""
     if t.device.type == "meta" or is_fake(t):
         return math.nan
     return float(t)
+
+
+@dataclass
+class _Feed:
+    """A value fed to a layer (`layer` 0: the cell), whether it is a copy (None: a copy, to learn
+    whether the layer modifies its input), and the version counters that say whether it did."""
+    value: Any
+    layer: int
+    copy: bool | None
+    watched: list[torch.Tensor]
+    versions: list[int]
+
+
+def _cut(h: Any) -> Any:
+    """The graph cut after a layer: its output as new autograd leaves (same storage, no copy); a
+    value no gradient flows through stays without one."""
+    return boundary.map_tensors(
+        h, lambda t: t.detach().requires_grad_(t.requires_grad and boundary.carries_grad(t)))
 
 
 def _fresh_copy(t: torch.Tensor) -> torch.Tensor:

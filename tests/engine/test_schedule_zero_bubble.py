@@ -126,7 +126,7 @@ def test_zb_h1_with_parameters_the_split_cannot_group() -> None:
 
 
 def test_split_backward_defers_the_weight_gradients() -> None:
-    from gpipe_repro.engine.stage import split_backward_input
+    from gpipe_repro.engine.backward_split import split_backward_input
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
     ref = nn.Sequential(*[m for m in __import__("copy").deepcopy(net)])

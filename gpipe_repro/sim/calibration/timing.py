@@ -13,10 +13,10 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_repro.engine import boundary
+from gpipe_repro.engine.backward_split import split_backward_input
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_all
 from gpipe_repro.engine.recompute import recomputing
 from gpipe_repro.engine.rng import seed_layer
-from gpipe_repro.engine.stage import split_backward_input
 
 
 def _sync(device: torch.device) -> None:
@@ -61,7 +61,7 @@ class _TimedLayer:
 
     def backward_input(self, y: Any, inp: Any) -> Callable[[], None] | None:
         """The zero-bubble split's BACKWARD_INPUT as the stage executor runs it
-        (:func:`gpipe_repro.engine.stage.split_backward_input`); returns its BACKWARD_WEIGHT. None
+        (:func:`gpipe_repro.engine.backward_split.split_backward_input`); returns its BACKWARD_WEIGHT. None
         where there is no input gradient to split off (the model's first layer: a stage 0 runs its
         whole backward at W)."""
         outs = [t for t in boundary.tensors(y) if t.is_floating_point() and t.requires_grad]

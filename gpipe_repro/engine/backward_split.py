@@ -1,0 +1,96 @@
+"""The zero-bubble split of a backward (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024):
+its input half now, its weight half later, as the stage executor's BACKWARD_INPUT and
+BACKWARD_WEIGHT run it (:meth:`gpipe_repro.engine.stage.StageExecutor._backward_input`), and as the
+calibration times it (:mod:`gpipe_repro.sim.calibration.timing`)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["split_backward_input", "full_backward", "reached_params"]
+
+
+def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor],
+                          params: list[nn.Parameter]) -> Callable[[], None]:
+    """Compute the input gradients of ``outs`` (seeded with ``grads``) into ``leaves[i].grad`` now;
+    return the function that later computes the parameters' gradients into ``p.grad``.
+
+    Uses PyTorch pipelining's graph analysis (torch.distributed.pipelining._backward, the code behind
+    its zero-bubble schedules): the parameters are grouped by the nodes where their gradient paths
+    meet the input's path; pre-hooks on those nodes keep the gradients arriving there during the input
+    pass, and the weight pass starts from them. A parameter whose path never meets the input's (the
+    analysis cannot split it) makes us fall back to one full backward now and nothing later, which is
+    correct, only not split."""
+    from torch.distributed.pipelining._backward import (
+        _get_grad_fn_or_grad_acc,
+        construct_reverse_graph,
+        get_param_groups,
+        stage_backward_weight,
+    )
+    out_fns = [f for f in map(_get_grad_fn_or_grad_acc, outs) if f is not None]
+    in_fns = [f for f in map(_get_grad_fn_or_grad_acc, leaves) if f is not None]
+    param_fns = [f for f in map(_get_grad_fn_or_grad_acc, params) if f is not None]
+    reverse = construct_reverse_graph(out_fns)
+    reachable = {f for f in param_fns if f in reverse}   # (before get_param_groups adds keys to it)
+    groups = get_param_groups(in_fns, param_fns, reverse)
+    grouped = set().union(*(g["params"] for g in groups)) if groups else set()
+    if not reachable <= grouped:
+        torch.autograd.backward(outs, grads)
+        return lambda: None
+    handles = []
+    for group in groups:
+        group["intermediates"] = list(group["intermediates"])
+        group["grads"] = [None] * len(group["intermediates"])
+        for i, node in enumerate(group["intermediates"]):
+            def keep(grad_inputs: Any, group: dict[str, Any] = group, i: int = i) -> None:
+                group["grads"][i] = grad_inputs
+            handles.append(node.register_prehook(keep))
+    try:
+        dx = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for leaf, g in zip(leaves, dx):
+        if g is not None:
+            leaf.grad = g if leaf.grad is None else leaf.grad + g
+    if any(x is None for g in groups for x in g["grads"]):
+        # A join node no gradient reached: walk the retained graph again for the parameters only.
+        used = [p for p, f in zip(params, param_fns) if f in reachable]
+
+        def weights_again() -> None:
+            torch.autograd.backward(outs, grads, inputs=used)
+        return weights_again
+
+    def weights() -> None:
+        stage_backward_weight(iter(params), groups)
+    return weights
+
+
+def full_backward(outs: list[torch.Tensor], grads: list[torch.Tensor]) -> Callable[[], None]:
+    """The whole backward of `outs`, to run later (BACKWARD_WEIGHT of a cell with no input
+    gradient)."""
+    def run() -> None:
+        torch.autograd.backward(outs, grads)
+    return run
+
+
+def reached_params(outs: list[torch.Tensor], order: Mapping[int, int]) -> list[nn.Parameter]:
+    """The parameters (those whose ``id`` is in `order`: a cell's trainable ones and their positions)
+    that the graph of `outs` reaches, in `order`: a layer's own, and any it uses without registering
+    them (a head holding a reference to another layer's weight)."""
+    found: dict[int, nn.Parameter] = {}
+    seen: set[Any] = set()
+    todo = [t.grad_fn for t in outs]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)     # an AccumulateGrad node's leaf
+        if variable is not None and id(variable) in order:
+            found[id(variable)] = variable
+        todo.extend(f for f, _ in node.next_functions)
+    return sorted(found.values(), key=lambda p: order[id(p)])
