@@ -32,7 +32,10 @@ def _start_nodes(port: int, extra: list[str]) -> list[subprocess.Popen[str]]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                f"127.0.0.1:{port}", "--local-addr", "127.0.0.1", "--max-restarts", "0",
-               "--monitor-interval", "0.2",
+               # 1 s: a node's agent stops its other workers once it sees one die; the survivors
+               # must first detect the loss themselves (a closed connection: milliseconds, unless
+               # a loaded host keeps them off the CPU), which a 0.2 s interval raced under load.
+               "--monitor-interval", "1",
                str(ROOT / "experiments" / "replicas_job.py"), "--k", "2", *extra]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, start_new_session=True))
