@@ -186,7 +186,7 @@ def register(app: typer.Typer) -> None:
                                      f"{micro_batches!r}") from e
         if ms is not None and min(ms) < 1:
             raise typer.BadParameter(f"--m candidates must be >= 1, got {micro_batches}")
-        from gpipe_repro.engine.schedule import SCHEDULES
+        from gpipe_repro.engine.schedule import SCHEDULES, cells_per_process
         names = ([x.strip() for x in schedules.split(",") if x.strip()] if schedules is not None
                  else ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
         unknown = [x for x in names if x not in SCHEDULES]
@@ -231,7 +231,7 @@ def register(app: typer.Typer) -> None:
         if best is None:
             console.print(f"[red]nothing fits[/red] on up to {devices} devices of {memory:g} GiB.")
             closest = min((c for c in cands if c.plan is not None
-                           and c.schedule not in ("interleaved", "zb-v")),
+                           and cells_per_process(c.schedule) == 1),
                           key=lambda c: c.max_peak, default=None)
             if closest is not None and closest.plan is not None:
                 console.print(f"closest: K={closest.partitions}, M={closest.micro_batches}, "

@@ -84,16 +84,19 @@ def apply_pipeline_options(run_config: Any, options: dict[str, Any], *, task: st
     resolved here (`gpipe_repro.train.run_dir.resolve_run_dir`): a fresh one unless told otherwise."""
     import dataclasses
 
+    from gpipe_repro.engine.schedule import SCHEDULES, cells_per_process
     from gpipe_repro.train.run_dir import resolve_run_dir
 
     followed, note = follow_micro_batches(run_config, options)
     if note is not None:
         options = {**options, **followed}
         print(f"note: {note}")
-    if options.get("runtime") is None and options.get("schedule") in ("interleaved", "zb-v") \
+    if options.get("runtime") is None and options.get("schedule") in SCHEDULES \
+            and cells_per_process(options["schedule"]) > 1 \
             and run_config.runtime == "distributed":
-        # The preset pipelines with one process per cell; the training commands run interleaved and
-        # zb-v (two stages per process) in one process only, so that choice wins over the preset's.
+        # The preset pipelines with one process per cell; the training commands run schedules with
+        # several stages per process (interleaved, zb-v) in one process only, so that choice wins
+        # over the preset's.
         options = {**options, "runtime": "local"}
         print(f"note: --schedule {options['schedule']} runs with the local runtime (the preset's is "
               "distributed)")

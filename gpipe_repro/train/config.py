@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_repro.engine.partition import OBJECTIVES
-from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES
+from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES, cells_per_process
 
 RUNTIMES = ("local", "distributed")
 LAUNCHERS = ("local", "torchrun")
@@ -77,7 +77,8 @@ class RunConfig:
              f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}"),
             (self.schedule in SCHEDULES,
              f"schedule must be one of {sorted(SCHEDULES)}, got {self.schedule!r}"),
-            (not (self.schedule in ("interleaved", "zb-v") and self.runtime == "distributed"),
+            (not (self.schedule in SCHEDULES and cells_per_process(self.schedule) > 1
+                  and self.runtime == "distributed"),
              f"--schedule {self.schedule} with --runtime distributed: the training commands start one "
              f"process per stage and gather checkpoints that way, while {self.schedule} runs two stages "
              f"per process; use {self.schedule} with the local runtime here, or through the GPipe API "
