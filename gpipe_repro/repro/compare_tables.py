@@ -43,7 +43,21 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     worst = max(abs(float(r["relative_difference"])) for r in rows)
     return {"rows": rows, "max_abs_difference": worst,
             "partitions_agree": all(r["same_partition"] for r in rows),
-            "only_in_one": sorted(set(ca) ^ set(cb))}
+            "only_in_one": sorted(set(ca) ^ set(cb)),
+            "provenance": {"a": provenance(a), "b": provenance(b)}}
+
+
+def provenance(table: dict[str, Any]) -> str:
+    """Where a table's simulated cells come from: the host, the commit, and per model how its costs
+    were obtained (timed or counted, on which device); "not recorded" for an older table."""
+    env = table.get("environment") or {}
+    costs = "; ".join(f"{model} {c.get('method', '?')} on {c.get('device', '?')}"
+                      for model, c in sorted((table.get("calibration") or {}).items()))
+    host = env.get("device") or env.get("cpu")
+    commit = str(env.get("git_commit") or "")[:7]
+    parts = ([f"host {host}"] if host else []) + ([f"commit {commit}"] if commit else []) \
+        + ([f"costs: {costs}"] if costs else [])
+    return ", ".join(parts) or "not recorded"
 
 
 def render(result: dict[str, Any], a_path: str, b_path: str, condition: str) -> str:
@@ -57,6 +71,10 @@ def render(result: dict[str, Any], a_path: str, b_path: str, condition: str) -> 
             f"<= {target:.0%} on {where}); "
             f"partitions {'all agree' if result['partitions_agree'] else 'DIFFER'}: "
             f"**{'met' if met else 'NOT met'}**.\n\n")
+    prov = result.get("provenance")
+    if prov:
+        head += (f"Every cell is simulated (the pipeline simulator over each run's own calibrated "
+                 f"costs). Run A: {prov['a']}. Run B: {prov['b']}.\n\n")
     body = [[r["cell"], f"{r['a']:.3f}", f"{r['b']:.3f}", f"{r['relative_difference']:+.2%}",
              "yes" if r["same_partition"] else f"NO: {r['partition_a']} vs {r['partition_b']}"]
             for r in result["rows"]]

@@ -396,3 +396,10 @@ def test_two_tables_are_compared_cell_by_cell_and_partition_by_partition() -> No
     assert "**met**" in render(same, "a", "b", "idle")
     moved = compare(table(6.36, [4, 4, 3, 2, 2, 2, 3, 4]), table(5.57, [4, 3, 3, 3, 3, 2, 2, 4]))
     assert not moved["partitions_agree"] and "NOT met" in render(moved, "a", "b", "busy")
+    # the page says the cells are simulated, and from what each run's costs came
+    recorded = {**table(5.0, [1] * 8), "environment": {"device": "Intel Xeon", "git_commit": "abcdef12"},
+                "calibration": {"transformer": {"method": "time", "device": "cpu: Intel Xeon, 1 thread"}}}
+    page = render(compare(recorded, table(5.0, [1] * 8)), "a", "b", "idle")
+    assert "Every cell is simulated" in page
+    assert "Run A: host Intel Xeon, commit abcdef1, costs: transformer time on cpu: Intel Xeon" in page
+    assert "Run B: not recorded" in page
