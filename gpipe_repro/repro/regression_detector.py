@@ -61,12 +61,13 @@ class Mutation:
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "schedule serialized", "gpipe_repro/distributed/runtime.py",
-        r"^([ \t]*)ex\.execute\(a\)\n",
+        # the compute actions' call in the runtime's `run` (not the AGREE barrier's)
+        r"^([ \t]*)by_stage\[a\.stage\]\.execute\(a\)\n(?=\1if reducer is not None)",
         "\\1if a.kind in COMPUTE:\n"
         "\\1    import fcntl\n"
         "\\1    _lock = open('/tmp/gpipe-repro-mutation-serialize.lock', 'w')\n"
         "\\1    fcntl.flock(_lock, fcntl.LOCK_EX)\n"
-        "\\1ex.execute(a)\n"
+        "\\1by_stage[a.stage].execute(a)\n"
         "\\1if a.kind in COMPUTE:\n"
         "\\1    _lock.close()\n",
         "one lock held by every stage process around each compute action"),

@@ -30,3 +30,14 @@ def test_the_results_file_says_measured_and_where(tmp_path: Path) -> None:
     # A file written before the host block existed still renders.
     old = {**data, "host": {"usable_cores": 2, "idle_fraction_before": 0.0}}
     assert "2 usable cores)" in rd.render(old)
+
+
+def test_every_mutation_still_applies_to_the_tree() -> None:
+    """`make check-regression-detector` applies each mutation to a copy of the tree; a refactor
+    that moves the mutated line would make it refuse to run, so each pattern must match exactly
+    once in the current source (a stale 'schedule serialized' pattern went unnoticed until a rerun)."""
+    import re
+
+    for m in rd.MUTATIONS:
+        text = (rd.ROOT / m.path).read_text()
+        assert len(re.findall(m.pattern, text, flags=re.MULTILINE)) == 1, (m.name, m.path)
