@@ -27,6 +27,7 @@ def test_the_results_file_says_measured_and_where(tmp_path: Path) -> None:
     assert "git_commit" in host and "git_dirty" in host and "environment" in data
     page = rd.render(data)
     assert "load " in page and "at the end" in page and "Verdict: every healthy run passed" in page
+    assert f"Measured by `make check-regression-detector` on {data['environment']['device']}" in page
     # A file written before the host block existed still renders.
     old = {**data, "host": {"usable_cores": 2, "idle_fraction_before": 0.0}}
     assert "2 usable cores)" in rd.render(old)
