@@ -72,8 +72,10 @@ _fastest = 0.0
 
 
 def speed_probe(chunks: int = 7, loop: int = 20_000) -> float:
-    """How fast this host runs a fixed piece of work right now: loops per second of a pure-Python
-    loop, the median of `chunks` runs (about 5 ms in all). Also raises :func:`fastest_speed`.
+    """How fast this host runs a fixed piece of work right now, on its slowest usable core: loops
+    per second of a pure-Python loop, the median of `chunks` runs (about 5 ms per core), run on each
+    core in turn (the calling thread pinned to it, then given its affinity back). Also raises
+    :func:`fastest_speed` (the fastest reading of any core).
 
     Why: a virtual machine's cores can slow down with nothing in the guest to show it (no load, no
     other process, no steal time): a neighbour on the physical core's other hyperthread, or the
@@ -81,19 +83,47 @@ def speed_probe(chunks: int = 7, loop: int = 20_000) -> float:
     of seconds, between two states; this probe read 0.75-0.8 ms in one and 1.35-1.4 ms in the other,
     while a Transformer layer's forward and backward took 11-12 ms and 16-17 ms. /proc showed
     the host idle throughout. A measurement taken in the slow state, or across a change of state,
-    is not comparable with a calibration taken in the fast one."""
+    is not comparable with a calibration taken in the fast one.
+
+    Why every core: on the same VM the next day, probing both vCPUs at once every 0.1 s for 25 s,
+    each was fast 37-39% of the time and the two agreed on their state only 56% of the time, about
+    what independent cores give. A pipeline's step waits for its slowest stage, so one slow core is
+    a slow host."""
     global _fastest
-    samples = []
-    for _ in range(chunks):
-        t0 = time.perf_counter()
-        acc = 0
-        for i in range(loop):
-            acc += i * i
-        samples.append(time.perf_counter() - t0)
+    slowest = None
+    for cpu in _cores():
+        speed = _probe_on(cpu, chunks, loop)
+        _fastest = max(_fastest, speed)
+        slowest = speed if slowest is None else min(slowest, speed)
+    assert slowest is not None
+    return slowest
+
+
+def _cores() -> list[int | None]:
+    """The cores to probe one by one; [None] (wherever the thread runs) where affinity is unknown."""
+    if not hasattr(os, "sched_getaffinity"):
+        return [None]
+    return [*sorted(os.sched_getaffinity(0))]
+
+
+def _probe_on(cpu: int | None, chunks: int, loop: int) -> float:
+    """One core's reading (see :func:`speed_probe`); `cpu` None: wherever the thread runs."""
+    saved = os.sched_getaffinity(0) if cpu is not None else None
+    try:
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+        samples = []
+        for _ in range(chunks):
+            t0 = time.perf_counter()
+            acc = 0
+            for i in range(loop):
+                acc += i * i
+            samples.append(time.perf_counter() - t0)
+    finally:
+        if saved is not None:
+            os.sched_setaffinity(0, saved)
     samples.sort()
-    speed = 1.0 / samples[len(samples) // 2]
-    _fastest = max(_fastest, speed)
-    return speed
+    return 1.0 / samples[len(samples) // 2]
 
 
 def fastest_speed() -> float:

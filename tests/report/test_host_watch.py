@@ -97,3 +97,26 @@ def test_waiting_for_an_idle_host_also_waits_for_it_to_run_at_speed(monkeypatch:
     readings = iter([100.0, 50.0, 55.0, 97.0, 97.0, 60.0, 70.0, 99.0])
     assert host.wait_for_idle(timeout=60.0) == 1.0
     assert len(calls) == 3            # the first idle sample, then one per slow probe (60, 70)
+
+
+def test_the_speed_probe_reads_every_core_and_reports_the_slowest(monkeypatch: Any) -> None:
+    """A VM's vCPUs change speed independently (speed_probe's docstring), and a pipeline waits for
+    its slowest stage: the probe runs on each usable core in turn, reports the slowest, raises the
+    fastest seen by the fastest core, and gives the calling thread its affinity back."""
+    import os
+
+    import gpipe_repro.report.host as host
+    pinned: list[int] = []
+    monkeypatch.setattr(host, "_fastest", 0.0)
+    monkeypatch.setattr(host, "_cores", lambda: [0, 1, 2])
+
+    def probe_on(cpu: int | None, chunks: int, loop: int) -> float:
+        assert cpu is not None
+        pinned.append(cpu)
+        return {0: 100.0, 1: 60.0, 2: 90.0}[cpu]
+    monkeypatch.setattr(host, "_probe_on", probe_on)
+    assert host.speed_probe() == 60.0 and host.fastest_speed() == 100.0 and pinned == [0, 1, 2]
+    monkeypatch.undo()
+    before = os.sched_getaffinity(0)
+    assert host._probe_on(sorted(before)[0], 3, 1000) > 0
+    assert os.sched_getaffinity(0) == before
