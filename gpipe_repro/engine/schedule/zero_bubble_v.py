@@ -15,11 +15,11 @@ first chunk, whose I is free and whose W is its whole backward, as the runtime r
 links): a free process runs, in this priority, an input gradient (I) whose gradient has arrived
 (oldest micro-batch first, then the chunk later in the model), else a forward (the chunk later in
 the model first, so micro-batches reach the loss early) while fewer than 2K + 2 of its chunk
-forwards await their W, else its oldest pending weight gradient (W). 2K + 2 chunks are K + 1 micro-
-batches of a whole cell: one more than 1F1B's (and ZB-H1's) activation memory. With exactly 1F1B's
+forwards await their W, else its oldest pending weight gradient (W). 2K + 2 chunks are K + 1
+micro-batches of a whole cell: one more than 1F1B's (and ZB-H1's) activation memory. With exactly 1F1B's
 (2K), K=2 and M=4 take 26 units instead of 25 (no better than ZB-H1), and K=8, M=16 107 instead of
 103. With 2K + 2 the order reaches 6M + K - 1, the cap above, for every K and M >= K tested
-(tests/engine/ test_schedule_zero_bubble_v.py).
+(tests/engine/test_schedule_zero_bubble_v.py).
 
 Chunks K-1 and K are on the same process: their send and receive stay inside it (the distributed
 transport hands the value over in memory). Like ZB-H1, the model's first chunk has no input gradient
