@@ -10,16 +10,20 @@ of the ideal at M=4. A V's first chunk is half a process's share, so the cap bec
 1): 0.96 at K=2, M=4. And since the loss is on the first process, the backward starts where the
 forward began, with no cross-process round trip between the last forward and the first backward.
 
-The order is made by list scheduling in unit time (T_F = T_I = T_W per chunk, except the model's
-first chunk, whose I is free and whose W is its whole backward, as the runtime runs them; instant
-links): a free process runs, in this priority, an input gradient (I) whose gradient has arrived
-(oldest micro-batch first, then the chunk later in the model), else a forward (the chunk later in
-the model first, so micro-batches reach the loss early) while fewer than 2K + 2 of its chunk
-forwards await their W, else its oldest pending weight gradient (W). 2K + 2 chunks are K + 1
-micro-batches of a whole cell: one more than 1F1B's (and ZB-H1's) activation memory. With exactly 1F1B's
-(2K), K=2 and M=4 take 26 units instead of 25 (no better than ZB-H1), and K=8, M=16 107 instead of
-103. With 2K + 2 the order reaches 6M + K - 1, the cap above, for every K and M >= K tested
-(tests/engine/test_schedule_zero_bubble_v.py).
+For M >= 2K the order is the paper's handcrafted one (:func:`_v_order_handcrafted`): it reaches 6M +
+K - 1 chunk units, the cap above, holding at most 2K chunk forwards whose W is not done per process:
+exactly 1F1B's activation memory (K micro-batches of a whole cell). Below 2K micro-batches that
+order has no steady state, and the order is made by list scheduling in unit time (T_F = T_I = T_W
+per chunk, except the model's first chunk, whose I is free and whose W is its whole backward, as the
+runtime runs them; instant links): a free process runs, in this priority, an input gradient (I)
+whose gradient has arrived (oldest micro-batch first, then the chunk later in the model), else a
+forward (the chunk later in the model first, so micro-batches reach the loss early) while fewer than
+a limit of its chunk forwards await their W, else its oldest pending weight gradient (W). The limit
+is 2K (1F1B's memory) where that order is as short as with 2K + 2, else 2K + 2 (one micro-batch
+more): with 2K, K=4 takes 34 units at M=5 and 40 at M=6, against the cap's 33 and 39. For K <= 4
+every M from K to 2K reaches the cap (tests/engine/test_schedule_zero_bubble_v.py); from K=5 list
+scheduling misses it by 1 to 4 units at some M < 2K (K=5, M=6: 41 against 40; K=8, M=9: 65 against
+61), so use M >= 2K there, as the paper does.
 
 Chunks K-1 and K are on the same process: their send and receive stay inside it (the distributed
 transport hands the value over in memory). Like ZB-H1, the model's first chunk has no input gradient
@@ -47,9 +51,11 @@ def check_v_stages(num_stages: int) -> None:
                          f"{max(2, num_stages + num_stages % 2)}")
 
 
-def _v_order(num_stages: int, num_microbatches: int) -> list[list[tuple[ActionKind, int, int]]]:
-    """Each process's compute order (kind, chunk, micro-batch), by list scheduling in unit time (see
-    the module docstring)."""
+def _v_order(num_stages: int, num_microbatches: int,
+             limit: int) -> tuple[list[list[tuple[ActionKind, int, int]]], int]:
+    """Each process's compute order (kind, chunk, micro-batch), by list scheduling in unit time with
+    at most `limit` chunk forwards awaiting their W per process (see the module docstring), and its
+    makespan in those units."""
     c_count, m_count = num_stages, num_microbatches
     k = c_count // 2
     A = ActionKind
@@ -86,7 +92,7 @@ def _v_order(num_stages: int, num_microbatches: int) -> list[list[tuple[ActionKi
                     free_at[p] = i_end[c][m] = t + (0 if c == 0 else 1)
                     next_i[c] += 1
                     pending_w[p].append((c, m))
-                elif ready_f and holding[p] < 2 * k + 2:
+                elif ready_f and holding[p] < limit:
                     c, m = min(ready_f)
                     c = -c
                     order[p].append((A.FORWARD, c, m))
@@ -102,7 +108,71 @@ def _v_order(num_stages: int, num_microbatches: int) -> list[list[tuple[ActionKi
                     break
                 left -= 1
         t += 1
-    return order
+    return order, max(free_at)
+
+
+def _v_order_handcrafted(num_stages: int, num_microbatches: int) -> list[list[tuple[ActionKind, int, int]]]:
+    """Each process's compute order for M >= 2K: the paper's handcrafted ZB-V (Qi et al. 2024,
+    section 6, figure 8), in the phases PyTorch's ``ScheduleZBVZeroBubble`` spells out. Process p,
+    holding chunks d = p (going down) and u = 2K-1-p (coming back up):
+
+    1. warm-up: 2(K-p) - 1 forwards of d; then p times a forward of u and one of d; then K-p
+       times a forward of u with its I and W at once;
+    2. steady state: a forward of d (while any is left), I and W of d, a forward of u, I and W of u,
+       until every forward is done;
+    3. cool-down: p times I of d and I of u; K-p times I of d and the oldest W of d; then the
+       remaining W of u, then of d.
+
+    With T_F = T_I = T_W it takes 6M + K - 1 chunk units, the bound, holding at most 2K chunk
+    forwards whose W is not done: exactly 1F1B's activation memory (K micro-batches of a cell)."""
+    k = num_stages // 2
+    return [_v_process_order(k, p, num_microbatches) for p in range(k)]
+
+
+def _v_process_order(k: int, p: int, m_count: int) -> list[tuple[ActionKind, int, int]]:
+    """Process `p`'s part of :func:`_v_order_handcrafted` (K = `k` processes, M = `m_count`)."""
+    A = ActionKind
+    d, u = p, 2 * k - 1 - p
+    acts: list[tuple[ActionKind, int, int]] = []
+    nf = {d: 0, u: 0}
+    ni = {d: 0, u: 0}
+    nw = {d: 0, u: 0}
+    count_of = {A.FORWARD: nf, A.BACKWARD_INPUT: ni, A.BACKWARD_WEIGHT: nw}
+
+    def run(kind: ActionKind, c: int) -> None:
+        acts.append((kind, c, count_of[kind][c]))
+        count_of[kind][c] += 1
+    for _ in range(2 * (k - p) - 1):
+        run(A.FORWARD, d)
+    for _ in range(p):
+        run(A.FORWARD, u)
+        run(A.FORWARD, d)
+    for _ in range(k - p):
+        run(A.FORWARD, u)
+        run(A.BACKWARD_INPUT, u)
+        run(A.BACKWARD_WEIGHT, u)
+    while nf[u] < nf[d] or nf[d] < m_count:
+        if nf[d] < m_count:
+            run(A.FORWARD, d)
+        run(A.BACKWARD_INPUT, d)
+        run(A.BACKWARD_WEIGHT, d)
+        run(A.FORWARD, u)
+        run(A.BACKWARD_INPUT, u)
+        run(A.BACKWARD_WEIGHT, u)
+    for _ in range(p):
+        run(A.BACKWARD_INPUT, d)
+        run(A.BACKWARD_INPUT, u)
+    for _ in range(k - p):
+        run(A.BACKWARD_INPUT, d)
+        run(A.BACKWARD_WEIGHT, d)
+    while nw[u] < ni[u]:
+        run(A.BACKWARD_WEIGHT, u)
+    while nw[d] < ni[d]:
+        run(A.BACKWARD_WEIGHT, d)
+    if not nf[d] == ni[d] == nw[d] == nf[u] == ni[u] == nw[u] == m_count:
+        raise RuntimeError(f"internal error: zb-v's order at K={k}, M={m_count} does not run "
+                           f"every action once on process {p}; please report it")
+    return acts
 
 
 def zero_bubble_v_schedule(num_stages: int, num_microbatches: int, checkpoint: str = "never",
@@ -114,7 +184,13 @@ def zero_bubble_v_schedule(num_stages: int, num_microbatches: int, checkpoint: s
     ckpt = checkpointed_microbatches(checkpoint, num_microbatches)
     A = ActionKind
     procs = []
-    for p, order in enumerate(_v_order(num_stages, num_microbatches)):
+    if num_microbatches >= num_stages:
+        orders = _v_order_handcrafted(num_stages, num_microbatches)
+    else:        # 1F1B's memory where that reaches the list order's best, else one micro-batch more
+        (lean, lean_span), (roomy, roomy_span) = (_v_order(num_stages, num_microbatches, limit)
+                                                  for limit in (num_stages, num_stages + 2))
+        orders = lean if lean_span <= roomy_span else roomy
+    for p, order in enumerate(orders):
         acts = split_backward_program(order, num_stages, ckpt, recompute_ahead)
         mine = (p, num_stages - 1 - p)
         acts += [Action(A.AGREE, c) for c in mine] + [Action(A.OPTIMIZER_STEP, c) for c in mine]
