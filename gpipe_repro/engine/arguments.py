@@ -81,6 +81,12 @@ def check_arguments(*, num_layers: int, partitions: Any, micro_batches: Any, che
     require_one_of("checkpoint", checkpoint, CHECKPOINT_MODES)
     if loss_reduction not in (None, "mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    if isinstance(loss_fn, nn.Module) and any(p.requires_grad for p in loss_fn.parameters()):
+        names = [n for n, p in loss_fn.named_parameters() if p.requires_grad]
+        raise ValueError(f"loss_fn has trainable parameters ({', '.join(names[:3])}); no cell's "
+                         "optimizer holds them, so they would never be updated: move them into the "
+                         "model's last layer (e.g. a module that scales the logits), or freeze them "
+                         "(requires_grad_(False))")
     declared = declared_reduction(loss_fn)
     if declared is not None and loss_reduction is not None and loss_reduction != declared:
         raise ValueError(f"loss_fn has reduction={getattr(loss_fn, 'reduction', None)!r} but "

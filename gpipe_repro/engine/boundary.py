@@ -1,14 +1,14 @@
 """What may cross a cell boundary, and how it crosses.
 
-A boundary value is a tensor, or a tuple (nested tuples allowed) of tensors and plain values
-(None, bool, int, float, str). Floating tensors carry a gradient back across a cell boundary; integer
-and bool tensors (token ids, masks) and plain values travel forward only. This is the rule of
-`torch.utils.checkpoint`, and for the same reason: a checkpointed forward runs under `no_grad`, where
-nothing requires grad, so "does this output require grad" cannot be known until the recompute. The
-producer drops a gradient that arrives for an output it did not differentiate (a float mask, say),
-so the rule costs at most a little wasted work, never a wrong gradient. Dicts and arbitrary objects
-are refused with an error naming the fix, because the distributed runtime must be able to describe
-every value by shape and dtype (tensors) or by value (plain leaves).
+A boundary value is a tensor, or a tuple (nested tuples allowed) of tensors and plain values (None,
+bool, int, float, str). Floating (and complex) tensors carry a gradient back across a cell boundary;
+integer and bool tensors (token ids, masks) and plain values travel forward only. This is the rule
+of `torch.utils.checkpoint`, and for the same reason: a checkpointed forward runs under `no_grad`,
+where nothing requires grad, so "does this output require grad" cannot be known until the recompute.
+The producer drops a gradient that arrives for an output it did not differentiate (a float mask,
+say), so the rule costs at most a little wasted work, never a wrong gradient. Dicts and arbitrary
+objects are refused with an error naming the fix, because the distributed runtime must be able to
+describe every value by shape and dtype (tensors) or by value (plain leaves).
 """
 from __future__ import annotations
 
@@ -66,8 +66,9 @@ def map_tensors(value: Any, fn: Any) -> Any:
 
 
 def carries_grad(t: torch.Tensor) -> bool:
-    """Whether a tensor crossing a cell boundary carries a gradient back (see the module docstring)."""
-    return t.is_floating_point()
+    """Whether a tensor crossing a cell boundary carries a gradient back (see the module docstring):
+    a floating or complex one (``torch.fft`` outputs, say)."""
+    return t.is_floating_point() or t.is_complex()
 
 
 def detach(value: Any) -> Any:

@@ -37,6 +37,7 @@ from gpipe_repro.engine.arguments import (
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_all
 from gpipe_repro.engine.layer_costs import layer_costs
 from gpipe_repro.engine.local_runtime import LocalTransport, run_local
+from gpipe_repro.engine.losses import exact_mean
 from gpipe_repro.engine.partition import check_balance, partition
 from gpipe_repro.engine.placement import RUNTIMES, place_stages
 from gpipe_repro.engine.rng import preserved_rng
@@ -100,7 +101,12 @@ class GPipe(nn.Module):
         devices: one device per cell (default: where each cell's parameters are).
         loss_fn: ``loss_fn(output, targets)`` of one micro-batch: a 0-dim tensor, or ``(sum, count)``
             (a summed loss and what it counts, e.g. non-padding tokens): then the mini-batch loss is
-            sum of sums / sum of counts, exactly a token-mean over the whole mini-batch.
+            sum of sums / sum of counts, exactly a token-mean over the whole mini-batch. A
+            ``reduction="mean"`` ``nn.CrossEntropyLoss`` or ``nn.NLLLoss`` is run in that form
+            (:mod:`gpipe_repro.engine.losses`): its mean divides by the weights of the targets that
+            count (``ignore_index``, ``weight=``), not by the rows. A loss may hold no trainable
+            parameter (no cell's optimizer would update it): put a learned temperature in the last
+            layer.
         loss_reduction: "mean" or "sum": how micro-batch losses combine (weights n_m/N or 1). Read
             from ``loss_fn.reduction`` when the loss has one; giving a different value is an error.
             Default "mean". Ignored for ``(sum, count)`` losses.
@@ -210,7 +216,7 @@ class GPipe(nn.Module):
         firsts = [sum(balance[:i]) for i in range(partitions)]
         self.executors = [
             StageExecutor(self._cell(s), s, partitions, firsts[s], self.devices[s], self._transport,
-                          loss_fn, self.optimizers[s], self.seed)
+                          exact_mean(loss_fn), self.optimizers[s], self.seed)
             for s in self.stages_here]
         self._process_of = placement.process_of
         self.stage_process = None  # runtime="distributed": this rank's StageProcess

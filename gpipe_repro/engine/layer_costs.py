@@ -57,7 +57,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _floating_sum(value: Any) -> torch.Tensor | None:
-    ts = [t for t in boundary.tensors(value) if t.is_floating_point() and t.requires_grad]
+    ts = [t for t in boundary.tensors(value) if boundary.carries_grad(t) and t.requires_grad]
     return sum(t.float().sum() for t in ts) if ts else None  # type: ignore[return-value]
 
 

@@ -54,7 +54,7 @@ class _TimedLayer:
         return self.loss[0](y, self.loss[1]) if self.loss is not None else y
 
     def backward(self, y: Any) -> None:
-        outs = [t for t in boundary.tensors(y) if t.is_floating_point() and t.requires_grad]
+        outs = [t for t in boundary.tensors(y) if boundary.carries_grad(t) and t.requires_grad]
         if outs:
             torch.autograd.backward(outs, None if self.loss is not None else
                                     [torch.ones_like(t) for t in outs])
@@ -64,7 +64,7 @@ class _TimedLayer:
         (:func:`gpipe_repro.engine.backward_split.split_backward_input`); returns its BACKWARD_WEIGHT. None
         where there is no input gradient to split off (the model's first layer: a stage 0 runs its
         whole backward at W)."""
-        outs = [t for t in boundary.tensors(y) if t.is_floating_point() and t.requires_grad]
+        outs = [t for t in boundary.tensors(y) if boundary.carries_grad(t) and t.requires_grad]
         leaves = [t for t in boundary.tensors(inp) if boundary.carries_grad(t) and t.requires_grad]
         if not outs or not leaves:
             return None

@@ -1,0 +1,107 @@
+"""Losses whose mean is not a per-row mean (cross-entropy with ignored targets or class weights)
+train exactly like full-batch training. The reference is plain PyTorch on the whole mini-batch
+(no engine code, no micro-batches): its loss divides by what PyTorch's own mean divides by."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe_repro import GPipe
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 5))
+
+
+class TokenHead(nn.Module):
+    """(N, 6) -> (N, 5, 3): a class score per class and position (K-dimensional cross-entropy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(5, 15)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).view(-1, 5, 3)
+
+
+def _plain(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], loss_fn: Any) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _batches(token: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(3):
+        x = torch.randn(11, 6, generator=g)
+        y = torch.randint(0, 5, (11, 3) if token else (11,), generator=g)
+        # padding, unevenly spread over the micro-batches (rows 0-3 are the first of three)
+        if token:
+            y[:3, 1:] = -100
+            y[9, 0] = -100
+        else:
+            y[[0, 1, 2, 8]] = -100
+        out.append((x, y))
+    return out
+
+
+LOSSES = {
+    "ce ignore_index": (lambda: nn.CrossEntropyLoss(), False),
+    "ce weight + label smoothing": (lambda: nn.CrossEntropyLoss(weight=torch.tensor(
+        [0.2, 1.0, 3.0, 0.5, 1.5]), label_smoothing=0.1), False),
+    "ce token-level weight": (lambda: nn.CrossEntropyLoss(weight=torch.tensor(
+        [0.2, 1.0, 3.0, 0.5, 1.5])), True),
+    "nll weight": (lambda: nn.Sequential(nn.LogSoftmax(1), _Nll()), False),
+}
+
+
+class _Nll(nn.NLLLoss):
+    def __init__(self) -> None:
+        super().__init__(weight=torch.tensor([1.0, 2.0, 0.3, 1.0, 4.0]))
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("schedule,checkpoint", [("gpipe", "except_last"), ("1f1b", "never"),
+                                                 ("zb-h1", "always")])
+def test_cross_entropy_with_padding_and_weights_equals_full_batch(name: str, schedule: str,
+                                                                  checkpoint: str) -> None:
+    make_loss, token = LOSSES[name]
+    layers = list(_model()) + ([TokenHead()] if token else [])
+    loss_fn = make_loss()
+    if isinstance(loss_fn, nn.Sequential):         # log-softmax in the model, NLL as the loss
+        layers.append(loss_fn[0])
+        loss_fn = loss_fn[1]
+    batches = _batches(token)
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    ref_losses = _plain(ref, batches, loss_fn)
+    pipe = GPipe(copy.deepcopy(layers), partitions=2, micro_batches=3, checkpoint=checkpoint,
+                 schedule=schedule, loss_fn=loss_fn,
+                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9))
+    losses = [pipe.train_step(x, y) for x, y in batches]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for (name_, p), q in zip(pipe.unpartitioned().named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name_)
+
+
+def test_a_loss_with_trainable_parameters_is_refused() -> None:
+    class Tempered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.temperature = nn.Parameter(torch.ones(()))
+
+        def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(out / self.temperature, y)
+    with pytest.raises(ValueError, match="loss_fn has trainable parameters.*temperature.*last layer"):
+        GPipe(list(_model()), partitions=2, micro_batches=2, loss_fn=Tempered())
