@@ -4,17 +4,16 @@ BACKWARD_WEIGHT run it (:meth:`gpipe_repro.engine.stage.StageExecutor._backward_
 calibration times it (:mod:`gpipe_repro.sim.calibration.timing`)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
-__all__ = ["split_backward_input", "full_backward", "reached_params"]
+__all__ = ["split_backward_input", "full_backward", "backward_now", "reached_params"]
 
 
 def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor],
-                          params: list[nn.Parameter]) -> Callable[[], None]:
+                          params: Sequence[torch.Tensor]) -> Callable[[], None]:
     """Compute the input gradients of ``outs`` (seeded with ``grads``) into ``leaves[i].grad`` now;
     return the function that later computes the parameters' gradients into ``p.grad``.
 
@@ -65,7 +64,7 @@ def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], le
         return weights_again
 
     def weights() -> None:
-        stage_backward_weight(iter(params), groups)
+        stage_backward_weight(iter(params), groups)  # type: ignore[arg-type]  # any leaf works
     return weights
 
 
@@ -77,11 +76,27 @@ def full_backward(outs: list[torch.Tensor], grads: list[torch.Tensor]) -> Callab
     return run
 
 
-def reached_params(outs: list[torch.Tensor], order: Mapping[int, int]) -> list[nn.Parameter]:
-    """The parameters (those whose ``id`` is in `order`: a cell's trainable ones and their positions)
-    that the graph of `outs` reaches, in `order`: a layer's own, and any it uses without registering
-    them (a head holding a reference to another layer's weight)."""
-    found: dict[int, nn.Parameter] = {}
+def backward_now(outs: list[torch.Tensor], grads: list[torch.Tensor]) -> Callable[[], None]:
+    """The whole backward of `outs` now (input and weight gradients at once), and nothing later: the
+    split's fallback where the graph reaches a leaf outside the cell (see :func:`reached_params`)."""
+    torch.autograd.backward(outs, grads)
+    return lambda: None
+
+
+def reached_params(outs: list[torch.Tensor], order: Mapping[int, int],
+                   exclude: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The leaves requiring grad that the graph of `outs` reaches, other than `exclude` (the cut's
+    own leaves, whose gradient is the input half's): first the cell's parameters (those whose ``id``
+    is in `order`, their positions) in that order, a layer's own and any it uses without registering
+    them (a head holding a reference to another layer's weight); then any other leaf in the order
+    the walk meets it: another cell's parameter that a loss or a layer reads (a regularizer over
+    the whole model), a tensor a layer captured. Plain training's backward reaches all of them, so
+    a split must too: the stage executor runs such a layer's backward whole, at once
+    (:func:`backward_now`), since PyTorch's graph analysis may group a leaf outside the cell with
+    nodes another group's weight pass has already freed."""
+    skip = {id(t) for t in exclude or []}
+    found: dict[int, torch.Tensor] = {}
+    others: dict[int, torch.Tensor] = {}
     seen: set[Any] = set()
     todo = [t.grad_fn for t in outs]
     while todo:
@@ -90,7 +105,7 @@ def reached_params(outs: list[torch.Tensor], order: Mapping[int, int]) -> list[n
             continue
         seen.add(node)
         variable = getattr(node, "variable", None)     # an AccumulateGrad node's leaf
-        if variable is not None and id(variable) in order:
-            found[id(variable)] = variable
+        if variable is not None and id(variable) not in skip:
+            (found if id(variable) in order else others).setdefault(id(variable), variable)
         todo.extend(f for f, _ in node.next_functions)
-    return sorted(found.values(), key=lambda p: order[id(p)])
+    return sorted(found.values(), key=lambda p: order[id(p)]) + list(others.values())

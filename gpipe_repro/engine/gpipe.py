@@ -102,9 +102,10 @@ class GPipe(nn.Module):
         loss_fn: ``loss_fn(output, targets)`` of one micro-batch: a 0-dim tensor, or ``(sum, count)``
             (a summed loss and what it counts, e.g. non-padding tokens): then the mini-batch loss is
             sum of sums / sum of counts, exactly a token-mean over the whole mini-batch. A
-            ``reduction="mean"`` ``nn.CrossEntropyLoss`` or ``nn.NLLLoss`` is run in that form
-            (:mod:`gpipe_repro.engine.losses`): its mean divides by the weights of the targets that
-            count (``ignore_index``, ``weight=``), not by the rows. A loss may hold no trainable
+            ``reduction="mean"`` ``nn.CrossEntropyLoss`` or ``nn.NLLLoss`` divides by the weight of
+            the targets that count (``ignore_index``, ``weight=``), not by the rows: each micro-batch
+            sums it and the sums are divided by the whole mini-batch's denominator
+            (:mod:`gpipe_repro.engine.losses`). A loss may hold no trainable
             parameter (no cell's optimizer would update it): put a learned temperature in the last
             layer.
         loss_reduction: "mean" or "sum": how micro-batch losses combine (weights n_m/N or 1). Read
@@ -196,6 +197,8 @@ class GPipe(nn.Module):
         self.checkpoint, self.schedule_name, self.recompute_ahead = checkpoint, schedule, recompute_ahead
         self.loss_fn = loss_fn
         self.loss_reduction = declared_reduction(loss_fn) or loss_reduction or "mean"
+        # cross-entropy's mean divides by the weight of the targets that count (engine.losses)
+        stage_loss, self._loss_denominator = exact_mean(loss_fn)
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.precision = precision
         self.loss_scale = LOSS_SCALER["init_scale"] if precision == "fp16" else 1.0
@@ -216,7 +219,7 @@ class GPipe(nn.Module):
         firsts = [sum(balance[:i]) for i in range(partitions)]
         self.executors = [
             StageExecutor(self._cell(s), s, partitions, firsts[s], self.devices[s], self._transport,
-                          exact_mean(loss_fn), self.optimizers[s], self.seed)
+                          stage_loss, self.optimizers[s], self.seed)
             for s in self.stages_here]
         self._process_of = placement.process_of
         self.stage_process = None  # runtime="distributed": this rank's StageProcess
@@ -250,6 +253,9 @@ class GPipe(nn.Module):
         mbs, tgts, sizes = self._split(inputs, targets)
         n = sum(sizes)
         weights = [s / n for s in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
+        if self._loss_denominator is not None:   # summed losses over the mini-batch's denominator
+            total = sum(self._loss_denominator(t) for t in tgts)
+            weights = [1.0 / total if total else float("nan")] * len(sizes)
         if self.replicas > 1:   # this replica's M of the R x M micro-batches; weights stay global
             mine = slice(self.replica * self.micro_batches, (self.replica + 1) * self.micro_batches)
             mbs, tgts, weights = mbs[mine], tgts[mine], weights[mine]

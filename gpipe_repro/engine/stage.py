@@ -52,7 +52,12 @@ from gpipe_repro.engine.agreement import (
     autocast,
     cast_boundary,
 )
-from gpipe_repro.engine.backward_split import full_backward, reached_params, split_backward_input
+from gpipe_repro.engine.backward_split import (
+    backward_now,
+    full_backward,
+    reached_params,
+    split_backward_input,
+)
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm
 from gpipe_repro.engine.recompute import recomputing
 from gpipe_repro.engine.rng import seed_layer, step_key
@@ -278,13 +283,19 @@ class StageExecutor:
             if not outs:
                 break                 # no gradient reaches this layer or any below it
             inp, module = cells[k]
-            leaves = [t for t in boundary.tensors(inp) if boundary.carries_grad(t) and t.requires_grad]
+            # stage 0's input is the model's: no stage waits for its gradient, and where it takes
+            # one (a caller's x.requires_grad_()) the whole backward reaches it at W, as plain
+            # training's does
+            leaves = ([] if k == 0 and self.stage == 0 else
+                      [t for t in boundary.tensors(inp) if boundary.carries_grad(t) and t.requires_grad])
             if not leaves:
                 works.append(full_backward(outs, grads))
                 break
-            params = (reached_params(outs, self.param_order) if pieces is not None
-                      else [p for p in module.parameters() if p.requires_grad])
-            works.append(split_backward_input(outs, grads, leaves, params))
+            reached = reached_params(outs, self.param_order, leaves)
+            if all(id(p) in self.param_order for p in reached):
+                works.append(split_backward_input(outs, grads, leaves, reached))
+            else:     # a leaf outside the cell (another cell's weight a loss reads): whole, now
+                works.append(backward_now(outs, grads))
             if k > 0:                 # the cut's gradient seeds the layer below
                 assert pieces is not None
                 outs, grads = boundary.grad_pairs(pieces[k - 1][1], boundary.input_grads(inp))
@@ -414,9 +425,10 @@ class StageExecutor:
     def _segmented(self, x: Any, m: int) -> bool:
         """Whether micro-batch m's graph is cut at every layer boundary: its backward is split
         (BACKWARD_INPUT), the graph is being recorded, and the cell has an input gradient to split
-        off (a stage 0, or a cell with only integer inputs, runs its whole backward at W)."""
+        off (a stage 0, whose input is the model's, or a cell with only integer inputs, runs its
+        whole backward at W)."""
         return (self.training and torch.is_grad_enabled() and m in self.split_microbatches
-                and len(self.cell) > 1
+                and len(self.cell) > 1 and self.stage > 0
                 and any(boundary.carries_grad(t) and t.requires_grad for t in boundary.tensors(x)))
 
     def _learned_late(self, m: int, cause: Exception | None, layer: int) -> None:

@@ -408,3 +408,54 @@ def test_bf16_split_sums_a_cut_values_gradients_in_fp32_as_plain_autocast() -> N
                          checkpoint="except_last", balance=[1, 3], batches=[batch(s) for s in range(3)],
                          optimizer=sgd_momentum, precision="bf16", rtol=1e-4, atol=1e-4,
                          schedule="zb-h1")
+
+
+@pytest.mark.parametrize("schedule,partitions", [("zb-h1", 2), ("zb-v", 4), ("gpipe", 2)])
+def test_split_reaches_every_leaf_plain_training_reaches(schedule: str, partitions: int) -> None:
+    """The weight half differentiates every leaf the graph reaches, as plain backward does: another
+    cell's parameters read by the loss (an L2 regularizer over the whole model), a tensor a layer
+    captured, and the caller's input when it requires grad (stage 0's whole backward runs at W)."""
+    import copy
+    torch.manual_seed(0)
+    captured = torch.randn(8, requires_grad=True)
+
+    class Shifted(nn.Module):
+        def __init__(self, shift: torch.Tensor) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self._shift = [shift]                 # not a parameter: a leaf the layer reads
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + self._shift[0]
+    base = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), Shifted(captured), nn.Tanh(), nn.Linear(8, 4)]
+    x0, y = torch.randn(6, 8), torch.randn(6, 4)
+
+    def regularized(model: nn.Module) -> Any:
+        def loss(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return nn.functional.mse_loss(out, t) + 1e-2 * sum(p.pow(2).sum() for p in model.parameters())
+        return loss
+
+    def run(layers: list[nn.Module], pipe: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+        model = nn.Sequential(*layers)
+        x = x0.clone().requires_grad_()
+        shift = layers[3]._shift[0]
+        shift.grad = None
+        if pipe is None:
+            regularized(model)(model(x), y).backward()
+        else:
+            pipe.train_step(x, y)
+        assert x.grad is not None and shift.grad is not None
+        return [p.grad.clone() for p in model.parameters()] + [shift.grad.clone()], x.grad
+
+    ref_layers = copy.deepcopy(base)
+    ref_grads, ref_x = run(ref_layers, None)
+    layers = copy.deepcopy(base)
+    layers[3]._shift = ref_layers[3]._shift       # the same leaf
+    from gpipe_repro import GPipe
+    pipe = GPipe(layers, partitions=partitions, micro_batches=2, schedule=schedule,
+                 loss_fn=regularized(nn.Sequential(*layers)), optimizer=None,
+                 balance=[2, 2, 1, 1] if partitions == 4 else [3, 3])
+    grads, xg = run(layers, pipe)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xg, ref_x, rtol=1e-5, atol=1e-6)
