@@ -148,6 +148,13 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
+def gather_object(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank (a collective: every rank calls it)."""
+    box: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(box, obj, group=control_group())
+    return box
+
+
 def control_group() -> dist.ProcessGroup | None:
     """The group for small control messages (objects, the loss, clock pings): the default group on
     gloo; on NCCL a gloo group over the same ranks, created once (collectively) on first use."""

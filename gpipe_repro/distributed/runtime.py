@@ -42,6 +42,7 @@ from gpipe_repro.distributed.process_group import (
     StageContext,
     broadcast_object,
     control_group,
+    gather_object,
     init_distributed,
 )
 from gpipe_repro.distributed.transport import ProcessGroupTransport, signature
@@ -54,7 +55,7 @@ from gpipe_repro.engine.stage import Agreement, StageExecutor, StepConfig
 from gpipe_repro.engine.timeline import Event, Timeline
 
 # what GPipe(runtime=...) loads
-__all__ = ["StageProcess", "init_distributed", "broadcast_object", "Layout"]
+__all__ = ["StageProcess", "init_distributed", "broadcast_object", "gather_object", "Layout"]
 
 
 class StageProcess:

@@ -70,13 +70,13 @@ def check_arguments(*, num_layers: int, partitions: Any, micro_batches: Any, che
     """Check GPipe's configuration (the arguments of the same names; `num_layers` is the model's
     length). Raises ValueError naming the first argument out of range or inconsistent, and what to
     change; checked in the order of GPipe's signature, so the message for a given call is stable."""
-    if not isinstance(partitions, int) or partitions < 1:
+    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
         raise ValueError(f"partitions must be an integer >= 1, got {partitions!r}")
     if partitions > num_layers:
         raise ValueError(f"partitions={partitions} is larger than the number of layers "
                          f"({num_layers}): use partitions <= {num_layers}, or split the "
                          "model into more, smaller layers")
-    if not isinstance(micro_batches, int) or micro_batches < 1:
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
     require_one_of("checkpoint", checkpoint, CHECKPOINT_MODES)
     if loss_reduction not in (None, "mean", "sum"):
@@ -101,7 +101,7 @@ def check_arguments(*, num_layers: int, partitions: Any, micro_batches: Any, che
         num_processes(schedule, partitions)   # interleaved / zb-v: cells per process must divide
     require_one_of("runtime", runtime, RUNTIMES)
     require_one_of("objective", objective, OBJECTIVES)
-    if not isinstance(replicas, int) or replicas < 1:
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
     if replicas > 1 and runtime != "distributed":
         raise ValueError(f"replicas={replicas} needs runtime='distributed' (one process per stage "

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from gpipe_repro.engine import microbatch
+
 __all__ = ["PLAIN", "check", "tensors", "map_tensors", "carries_grad", "detach", "attach", "to_device",
            "grad_pairs", "input_grads"]
 
@@ -61,7 +63,7 @@ def map_tensors(value: Any, fn: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, (tuple, list)):
-        return type(value)(map_tensors(v, fn) for v in value)
+        return microbatch.rebuild(value, [map_tensors(v, fn) for v in value])
     return value
 
 

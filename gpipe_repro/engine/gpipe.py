@@ -166,6 +166,8 @@ class GPipe(nn.Module):
                         clip_grad_norm=clip_grad_norm, precision=precision, schedule=schedule,
                         runtime=runtime, objective=objective, replicas=replicas,
                         batchnorm_stats=batchnorm_stats, bucket_cap_mb=bucket_cap_mb, devices=devices)
+        if isinstance(seed, bool) or not hasattr(seed, "__index__"):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
         placement = place_stages(runtime=runtime, schedule=schedule, partitions=partitions,
                                  checkpoint=checkpoint, replicas=replicas)
         if balance is None:   # measured costs differ between processes: rank 0's cut wins
@@ -173,6 +175,10 @@ class GPipe(nn.Module):
                 [len(layer_list)] if partitions == 1 else
                 partition(layer_costs(layer_list, cost, sample), partitions, objective))
         check_balance(balance, len(layer_list), partitions)
+        balance = [int(n) for n in balance]
+        # a cut given per rank (one's own measured partition, say) must be the same everywhere
+        placement.check_same_on_every_rank((balance, len(layer_list), seed), "balance, layer count "
+                                           "and seed")
 
         if deferred_batchnorm:
             layer_list = [DeferredBatchNorm.convert(layer) for layer in layer_list]
@@ -336,7 +342,7 @@ class GPipe(nn.Module):
 
     def _split(self, inputs: Any, targets: Any) -> tuple[list[Any], list[Any], list[int]]:
         """The mini-batch as micro-batches (R x M of them with replicas), and their sizes."""
-        n = microbatch.batch_size(inputs)
+        n = microbatch.batch_size(inputs, "the inputs")
         parts = self.micro_batches * self.replicas
         if parts > n:
             if self.replicas > 1:
@@ -345,11 +351,12 @@ class GPipe(nn.Module):
                                  f"a global batch of at least {parts}, or fewer micro-batches")
             raise ValueError(f"micro_batches={self.micro_batches} is larger than the batch size {n}: "
                              f"use micro_batches <= {n} or a larger batch")
-        if targets is not None and microbatch.batch_size(targets) != n:
+        if targets is not None and microbatch.batch_size(targets, "the targets") != n:
             raise ValueError(f"targets have batch size {microbatch.batch_size(targets)} but inputs {n}")
         sizes = microbatch.split_sizes(n, parts)
+        # no targets (a loss that reads only the output): each micro-batch's loss gets None
         return (microbatch.split(inputs, parts),
-                [] if targets is None else microbatch.split(targets, parts), sizes)
+                [None] * parts if targets is None else microbatch.split(targets, parts), sizes)
 
     def _run(self, schedule: Schedule, mbs: list[Any], tgts: list[Any] | None,
              weights: list[float] | None, config: StepConfig, step: int | None = None) -> None:

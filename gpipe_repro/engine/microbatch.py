@@ -18,11 +18,32 @@ import torch
 __all__ = ["batch_size", "split_sizes", "split", "join"]
 
 
-def batch_size(value: Any) -> int:
-    """The size of dim 0 shared by every batched tensor in `value`."""
+def rebuild(like: tuple[Any, ...] | list[Any], items: list[Any]) -> Any:
+    """A tuple or list of `like`'s type holding `items`: a named tuple (``collections.namedtuple``,
+    ``typing.NamedTuple``) takes them as arguments, a ``torch.return_types`` value or a plain tuple
+    or list as one sequence."""
+    if isinstance(like, tuple) and hasattr(like, "_fields"):
+        return type(like)(*items)
+    return type(like)(items)
+
+
+def _check_no_mapping(value: Any, what: str) -> None:
+    if isinstance(value, dict):
+        raise TypeError(f"{what} holds a dict ({sorted(map(str, value))[:4]}); the engine splits "
+                        "tensors, tuples and lists along dim 0: pass a tuple of its values instead "
+                        "(and rebuild the dict inside the first layer, or the loss)")
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            _check_no_mapping(v, what)
+
+
+def batch_size(value: Any, what: str = "the batch") -> int:
+    """The size of dim 0 shared by every batched tensor in `value` (`what` names it in errors)."""
+    _check_no_mapping(value, what)
     sizes = {t.shape[0] for t in _tensors(value) if t.dim() > 0}
     if not sizes:
-        raise ValueError("the batch holds no tensor with a batch dimension (dim 0) to split")
+        raise ValueError(f"{what} holds no tensor with a batch dimension (dim 0) to split: pass a "
+                         "tensor, or a tuple or list of tensors, whose dim 0 is the batch")
     if len(sizes) > 1:
         raise ValueError(f"tensors in one batch disagree on the batch size (dim 0): {sorted(sizes)}; "
                          "every batched tensor of an input or a target must have the same dim 0")
@@ -49,7 +70,7 @@ def _select(value: Any, m: int, i: int) -> Any:
     if isinstance(value, torch.Tensor):
         return value.tensor_split(m)[i] if value.dim() > 0 else value
     if isinstance(value, (tuple, list)):
-        return type(value)(_select(v, m, i) for v in value)
+        return rebuild(value, [_select(v, m, i) for v in value])
     return value
 
 
@@ -59,7 +80,7 @@ def join(values: list[Any]) -> Any:
     if isinstance(first, torch.Tensor):
         return torch.cat(values) if first.dim() > 0 else first
     if isinstance(first, (tuple, list)):
-        return type(first)(join([v[j] for v in values]) for j in range(len(first)))
+        return rebuild(first, [join([v[j] for v in values]) for j in range(len(first))])
     return first
 
 

@@ -21,6 +21,7 @@ biggest layer or the whole model needs.
 from __future__ import annotations
 
 import bisect
+import numbers
 from collections.abc import Sequence
 
 from gpipe_repro.engine.choices import require_one_of
@@ -45,9 +46,11 @@ def check_balance(balance: Sequence[int], num_layers: int, partitions: int | Non
     if partitions is not None and len(balance) != partitions:
         raise ValueError(f"balance has {len(balance)} cells but partitions={partitions}: give one "
                          "layer count per partition")
-    if any(int(n) != n or n < 1 for n in balance):
-        raise ValueError(f"balance {list(balance)} has an empty or non-integer cell: every cell needs "
-                         ">= 1 layer")
+    if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) for n in balance):
+        raise ValueError(f"balance {list(balance)} holds a value that is not a whole number of layers "
+                         "(a float or a bool): give integers, e.g. balance=[3, 2]")
+    if any(n < 1 for n in balance):
+        raise ValueError(f"balance {list(balance)} has an empty cell: every cell needs >= 1 layer")
     if sum(balance) != num_layers:
         raise ValueError(f"balance {list(balance)} sums to {sum(balance)} but the model has "
                          f"{num_layers} layers: the counts must add up to {num_layers}")

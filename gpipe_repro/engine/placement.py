@@ -61,6 +61,19 @@ class Placement:
         itself with the local runtime."""
         return value if self.plugin is None else self.plugin.broadcast_object(value)
 
+    def check_same_on_every_rank(self, value: Any, what: str) -> None:
+        """Raise ValueError on every rank (a collective with the distributed runtime) unless every
+        process was given the same `value`; `what` names it (a GPipe argument) in the message."""
+        if self.plugin is None:
+            return
+        values = self.plugin.gather_object(value)
+        if any(v != values[0] for v in values):
+            differ = next(r for r, v in enumerate(values) if v != values[0])
+            raise ValueError(f"the ranks were given different {what}: rank 0 {values[0]!r}, rank "
+                             f"{differ} {values[differ]!r}. Every rank must build the same pipeline: "
+                             f"pass the same {what} everywhere (or leave it out where the engine "
+                             "chooses it: rank 0's choice is used)")
+
 
 def place_stages(*, runtime: str, schedule: str, partitions: int, checkpoint: str,
                  replicas: int) -> Placement:

@@ -262,3 +262,17 @@ def test_sigterm_to_a_distributed_training_run_saves_and_exits_143(tmp_path: Pat
     assert saved and "interrupted: saved step" in output, output[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["steps"] < 500
+
+
+def build_with_rank_dependent_balance() -> None:
+    """Each rank cuts the model its own way (its own measured partition, say)."""
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4) for _ in range(5)]
+    GPipe(layers, partitions=2, balance=[2, 3] if rank == 0 else [3, 2], micro_batches=2,
+          loss_fn=nn.MSELoss(), optimizer=None, runtime="distributed")
+
+
+def test_ranks_given_different_cuts_fail_at_construction_on_every_rank() -> None:
+    with pytest.raises(JobFailed, match=r"different balance.*rank 0 \(\[2, 3\].*rank 1 \(\[3, 2\]"):
+        launch_local(build_with_rank_dependent_balance, 2, timeout=20)

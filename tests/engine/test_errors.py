@@ -50,7 +50,7 @@ def test_micro_batches_larger_than_batch_leaves_weights_untouched() -> None:
 
 @pytest.mark.parametrize("balance, match", [
     ([1, 1], "sums to 2 but the model has 4 layers"),
-    ([4, 0], "empty or non-integer cell"),
+    ([4, 0], "has an empty cell"),
     ([1, 1, 2], "3 cells but partitions=2"),
 ])
 def test_bad_balance(balance: list[int], match: str) -> None:
@@ -120,3 +120,40 @@ def test_targets_batch_mismatch() -> None:
 def test_cost_needing_a_sample() -> None:
     with pytest.raises(ValueError, match="needs a sample input batch"):
         make(partitions=2, cost="flops")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"partitions": 2, "balance": [1.0, 3.0]}, r"not a whole number of layers.*balance=\[3, 2\]"),
+    ({"partitions": 2, "balance": [True, 3]}, r"not a whole number of layers"),
+    ({"partitions": True}, r"partitions must be an integer"),
+    ({"partitions": 2, "micro_batches": True}, r"micro_batches must be an integer"),
+    ({"partitions": 2, "seed": 1.7}, r"seed must be an integer"),
+])
+def test_numbers_that_are_not_whole_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make(**kwargs)
+
+
+def test_numpy_integers_are_whole_numbers() -> None:
+    import numpy as np
+    pipe = make(partitions=2, balance=np.array([1, 3]), seed=np.int64(5))
+    assert pipe.balance == [1, 3] and all(type(n) is int for n in pipe.balance)
+    pipe.train_step(torch.randn(4, 4), torch.randn(4, 4))
+
+
+@pytest.mark.parametrize("inputs,what", [
+    ({"x": torch.randn(4, 4)}, "the inputs holds a dict"),
+    ((torch.randn(4, 4), {"w": torch.randn(4)}), "the inputs holds a dict"),
+])
+def test_a_dict_in_the_batch_is_refused_saying_what_to_pass(inputs: object, what: str) -> None:
+    with pytest.raises(TypeError, match=f"{what}.*pass a tuple of its values"):
+        make(partitions=2).train_step(inputs, torch.randn(4, 4))
+    with pytest.raises(TypeError, match="the targets holds a dict"):
+        make(partitions=2).train_step(torch.randn(4, 4), {"y": torch.randn(4, 4)})
+
+
+def test_no_targets_for_a_loss_that_reads_only_the_output() -> None:
+    pipe = make(partitions=2, micro_batches=2, loss_fn=lambda out, target: out.pow(2).mean())
+    model = nn.Sequential(*copy.deepcopy(list(pipe.unpartitioned())))
+    x = torch.randn(4, 4)
+    assert pipe.train_step(x, None) == pytest.approx(float(model(x).pow(2).mean()), rel=1e-5)
