@@ -25,6 +25,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
+import sys
+import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +87,8 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r} "
                          f"(from backend= or ${BACKEND_ENV})")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if "TORCHELASTIC_RUN_ID" in os.environ:   # started by torchrun: end with it
+        watch_parent()
     if backend == "nccl" and not dist.is_initialized():
         _check_gpus_for_nccl(local_rank)
     if backend == "nccl":
@@ -139,6 +145,35 @@ def _check_gpus_for_nccl(local_rank: int) -> None:
             f"backend 'nccl' needs one GPU per stage process: this host runs {max(local, local_rank + 1)} "
             f"process(es) and sees {gpus} GPU(s). Run at most {gpus} process(es) per host "
             f"(torchrun --nproc-per-node), or use gloo on the CPU ({BACKEND_ENV}=gloo).")
+
+
+_parent_watch: threading.Thread | None = None
+
+
+def watch_parent(interval_s: float = 1.0) -> None:
+    """End this process within `interval_s` of its parent's death (idempotent).
+
+    A stage process started by torchrun would otherwise outlive a torchrun killed with SIGKILL (its
+    agent cannot stop the workers then): reparented to init, the workers went on training, holding
+    the port and the memory (seen in an outside review). The launcher of this project has its own
+    lifeline (:mod:`gpipe_repro.distributed.launcher`); this is torchrun's. A thread polls the
+    parent pid: once it changes, the parent is gone, and the process kills its own group if it
+    leads one (what it started: wandb-core), else itself."""
+    global _parent_watch
+    if _parent_watch is not None:
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        print(f"[gpipe-repro] rank {os.environ.get('RANK', '?')}: its launcher (pid {parent}) is "
+              "gone, stopping", file=sys.stderr, flush=True)
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+    _parent_watch = threading.Thread(target=watch, daemon=True, name="gpipe-parent-watch")
+    _parent_watch.start()
 
 
 def broadcast_object(obj: Any) -> Any:

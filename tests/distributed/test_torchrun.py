@@ -26,3 +26,70 @@ def test_torchrun_trains_and_rank0_writes_the_timeline(tmp_path: Path) -> None:
     assert saved["method"] == "measured" and saved["timeline"]["num_stages"] == 2
     stages = {e["stage"] for e in saved["timeline"]["events"]}
     assert stages == {0, 1}
+
+
+ENDLESS = """
+import os, sys, time
+import torch
+from torch import nn
+from gpipe_repro import GPipe
+from gpipe_repro.distributed import stage_main
+
+def train():
+    torch.manual_seed(0)
+    pipe = GPipe([nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)], partitions=2, micro_batches=2,
+                 runtime="distributed", loss_fn=nn.CrossEntropyLoss(),
+                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    print(f"worker {os.getpid()} training", flush=True)
+    while True:
+        pipe.train_step(torch.randn(4, 8), torch.randint(0, 2, (4,)))
+        time.sleep(0.01)
+
+if __name__ == "__main__":
+    stage_main(train)
+"""
+
+
+def test_workers_end_when_torchrun_is_killed(tmp_path: Path) -> None:
+    """torchrun killed with SIGKILL (the OOM killer, a scheduler's hard stop) cannot stop its workers;
+    they notice their parent is gone (process_group.watch_parent) and end within seconds instead of
+    training on as orphans."""
+    import os
+    import signal
+    import time
+    script = tmp_path / "endless.py"
+    script.write_text(ENDLESS)
+    log = (tmp_path / "out.txt").open("w")
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", "2", str(script)], stdout=log, stderr=subprocess.STDOUT,
+                           cwd=ROOT)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers) < 2 and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.5)
+            workers = [int(line.split()[1]) for line in (tmp_path / "out.txt").read_text().splitlines()
+                       if line.startswith("worker ")]
+        assert len(workers) == 2, (tmp_path / "out.txt").read_text()[-2000:]
+        job.send_signal(signal.SIGKILL)
+        job.wait()
+
+        def alive(pid: int) -> bool:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            except OSError:
+                return False
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in workers), "workers outlived torchrun"
+        assert "is gone, stopping" in (tmp_path / "out.txt").read_text()
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if job.poll() is None:
+            job.kill()
