@@ -284,7 +284,9 @@ def _root_cause(failed: list[_Exit], killed: list[int], stopped: list[int] | Non
     2. when every dead rank only lost a peer (a communication timeout), a rank that was found
        stopped (SIGSTOP: alive but frozen) when the job was ended;
     3. otherwise the end of the chain of lost peers: rank a timed out waiting for b, b (if it
-       reported) for c, ... up to a rank that reported nothing (alive but stuck, then killed).
+       reported) for c, ... up to a rank that reported nothing (alive but stuck, then killed);
+    4. where the waits name no peer (a collective: AGREE's all-reduce, joining the job), the rank
+       that was still running when every other had failed (the lowest, if several).
 
     Why not simply the peer named by the earliest timeout (what this did before, issue #16): with
     three or more stages the frozen rank's neighbour waits on it, and the next rank waits on that
@@ -315,6 +317,12 @@ def _root_cause(failed: list[_Exit], killed: list[int], stopped: list[int] | Non
             peer = waits_for[peer]
         if peer is not None and all(p.rank != peer for p in failed):
             return JobFailed(peer, "stopped answering (its neighbours timed out waiting for it)",
+                             f"other ranks: {lost}")
+        if killed:    # waits in a collective (AGREE, joining the job) name no peer: the rank that
+            # was still running when every other had failed waiting is the one they waited for
+            stuck = ", ".join(map(str, killed))
+            return JobFailed(min(killed), f"stopped answering: still running (rank{'s' * (len(killed) > 1)} "
+                             f"{stuck}) when every other rank had failed waiting for it",
                              f"other ranks: {lost}")
     others = [f"rank {e.rank}: {_cause(e).splitlines()[0]}" for e in sorted(failed, key=lambda e: e.rank)
               if e is not first]

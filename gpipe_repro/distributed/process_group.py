@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe_repro.distributed.launch_env import BACKEND_ENV, DEFAULT_TIMEOUT_S, THREADS_ENV, TIMEOUT_ENV
+from gpipe_repro.distributed.watchdog import PeerFailure
 from gpipe_repro.engine import cpu_allocator
 
 
@@ -100,10 +101,12 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
             torch.set_num_threads(threads)
         cpu_allocator.keep_freed_memory()     # no page faults on every micro-batch (see the module)
     if not dist.is_initialized():
-        if backend == "nccl":
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device)
-        else:
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                    device_id=device if backend == "nccl" else None)
+        except dist.DistStoreError as e:      # a rank that never joined: not this one's fault
+            raise PeerFailure(f"rank {os.environ.get('RANK')} waited {timeout_s:g} s for the other "
+                              f"ranks of the job to join, and some never did: {e}") from e
     _context = StageContext(dist.get_rank(), dist.get_world_size(), local_rank, backend, device,
                             timeout_s)
     return _context

@@ -234,7 +234,7 @@ class ProcessGroupTransport:
             for leaf, t in ((_SIZE_LEAF, size), (_HEADER_LEAF, header)):
                 t = t.to(self.device)
                 tag = _tag(kind, microbatch, leaf, chunk, chunks)
-                work = dist.isend(t, dst, group=self.group, tag=tag)
+                work = self._start(dist.isend, t, dst, tag, "sending to")
                 self._sends.append((work, [t], self._generation, dst))
         elif self._known.get(slot) != spec:
             raise RuntimeError(
@@ -253,7 +253,7 @@ class ProcessGroupTransport:
             if t.numel() == 0:
                 continue
             t = t.contiguous()
-            work = dist.isend(t, dst, group=self.group, tag=_tag(kind, microbatch, i, chunk, chunks))
+            work = self._start(dist.isend, t, dst, _tag(kind, microbatch, i, chunk, chunks), "sending to")
             self._sends.append((work, [t], self._generation, dst))
 
     def _recv(self, kind: int, stage: int, microbatch: int) -> Any:
@@ -289,7 +289,7 @@ class ProcessGroupTransport:
                                "between steps with the same inputs")
         spec = self._known[slot]
         buffers = allocate(spec, self.device)
-        works = [dist.irecv(t, src, group=self.group, tag=_tag(kind, microbatch, i, chunk, chunks))
+        works = [self._start(dist.irecv, t, src, _tag(kind, microbatch, i, chunk, chunks), "receiving from")
                  for i, t in enumerate(buffers) if t.numel() > 0]
         posted = (spec, buffers, works)
         if keep:
@@ -299,12 +299,11 @@ class ProcessGroupTransport:
     def _recv_header(self, kind: int, stage: int, microbatch: int, what: str) -> Spec:
         src, chunk, chunks = self.rank_of(stage), self._chunk(stage), self._chunks
         size = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(size, src, group=self.group,
-                              tag=_tag(kind, microbatch, _SIZE_LEAF, chunk, chunks)),
-                   f"receiving {what}", src)
+        self._wait(self._start(dist.irecv, size, src, _tag(kind, microbatch, _SIZE_LEAF, chunk, chunks),
+                               "receiving from"), f"receiving {what}", src)
         header = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self._wait(dist.irecv(header, src, group=self.group,
-                              tag=_tag(kind, microbatch, _HEADER_LEAF, chunk, chunks)),
+        self._wait(self._start(dist.irecv, header, src,
+                               _tag(kind, microbatch, _HEADER_LEAF, chunk, chunks), "receiving from"),
                    f"receiving {what}", src)
         key, spec = pickle.loads(header.cpu().numpy().tobytes())
         if key != self._key:
@@ -314,6 +313,15 @@ class ProcessGroupTransport:
                 "other than the first only read their shapes). "
                 f"rank {src}: {_show(key)}; rank {self.rank}: {_show(self._key)}")
         return spec
+
+    def _start(self, op: Any, t: torch.Tensor, peer: int, tag: int, doing: str) -> dist.Work | None:
+        """Post a send or receive; a peer whose connection is already gone makes gloo raise here, at
+        once, rather than in :meth:`_wait`: the same PeerFailure, naming it."""
+        try:
+            return op(t, peer, group=self.group, tag=tag)
+        except Exception as e:  # gloo: "Connection reset by peer", "pair closure", ...
+            raise PeerFailure(f"rank {self.rank} lost rank {peer} while {doing} it (the connection "
+                              f"is gone: it died or failed): {e}", peer) from e
 
     def _wait(self, work: dist.Work | None, doing: str, peer: int | None) -> None:
         if work is None:  # not a member of the group: nothing to wait for

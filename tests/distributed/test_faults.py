@@ -276,3 +276,36 @@ def build_with_rank_dependent_balance() -> None:
 def test_ranks_given_different_cuts_fail_at_construction_on_every_rank() -> None:
     with pytest.raises(JobFailed, match=r"different balance.*rank 0 \(\[2, 3\].*rank 1 \(\[3, 2\]"):
         launch_local(build_with_rank_dependent_balance, 2, timeout=20)
+
+
+def train_hanging_in_a_recompute(stamp: str) -> float:
+    """Rank 0 hangs in its first recompute, after rank 1 has run every backward and waits at AGREE
+    (a collective: its timeout names no peer)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [StampedFault("hang", M + 1, stamp), nn.Linear(16, 16), nn.Tanh(),
+                               nn.Linear(16, 16)]
+    pipe = GPipe(layers, partitions=2, balance=[2, 2], micro_batches=M, checkpoint="always",
+                 loss_fn=nn.MSELoss(), optimizer=None, runtime="distributed")
+    return pipe.train_step(torch.randn(8, 16), torch.randn(8, 16))
+
+
+def test_a_rank_stuck_while_the_others_wait_in_a_collective_is_named() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        with pytest.raises(JobFailed) as info:
+            launch_local(train_hanging_in_a_recompute, 2, os.path.join(tmp, "at"), timeout=TIMEOUT,
+                         grace=GRACE)
+    assert info.value.rank == 0 and "stopped answering" in info.value.cause, str(info.value)
+
+
+def join_late_on_rank_1() -> None:
+    if int(os.environ["RANK"]) == 1:
+        time.sleep(10**6)              # a model or data setup that never ends
+    GPipe([nn.Linear(4, 4), nn.Linear(4, 4)], partitions=2, loss_fn=nn.MSELoss(), optimizer=None,
+          runtime="distributed")
+
+
+def test_a_rank_that_never_joins_is_named_not_the_one_that_waited() -> None:
+    with pytest.raises(JobFailed) as info:
+        launch_local(join_late_on_rank_1, 2, timeout=TIMEOUT, grace=GRACE)
+    assert info.value.rank == 1 and "stopped answering" in info.value.cause, str(info.value)
+    assert "waited" in str(info.value) and "join" in str(info.value), str(info.value)
