@@ -23,6 +23,7 @@ matching send started) so the breakdown can tell waiting for a producer from mov
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import defaultdict
 from typing import Any
@@ -110,7 +111,6 @@ class StageProcess:
                                            group=self.groups.data_parallel,
                                            ranks=layout.data_parallel_ranks(self.rank), rank=context.rank,
                                            timeout_s=context.timeout_s, bucket_cap_mb=bucket_cap_mb)
-        self._agreed_batches: set[Any] = set()
         self.record = False
         self.last_timeline: Timeline | None = None
         self.last_step_time: float | None = None
@@ -119,21 +119,28 @@ class StageProcess:
         self._checked: set[tuple[str, int]] = set()
 
     def check_same_batch(self, key: Any) -> None:
-        """Replicas: before any work, check every rank was given the same global mini-batch (its
-        batch size, shapes and dtypes, `key`). Collective over the job the first time a rank sees a
-        key (a rank can only know a key others do not after a step that already failed this check)."""
-        if key in self._agreed_batches:
+        """Before any work of a step, check every rank was given the same mini-batch (`key`: its
+        batch size, shapes, dtypes and plain values, M and the mode; the global mini-batch with
+        replicas) and raise ValueError on every rank if not. Every step: a rank given another batch
+        size at step 5 would otherwise post receives of the wrong shapes and wait out the timeout,
+        and the error would blame a healthy peer. One all-reduce of a 63-bit hash of the key on the
+        control group (microseconds next to a step); the keys themselves are gathered only to say
+        how they differ."""
+        digest = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "big") >> 1
+        both = torch.tensor([digest, -digest], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.control)
+        if int(both[0]) == -int(both[1]) == digest:
             return
         everyone: list[Any] = [None] * self.layout.world_size
         dist.all_gather_object(everyone, key, group=self.control)
         odd = [r for r, k in enumerate(everyone) if k != everyone[0]]
-        if odd:
-            raise ValueError(
-                f"the ranks were given different mini-batches (ranks {odd} differ from rank 0): with "
-                f"replicas, every rank must call train_step/forward with the same GLOBAL mini-batch "
-                f"(same batch size, shapes and dtypes); each replica takes its slice of it. "
-                f"rank 0: {str(everyone[0])[:300]}; rank {odd[0]}: {str(everyone[odd[0]])[:300]}")
-        self._agreed_batches.add(key)
+        global_ = " GLOBAL" if self.layout.replicas > 1 else ""
+        raise ValueError(
+            f"the ranks were given different mini-batches (ranks {odd} differ from rank 0): every rank "
+            f"must call train_step/forward with the same{global_} mini-batch (same batch size, shapes "
+            f"and dtypes) and build GPipe with the same micro_batches"
+            + ("; each replica takes its slice of it" if global_ else "")
+            + f". rank 0: {str(everyone[0])[:300]}; rank {odd[0]}: {str(everyone[odd[0]])[:300]}")
 
     # -- steps --------------------------------------------------------------------------------------
     def train_step(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any],

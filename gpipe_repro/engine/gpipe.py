@@ -253,9 +253,9 @@ class GPipe(nn.Module):
             raise ValueError("train_step needs an optimizer: GPipe(..., optimizer=lambda params: "
                              "torch.optim.SGD(params, lr=0.1)); pass optimizer=None to compute "
                              "gradients without updating")
-        if self.replicas > 1:   # before any work: every rank has the same global mini-batch
-            assert self.stage_process is not None
-            self.stage_process.check_same_batch(batch_key(inputs, targets))
+        if self.stage_process is not None:   # before any work: every rank has the same mini-batch
+            self.stage_process.check_same_batch((batch_key(inputs, targets), self.micro_batches,
+                                                 self.training))
         mbs, tgts, sizes = self._split(inputs, targets)
         n = sum(sizes)
         weights = [s / n for s in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
@@ -306,12 +306,14 @@ class GPipe(nn.Module):
         output depends on M (BatchNorm normalizes per micro-batch), so, as for ``train_step``, a batch
         smaller than M is an error; each call draws fresh dropout masks."""
         n = microbatch.batch_size(inputs)
+        if self.stage_process is not None:   # before any work: every rank has the same batch
+            self.stage_process.check_same_batch((batch_key(inputs, None), self.micro_batches,
+                                                 self.training))
         if self.replicas > 1:   # each replica infers on its slice; the outputs are joined in order
             assert self.stage_process is not None
             if n < self.replicas:
                 raise ValueError(f"a batch of {n} cannot be shared by replicas={self.replicas}: give "
                                  f"at least {self.replicas} examples")
-            self.stage_process.check_same_batch(batch_key(inputs, None))
             inputs = microbatch.split(inputs, self.replicas)[self.replica]
             n = microbatch.batch_size(inputs)
         m = self.micro_batches if self.training else min(self.micro_batches, n)

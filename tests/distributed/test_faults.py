@@ -309,3 +309,19 @@ def test_a_rank_that_never_joins_is_named_not_the_one_that_waited() -> None:
         launch_local(join_late_on_rank_1, 2, timeout=TIMEOUT, grace=GRACE)
     assert info.value.rank == 1 and "stopped answering" in info.value.cause, str(info.value)
     assert "waited" in str(info.value) and "join" in str(info.value), str(info.value)
+
+
+def train_with_a_different_batch_on_rank_1_at_step_1() -> None:
+    torch.manual_seed(0)
+    pipe = GPipe([nn.Linear(8, 8), nn.Linear(8, 8)], partitions=2, micro_batches=2,
+                 loss_fn=nn.MSELoss(), optimizer=None, runtime="distributed")
+    for step in range(3):
+        n = 6 if step == 1 and int(os.environ["RANK"]) == 1 else 8
+        pipe.train_step(torch.randn(n, 8), torch.randn(n, 8))
+
+
+def test_ranks_given_different_batches_at_a_later_step_fail_before_any_work() -> None:
+    """Checked every step (not only the first time a shape is seen): a later mismatch made the
+    ranks post receives of the wrong shapes and wait out the timeout, blaming a healthy peer."""
+    with pytest.raises(JobFailed, match=r"different mini-batches \(ranks \[1\] differ from rank 0\)"):
+        launch_local(train_with_a_different_batch_on_rank_1_at_step_1, 2, timeout=60)
