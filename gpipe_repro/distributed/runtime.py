@@ -47,6 +47,7 @@ from gpipe_repro.distributed.process_group import (
     init_distributed,
 )
 from gpipe_repro.distributed.transport import ProcessGroupTransport, signature
+from gpipe_repro.distributed.watchdog import PeerFailure
 from gpipe_repro.engine import boundary, microbatch
 from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.driver import drive
@@ -105,6 +106,7 @@ class StageProcess:
             e.transport = self.transport
         self.transport.contributions = [e.contribution for e in executors]
         self.reducer: GradientReducer | None = None
+        self._failed: str | None = None     # what made a step fail: no step runs after it
         self.batchnorm_stats = batchnorm_stats
         if self.groups is not None:
             self.reducer = GradientReducer(list(executor.cell.parameters()),
@@ -118,6 +120,14 @@ class StageProcess:
         self._offset_estimate = 0.0
         self._checked: set[tuple[str, int]] = set()
 
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(
+                f"rank {self.global_rank}: this distributed pipeline cannot run another step after a "
+                f"failed one ({self._failed}): its peers may be gone and messages of that step may "
+                "still be in flight. Its parameters are those before the failed step: end the job "
+                "and start it again (resume from the last checkpoint)")
+
     def check_same_batch(self, key: Any) -> None:
         """Before any work of a step, check every rank was given the same mini-batch (`key`: its
         batch size, shapes, dtypes and plain values, M and the mode; the global mini-batch with
@@ -126,9 +136,15 @@ class StageProcess:
         and the error would blame a healthy peer. One all-reduce of a 63-bit hash of the key on the
         control group (microseconds next to a step); the keys themselves are gathered only to say
         how they differ."""
+        self._check_usable()
         digest = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "big") >> 1
         both = torch.tensor([digest, -digest], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.control)
+        try:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.control)
+        except Exception as e:     # gloo: a peer's connection is gone
+            self._failed = f"checking the batch: {type(e).__name__}: {str(e)[:200]}"
+            raise PeerFailure(f"rank {self.global_rank} lost a rank while checking that every rank "
+                              f"has the same batch (it died or failed): {e}", None) from e
         if int(both[0]) == -int(both[1]) == digest:
             return
         everyone: list[Any] = [None] * self.layout.world_size
@@ -178,6 +194,7 @@ class StageProcess:
     # -- internals ----------------------------------------------------------------------------------
     def _run(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any] | None,
              weights: list[float] | None, config: StepConfig | None = None) -> float:
+        self._check_usable()
         programs = schedule.programs()
         placed = schedule.process_of()
         if schedule.num_stages != self.num_stages or placed != self.process_of:
@@ -236,12 +253,13 @@ class StageProcess:
         try:
             with preserved_rng([self.context.device]):
                 drive([actions], run=run, barrier=barrier, stuck=stuck)
-        except BaseException:
+        except BaseException as e:
             for ex in self.executors:   # all-or-nothing: drop what the failed step accumulated
                 for bn in ex.batchnorms:
                     bn.discard()
             if self.reducer is not None:
                 self.reducer.discard()
+            self._failed = f"step {step} failed on this rank: {type(e).__name__}: {str(e)[:200]}"
             raise
         self.transport.finish_step()
         if self.context.device.type == "cuda":

@@ -325,3 +325,28 @@ def test_ranks_given_different_batches_at_a_later_step_fail_before_any_work() ->
     ranks post receives of the wrong shapes and wait out the timeout, blaming a healthy peer."""
     with pytest.raises(JobFailed, match=r"different mini-batches \(ranks \[1\] differ from rank 0\)"):
         launch_local(train_with_a_different_batch_on_rank_1_at_step_1, 2, timeout=60)
+
+
+def retry_after_a_failed_step() -> str:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(16, 16), nn.Tanh(), InjectedFault("raise", M + 1), nn.Linear(16, 16)]
+    pipe = GPipe(layers, partitions=2, balance=[2, 2], micro_batches=M, checkpoint="never",
+                 loss_fn=nn.MSELoss(), optimizer=None, runtime="distributed")
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    pipe.train_step(x, y)
+    try:
+        pipe.train_step(x, y)           # rank 1 raises; rank 0 loses its peer
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        pipe.train_step(x, y)
+    except RuntimeError as e:
+        return str(e)
+    return "the retry ran"
+
+
+def test_a_pipeline_says_it_cannot_step_again_after_a_failed_step() -> None:
+    messages = launch_local(retry_after_a_failed_step, 2, timeout=TIMEOUT)
+    for rank, message in enumerate(messages):
+        assert f"rank {rank}: this distributed pipeline cannot run another step after a failed one" \
+            in message and "start it again" in message, message
