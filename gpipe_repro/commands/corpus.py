@@ -102,7 +102,7 @@ def register(app: typer.Typer) -> None:
                                                  cache_dir=corpus_dir.parent / ".hf-cache")
             else:
                 raise ValueError(f"unknown --source {source!r}: use gettext, opus100 or local")
-        except (tr.HubUnavailableError, ValueError, FileNotFoundError) as error:
+        except (tr.HubUnavailableError, ValueError, FileNotFoundError, FileExistsError) as error:
             typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2) from error
         print_summary(manifest, temperature, f"corpus {manifest.name} -> {corpus_dir}")

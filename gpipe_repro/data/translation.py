@@ -181,12 +181,16 @@ class CorpusWriter:
             if language in keep:
                 by_file.setdefault((split, language), []).append((tgt, src, sorted(origins)))
 
+        owned = check_corpus_dir(corpus_dir)
         corpus_dir.mkdir(parents=True, exist_ok=True)
+        new_files = {f"{split}/{language}.jsonl" for split, language in by_file}
+        # what this build may delete or write, kept while no manifest says what the folder holds
+        _atomic_write(corpus_dir / BUILDING, json.dumps(sorted(owned | new_files)).encode("utf-8"))
         (corpus_dir / "manifest.json").unlink(missing_ok=True)   # no manifest while half-written
         for split in SPLITS:
             (corpus_dir / split).mkdir(exist_ok=True)
-            for stale in (corpus_dir / split).glob("*.jsonl"):
-                stale.unlink()
+        for stale in sorted(owned - new_files):          # the previous build's files, and only those
+            (corpus_dir / stale).unlink(missing_ok=True)
         languages: dict[str, dict[str, int | str]] = {lang: {split: 0 for split in SPLITS} for lang in kept}
         origin_pairs = [0] * len(self.origins)
         files: dict[str, str] = {}
@@ -213,7 +217,42 @@ class CorpusWriter:
                             origins=origins, files=files)
         text = json.dumps(asdict(manifest), ensure_ascii=False, indent=1, sort_keys=True) + "\n"
         _atomic_write(corpus_dir / "manifest.json", text.encode("utf-8"))
+        (corpus_dir / BUILDING).unlink(missing_ok=True)
         return manifest
+
+
+BUILDING = ".building.json"
+"""A corpus folder's list of the files a build in progress may delete or write (gone once its
+manifest is written): a build that was stopped still owns them."""
+
+
+def check_corpus_dir(corpus_dir: str | os.PathLike[str],
+                     inputs: Sequence[str | os.PathLike[str]] = ()) -> set[str]:
+    """The split files (``split/language.jsonl``) a new build of `corpus_dir` may replace: those its
+    previous build wrote (its manifest's, or a stopped build's list). Raises, changing nothing, if
+    the folder holds other ``.jsonl`` files in its split folders (the user's: a build must not
+    delete them), or if an input file lies inside the folder."""
+    folder = Path(corpus_dir)
+    for f in inputs:
+        if folder.resolve() in Path(f).resolve().parents:
+            raise ValueError(f"--files {f} is inside the corpus folder {folder} that this build "
+                             "rewrites: move it out of there, or choose another --name / --data-dir")
+    owned: set[str] = set()
+    for record in (folder / "manifest.json", folder / BUILDING):
+        try:
+            value = json.loads(record.read_text())
+        except (OSError, ValueError):
+            continue
+        owned |= set(value.get("files", {}) if isinstance(value, dict) else value)
+    present = {p.relative_to(folder).as_posix() for split in SPLITS
+               for p in (folder / split).glob("*.jsonl")} if folder.is_dir() else set()
+    foreign = sorted(present - owned)
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise FileExistsError(f"{folder} holds files no corpus build of this project wrote ({shown}); "
+                              "nothing was changed. Move them out, or build into another folder "
+                              "(--name / --data-dir)")
+    return owned & present
 
 
 @contextlib.contextmanager
@@ -247,6 +286,7 @@ def build_gettext_corpus(corpus_dir: str | os.PathLike[str], config: BuildConfig
     """The offline corpus: every gettext catalog of `sources`, many-to-English, split and deduped."""
     from gpipe_repro.data import gettext_corpus
 
+    check_corpus_dir(corpus_dir)                 # before reading anything
     catalogs = gettext_corpus.find_catalogs(sources, locale_dirs or gettext_corpus.SYSTEM_LOCALE_DIRS,
                                             config.languages)
     if not catalogs:
@@ -318,6 +358,7 @@ def build_opus100_corpus(corpus_dir: str | os.PathLike[str], config: BuildConfig
     unknown = sorted(set(languages) - set(OPUS100_LANGUAGES))
     if unknown:
         raise ValueError(f"OPUS-100 has no {unknown}-English data; choose from {OPUS100_LANGUAGES}")
+    check_corpus_dir(corpus_dir)                 # before downloading anything
     check_hub_available()
     import datasets
 
@@ -371,6 +412,7 @@ def build_local_corpus(corpus_dir: str | os.PathLike[str], files: Sequence[str |
     """A corpus from the user's files; a `split` column is honoured, else the hash split applies."""
     if not files:
         raise ValueError("no local files given: pass --files FILE (json, jsonl, parquet or csv)")
+    check_corpus_dir(corpus_dir, files)          # before reading anything
     wanted = set(config.languages) if config.languages else None
     writer = CorpusWriter()
     for file in sorted(Path(f) for f in files):

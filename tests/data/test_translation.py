@@ -448,3 +448,47 @@ def test_eval_batches_cover_each_pair_once_in_length_order() -> None:
             assert batch.src_ids[row, :len(table.source(i))].tolist() == table.source(i).tolist()
     assert sorted(seen) == list(range(777))
     assert longest == sorted(longest)
+
+
+def _pairs_file(path: Path, languages: tuple[str, ...]) -> Path:
+    path.write_text("".join(json.dumps({"language": lang, "source": f"{lang} s {i}",
+                                        "target": f"english {i}"}) + "\n"
+                            for lang in languages for i in range(120)), encoding="utf-8")
+    return path
+
+
+def test_a_build_deletes_only_what_builds_wrote(tmp_path: Path) -> None:
+    """A rebuild replaces the previous build's split files (a language it no longer has goes too)
+    and nothing else; a .jsonl the user put in a split folder, or an input file inside the folder,
+    makes the build refuse before reading anything, changing nothing."""
+    corpus = tmp_path / "corpus"
+    two = _pairs_file(tmp_path / "two.jsonl", ("xx", "yy"))
+    tr.build_local_corpus(corpus, [two], cache_dir=tmp_path / "hf")
+    (corpus / "notes.txt").write_text("mine")
+    assert (corpus / "train" / "yy.jsonl").exists()
+    tr.build_local_corpus(corpus, [_pairs_file(tmp_path / "one.jsonl", ("xx",))], cache_dir=tmp_path / "hf")
+    assert not (corpus / "train" / "yy.jsonl").exists() and (corpus / "train" / "xx.jsonl").exists()
+    assert (corpus / "notes.txt").read_text() == "mine" and not (corpus / tr.BUILDING).exists()
+    mine = corpus / "valid" / "my_dev_set.jsonl"
+    mine.write_text('{"my": "held-out"}\n')
+    before = sorted(p.relative_to(corpus).as_posix() for p in corpus.rglob("*"))
+    with pytest.raises(FileExistsError, match="valid/my_dev_set.jsonl.*nothing was changed"):
+        tr.build_local_corpus(corpus, [two], cache_dir=tmp_path / "hf")
+    assert sorted(p.relative_to(corpus).as_posix() for p in corpus.rglob("*")) == before
+    mine.unlink()
+    inside = _pairs_file(corpus / "train" / "pairs.jsonl", ("xx",))
+    with pytest.raises(ValueError, match="inside the corpus folder"):
+        tr.build_local_corpus(corpus, [inside], cache_dir=tmp_path / "hf")
+    assert inside.exists()
+
+
+def test_a_stopped_build_can_be_rebuilt(tmp_path: Path) -> None:
+    """A build stopped after removing its manifest still owns its files (its .building list)."""
+    corpus = tmp_path / "corpus"
+    two = _pairs_file(tmp_path / "two.jsonl", ("xx", "yy"))
+    tr.build_local_corpus(corpus, [two], cache_dir=tmp_path / "hf")
+    files = sorted(json.loads((corpus / "manifest.json").read_text())["files"])
+    (corpus / tr.BUILDING).write_text(json.dumps(files))
+    (corpus / "manifest.json").unlink()
+    manifest = tr.build_local_corpus(corpus, [two], cache_dir=tmp_path / "hf")
+    assert sorted(manifest.files) == files
