@@ -22,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Optional
 
 import typer
@@ -55,6 +57,41 @@ def positive(flag: str, value: int | float | None, what: str = "") -> None:
     """Refuse a count or size below 1 (before any work), saying what it means."""
     if value is not None and value < 1:
         raise typer.BadParameter(f"{flag} must be >= 1{f' ({what})' if what else ''}, got {value}")
+
+
+def positive_number(flag: str, value: float | None, unit: str = "") -> None:
+    """Refuse a rate or size that is not a finite number > 0 (nan, inf, 0, negative)."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"{flag} must be a number > 0{f' {unit}' if unit else ''}, got {value}")
+
+
+def int_list(flag: str, text: str | None, example: str = "4,8,32") -> list[int] | None:
+    """``"4,8,32"`` -> [4, 8, 32] (None for None); anything else is a usage error naming `flag`."""
+    if text is None:
+        return None
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{flag} takes integers separated by commas (e.g. {example}), got "
+                                 f"{text!r}") from None
+    return values
+
+
+def one_of(flag: str, value: str, choices: Sequence[str]) -> None:
+    """Refuse a name that is not one of `choices` (before any work)."""
+    if value not in choices:
+        raise typer.BadParameter(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def check_out_files(flag: str, paths: Sequence[Path], command: str, *, overwrite: bool,
+                    own: Callable[[Path], bool] | None = None) -> None:
+    """The shared rule for files a command writes where the user said
+    (:func:`gpipe_repro.report.records.check_outputs`), as a usage error (exit code 2)."""
+    from gpipe_repro.report.records import OutputRefused, check_outputs
+    try:
+        check_outputs(paths, command=command, option=flag, overwrite=overwrite, own=own)
+    except OutputRefused as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +153,10 @@ PIPELINE_OPTIONS: tuple[SharedOption, ...] = (
                  "(0: never)"),
     SharedOption("name", Optional[str], help="run name: the run writes to a fresh runs/<name> "
                  "(runs/<name>-2, ... if taken)"),
-    SharedOption("out", Optional[str], help="run directory: empty, new, or a previous run of the same task "
-                 "(only its files are replaced)"),
+    SharedOption("out", Optional[str], help="run directory: empty, new, or (with --overwrite) a finished "
+                 "previous run of the same task (only its files are replaced)"),
+    SharedOption("overwrite", bool, False, ("--overwrite",), "replace a finished previous run in --out "
+                 "(only its own files)"),
     SharedOption("record", bool, False, ("--record",), "write the result of record, "
                  "results/training/<name> (what `make train-*` does)"),
     SharedOption("timeout", Optional[float], help="distributed runs: seconds a stage waits for a silent "

@@ -116,7 +116,8 @@ def apply_pipeline_options(run_config: Any, options: dict[str, Any], *, task: st
     out = resolve_run_dir(config.name, out=options["out"], record=options.get("record", False),
                           resume=options["resume"])
     return dataclasses.replace(config, out_dir=str(out), resume=options["resume"],
-                               progress=options["progress"])
+                               progress=options["progress"],
+                               overwrite=bool(options.get("overwrite") or options.get("record")))
 
 
 def exit_code_of(summary: Any) -> int:
@@ -213,6 +214,8 @@ def register(app: typer.Typer) -> None:
         out: Optional[str] = typer.Option(None, help="output directory (default: a fresh runs/transfer-N)"),
         record: bool = typer.Option(False, "--record", help="write the result of record, "
                                     "results/training/transfer"),
+        overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier transfer's "
+                                       "results in --out (only its own files)"),
         wandb: Optional[str] = typer.Option(None, help=PIPELINE_HELP["wandb"]),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="show the progress bar"),
     ) -> None:
@@ -232,10 +235,14 @@ def register(app: typer.Typer) -> None:
             fail(f"{out} is not empty and holds no earlier transfer results ({', '.join(existing[:4])}"
                  f"{', ...' if len(existing) > 4 else ''}); nothing was changed: give --out an empty or new "
                  "directory, or leave it out for a fresh runs/transfer-N")
+        if existing and not (overwrite or record):
+            fail(f"{out} holds an earlier transfer's results; nothing was changed: pass --overwrite to "
+                 "replace them (only its own files), or give another --out")
         print(f"writing to {out}; pretrained weights from {source}; fine-tuning data: {dataset}")
         config = TransferConfig(source=source, dataset=dataset, seeds=tuple(range(seeds)), steps=steps,
                                 batch_size=batch_size, partitions=k, micro_batches=m, lr_per_32=lr_per_32,
-                                baseline=baseline, out_dir=out, wandb=wandb, progress=progress)
+                                baseline=baseline, out_dir=out, wandb=wandb, progress=progress,
+                                overwrite=overwrite or record)
         try:
             results = transfer_runs(config)
         except (DatasetUnavailableError, FileNotFoundError, ValueError, RuntimeError,

@@ -62,6 +62,7 @@ class RunConfig:
     wandb: str | None = None            # "offline" | "online" | "disabled"; None: $WANDB_MODE, else offline
     project: str = "gpipe-repro"
     resume: bool = False
+    overwrite: bool = False             # a new run may replace a finished one of the same task
     progress: bool = True
 
     def __post_init__(self) -> None:

@@ -126,7 +126,8 @@ class _Run:
             self.checkpoint, self.latest = load_latest_checkpoint(config.checkpoint_dir)
             for note in check_resumable(self.checkpoint["extra"], config, task):
                 self.say(f"note: {note}")
-        self.directory = (RunDirectory(config.run_dir, task.name, resume=config.resume) if self.writer
+        self.directory = (RunDirectory(config.run_dir, task.name, resume=config.resume,
+                                       overwrite=config.overwrite) if self.writer
                           else None)
 
         # -- what: data, length, optimizer recipe

@@ -161,7 +161,7 @@ def preflight(task_factory: Callable[[], Task], config: RunConfig) -> None:
     if config.resume:
         checkpoint, _ = load_latest_checkpoint(config.checkpoint_dir)
         check_resumable(checkpoint["extra"], config, task)
-    check_run_dir(config.run_dir, task.name, resume=config.resume)
+    check_run_dir(config.run_dir, task.name, resume=config.resume, overwrite=config.overwrite)
     try:
         with torch.device("meta"):
             layers = len(task.build_layers())

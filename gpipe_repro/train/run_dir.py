@@ -5,14 +5,17 @@ Three ways to choose the directory (`resolve_run_dir`, used by `gpipe-repro run`
 - by default a **fresh** directory `runs/<name>`, or `runs/<name>-2`, `-3`, ... if that one exists,
   so a run never touches an earlier one nor the repository's published results;
 - `--record`: the result of record, `results/training/<name>` (what `make train-amoebanet` does);
-- `--out DIR`: exactly DIR, which must be empty, absent, or a previous run of the same task.
+- `--out DIR`: exactly DIR, which must be empty, absent, or (with `--overwrite`) a finished previous
+  run of the same task.
 
 With `--resume` and no `--out`, the newest `runs/<name>[-N]` holding checkpoints is continued
 (`results/training/<name>` with `--record`); none is an error naming where it looked.
 
 Ownership. A run directory holds a manifest, `gpipe-run.json`, listing every file the run created
-(checkpoints, metrics, W&B's offline files, summary, curves). Starting a new run in the directory of a
-finished one of the same task deletes exactly those files and keeps everything else; a non-empty
+(checkpoints, metrics, W&B's offline files, summary, curves: the kinds of :func:`is_run_file`; a
+file the user adds while it runs is not listed). Starting a new run in the directory of a finished
+one of the same task needs `--overwrite` (or `--record`), deletes exactly those files and keeps
+everything else; a non-empty
 directory without a manifest (or of another task) is refused, naming a few of the files it holds. A
 directory written before manifests existed is recognized by its `summary.json` / `run.json`; then only
 the loop's own file names count as the run's (`LEGACY_FILES`, `checkpoints/step-*.pt`, `LEGACY_DIRS`).
@@ -62,9 +65,15 @@ def run_owner(run_dir: Path) -> tuple[str | None, set[str]]:
     task = task or (run.get("config") or {}).get("task_name")
     if task is None:
         return None, set()
-    ours = {f for f in _files(run_dir) if f in LEGACY_FILES or _CHECKPOINT.match(f)
-            or f.startswith(LEGACY_DIRS)}
+    ours = {f for f in _files(run_dir) if is_run_file(f)}
     return task, ours
+
+
+def is_run_file(rel: str) -> bool:
+    """Whether a path (relative to a run directory) is of a kind the training loop writes: its
+    metrics, run record, summary and curves, a checkpoint, or a file of its loggers' folders."""
+    return (rel in LEGACY_FILES or rel == MANIFEST or bool(_CHECKPOINT.match(rel))
+            or rel.startswith(LEGACY_DIRS))
 
 
 def _has_checkpoints(run_dir: Path) -> bool:
@@ -75,11 +84,13 @@ def _finished(run_dir: Path) -> bool:
     return (_read(run_dir / "summary.json") or {}).get("status") == "finished"
 
 
-def check_run_dir(run_dir: Path, task: str, *, resume: bool) -> None:
+def check_run_dir(run_dir: Path, task: str, *, resume: bool, overwrite: bool = False) -> None:
     """Raise (changing nothing) unless a run of `task` may write into `run_dir`.
 
     A resumed run needs a checkpoint there; a new one needs the directory absent, empty, or a
-    finished previous run of the same task (whose files it will replace, and only those).
+    finished previous run of the same task whose files it may replace (`overwrite`: the user's
+    ``--overwrite``, or ``--record``, the make target's way to renew the result of record); it then
+    replaces those files and only those.
     """
     if resume:
         if not _has_checkpoints(run_dir):
@@ -110,6 +121,12 @@ def check_run_dir(run_dir: Path, task: str, *, resume: bool) -> None:
         raise FileExistsError(
             f"{run_dir} holds an unfinished run (checkpoints up to {newest}): continue it with "
             "--resume, or choose another --name / --out")
+    if not overwrite:
+        raise FileExistsError(
+            f"{run_dir} holds a previous `{task}` run ({len(ours & present)} files: its checkpoints, "
+            "metrics and logs); nothing was changed. Pass --overwrite to replace it (only its own "
+            "files go; yours stay), give another --out, or leave out --out for a fresh "
+            f"{RUNS_DIR}/<name>-N")
 
 
 def clear_run(run_dir: Path) -> list[str]:
@@ -136,10 +153,10 @@ def clear_run(run_dir: Path) -> list[str]:
 class RunDirectory:
     """A run directory this process writes (rank 0 only): claimed, and its manifest kept current."""
 
-    def __init__(self, path: Path, task: str, *, resume: bool) -> None:
+    def __init__(self, path: Path, task: str, *, resume: bool, overwrite: bool = False) -> None:
         """Check (`check_run_dir`), then make the directory ready: a new run deletes the files of
         the finished previous run it replaces (those listed in its manifest) and nothing else."""
-        check_run_dir(path, task, resume=resume)
+        check_run_dir(path, task, resume=resume, overwrite=overwrite)
         self.path, self.task = path, task
         present = _files(path) if path.is_dir() else set()
         _, ours = run_owner(path) if present else (None, set())
@@ -150,9 +167,10 @@ class RunDirectory:
         self.update()
 
     def update(self) -> None:
-        """Rewrite the manifest: every file now under the directory that was not there before the
-        run (the user's files stay the user's)."""
-        files = sorted((_files(self.path) - self.foreign) | {MANIFEST})
+        """Rewrite the manifest: every file of the run's own kinds (:func:`is_run_file`) now under
+        the directory that was not there before the run. A file the user puts there while the run
+        trains (notes, a plot) is not the run's, and a later run must not delete it."""
+        files = sorted({f for f in _files(self.path) - self.foreign if is_run_file(f)} | {MANIFEST})
         tmp = self.path / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps({"kind": "training-run", "task": self.task, "files": files}, indent=1))
         os.replace(tmp, self.path / MANIFEST)
@@ -170,13 +188,23 @@ def numbered(base: Path, name: str) -> list[Path]:
 
 
 def fresh_run_dir(name: str, base: Path = RUNS_DIR) -> Path:
-    """`base/name` if it does not exist yet, else `base/name-N` with N one above the highest."""
+    """`base/name` if it does not exist yet, else `base/name-N` with N one above the highest;
+    claimed (created, empty) here, atomically: two runs started together (a seed sweep) got the
+    same directory when the name was chosen here and the directory made later, and the second
+    deleted the first's files."""
+    base.mkdir(parents=True, exist_ok=True)
     existing = numbered(base, name)
-    if not existing:
-        return base / name
-    last = existing[-1].name
-    n = int(last.rsplit("-", 1)[1]) if last != name else 1
-    return base / f"{name}-{n + 1}"
+    n = 0
+    if existing:
+        last = existing[-1].name
+        n = int(last.rsplit("-", 1)[1]) if last != name else 1
+    while True:
+        candidate = base / (name if n == 0 else f"{name}-{n + 1}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            n += 1
 
 
 def resolve_run_dir(name: str, *, out: str | None, record: bool, resume: bool) -> Path:

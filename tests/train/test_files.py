@@ -69,7 +69,10 @@ def test_a_new_run_replaces_only_the_files_the_previous_run_created(tmp_path: Pa
     user_folder(run)                                    # the user adds files after the run
     (run / "checkpoints" / "notes.txt").write_text("mine too")
 
-    RunDirectory(run, "amoebanet", resume=False)        # a new run of the same task here
+    with pytest.raises(FileExistsError, match="holds a previous `amoebanet` run.*--overwrite"):
+        RunDirectory(run, "amoebanet", resume=False)    # not without being asked
+    assert (run / "summary.json").exists()
+    RunDirectory(run, "amoebanet", resume=False, overwrite=True)   # a new run of the same task here
     assert_user_files_intact(run)
     assert (run / "checkpoints" / "notes.txt").read_text() == "mine too"
     assert not (run / "summary.json").exists() and not (run / "wandb").exists()
@@ -83,7 +86,7 @@ def test_a_legacy_run_directory_without_manifest_keeps_foreign_files(tmp_path: P
     (run / "summary.json").write_text(json.dumps({"kind": "training-run", "task": "amoebanet",
                                                   "status": "finished"}))
     (run / "metrics.jsonl").write_text("{}\n")
-    RunDirectory(run, "amoebanet", resume=False)
+    RunDirectory(run, "amoebanet", resume=False, overwrite=True)
     assert_user_files_intact(run)
     assert not (run / "metrics.jsonl").exists()
     assert json.loads((run / MANIFEST).read_text())["files"] == [MANIFEST]
@@ -93,7 +96,7 @@ def test_runs_go_to_a_fresh_directory_and_record_only_when_asked(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert fresh_run_dir("amoebanet-cpu") == Path("runs/amoebanet-cpu")
-    Path("runs/amoebanet-cpu").mkdir(parents=True)
+    assert Path("runs/amoebanet-cpu").is_dir()           # claimed when chosen
     fresh = resolve_run_dir("amoebanet-cpu", out=None, record=False, resume=False)
     assert fresh == Path("runs/amoebanet-cpu-2")
     Path("runs/amoebanet-cpu-7").mkdir()
@@ -191,3 +194,37 @@ def test_clearing_a_run_for_a_rerun_keeps_what_the_user_added(tmp_path: Path) ->
     assert "checkpoints/step-00000002.pt" in deleted and not (run / "checkpoints").exists()
     assert_user_files_intact(run / "notes")
     assert clear_run(tmp_path / "absent") == []
+
+
+def test_runs_started_together_never_share_a_directory(tmp_path: Path) -> None:
+    """The fresh directory is claimed (created) when it is chosen: 8 threads choosing at once get 8
+    different directories (two runs of a seed sweep got the same one, and the second deleted the
+    first's files)."""
+    import threading
+    chosen: list[Path] = []
+    start = threading.Barrier(8)
+
+    def choose() -> None:
+        start.wait()
+        chosen.append(fresh_run_dir("sweep", tmp_path / "runs"))
+    threads = [threading.Thread(target=choose) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(chosen)) == 8 and all(p.is_dir() for p in chosen)
+
+
+def test_a_file_added_while_the_run_trains_is_not_the_runs(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    directory = RunDirectory(run, "amoebanet", resume=False)
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "NOTES.txt").write_text("mine, written during the run")
+    directory.update()
+    (run / "summary.json").write_text(json.dumps({"kind": "training-run", "task": "amoebanet",
+                                                  "status": "finished"}))
+    directory.update()
+    assert "NOTES.txt" not in json.loads((run / MANIFEST).read_text())["files"]
+    RunDirectory(run, "amoebanet", resume=False, overwrite=True)
+    assert (run / "NOTES.txt").read_text() == "mine, written during the run"
+    assert not (run / "metrics.jsonl").exists()

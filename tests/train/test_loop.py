@@ -151,9 +151,13 @@ def test_a_run_writes_metrics_wandb_offline_summary_and_curves(tmp_path: Path) -
     assert run_json["images"]["curves"] and run_json["summary"]["eval/top1"] == summary.eval["top1"]
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
 
-    # a finished run is replaced by a new one in the same directory (make train-amoebanet twice)
+    # a finished run is replaced by a new one in the same directory only when asked (--overwrite,
+    # or --record: make train-amoebanet twice)
+    with pytest.raises(FileExistsError, match="Pass --overwrite to replace it"):
+        train(AmoebaNetTask(task), dataclasses.replace(run, wandb="disabled", steps=2, eval_every=0))
     with curves_not_drawn():           # this run's picture is not looked at (tests/curves.py)
-        again = train(AmoebaNetTask(task), dataclasses.replace(run, wandb="disabled", steps=2, eval_every=0))
+        again = train(AmoebaNetTask(task), dataclasses.replace(run, wandb="disabled", steps=2, eval_every=0,
+                                                                overwrite=True))
     assert again.steps == 2
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2]
 

@@ -113,6 +113,7 @@ class TransferConfig:
     out_dir: str = "results/training/transfer"
     wandb: str | None = None          # None: $WANDB_MODE, else offline
     progress: bool = True
+    overwrite: bool = False           # replace finished runs of an earlier transfer in out_dir
     threads: int | None = 1           # as the CPU preset: two threads on two busy cores crawl
 
 
@@ -142,7 +143,7 @@ def transfer_runs(config: TransferConfig) -> dict[str, Any]:
                             partitions=config.partitions, micro_batches=config.micro_batches,
                             batch_size=config.batch_size, steps=config.steps, seed=seed, lr=None,
                             wandb=config.wandb, progress=config.progress, timeline_every=0,
-                            threads=config.threads)
+                            threads=config.threads, overwrite=config.overwrite)
             summary = train(task, run)
             if summary.status != "finished":
                 raise KeyboardInterrupt(f"transfer stopped during {run.name} (saved in {run.run_dir})")
