@@ -131,7 +131,8 @@ def check_run_dir(run_dir: Path, task: str, *, resume: bool, overwrite: bool = F
 
 def clear_run(run_dir: Path) -> list[str]:
     """Delete what a previous run created in `run_dir` (its manifest's files, checkpoints included,
-    finished or not) and nothing else; empty folders it made go too. Returns the files deleted."""
+    finished or not) and nothing else; empty folders it made inside go too, never `run_dir` itself.
+    Returns the files deleted."""
     if not run_dir.is_dir():
         return []
     present = _files(run_dir)
@@ -145,9 +146,7 @@ def clear_run(run_dir: Path) -> list[str]:
             rel = candidate.relative_to(run_dir).as_posix()
             if any(f.startswith(rel + "/") for f in ours) and not any(candidate.iterdir()):
                 candidate.rmdir()
-    if not any(run_dir.iterdir()):
-        run_dir.rmdir()
-    return deleted
+    return deleted            # the directory itself stays: it may be the user's (owner, mode, a link)
 
 
 class RunDirectory:
@@ -207,8 +206,16 @@ def fresh_run_dir(name: str, base: Path = RUNS_DIR) -> Path:
             n += 1
 
 
+def check_run_name(name: str) -> None:
+    """A run name is one folder name under runs/ (or results/training/): no path in it."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("."):
+        raise ValueError(f"--name {name!r} is not a plain folder name (no '/', no leading '.'): the "
+                         "run writes to runs/<name>; use --out DIR to write anywhere else")
+
+
 def resolve_run_dir(name: str, *, out: str | None, record: bool, resume: bool) -> Path:
     """The directory a `gpipe-repro run` writes to (see the module docstring)."""
+    check_run_name(name)
     if out is not None and record:
         raise ValueError("--record writes the result of record to results/training/<name>; --out "
                          "writes elsewhere: give one of them")

@@ -228,3 +228,25 @@ def test_a_file_added_while_the_run_trains_is_not_the_runs(tmp_path: Path) -> No
     RunDirectory(run, "amoebanet", resume=False, overwrite=True)
     assert (run / "NOTES.txt").read_text() == "mine, written during the run"
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_the_users_directory_itself_is_kept_and_names_are_plain(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty --out directory is used as it is (same inode, mode: it was deleted and made again),
+    through a symlink too; a --name with a path in it is refused."""
+    import os
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o2770)
+    inode = shared.stat().st_ino
+    RunDirectory(shared, "amoebanet", resume=False)
+    assert shared.stat().st_ino == inode and shared.stat().st_mode & 0o7777 == 0o2770
+    link = tmp_path / "link"
+    target = tmp_path / "target"
+    target.mkdir()
+    os.symlink(target, link)
+    RunDirectory(link, "amoebanet", resume=False)
+    assert link.is_symlink() and (target / MANIFEST).exists()
+    for bad in ("../../escaped", "a/b", "..", ".hidden"):
+        with pytest.raises(ValueError, match="not a plain folder name"):
+            resolve_run_dir(bad, out=None, record=False, resume=False)
