@@ -145,18 +145,21 @@ def run_task(build: Callable[[], tuple[Callable[[], Any], Any]]) -> Any:
         if type(e).__name__ == "JobFailed":
             raise typer.Exit(1) from e
         fail(str(e))
+    except FloatingPointError as e:    # the run diverged: not a usage error, exit code 1
+        fail(str(e), code=1)
     code = exit_code_of(summary)
     if code:
         raise typer.Exit(code)
     return summary
 
 
-def fail(message: str) -> NoReturn:
-    """Print `message` as one error (not wrapped, not read as markup) and exit with code 2."""
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Print `message` as one error (not wrapped, not read as markup) and exit with `code` (2: a
+    usage error)."""
     from rich.console import Console
     from rich.markup import escape
     Console(stderr=True, soft_wrap=True, highlight=False).print(f"[bold red]error:[/] {escape(message)}")
-    raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
 def register(app: typer.Typer) -> None:

@@ -11,6 +11,7 @@ training checkpoints to disk is `save_every` / `keep_checkpoints`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,8 @@ class RunConfig:
             (self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}, got {self.objective!r}"),
             (self.runtime in RUNTIMES, f"runtime must be one of {RUNTIMES}, got {self.runtime!r}"),
             (self.launcher in LAUNCHERS, f"launcher must be one of {LAUNCHERS}, got {self.launcher!r}"),
+            (self.lr is None or (math.isfinite(self.lr) and self.lr > 0),
+             f"lr must be a finite number > 0, got {self.lr!r}"),
             (isinstance(self.replicas, int) and self.replicas >= 1,
              f"replicas (R) must be an integer >= 1, got {self.replicas!r}"),
             (self.replicas == 1 or self.runtime == "distributed",

@@ -251,8 +251,8 @@ class _Run:
         seconds = time.perf_counter() - t0
         pipe.record_timeline = False
         if not math.isfinite(loss):
-            raise FloatingPointError(f"the training loss is {loss} at step {step}: lower the learning rate "
-                                     f"(it was {lr:.3g}) or resume from an earlier checkpoint")
+            raise FloatingPointError(f"the training diverged: the loss is {loss} at step {done}; lower "
+                                     f"the learning rate (it was {lr:.3g}) and start the run again")
         n = microbatch.batch_size(x)
         self.stats["train_seconds"] += seconds
         self.stats["samples"] += n
@@ -299,6 +299,13 @@ class _Run:
         self.stats["wall_seconds"] = self.wall_before + time.perf_counter() - self.wall0
         state = training_state(done, self.stateful, extra={**self.record, "stats": self.stats})
         if self.writer:
+            bad = _non_finite(state)
+            if bad:           # never leave a checkpoint that cannot be resumed from
+                raise FloatingPointError(
+                    f"the training diverged: after step {done} {len(bad)} tensors of the model or "
+                    f"optimizer state are not finite (e.g. {bad[0]}); no checkpoint was saved for this "
+                    "step, so --resume would continue from the last finite one. Lower the learning "
+                    "rate and start the run again")
             save_checkpoint(checkpoint_path(self.config.checkpoint_dir, done), state,
                             keep_last=self.config.keep_checkpoints)
         if self.directory is not None:
@@ -315,3 +322,16 @@ class _Run:
         if self.directory is not None:
             self.directory.update()
         return summary
+
+
+def _non_finite(value: Any, path: str = "") -> list[str]:
+    """The paths of the floating tensors in a (nested) checkpoint state that hold a NaN or an inf:
+    weights, BatchNorm statistics (a running variance overflows before the loss does), optimizer
+    moments."""
+    if isinstance(value, torch.Tensor):
+        return [path or "."] if value.is_floating_point() and not bool(torch.isfinite(value).all()) else []
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _non_finite(v, f"{path}/{k}")]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in _non_finite(v, f"{path}/{i}")]
+    return []

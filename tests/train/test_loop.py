@@ -286,3 +286,29 @@ def test_transfer_protocol_reports_mean_over_seeds_beside_the_paper(tmp_path: Pa
     assert payload["paper"]["transfer_top1"]["cifar10"] == 99.0
     assert payload["results"]["pretrained"]["mean_top1"]["method"] == "measured"
     assert "not comparable" in payload["note"] and "cifar10 (paper)" in md_path.read_text()
+
+
+def test_a_diverging_run_stops_with_one_line_and_never_saves_a_non_finite_checkpoint(tmp_path: Path) -> None:
+    """--lr 1e6: the BatchNorm running variances overflow before the loss does. The save that would
+    have written them refuses (a checkpoint nobody can resume from), names a tensor, and the step
+    numbers in messages are the records' (1-based)."""
+    from gpipe_repro.train.checkpoints import list_checkpoints
+    run, task = tiny(tmp_path / "run", lr=1e6, steps=30, save_every=1, eval_every=0, timeline_every=0)
+    with pytest.raises(FloatingPointError, match=r"the training diverged: (after step \d+|the loss is)"):
+        train(AmoebaNetTask(task), run)
+    for path in list_checkpoints(tmp_path / "run" / "checkpoints"):
+        state = load_checkpoint(path)["state"]
+        tensors = [t for t in _all_tensors(state) if t.is_floating_point()]
+        assert tensors and all(bool(torch.isfinite(t).all()) for t in tensors), path
+    with pytest.raises(ValueError, match="lr must be a finite number > 0"):
+        dataclasses.replace(run, lr=float("nan"))
+
+
+def _all_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _all_tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _all_tensors(v)]
+    return []
