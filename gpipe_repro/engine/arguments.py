@@ -20,7 +20,8 @@ from gpipe_repro.engine.partition import OBJECTIVES
 from gpipe_repro.engine.placement import RUNTIMES
 from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES, num_processes
 
-__all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_shared_parameters",
+__all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_running_statistics",
+           "check_shared_parameters",
            "declared_reduction"]
 
 BATCHNORM_STATS = ("per_replica", "synchronized")   # GPipe(batchnorm_stats=...), with replicas
@@ -113,6 +114,25 @@ def check_arguments(*, num_layers: int, partitions: Any, micro_batches: Any, che
     if devices is not None and len(devices) != partitions:
         raise ValueError(f"{len(devices)} devices given for partitions={partitions}: give one device "
                          "per partition")
+
+
+def check_running_statistics(layers: Sequence[nn.Module], micro_batches: int, checkpoint: str) -> None:
+    """Refuse an InstanceNorm that tracks running statistics where the pipeline would update them
+    otherwise than full-batch training: once per micro-batch (M > 1) and again on each recompute.
+    GPipe defers BatchNorm's statistics to one update per step (DeferredBatchNorm); InstanceNorm's
+    are not deferred."""
+    if micro_batches == 1 and checkpoint != "always":
+        return
+    for i, layer in enumerate(layers):
+        for mod in layer.modules():
+            if isinstance(mod, nn.modules.instancenorm._InstanceNorm) and mod.track_running_stats:
+                raise ValueError(
+                    f"layer {i} holds an {type(mod).__name__} with track_running_stats=True: it updates "
+                    "its running statistics on every forward, so with micro_batches="
+                    f"{micro_batches} and checkpoint={checkpoint!r} it would update them once per "
+                    "micro-batch and again on each recompute, unlike full-batch training. Use "
+                    "track_running_stats=False (InstanceNorm's default), or micro_batches=1 with "
+                    "checkpoint='never' or 'except_last'")
 
 
 def check_shared_parameters(cells: Sequence[nn.Module]) -> None:

@@ -20,6 +20,7 @@ schedule, and returns the same loss. See :mod:`gpipe_repro.distributed.runtime`.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from gpipe_repro.engine.arguments import (
     as_layers,
     batch_key,
     check_arguments,
+    check_running_statistics,
     check_shared_parameters,
     declared_reduction,
 )
@@ -184,6 +186,12 @@ class GPipe(nn.Module):
             layer_list = [DeferredBatchNorm.convert(layer) for layer in layer_list]
         cells = split_cells(layer_list, balance)
         check_shared_parameters(cells)
+        check_running_statistics(layer_list, micro_batches, checkpoint)
+        self._batch_statistics_in_eval = next(
+            (f"layer {i} ({type(mod).__name__})" for i, layer in enumerate(layer_list)
+             for mod in layer.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)
+             and not mod.track_running_stats), None)
+        self._warned_eval_batch_stats = False
         # runtime="distributed": this process's index in its pipeline: its stage, or with
         # "interleaved" its first stage (it runs stages rank, rank + K, ...: `self.stages_here`).
         self.rank: int | None = placement.rank
@@ -317,6 +325,16 @@ class GPipe(nn.Module):
             inputs = microbatch.split(inputs, self.replicas)[self.replica]
             n = microbatch.batch_size(inputs)
         m = self.micro_batches if self.training else min(self.micro_batches, n)
+        if not self.training and m > 1 and self._batch_statistics_in_eval:
+            # a BatchNorm without running statistics normalizes by its batch even in eval mode:
+            # per micro-batch the output would depend on M, so the batch goes through whole
+            m = 1
+            if not self._warned_eval_batch_stats:
+                self._warned_eval_batch_stats = True
+                warnings.warn(f"{self._batch_statistics_in_eval} has no running statistics, so it "
+                              "normalizes by the batch in eval mode too: pipe(x) runs the batch as "
+                              "one micro-batch, as plain eval would (track_running_stats=True "
+                              "pipelines inference)", stacklevel=2)
         if m > n:
             raise ValueError(f"micro_batches={m} is larger than the batch size {n} in training mode: "
                              f"use micro_batches <= {n}, a larger batch, or pipe.eval()")

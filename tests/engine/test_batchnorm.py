@@ -51,3 +51,38 @@ def test_pending_statistics_replaced_as_synchronized_batchnorm_does() -> None:
     bn.commit()
     torch.testing.assert_close(bn.running_var.double(), whole.var(0), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(bn.running_mean.double(), whole.mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_instance_norm_tracking_running_statistics_is_refused_where_the_pipeline_would_differ() -> None:
+    from gpipe_repro import GPipe
+
+    def layers() -> list[nn.Module]:
+        return [nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, track_running_stats=True), nn.Flatten(),
+                nn.LazyLinear(2)]
+    for m, mode in [(2, "never"), (1, "always")]:
+        with pytest.raises(ValueError, match="InstanceNorm2d with track_running_stats=True.*once per "
+                                             "micro-batch and again on each recompute"):
+            GPipe(layers(), partitions=2, balance=[2, 2], micro_batches=m, checkpoint=mode)
+    GPipe(layers(), partitions=2, balance=[2, 2], micro_batches=1, checkpoint="except_last")
+    GPipe([nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4), nn.Flatten(), nn.LazyLinear(2)], partitions=2,
+          balance=[2, 2], micro_batches=4)                     # no running statistics: fine
+
+
+def test_eval_with_batch_statistics_runs_the_batch_whole_as_plain_eval_does() -> None:
+    """A BatchNorm without running statistics normalizes by its batch even in eval mode: per
+    micro-batch the output would depend on M."""
+    import copy
+    import warnings
+
+    from gpipe_repro import GPipe
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 8), nn.BatchNorm1d(8, track_running_stats=False), nn.ReLU(), nn.Linear(8, 3)]
+    x = torch.randn(10, 6)
+    plain = nn.Sequential(*copy.deepcopy(layers)).eval()(x)
+    for m in (2, 4):
+        pipe = GPipe(copy.deepcopy(layers), partitions=2, micro_batches=m).eval()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = pipe(x)
+        torch.testing.assert_close(out, plain)
+        assert any("normalizes by the batch in eval mode" in str(w.message) for w in caught)
