@@ -21,7 +21,7 @@ the cell modifies its input: the first run feeds it a copy and compares the copy
 before and after. A cell that did is always fed a copy; a cell that did not runs on its input
 directly, at no cost, and the version counters are still compared after every run, so a cell that
 starts modifying its input later fails the step (before any update) instead of training on corrupted
-data.
+data. Stage 0's input is the caller's batch, which must never change: stage 0 always copies it.
 
 **AGREE.** The action where every stage's gradients are final and the stages agree on one small
 vector (:data:`AGREEMENT_FIELDS`), summed over stages by the transport: the loss, the loss's count
@@ -413,7 +413,10 @@ class StageExecutor:
     def _copies(self, layer: int) -> bool | None:
         """Whether layer `layer`'s input is copied in this mode (0: the cell's input); None: not known."""
         if layer == 0:
-            return self.copies_input.get(self.training)
+            # stage 0's input is the caller's batch: a cell that starts modifying it late would
+            # already have changed the caller's tensors when caught, so stage 0 always copies
+            # (one copy of the input per micro-batch, small next to the cell's activations)
+            return True if self.stage == 0 else self.copies_input.get(self.training)
         return self.copies_layer_input.get((self.training, layer))
 
     def _learn_copies(self, layer: int, copies: bool) -> None:

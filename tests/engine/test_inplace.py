@@ -133,8 +133,20 @@ def test_inplace_probe_costs_nothing_when_no_cell_modifies_its_input() -> None:
                     balance=[1, 2], loss_fn=nn.MSELoss(), optimizer=None)
     for pipe in (plain, inplace):
         pipe.train_step(torch.randn(4, 4), torch.randn(4, 4))
-    assert [e.copies_input for e in plain.executors] == [{True: False}, {True: False}]
-    assert [e.copies_input for e in inplace.executors] == [{True: False}, {True: True}]
+    # stage 0 always copies the caller's batch (nothing to learn there); later cells learn
+    assert [e.copies_input for e in plain.executors] == [{}, {True: False}]
+    assert [e.copies_input for e in inplace.executors] == [{}, {True: True}]
+
+
+def test_a_first_layer_that_starts_working_in_place_late_never_changes_the_callers_batch() -> None:
+    torch.manual_seed(0)
+    pipe = GPipe([LateInplace(after=3), nn.Linear(4, 4), nn.Linear(4, 1)], partitions=2, balance=[2, 1],
+                 micro_batches=2, loss_fn=nn.MSELoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    x, y = torch.randn(4, 4), torch.randn(4, 1)
+    before = x.clone()
+    for _ in range(3):
+        pipe.train_step(x, y)
+    assert torch.equal(x, before)
 
 
 class LateInplace(nn.Module):
