@@ -113,14 +113,30 @@ class Groups:
         return self.layout.replica_of(self.rank)
 
 
+_built: dict[tuple[int, int, int], Groups] = {}
+
+
 def build_groups(layout: Layout) -> Groups:
     """Create every pipeline group and every data-parallel group (collective: all ranks call it, in
     the same order) and return this rank's. With one replica no group is created (the pipeline is the
-    whole job); with one stage the data-parallel group is the whole job."""
+    whole job); with one stage the data-parallel group is the whole job.
+
+    Built once per layout and process group, then reused: every pipeline built with replicas
+    created its groups anew, and nothing frees a torch.distributed group before the job ends (about
+    10 file descriptors and 6 threads per pipeline, found by an outside review building pipelines
+    in a loop). Every rank builds its pipelines in the same order, so every rank reuses alike."""
     rank = dist.get_rank()
     if dist.get_world_size() != layout.world_size:
         raise ValueError(f"layout {layout.stages} x {layout.replicas} on a job of "
                          f"{dist.get_world_size()} processes")
+    key = (id(dist.group.WORLD), layout.stages, layout.replicas)
+    if key in _built:
+        return _built[key]
+    _built[key] = groups = _create(layout, rank)
+    return groups
+
+
+def _create(layout: Layout, rank: int) -> Groups:
     pipeline = data_parallel = None
     if layout.replicas > 1 and layout.stages > 1:
         for r in range(layout.replicas):

@@ -48,6 +48,7 @@ def check_replicas(k: int, r: int) -> list[str]:
     """Runs in every process: train each configuration with GPipe(replicas=r) and with the plain
     reference, compare this rank's cell. Returns the configurations checked."""
     checked = []
+    groups = set()        # pipelines of one layout share its process groups (no leak per pipeline)
     for kind, m, mode, extra in CONFIGS[(k, r)]:
         build, loss_fn = _model(kind)
         x, y = data(kind)
@@ -83,6 +84,9 @@ def check_replicas(k: int, r: int) -> list[str]:
         out = pipe.forward(x)
         assert microbatch_rows(out) == 11, f"{where}: inference returns the whole batch"
         checked.append(where)
+        assert pipe.stage_process is not None
+        groups.add(id(pipe.stage_process.groups))
+    assert len(groups) == 1, f"{len(groups)} sets of process groups for one layout"
     if k > 1:
         checked.append(check_allreduce_overlaps_the_drain(k, r))
     else:
