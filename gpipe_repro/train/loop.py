@@ -226,6 +226,8 @@ class _Run:
                         break
                     if config.save_every and done % config.save_every == 0 and done < self.total_steps:
                         self.save(done)
+                        self.progress.console.print(f"step {done}: saved a checkpoint to "
+                                                    f"{config.checkpoint_dir}")
                 else:
                     status = "finished"
             if status == "finished":

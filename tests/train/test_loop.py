@@ -312,3 +312,25 @@ def _all_tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _all_tensors(v)]
     return []
+
+
+def test_without_a_terminal_progress_is_a_plain_line_now_and_then(capsys: pytest.CaptureFixture[str]) -> None:
+    """Under nohup, CI or --no-progress a live bar prints nothing until the end: the stand-in prints
+    step, loss, rate and ETA at most every `every_s` seconds (a 19-minute run was silent)."""
+    import time
+
+    from gpipe_repro.train.console import NoProgress, progress_bar
+    assert isinstance(progress_bar(True), NoProgress)          # pytest's stdout is not a terminal
+    bar = NoProgress(quiet=False, every_s=0.01)
+    task = bar.add_task("run", total=10, completed=0)
+    bar.update(task, completed=1, loss=2.5, rate=100.0)        # too soon: nothing
+    time.sleep(0.02)
+    bar.update(task, completed=2, loss=2.25, rate=120.0)
+    out = capsys.readouterr().out
+    assert "step 2/10 loss 2.2500 120.0 samples/s elapsed 0:00:00 eta 0:00:00" in out
+    assert "step 1/10" not in out
+    silent = NoProgress(quiet=True, every_s=0.01)
+    silent.add_task("run", total=10)
+    time.sleep(0.02)
+    silent.update(0, completed=5, loss=1.0, rate=1.0)
+    assert capsys.readouterr().out == ""
