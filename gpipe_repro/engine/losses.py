@@ -52,6 +52,8 @@ def denominator(loss: _MeanLoss, target: torch.Tensor) -> float:
     (floating targets, N x C x ...), the number of positions N x ...."""
     if target.is_floating_point():
         return float(target.numel() // target.shape[1]) if target.dim() > 1 else 1.0
+    if target.device.type == "meta" or type(target).__name__ == "FakeTensor":
+        return float(target.numel())    # shapes only (the memory planner's trace): no values to read
     kept = target != loss.ignore_index
     if loss.weight is None:
         return float(kept.sum())

@@ -171,7 +171,11 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
             if first and m not in inputs:   # the caller's mini-batch: data, counted apart
                 inputs[m] = [st.new(0, STASH, ("stash", m)) for _ in cells[m][0].in_sig.group_bytes]
             keep = kind is ActionKind.RECOMPUTE or (schedule.training and m not in checkpointed)
-            out = _forward(st, cells[m], inputs[m], m, keep, where)
+            fed = inputs[m]
+            if first:   # stage 0 feeds its cell a copy of the caller's batch (StageExecutor._copies)
+                fed = [st.new(b, ACTIVATIONS, ("feed", m)) for b in _group_copy_bytes(cells[m][0].in_sig)]
+            out = _forward(st, cells[m], fed, m, keep, where)
+            st.release(("feed", m))     # what the graph saved of the copy stays with the graph
             if kind is ActionKind.FORWARD and not have_state:
                 st.add(ACTIVATIONS, sum(p.state_bytes for p in cells[m]))  # BatchNorm statistics
                 have_state = True
