@@ -22,7 +22,16 @@ from typing import Any, Optional
 
 import typer
 
-from gpipe_repro.commands._vocabulary import HELP, alias, positive, resolve
+from gpipe_repro.commands._vocabulary import (
+    HELP,
+    alias,
+    check_out_files,
+    int_list,
+    one_of,
+    positive,
+    positive_number,
+    resolve,
+)
 
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 
@@ -34,11 +43,39 @@ def _planner(family: str, batch: Optional[int], extra: list[str], attention: str
     from gpipe_repro.memory.workloads import workload
     try:
         work = workload(family, batch, **parse_options(extra))
+        inputs = work.planner_inputs()          # builds the model: a bad size (--L 0) fails here
     except (ValueError, TypeError) as e:
         raise typer.BadParameter(str(e)) from e
-    planner = MemoryPlanner(*work.planner_inputs(),
-                            optimizer=rmsprop_foreach, attention=attention, optimizer_foreach=True)
+    planner = MemoryPlanner(*inputs, optimizer=rmsprop_foreach, attention=attention,
+                            optimizer_foreach=True)
     return work, planner
+
+
+def _is_fit_output(data: Any) -> bool:
+    """A `fit --out` file written before outputs were stamped."""
+    return {"model", "budget_gib", "fits", "plan", "advice"} <= set(data)
+
+
+def _is_plan_output(data: Any) -> bool:
+    """A `plan --out` file written before outputs were stamped."""
+    return {"model", "budget_gib", "devices", "choice", "candidates"} <= set(data)
+
+
+def _check_json_out(path: Optional[Path], command: str, overwrite: bool) -> None:
+    """Refuse, before any work, an --out that would replace a file that is not this command's own
+    previous output, or its own without --overwrite."""
+    if path is None:
+        return
+    from gpipe_repro.report.records import owned_json
+    legacy = _is_fit_output if command == "fit" else _is_plan_output
+    check_out_files("--out", [path], command, overwrite=overwrite,
+                    own=lambda p: owned_json(p, command, legacy))
+
+
+def _write_json_out(path: Path, command: str, payload: dict[str, Any]) -> None:
+    from gpipe_repro.report.records import atomic_write, stamp
+    with atomic_write(path) as f:          # parents created; a failure leaves no half file
+        f.write(json.dumps(stamp(payload, command), indent=2) + "\n")
 
 
 def _device_rows(plan: Any) -> list[tuple[str, Any, int]]:
@@ -88,6 +125,8 @@ def register(app: typer.Typer) -> None:
                                         "on fake tensors and show its per-device peaks (slow: every "
                                         "layer of every micro-batch runs)"),
             out: Optional[Path] = typer.Option(None, "--out", help="also write the plan here (JSON)"),
+            overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier `fit` output "
+                                           "at --out (any other existing file is refused)"),
             partitions: Optional[int] = alias("--partitions", "-K"),
             micro_batches: Optional[int] = alias("--micro-batches", "-M"),
             batch: Optional[int] = alias("--batch"),
@@ -106,10 +145,10 @@ def register(app: typer.Typer) -> None:
         positive("--k", partitions, "devices")
         positive("--m", micro_batches, "micro-batches")
         positive("--batch-size", batch)
-        if memory <= 0:
-            raise typer.BadParameter(f"--memory must be > 0 GiB, got {memory}")
+        positive_number("--memory", memory, "GiB")
+        cuts = int_list("--balance", balance, "3,4,4,3") if balance else None
+        _check_json_out(json_out, "fit", overwrite)
         work, planner = _planner(family, batch, list(ctx.args), attention)
-        cuts = [int(x) for x in balance.split(",")] if balance else None
         try:
             plan = planner.plan(partitions, micro_batches, checkpoint, balance=cuts)
         except ValueError as e:
@@ -141,9 +180,9 @@ def register(app: typer.Typer) -> None:
             for line in advice:
                 console.print(f"  - {line}")
         if json_out:
-            json_out.write_text(json.dumps({"model": work.describe(), "budget_gib": memory,
-                                            "fits": plan.fits(budget), "plan": plan.to_dict(),
-                                            "advice": advice, "method": "simulated"}, indent=2))
+            _write_json_out(json_out, "fit", {"model": work.describe(), "budget_gib": memory,
+                                              "fits": plan.fits(budget), "plan": plan.to_dict(),
+                                              "advice": advice, "method": "simulated"})
         if not plan.fits(budget):
             raise typer.Exit(1)
 
@@ -165,6 +204,8 @@ def register(app: typer.Typer) -> None:
                  None, "--schedules", help="schedules to choose from, e.g. gpipe,1f1b (default: "
                  "gpipe,1f1b,interleaved,zb-h1,zb-v, each where it applies)"),
              out: Optional[Path] = typer.Option(None, "--out", help="also write the choice here (JSON)"),
+             overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier `plan` "
+                                            "output at --out (any other existing file is refused)"),
              micro_batches: Optional[str] = alias("--micro-batches", "-M"),
              batch: Optional[int] = alias("--batch"),
              json_out: Optional[Path] = alias("--json"),
@@ -177,13 +218,11 @@ def register(app: typer.Typer) -> None:
         positive("--devices", devices, "devices available")
         positive("--batch-size", batch)
         positive("--top", top)
-        if memory <= 0:
-            raise typer.BadParameter(f"--memory must be > 0 GiB, got {memory}")
-        try:
-            ms = [int(x) for x in micro_batches.split(",")] if micro_batches else None
-        except ValueError as e:
-            raise typer.BadParameter(f"--m takes integers separated by commas (e.g. 4,8,32), got "
-                                     f"{micro_batches!r}") from e
+        positive_number("--memory", memory, "GiB")
+        positive_number("--tflops", tflops, "TFLOP/s")
+        from gpipe_repro.sim.links import LINK_NAMES
+        one_of("--link", link, LINK_NAMES)
+        ms = int_list("--m", micro_batches) if micro_batches else None
         if ms is not None and min(ms) < 1:
             raise typer.BadParameter(f"--m candidates must be >= 1, got {micro_batches}")
         from gpipe_repro.engine.schedule import SCHEDULES, cells_per_process
@@ -193,6 +232,7 @@ def register(app: typer.Typer) -> None:
         if unknown or not names:
             raise typer.BadParameter(f"--schedules takes names from {','.join(sorted(SCHEDULES))} "
                                      f"separated by commas, got {schedules!r}")
+        _check_json_out(json_out, "plan", overwrite)
         from rich.console import Console
         from rich.table import Table
 
@@ -240,7 +280,7 @@ def register(app: typer.Typer) -> None:
                                            max_partitions=planner.num_layers):
                     console.print(f"  - {line}")
         if json_out:
-            json_out.write_text(json.dumps({
+            _write_json_out(json_out, "plan", {
                 "model": work.describe(), "budget_gib": memory, "devices": devices, "link": link,
                 "tflops": tflops, "method": "simulated", "schedules": names,
                 "schedule_verdict": verdict,
@@ -251,6 +291,6 @@ def register(app: typer.Typer) -> None:
                 "candidates": [{"partitions": c.partitions, "micro_batches": c.micro_batches,
                                 "schedule": c.schedule, "checkpoint": c.checkpoint, "fits": c.fits,
                                 "max_peak_bytes": c.max_peak, "throughput": c.throughput,
-                                "note": c.note} for c in cands]}, indent=2))
+                                "note": c.note} for c in cands]})
         if best is None:
             raise typer.Exit(1)

@@ -18,9 +18,33 @@ from typing import Any, Optional
 
 import typer
 
-from gpipe_repro.commands._vocabulary import HELP, alias, positive, resolve
+from gpipe_repro.commands._vocabulary import HELP, alias, check_out_files, positive, resolve
 
 LAUNCHERS = ("local", "torchrun")
+COMMAND = "pipeline"
+
+
+def _is_timeline(data: Any) -> bool:
+    """A timeline file this command wrote before outputs were stamped."""
+    return {"method", "options", "timeline"} <= set(data)
+
+
+def check_outputs(timeline: Optional[Path], gantt: Optional[Path], *, overwrite: bool,
+                  option: str) -> None:
+    """Refuse, before any stage process starts, to replace a file that is not this command's own
+    output (a timeline JSON or a Gantt PNG it stamped; in an --out directory, a gantt.png beside the
+    command's timeline.json), or its own without --overwrite."""
+    from gpipe_repro.report.records import owned_json, written_by
+
+    def own(path: Path) -> bool:
+        if path == timeline:
+            return owned_json(path, COMMAND, _is_timeline)
+        return written_by(path) == COMMAND or (
+            option == "--out" and timeline is not None and timeline.exists()
+            and owned_json(timeline, COMMAND, _is_timeline))
+
+    check_out_files(option, [p for p in (timeline, gantt) if p is not None], COMMAND,
+                    overwrite=overwrite, own=own)
 
 
 def train_rank(options: dict[str, Any]) -> dict[str, Any]:
@@ -77,12 +101,12 @@ def report(rank0: dict[str, Any], options: dict[str, Any]) -> None:
                                                      timeline.breakdown().items()))
     if options["timeline"]:
         write_json(options["timeline"], {"method": "measured", "options": options,
-                                         "timeline": timeline.to_json()})
+                                         "timeline": timeline.to_json(), "written_by": COMMAND})
         print(f"timeline: {options['timeline']}")
     if options["gantt"]:
         render_gantt(timeline, options["gantt"],
                      title=f"measured: K={options['partitions']} M={options['micro_batches']} "
-                           f"checkpoint={options['checkpoint']}")
+                           f"checkpoint={options['checkpoint']}", written_by=COMMAND)
         print(f"Gantt chart: {options['gantt']}")
 
 
@@ -107,6 +131,8 @@ def register(app: typer.Typer) -> None:
         timeline: Optional[Path] = typer.Option(None, help="write the last step's timeline (JSON) here "
                                                 "(then only the files named are written)"),
         gantt: Optional[Path] = typer.Option(None, help="write the last step's Gantt chart (PNG) here"),
+        overwrite: bool = typer.Option(False, "--overwrite", help="replace this command's earlier "
+                                       "timeline / Gantt chart there (any other file is refused)"),
         fail_mode: Optional[str] = typer.Option(None, help="inject a failure: raise | kill | exit | hang"),
         fail_rank: int = typer.Option(0, help="rank that fails (with --fail-mode)"),
         fail_call: int = typer.Option(1, help="fail at this call of the faulty layer (1-based)"),
@@ -140,11 +166,20 @@ def register(app: typer.Typer) -> None:
         if blocks < partitions:
             raise typer.BadParameter(f"--blocks must be >= --k ({partitions}): each stage needs a layer")
         if timeline is None and gantt is None:        # neither file named: both, in one directory
-            directory = out if out is not None else fresh_run_dir("pipeline")
+            if out is not None and out.exists() and not out.is_dir():
+                raise typer.BadParameter(f"--out {out} is a file: give a new or empty directory")
             if out is not None and out.is_dir() and any(
                     p.name not in ("timeline.json", "gantt.png") for p in out.iterdir()):
                 raise typer.BadParameter(f"--out {out} holds other files; give an empty or new directory")
+            if out is not None:
+                check_outputs(out / "timeline.json", out / "gantt.png", overwrite=overwrite,
+                              option="--out")
+            directory = out if out is not None else fresh_run_dir("pipeline")
             timeline, gantt = directory / "timeline.json", directory / "gantt.png"
+        else:
+            check_outputs(timeline, gantt, overwrite=overwrite,
+                          option="/".join(f for f, v in (("--timeline", timeline), ("--gantt", gantt))
+                                          if v is not None))
         options = {"partitions": partitions, "micro_batches": micro_batches, "checkpoint": checkpoint,
                    "recompute_ahead": recompute_ahead, "batch": batch, "width": width,
                    "blocks": blocks, "steps": steps, "launcher": launcher, "fail_mode": fail_mode,

@@ -30,20 +30,33 @@ def register(app: typer.Typer) -> None:
             top: int = typer.Option(6, "--top", help="candidates to show")) -> None:
         """Choose K, R = N / K, M and the partition for the best simulated samples/s within --memory
         GiB per device (extra options, e.g. --L 48, go to the model builder)."""
+        from gpipe_repro.commands._vocabulary import int_list, one_of, positive, positive_number
         from gpipe_repro.commands.models import parse_options
         from gpipe_repro.memory.planner import GiB, MemoryPlanner
         from gpipe_repro.memory.profile import rmsprop_foreach
         from gpipe_repro.memory.replicas_plan import plan_replicas
         from gpipe_repro.memory.workloads import workload
-        from gpipe_repro.sim.links import get_link
+        from gpipe_repro.sim.links import LINK_NAMES, get_link
 
+        # Every option checked before the model is built (a mistake is a usage error, exit code 2;
+        # exit code 1 means "nothing fits").
+        positive("--devices", devices, "devices of the job")
+        positive("--devices-per-host", devices_per_host)
+        positive("--batch-size", batch)
+        positive("--top", top)
+        positive_number("--memory", memory, "GiB")
+        positive_number("--tflops", tflops, "TFLOP/s")
+        one_of("--link", link, LINK_NAMES)
+        one_of("--algorithm", algorithm, ("ring", "tree"))
+        ms = int_list("--m", micro_batches) if micro_batches else None
+        if ms is not None and min(ms) < 1:
+            raise typer.BadParameter(f"--m candidates must be >= 1, got {micro_batches}")
         try:
             work = workload(family, batch, **parse_options(list(ctx.args)))
+            inputs = work.planner_inputs()      # builds the model: a bad size (--L 0) fails here
         except (ValueError, TypeError) as e:
             raise typer.BadParameter(str(e)) from e
-        planner = MemoryPlanner(*work.planner_inputs(),
-                                optimizer=rmsprop_foreach, optimizer_foreach=True)
-        ms = [int(x) for x in micro_batches.split(",")] if micro_batches else None
+        planner = MemoryPlanner(*inputs, optimizer=rmsprop_foreach, optimizer_foreach=True)
         cands = plan_replicas(planner, devices, memory * GiB, get_link(link), tflops * 1e12,
                               micro_batches=ms, devices_per_host=devices_per_host, algorithm=algorithm)
         print(f"{work.describe()}: {devices} devices of {memory:g} GiB, {tflops:g} TFLOP/s, "

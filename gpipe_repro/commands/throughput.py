@@ -7,7 +7,10 @@ simulator's check against real stage processes.
     gpipe-repro throughput --model pkg.mod:factory --input-shape 784 --k 2 --m 8   # your own model
 
 Both pass their options through to the experiment modules (`--help` there lists them), so the
-command line and the Makefile targets can never drift apart.
+command line and the Makefile targets can never drift apart. One difference: these commands never
+replace the results of record (the checkout's results/; only `make throughput-table` / `make
+validate-sim` do): write elsewhere with --out DIR or GPIPE_REPRO_RESULTS=DIR. Their own earlier
+output elsewhere is replaced only with --overwrite, and a file they did not write, never.
 """
 from __future__ import annotations
 

@@ -41,13 +41,17 @@ def _bars(timeline: Timeline) -> list[tuple[int, str, float, float, str]]:
     return out
 
 
-def render_gantt(timeline: Timeline, path: str | Path, title: str | None = None) -> Path:
-    """Draw `timeline` and write it to `path` as a PNG (atomically). Returns the path."""
+def render_gantt(timeline: Timeline, path: str | Path, title: str | None = None, *,
+                 written_by: str | None = None) -> Path:
+    """Draw `timeline` and write it to `path` as a PNG (atomically). Returns the path.
+
+    `written_by` (a command name) is stored in the PNG as a text chunk, so that the command can
+    later tell its own chart from a user's file (:func:`gpipe_repro.report.records.written_by`)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    from gpipe_repro.report.records import atomic_write
+    from gpipe_repro.report.records import OWNER_KEY, atomic_write
 
     k = timeline.num_stages
     span = timeline.makespan or 1.0
@@ -82,5 +86,6 @@ def render_gantt(timeline: Timeline, path: str | Path, title: str | None = None)
     fig.tight_layout()
     path = Path(path)
     with atomic_write(path, "wb") as f:
-        fig.savefig(f, format="png")
+        fig.savefig(f, format="png",
+                    metadata=None if written_by is None else {OWNER_KEY: written_by})
     return path

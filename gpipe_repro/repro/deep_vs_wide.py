@@ -31,14 +31,21 @@ from typing import Any
 
 from gpipe_repro.models.translation import count_non_embedding
 from gpipe_repro.paper import CITATION, DEEP_VS_WIDE_CLAIM, LARGE_BATCH, TRANSLATION_MODELS
-from gpipe_repro.report.records import markdown_table, measured, read_json, write_json, write_markdown
+from gpipe_repro.report.records import (
+    markdown_table,
+    measured,
+    read_json,
+    results_root,
+    write_json,
+    write_markdown,
+)
 from gpipe_repro.train.checkpoints import latest_checkpoint
 from gpipe_repro.train.config import RunConfig
 from gpipe_repro.train.loop import train
 from gpipe_repro.train.run_dir import clear_run
 from gpipe_repro.train.tasks.translation import TranslationBatches, TranslationConfig, TranslationTask, preset
 
-OUT = Path("results/translation")
+OUT = results_root() / "translation"     # $GPIPE_REPRO_RESULTS/translation when set
 
 # The comparison, declared: T(2L, H, A) "deep" vs T(L, 2H, 2A) "wide", on the CPU preset of
 # `gpipe-repro run transformer` (whose model is the deep one): its languages, vocabulary, recipe

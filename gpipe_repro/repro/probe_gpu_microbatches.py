@@ -27,7 +27,7 @@ import torch
 from gpipe_repro import GPipe
 from gpipe_repro.models.amoebanet import amoebanet, amoebanet_loss
 from gpipe_repro.report.provenance import git_state
-from gpipe_repro.report.records import write_json
+from gpipe_repro.report.records import results_root, write_json
 from gpipe_repro.repro.gpu_check.settings import device_info, device_slug
 
 EXPERIMENT = "probe-gpu-microbatches"
@@ -109,12 +109,14 @@ def payload(rows: dict[str, float], *, device: torch.device, m: int, config: dic
                      for name, s in rows.items()]}
 
 
-def json_path(option: str | None, device: torch.device, root: str | Path = "results") -> Path | None:
-    """Where ``--json`` writes: None without it, PATH when given, else results/gpu/<device>/."""
+def json_path(option: str | None, device: torch.device, root: str | Path | None = None) -> Path | None:
+    """Where ``--json`` writes: None without it, PATH when given, else results/gpu/<device>/ (results/
+    is `root`, else $GPIPE_REPRO_RESULTS, else ./results)."""
     if option is None:
         return None
     if option == _DEFAULT:
-        return Path(root) / "gpu" / device_slug(device_info(device)) / FILE_NAME
+        base = Path(root) if root is not None else results_root()
+        return base / "gpu" / device_slug(device_info(device)) / FILE_NAME
     return Path(option)
 
 

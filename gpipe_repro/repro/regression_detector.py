@@ -39,11 +39,11 @@ from typing import Any
 
 from gpipe_repro.report.host import host_idle_fraction, usable_cores
 from gpipe_repro.report.provenance import host_block
-from gpipe_repro.report.records import markdown_table, write_json, write_markdown
+from gpipe_repro.report.records import markdown_table, results_root, write_json, write_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST = "tests/repro/test_speedup_regression.py"
-OUT = ROOT / "results" / "ci"
+OUT = results_root() / "ci"     # $GPIPE_REPRO_RESULTS/ci when set
 
 
 @dataclass(frozen=True)

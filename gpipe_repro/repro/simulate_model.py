@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
+from pathlib import Path
 from typing import Any
 
 from gpipe_repro.engine.partition import OBJECTIVES
@@ -21,12 +22,70 @@ from gpipe_repro.models.workload import KINDS, Workload
 from gpipe_repro.sim.links import LINK_NAMES
 from gpipe_repro.sim.own_model import simulate_model
 
+COMMAND = "throughput"
+
 
 def _value(text: str) -> Any:
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _returned_type(workload: Workload) -> str | None:
+    """The type name of what the user's factory returns when that is not iterable, else None."""
+    from gpipe_repro.models.workload import _factory
+    if ":" not in workload.family:
+        return None
+    try:
+        made = _factory(workload.family)(**dict(workload.options))
+    except Exception:  # noqa: BLE001 - reported by the caller as the build's own error
+        return None
+    try:
+        iter(made)
+    except TypeError:
+        return type(made).__name__
+    return None
+
+
+def preflight(workload: Workload, batch: int, *, options: dict[str, Any]) -> str | None:
+    """Build the model once and run one forward pass of a `batch`-example sample, layer by layer,
+    without gradients; None when both work, else the one-line reason (what to change). Catches a
+    factory that fails or returns something other than layers, and an --input-shape the model cannot
+    take, before the calibration's work starts."""
+    import torch
+    from torch import nn
+
+    try:
+        layers = workload.build("cpu")
+    except Exception as e:  # noqa: BLE001 - the user's factory: any failure is theirs to fix
+        returned = _returned_type(workload) if isinstance(e, TypeError) else None
+        if returned is not None:
+            return (f"--model {workload.family} must return an nn.Sequential or a list of nn.Module "
+                    f"layers; it returned {returned}")
+        hint = (" (--option values are Python literals: numbers as 64, strings quoted; given: "
+                + ", ".join(f"{k}={v!r}" for k, v in options.items()) + ")") if options else ""
+        return f"--model {workload.family}: building the model raised {_one_line(e)}{hint}"
+    not_layers = [type(x).__name__ for x in layers if not isinstance(x, nn.Module)]
+    if not layers or not_layers:
+        return (f"--model {workload.family} must return an nn.Sequential or a list of nn.Module "
+                f"layers; it returned {'nothing' if not layers else ', '.join(sorted(set(not_layers)))}")
+    x, _ = workload.sample(batch, "cpu")
+    shape = "(" + ", ".join(map(str, workload.input_shape)) + ")"
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            try:
+                x = layer(x)
+            except Exception as e:  # noqa: BLE001 - any failure here means the shape does not fit
+                where = "its first layer" if i == 0 else f"its layer {i} ({type(layer).__name__})"
+                return f"--input-shape {shape} does not fit the model: {where} raised: {_one_line(e)}"
+    return None
 
 
 def parse(argv: list[str] | None = None,
@@ -54,7 +113,16 @@ def parse(argv: list[str] | None = None,
                     help="also run on K stage processes (default: where K fits the host)")
     ap.add_argument("--no-validate", dest="validate", action="store_false")
     ap.add_argument("--json", default=None, help="also write the result to this JSON file")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier result of this command at --json")
     args = ap.parse_args(argv)
+    bad = [n for n in args.input_shape if n < 1]
+    if bad:
+        ap.error(f"--input-shape takes sizes >= 1 (one example's shape, e.g. 784 or 3 32 32), got "
+                 f"{' '.join(map(str, args.input_shape))}")
+    for flag in ("k", "m", "microbatch", "repeats", "classes"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     options = {}
     for item in args.option:
         key, sep, value = item.partition("=")
@@ -66,6 +134,15 @@ def parse(argv: list[str] | None = None,
                                    **options)
     except ValueError as e:
         ap.error(str(e))
+    if args.json is not None:
+        from gpipe_repro.report.records import OutputRefused, check_outputs
+        try:
+            check_outputs([Path(args.json)], command=COMMAND, option="--json", overwrite=args.overwrite)
+        except OutputRefused as e:
+            ap.error(str(e))
+    problem = preflight(workload, args.microbatch, options=options)
+    if problem is not None:
+        ap.error(problem)
     kw = dict(k=args.k, m=args.m, microbatch=args.microbatch, checkpoint=args.checkpoint,
               recompute_ahead=args.recompute_ahead, objective=args.objective, link=args.link,
               method=args.method, repeats=args.repeats, validate=args.validate)
@@ -82,7 +159,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     print(result.describe())
     if json_path:
         from gpipe_repro.report.records import write_json
-        write_json(json_path, result.to_json())
+        write_json(json_path, {**result.to_json(), "written_by": COMMAND})
         print(f"wrote {json_path}")
 
 

@@ -10,17 +10,22 @@ cores. The library logic is :mod:`gpipe_repro.repro.throughput`; this file only 
     python -m experiments.throughput_table --paper-size --device cuda    # the paper's exact models
 
 Writes results/throughput/{throughput_table.json, throughput_table.md, speedup.png, bubble.png,
-gantt.png}.
+gantt.png} (results/ is $GPIPE_REPRO_RESULTS when set), or --out DIR. An earlier table there is
+replaced only with --overwrite; a file the command did not write is never replaced; the results of
+record (the checkout's results/) are replaced only by `make throughput-table`, whose entry point
+(experiments/throughput_table.py) passes ``record=True``.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from gpipe_repro.engine.partition import OBJECTIVES
+from gpipe_repro.report.records import OutputRefused, results_root
 from gpipe_repro.repro.throughput import PAPER_MICROBATCH, POLICIES, SweepSettings, run_with_progress
-from gpipe_repro.repro.throughput.outputs import check_overwrite
+from gpipe_repro.repro.throughput.outputs import check_out_dir, check_overwrite
 from gpipe_repro.sim.links import LINK_NAMES
 
 DEFAULTS = SweepSettings(ks=(2, 4, 8), ms=(1, 4, 32), policy="micro", checkpoint="always",
@@ -31,6 +36,12 @@ DEFAULTS = SweepSettings(ks=(2, 4, 8), ms=(1, 4, 32), policy="micro", checkpoint
 
 def settings_from_args(argv: list[str] | None = None,
                        prog: str | None = None) -> tuple[SweepSettings, str, bool]:
+    """(settings, output directory, log to W&B) from the command line."""
+    settings, out, wandb, _ = _parse(argv, prog)
+    return settings, out, wandb
+
+
+def _parse(argv: list[str] | None, prog: str | None) -> tuple[SweepSettings, str, bool, bool]:
     ap = argparse.ArgumentParser(prog=prog or "python -m experiments.throughput_table",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--paper-size", action="store_true",
@@ -51,8 +62,13 @@ def settings_from_args(argv: list[str] | None = None,
     ap.add_argument("--wait-idle", type=float, default=DEFAULTS.wait_idle,
                     help="seconds to wait for an idle host before each measured run")
     ap.add_argument("--no-wandb", action="store_true")
-    ap.add_argument("--out", default="results/throughput")
+    ap.add_argument("--out", default=None,
+                    help="output directory (default: results/throughput, under $GPIPE_REPRO_RESULTS "
+                         "when set)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier throughput table in --out")
     args = ap.parse_args(argv)
+    out = args.out if args.out is not None else str(results_root() / "throughput")
     settings = replace(DEFAULTS, device=args.device, policy=args.policy, minibatch=args.minibatch,
                        objective=args.objective, checkpoint=args.checkpoint,
                        recompute_ahead=args.recompute_ahead, method=args.method,
@@ -63,19 +79,25 @@ def settings_from_args(argv: list[str] | None = None,
         settings = replace(settings, microbatch=tuple(PAPER_MICROBATCH.items()))
     if args.device == "cuda":
         settings = replace(settings, threads=None)
-    return settings, args.out, not args.no_wandb
+    return settings, out, not args.no_wandb, args.overwrite
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str | None = None, *, record: bool = False) -> None:
+    """Parse, check the output directory (before any work), sweep, write.
+
+    `record=True` is `make throughput-table` (experiments/throughput_table.py): it replaces its own
+    previous table without --overwrite, the results of record included."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    settings, out, wandb = settings_from_args(argv, prog)
+    settings, out, wandb, overwrite = _parse(argv, prog)
     if settings.paper_size and settings.device == "cpu":
         print("warning: --paper-size on a CPU calibrates and measures the paper's full models; this "
               "takes hours. Use --device cuda on a GPU host.", flush=True)
     try:
+        check_out_dir(Path(out), overwrite=overwrite, record=record)
         check_overwrite(out, measuring=settings.measure)
-    except FileExistsError as e:
-        sys.exit(f"error: {e}")
+    except (OutputRefused, FileExistsError) as e:
+        print(f"{prog or 'python -m experiments.throughput_table'}: error: {e}", file=sys.stderr)
+        sys.exit(2)
     run_with_progress(settings, out, log_wandb=wandb,
                       command={"prog": prog or "python -m experiments.throughput_table", "argv": argv})
 

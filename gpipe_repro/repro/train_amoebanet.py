@@ -19,18 +19,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-from pathlib import Path
 from typing import Any
 
 from gpipe_repro.paper import IMAGENET, TRANSFER
-from gpipe_repro.report.records import markdown_table, measured, read_json, write_json, write_markdown
+from gpipe_repro.report.records import (
+    markdown_table,
+    measured,
+    read_json,
+    results_root,
+    write_json,
+    write_markdown,
+)
 from gpipe_repro.train.checkpoints import latest_checkpoint
 from gpipe_repro.train.curves import plot_loss_comparison
 from gpipe_repro.train.loop import train
 from gpipe_repro.train.ranks import launch
 from gpipe_repro.train.tasks.image_classification import AmoebaNetTask, preset
 
-OUT = Path("results/training")
+OUT = results_root() / "training"     # $GPIPE_REPRO_RESULTS/training when set
 
 
 def cpu_run(rerun: bool) -> dict[str, Any]:

@@ -12,7 +12,11 @@ Nothing is fitted to these measurements: costs come from the calibration (each l
 in this process, with the runtime's thread count) and the link from a ping-pong.
 
 Writes results/throughput/validation.{json,md} and a measured/simulated Gantt pair of one
-configuration, and refreshes results/throughput/throughput_table.md (which shows the error).
+configuration, and refreshes results/throughput/throughput_table.md (which shows the error);
+results/ is $GPIPE_REPRO_RESULTS when set, or --out DIR. An earlier validation there is replaced
+only with --overwrite; a file the command did not write is never replaced; the results of record
+(the checkout's results/) are replaced only by `make validate-sim`, whose entry point
+(experiments/validate_simulator.py) passes ``record=True``.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from gpipe_repro.report.host import usable_cores
+from gpipe_repro.report.records import OutputRefused, check_outputs, owned_json, results_root
 from gpipe_repro.repro.throughput import (
     MODELS,
     VALIDATION_MS,
@@ -33,10 +38,45 @@ from gpipe_repro.repro.throughput import (
     render_validation_summary,
     validate_simulator,
 )
+from gpipe_repro.repro.throughput import outputs as table_outputs
 from gpipe_repro.repro.throughput.validation import unvalidated_note
 
 DEFAULTS = SweepSettings(checkpoint="always", recompute_ahead=False, link="gloo-loopback",
                          device="cpu", threads=1, measure_steps=5, wait_idle=30.0)
+
+
+COMMAND = "validate-sim"
+MANIFEST = "validation.json"
+PAGES = ("validation.md",)
+GANTTS = ("validation_gantt_measured.png", "validation_gantt_simulated.png")
+
+
+def is_validation(data: object) -> bool:
+    """A validation.json written before outputs were stamped."""
+    return isinstance(data, dict) and {"rows", "summary"} <= set(data)
+
+
+def check_out_dir(out: Path, *, overwrite: bool, record: bool = False,
+                  render_only: bool = False) -> None:
+    """Refuse, before any work, to replace a file in `out` that this command did not write (its
+    validation.json says which are its own; throughput_table.md, which it refreshes, belongs to the
+    throughput table beside it), or its own without --overwrite, or the results of record without
+    `make validate-sim` (`record=True`). See :func:`gpipe_repro.report.records.check_outputs`."""
+    if out.exists() and not out.is_dir():
+        raise OutputRefused(f"--out {out} is a file, not a directory: give a directory")
+    files = [out / name for name in PAGES]
+    if not render_only:
+        files += [out / MANIFEST, *(out / name for name in GANTTS)]
+    if (out / table_outputs.MANIFEST).exists():
+        files.append(out / "throughput_table.md")
+
+    def own(path: Path) -> bool:
+        if path.name == "throughput_table.md":
+            return table_outputs.owns(out)
+        return owned_json(out / MANIFEST, COMMAND, is_validation)
+
+    check_outputs(files, command=COMMAND, option="--out", overwrite=overwrite, own=own,
+                  make_target=COMMAND, record=record)
 
 
 def render_pages(out: Path) -> None:
@@ -59,7 +99,11 @@ def render_pages(out: Path) -> None:
         write_markdown(out / "throughput_table.md", render_markdown(read_json(table), result))
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str | None = None, *, record: bool = False) -> None:
+    """Parse, check the output directory (before any work), validate, write.
+
+    `record=True` is `make validate-sim` (experiments/validate_simulator.py): it replaces its own
+    previous validation without --overwrite, the results of record included."""
     ap = argparse.ArgumentParser(prog=prog or "python -m experiments.validate_simulator",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
@@ -74,13 +118,35 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     help="seconds to wait for an idle host before each measurement (default "
                          "%(default)s; a shared host's other processes slow the stage processes "
                          "down in a way no calibration can know)")
-    ap.add_argument("--out", default="results/throughput")
+    ap.add_argument("--out", default=None,
+                    help="output directory (default: results/throughput, under $GPIPE_REPRO_RESULTS "
+                         "when set)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier validation (and the throughput_table.md it refreshes)")
     ap.add_argument("--render-only", action="store_true",
                     help="measure nothing: rewrite validation.md and throughput_table.md from the "
                          "JSON files already in --out (after a change to how they are rendered)")
     args = ap.parse_args(argv)
+    out = Path(args.out) if args.out is not None else results_root() / "throughput"
+    bad = [n for n in args.schedules if n not in VALIDATION_SCHEDULES]
+    if bad:
+        ap.error(f"--schedules {' '.join(bad)}: the schedules are {', '.join(VALIDATION_SCHEDULES)}")
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
+    cores = usable_cores()
+    too_big = [k for k in (args.ks or []) if k > cores]
+    if too_big:
+        ap.error(f"K={too_big} needs more stage processes than the {cores} usable cores; "
+                 f"use --ks with values <= {cores}")
+    if args.render_only and not (out / MANIFEST).exists():
+        ap.error(f"--render-only: no {out / MANIFEST}: run `make validate-sim` first (or give the "
+                 "--out that holds it)")
+    try:
+        check_out_dir(out, overwrite=args.overwrite, record=record, render_only=args.render_only)
+    except OutputRefused as e:
+        ap.error(str(e))
     if args.render_only:
-        render_pages(Path(args.out))
+        render_pages(out)
         return
 
     from rich.console import Console
@@ -91,20 +157,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     settings = replace(DEFAULTS, measure_steps=args.steps, wait_idle=args.wait_idle)
     measure = distributed_measure(settings)
     console = Console(stderr=True)
-    bad = [n for n in args.schedules if n not in VALIDATION_SCHEDULES]
-    if bad:
-        sys.exit(f"error: --schedules {' '.join(bad)}: the schedules are {', '.join(VALIDATION_SCHEDULES)}")
-    cores = usable_cores()
-    too_big = [k for k in (args.ks or []) if k > cores]
-    if too_big:
-        sys.exit(f"error: K={too_big} needs more stage processes than the {cores} usable cores; "
-                 f"use --ks with values <= {cores}")
     with console.status("validating") as status:
         result = validate_simulator(
             settings, measure, models=args.models, ks=args.ks, ms=args.ms, schedules=args.schedules,
             measure_schedule=lambda name: distributed_measure(replace(settings, schedule=name)),
             progress=lambda msg: status.update(msg))
-    out = Path(args.out)
     timelines = result.pop("timelines")
     if timelines:
         key = next((k for k in timelines if "_M4_always" in k), next(iter(timelines)))
@@ -112,7 +169,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             draw_gantt(Timeline.from_json(timelines[key][kind]), out / f"validation_gantt_{kind}.png",
                        f"{kind}: {key.replace('_', ' ')}")
         result["gantt_config"] = key
-    write_json(out / "validation.json", result)
+    write_json(out / MANIFEST, {**result, "written_by": COMMAND})
     render_pages(out)
     s = result["summary"]
     console.print(f"median |error| {s['median_abs_error'] * 100:.1f}%, worst "

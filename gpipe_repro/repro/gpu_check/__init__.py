@@ -32,9 +32,12 @@ from gpipe_repro.repro.gpu_check.settings import (
 )
 
 
-def default_out_dir(device: str, root: str | Path = "results") -> Path:
-    """results/gpu/<device name>/ for `device` (e.g. results/gpu/nvidia-h100-80gb-hbm3/)."""
-    return Path(root) / "gpu" / device_slug(device_info(check_device(device)))
+def default_out_dir(device: str, root: str | Path | None = None) -> Path:
+    """results/gpu/<device name>/ for `device` (e.g. results/gpu/nvidia-h100-80gb-hbm3/); results/ is
+    `root`, else $GPIPE_REPRO_RESULTS, else ./results."""
+    from gpipe_repro.report.records import results_root
+    base = Path(root) if root is not None else results_root()
+    return base / "gpu" / device_slug(device_info(check_device(device)))
 
 
 def run_gpu_check(settings: GpuCheckSettings, *,

@@ -171,8 +171,31 @@ def _cuda_line(cuda: Any) -> str:
     return f"planner vs torch.cuda.max_memory_allocated, largest error {100 * worst:.1f}% (target 10%)"
 
 
+COMMAND = "memory-table"
+MANIFEST = "memory_table.json"
+OWN_FILES = (MANIFEST, "memory_table.md", "max_params.png", "activation_vs_microbatches.png")
+
+
+def is_memory_table(data: Any) -> bool:
+    """A memory_table.json written before outputs were stamped."""
+    return {"transformer", "scaling", "validation", "settings"} <= set(data)
+
+
+def check_out_dir(out: Path, *, overwrite: bool, record: bool = False) -> None:
+    """Refuse, before any work, to replace a file in `out` that this command did not write (its
+    memory_table.json says which are its own), or its own without --overwrite, or the results of
+    record without `make memory-table` (`record=True`); see
+    :func:`gpipe_repro.report.records.check_outputs`."""
+    from gpipe_repro.report.records import OutputRefused, check_outputs, owned_json
+    if out.exists() and not out.is_dir():
+        raise OutputRefused(f"--out {out} is a file, not a directory: give a directory")
+    check_outputs([out / name for name in OWN_FILES], command=COMMAND, option="--out",
+                  overwrite=overwrite, own=lambda _: owned_json(out / MANIFEST, COMMAND, is_memory_table),
+                  make_target=COMMAND, record=record)
+
+
 def write(payload: dict[str, Any], out: Path, wandb: bool = True) -> dict[str, Path]:
-    from gpipe_repro.report.records import read_json, write_json, write_markdown
+    from gpipe_repro.report.records import read_json, results_root, write_json, write_markdown
     from gpipe_repro.repro.memory_table.report import (
         grid_markdown,
         paper_models_markdown,
@@ -184,7 +207,7 @@ def write(payload: dict[str, Any], out: Path, wandb: bool = True) -> dict[str, P
     )
 
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": write_json(out / "memory_table.json", payload)}
+    paths = {"json": write_json(out / MANIFEST, {**payload, "written_by": COMMAND})}
     payload = read_json(paths["json"])
     models = {"Transformer-L (16 GiB per device)": payload["transformer"]["rows"]}
     if "amoebanet" in payload:
@@ -229,7 +252,8 @@ def write(payload: dict[str, Any], out: Path, wandb: bool = True) -> dict[str, P
     paths["md"] = write_markdown(out / "memory_table.md", "\n".join(md))
     if wandb:
         from gpipe_repro.report.wandb_log import RunLogger
-        with RunLogger("gpipe-repro", config=payload["settings"], dir="results/runs/memory-table",
+        with RunLogger("gpipe-repro", config=payload["settings"],
+                       dir=results_root() / "runs" / "memory-table",
                        name="memory-table", tags=["table1"]) as run:
             for name, rows in models.items():
                 run.log_table(name.split(" ")[0], ["row", "size", "params"],
@@ -242,4 +266,4 @@ def write(payload: dict[str, Any], out: Path, wandb: bool = True) -> dict[str, P
     return paths
 
 
-__all__ = ["Settings", "run", "write"]
+__all__ = ["Settings", "check_out_dir", "run", "write"]

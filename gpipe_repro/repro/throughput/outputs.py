@@ -10,7 +10,14 @@ from gpipe_repro.engine.timeline import Timeline
 from gpipe_repro.report import gantt
 from gpipe_repro.report.host import BUSY_MARK
 from gpipe_repro.report.plots import plot_bubble, plot_speedups
-from gpipe_repro.report.records import read_json, write_json, write_markdown
+from gpipe_repro.report.records import (
+    check_outputs,
+    owned_json,
+    read_json,
+    results_root,
+    write_json,
+    write_markdown,
+)
 from gpipe_repro.report.wandb_log import RunLogger
 from gpipe_repro.repro.throughput.measure import distributed_measure
 from gpipe_repro.repro.throughput.report import measured_host, measured_note, render_markdown
@@ -22,6 +29,33 @@ def has_measured(payload: dict[str, Any]) -> bool:
     """Whether a throughput payload holds any measured cell."""
     return any(r.get("measured") for table in ("table2", "table3")
                for rows in (payload.get(table) or {}).values() for r in rows)
+
+
+COMMAND = "throughput-table"
+MANIFEST = "throughput_table.json"
+OWN_FILES = (MANIFEST, "throughput_table.md", "speedup.png", "bubble.png", "gantt.png",
+             "gantt_measured.png")
+
+
+def is_table(data: Any) -> bool:
+    """A throughput_table.json written before outputs were stamped."""
+    return {"table2", "table3", "settings"} <= set(data)
+
+
+def owns(out_dir: str | os.PathLike[str]) -> bool:
+    """Whether `out_dir` holds a throughput table this command wrote (its JSON says so)."""
+    return owned_json(Path(out_dir) / MANIFEST, COMMAND, is_table)
+
+
+def check_out_dir(out_dir: str | os.PathLike[str], *, overwrite: bool, record: bool = False) -> None:
+    """Refuse, before any work, an --out whose files this command would replace without being its
+    own previous table, or (its own) without --overwrite; in the results of record, without
+    `make throughput-table` (`record=True`). See :func:`gpipe_repro.report.records.check_outputs`."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file, not a directory: give a directory")
+    check_outputs([out / name for name in OWN_FILES], command=COMMAND, option="--out",
+                  overwrite=overwrite, own=lambda _: owns(out), make_target=COMMAND, record=record)
 
 
 def check_overwrite(out_dir: str | os.PathLike[str], *, measuring: bool) -> None:
@@ -67,7 +101,7 @@ def write_outputs(payload: dict[str, Any], out_dir: str | os.PathLike[str],
         if png is not None:
             payload["gantt_measured"] = {"file": png.name, "config": key}
             written.append(png)
-    json_path = write_json(out / "throughput_table.json", payload)
+    json_path = write_json(out / MANIFEST, {**payload, "written_by": COMMAND})
     payload = read_json(json_path)        # with the environment write_json embedded
     validation_path = out / "validation.json"
     validation = read_json(validation_path) if validation_path.exists() else None
@@ -85,7 +119,8 @@ def draw_gantt(timeline: Any, path: Path, title: str) -> Path:
 
 def log_to_wandb(payload: dict[str, Any], files: Sequence[Path]) -> None:
     """Tables, figures and the targets to W&B (offline by default) through RunLogger."""
-    with RunLogger("gpipe-repro", config=payload["settings"], dir="results/runs/throughput-table",
+    with RunLogger("gpipe-repro", config=payload["settings"],
+                   dir=results_root() / "runs" / "throughput-table",
                    name="throughput-table", tags=["throughput"]) as run:
         headers = ["model", "K", "M", "balance", "simulated_normalized", "measured_normalized",
                    "measured_host", "measured_idle_fraction", "paper", "torchgpipe",

@@ -1,0 +1,120 @@
+"""fit / plan / plan-replicas / pipeline: a user's mistake is a one-line usage error (exit code 2,
+exit code 1 being "does not fit"), given before any work; --out / --timeline / --gantt never replace a
+file the command did not write, and replace its own only with --overwrite."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from gpipe_repro.cli import app
+from gpipe_repro.commands import memory as memory_command
+
+TINY = ["transformer-lm", "--L", "2", "--d-model", "32", "--d-ff", "64", "--num-heads", "2",
+        "--vocab-size", "100", "--seq-len", "8", "--batch-size", "8"]
+
+
+@pytest.fixture
+def no_planning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building the model is the work: these errors must come before it."""
+    def refuse(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("the planner was built before the options were checked")
+    monkeypatch.setattr(memory_command, "_planner", refuse)
+
+
+def _usage_error(args: list[str], *, says: str) -> None:
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert isinstance(result.exception, SystemExit)       # no traceback
+    assert says in " ".join(result.output.replace("│", " ").split()), result.output
+
+
+@pytest.mark.parametrize("args, says", [
+    (["fit", "transformer-lm", "--k", "2", "--balance", "a,b"], "--balance takes integers"),
+    (["fit", "transformer-lm", "--memory", "nan"], "--memory must be a number > 0"),
+    (["fit", "transformer-lm", "--memory", "inf"], "--memory must be a number > 0"),
+    (["plan", "transformer-lm", "--tflops", "0"], "--tflops must be a number > 0"),
+    (["plan", "transformer-lm", "--link", "x"], "--link must be one of"),
+    (["plan", "transformer-lm", "--memory", "nan"], "--memory must be a number > 0"),
+])
+def test_planner_mistakes_are_usage_errors_before_any_work(no_planning: None, args: list[str],
+                                                           says: str) -> None:
+    _usage_error(args, says=says)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["plan-replicas", "transformer-lm", "--algorithm", "x"], "--algorithm must be one of ring, tree"),
+    (["plan-replicas", "transformer-lm", "--tflops", "0"], "--tflops must be a number > 0"),
+    (["plan-replicas", "transformer-lm", "--link", "x"], "--link must be one of"),
+    (["plan-replicas", "transformer-lm", "--m", "4,x"], "--m takes integers"),
+    (["plan-replicas", "transformer-lm", "--L", "0"], "needs at least one layer"),
+    (["fit", "transformer-lm", "--L", "0"], "needs at least one layer"),
+])
+def test_plan_replicas_and_model_size_mistakes_are_usage_errors(args: list[str], says: str) -> None:
+    _usage_error(args, says=says)
+
+
+def test_fit_out_is_checked_before_any_work(no_planning: None, tmp_path: Path) -> None:
+    _usage_error(["fit", "transformer-lm", "--out", str(tmp_path)], says="is a directory")
+    (tmp_path / "f").write_text("x")
+    _usage_error(["fit", "transformer-lm", "--out", str(tmp_path / "f" / "p.json")],
+                 says="is a file, not a directory")
+    mine = tmp_path / "plan.json"
+    mine.write_text("my precious\n")
+    for extra in ([], ["--overwrite"]):
+        _usage_error(["fit", "transformer-lm", "--out", str(mine), *extra],
+                     says="is not a previous `gpipe-repro fit` output")
+        _usage_error(["plan", "transformer-lm", "--out", str(mine), *extra],
+                     says="is not a previous `gpipe-repro plan` output")
+    assert mine.read_text() == "my precious\n"
+
+
+def test_fit_out_creates_parents_and_replaces_its_own_only_with_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "no" / "such" / "fit.json"
+    first = CliRunner().invoke(app, ["fit", *TINY, "--out", str(out)])
+    assert first.exit_code in (0, 1), first.output
+    assert json.loads(out.read_text())["written_by"] == "fit"
+    _usage_error(["fit", *TINY, "--out", str(out)], says="pass --overwrite")
+    again = CliRunner().invoke(app, ["fit", *TINY, "--out", str(out), "--overwrite"])
+    assert again.exit_code in (0, 1), again.output
+    # an output written before the stamp existed counts as the command's own
+    legacy = tmp_path / "legacy.json"
+    legacy.write_text(json.dumps({"model": "m", "budget_gib": 1, "fits": True, "plan": {},
+                                  "advice": [], "method": "simulated"}))
+    assert CliRunner().invoke(app, ["fit", *TINY, "--out", str(legacy), "--overwrite"]).exit_code in (0, 1)
+
+
+@pytest.fixture
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpipe_repro.distributed import launcher
+
+    def refuse(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("stage processes started before the output paths were checked")
+    monkeypatch.setattr(launcher, "launch_local", refuse)
+
+
+def test_pipeline_never_replaces_a_users_timeline_or_gantt(no_launch: None, tmp_path: Path) -> None:
+    mine = tmp_path / "tl.json"
+    mine.write_text("mine\n")
+    for extra in ([], ["--overwrite"]):
+        _usage_error(["pipeline", "--timeline", str(mine), *extra],
+                     says="is not a previous `gpipe-repro pipeline` output")
+        _usage_error(["pipeline", "--gantt", str(mine), *extra],
+                     says="is not a previous `gpipe-repro pipeline` output")
+    assert mine.read_text() == "mine\n"
+
+
+def test_pipeline_replaces_its_own_files_only_with_overwrite(no_launch: None, tmp_path: Path) -> None:
+    from gpipe_repro.report.records import write_json
+
+    timeline = write_json(tmp_path / "d" / "timeline.json",
+                          {"method": "measured", "options": {}, "timeline": {}, "written_by": "pipeline"})
+    (tmp_path / "d" / "gantt.png").write_bytes(b"an earlier chart")   # its own: beside its timeline
+    _usage_error(["pipeline", "--out", str(tmp_path / "d")], says="pass --overwrite")
+    _usage_error(["pipeline", "--timeline", str(timeline)], says="pass --overwrite")
+    # with --overwrite the checks pass and the (refused) launch is reached
+    result = CliRunner().invoke(app, ["pipeline", "--out", str(tmp_path / "d"), "--overwrite"])
+    assert isinstance(result.exception, AssertionError) and "stage processes" in str(result.exception)

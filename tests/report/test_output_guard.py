@@ -1,0 +1,136 @@
+"""The shared rule for files a command writes where it was told (records.check_outputs), the stamps
+that tell a command's own files from a user's, and $GPIPE_REPRO_RESULTS for every results writer."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpipe_repro.report import records
+from gpipe_repro.report.records import (
+    OutputRefused,
+    check_outputs,
+    owned_json,
+    results_dir,
+    results_root,
+    stamp,
+    write_json,
+    written_by,
+)
+
+
+def _check(paths: list[Path], **kw: Any) -> None:
+    check_outputs(paths, command="fit", option="--out", **{"overwrite": False, **kw})
+
+
+def test_new_paths_are_fine_and_missing_parents_are_allowed(tmp_path: Path) -> None:
+    _check([tmp_path / "a.json", tmp_path / "no" / "such" / "b.json"])
+
+
+def test_a_users_file_is_refused_even_with_overwrite(tmp_path: Path) -> None:
+    mine = tmp_path / "plan.json"
+    mine.write_text("my precious\n")
+    for overwrite in (False, True):
+        with pytest.raises(OutputRefused, match="not a previous `gpipe-repro fit` output"):
+            _check([mine], overwrite=overwrite)
+    with pytest.raises(OutputRefused, match="not a previous"):
+        _check([mine], record=True)                  # not even the make target replaces it
+    assert mine.read_text() == "my precious\n"
+
+
+def test_own_output_needs_overwrite(tmp_path: Path) -> None:
+    own = write_json(tmp_path / "plan.json", stamp({"x": 1}, "fit"))
+    assert written_by(own) == "fit"
+    with pytest.raises(OutputRefused, match="pass --overwrite"):
+        _check([own])
+    _check([own], overwrite=True)
+    _check([own], record=True)                       # the make target: its own output, no flag
+    with pytest.raises(OutputRefused, match="not a previous `gpipe-repro plan`"):
+        check_outputs([own], command="plan", option="--out", overwrite=True)
+
+
+def test_directories_and_files_in_the_way_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(OutputRefused, match="is a directory"):
+        _check([tmp_path])
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OutputRefused, match="is a file, not a directory"):
+        _check([tmp_path / "f" / "plan.json"])
+
+
+def test_results_of_record_change_only_through_the_make_target(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(records, "checkout_results", lambda: tmp_path / "results")
+    own = write_json(tmp_path / "results" / "throughput" / "t.json", stamp({}, "throughput-table"))
+    with pytest.raises(OutputRefused, match="of record.*`make throughput-table`"):
+        check_outputs([own], command="throughput-table", option="--out", overwrite=True,
+                      make_target="throughput-table")
+    check_outputs([own], command="throughput-table", option="--out", overwrite=False,
+                  make_target="throughput-table", record=True)
+    elsewhere = write_json(tmp_path / "mine" / "t.json", stamp({}, "throughput-table"))
+    check_outputs([elsewhere], command="throughput-table", option="--out", overwrite=True)
+
+
+def test_legacy_outputs_are_recognized_only_by_their_shape(tmp_path: Path) -> None:
+    old = write_json(tmp_path / "old.json", {"table2": {}, "settings": {}})
+    assert owned_json(old, "throughput-table", lambda d: "table2" in d)
+    assert not owned_json(old, "throughput-table")
+    other = write_json(tmp_path / "other.json", stamp({"table2": {}}, "memory-table"))
+    assert not owned_json(other, "throughput-table", lambda d: "table2" in d)
+
+
+def test_a_gantt_png_carries_its_writer(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from gpipe_repro.engine.timeline import Timeline
+    from gpipe_repro.report.gantt import render_gantt
+
+    stamped = render_gantt(Timeline(2), tmp_path / "g.png", written_by="pipeline")
+    plain = render_gantt(Timeline(2), tmp_path / "p.png")
+    assert written_by(stamped) == "pipeline"
+    assert written_by(plain) is None
+    (tmp_path / "x.png").write_bytes(b"not a png")
+    assert written_by(tmp_path / "x.png") is None
+
+
+def test_results_root_honours_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path / "r"))
+    assert results_root() == tmp_path / "r"
+    assert results_dir("x") == tmp_path / "r" / "x" and (tmp_path / "r" / "x").is_dir()
+    monkeypatch.delenv("GPIPE_REPRO_RESULTS")
+    assert results_root() == Path("results")
+
+
+def test_gpu_check_default_and_probe_default_honour_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from gpipe_repro.repro import probe_gpu_microbatches as probe
+    from gpipe_repro.repro.gpu_check import default_out_dir
+
+    monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path))
+    assert default_out_dir("cpu").parent == tmp_path / "gpu"
+    path = probe.json_path(probe._DEFAULT, torch.device("cpu"))
+    assert path is not None and path.parent.parent == tmp_path / "gpu"
+
+
+def test_wandb_folders_of_the_tables_honour_the_environment(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpipe_repro.repro.throughput import outputs
+
+    seen: list[Path] = []
+
+    class Logger:
+        def __init__(self, *args: Any, dir: Path, **kw: Any) -> None:
+            seen.append(Path(dir))
+
+        def __enter__(self) -> Any:
+            raise RuntimeError("stop")
+
+        def __exit__(self, *exc: Any) -> None:
+            return None
+
+    monkeypatch.setattr(outputs, "RunLogger", Logger)
+    monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path))
+    with pytest.raises(RuntimeError, match="stop"):
+        outputs.log_to_wandb({"settings": {}}, [])
+    assert seen == [tmp_path / "runs" / "throughput-table"]

@@ -1,0 +1,184 @@
+"""throughput-table, validate-sim, memory-table and `throughput --model`: their output directory (or
+--json file) is checked before any work: a user's file is never replaced, the command's own only with
+--overwrite, the results of record only by the make target (the experiments' entry points pass
+record=True); the default honours $GPIPE_REPRO_RESULTS. And `throughput --model` mistakes are
+one-line usage errors before the timing work."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpipe_repro.report import records
+from gpipe_repro.report.records import write_json
+
+
+def _no_work(*args: Any, **kw: Any) -> Any:
+    raise AssertionError("the work started before the output directory was checked")
+
+
+@pytest.fixture
+def table(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from gpipe_repro.repro import throughput_table
+    monkeypatch.setattr(throughput_table, "run_with_progress", _no_work)
+    return throughput_table
+
+
+def _refused(main: Any, argv: list[str], capsys: pytest.CaptureFixture[str], says: str,
+             **kw: Any) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv, **kw)
+    assert exit_.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert says in err, err
+
+
+def test_throughput_table_refuses_a_users_file(table: Any, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "speedup.png").write_text("my plot")
+    for extra in ([], ["--overwrite"]):
+        _refused(table.main, ["--no-measure", "--out", str(tmp_path), *extra], capsys,
+                 "not a previous `gpipe-repro throughput-table` output")
+    assert (tmp_path / "speedup.png").read_text() == "my plot"
+
+
+def test_throughput_table_replaces_its_own_only_with_overwrite(table: Any, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    write_json(tmp_path / "throughput_table.json", {"table2": {}, "table3": {}, "settings": {}})
+    (tmp_path / "speedup.png").write_text("its own plot")
+    _refused(table.main, ["--no-measure", "--out", str(tmp_path)], capsys, "pass --overwrite")
+    with pytest.raises(AssertionError, match="work started"):      # checks passed: the work is next
+        table.main(["--no-measure", "--out", str(tmp_path), "--overwrite"])
+
+
+def test_results_of_record_only_through_the_make_target(table: Any, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(records, "checkout_results", lambda: tmp_path)
+    monkeypatch.chdir(tmp_path.parent)
+    monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path))      # the default: $GPIPE_REPRO_RESULTS
+    write_json(tmp_path / "throughput" / "throughput_table.json",
+               {"table2": {}, "table3": {}, "settings": {}, "written_by": "throughput-table"})
+    _refused(table.main, ["--no-measure", "--overwrite"], capsys, "`make throughput-table`")
+    with pytest.raises(AssertionError, match="work started"):
+        table.main(["--no-measure"], record=True)
+
+
+def test_the_make_targets_entry_points_pass_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    import runpy
+
+    for module, experiment in (("gpipe_repro.repro.throughput_table", "experiments.throughput_table"),
+                               ("gpipe_repro.repro.validate_simulator", "experiments.validate_simulator"),
+                               ("gpipe_repro.repro.memory_table", "experiments.memory_table")):
+        seen: list[Any] = []
+        monkeypatch.setattr(f"{module}.main", lambda *a, seen=seen, **kw: seen.append(kw))
+        runpy.run_module(experiment, run_name="__main__")
+        assert seen == [{"record": True}], experiment
+
+
+def test_validate_sim_refuses_a_users_page_before_measuring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from gpipe_repro.repro import validate_simulator as vs
+    monkeypatch.setattr(vs, "distributed_measure", _no_work)
+    monkeypatch.setattr(vs, "validate_simulator", _no_work)
+    monkeypatch.setattr(vs, "usable_cores", lambda: 8)       # --ks 2 fits whatever this host has
+    (tmp_path / "validation.md").write_text("my own page\n")
+    for extra in ([], ["--overwrite"]):
+        _refused(vs.main, ["--ks", "2", "--out", str(tmp_path), *extra], capsys,
+                 "not a previous `gpipe-repro validate-sim` output")
+    assert (tmp_path / "validation.md").read_text() == "my own page\n"
+    # its own earlier validation: only with --overwrite
+    (tmp_path / "validation.md").unlink()
+    write_json(tmp_path / "validation.json", {"rows": [], "summary": {}, "written_by": "validate-sim"})
+    (tmp_path / "validation.md").write_text("its own page\n")
+    _refused(vs.main, ["--ks", "2", "--out", str(tmp_path)], capsys, "pass --overwrite")
+    with pytest.raises(AssertionError, match="work started"):
+        vs.main(["--ks", "2", "--out", str(tmp_path), "--overwrite"])
+
+
+def test_validate_sim_default_honours_the_environment(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpipe_repro.repro import validate_simulator as vs
+    monkeypatch.setattr(vs, "validate_simulator", _no_work)
+    monkeypatch.setattr(vs, "distributed_measure", lambda *a, **kw: None)
+    monkeypatch.setattr(vs, "usable_cores", lambda: 8)
+    monkeypatch.setattr(vs, "check_out_dir", lambda out, **kw: (_ for _ in ()).throw(
+        AssertionError(f"out={out}")))
+    monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path))
+    with pytest.raises(AssertionError, match=f"out={tmp_path / 'throughput'}"):
+        vs.main(["--ks", "2"])
+
+
+def test_memory_table_checks_its_directory_before_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    import gpipe_repro.repro.memory_table as mt
+    monkeypatch.setattr(mt, "run", _no_work)
+    (tmp_path / "memory_table.md").write_text("mine\n")
+    _refused(mt.main, ["--out", str(tmp_path), "--overwrite"], capsys,
+             "not a previous `gpipe-repro memory-table` output")
+    monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path / "r"))
+    write_json(tmp_path / "r" / "memory" / "memory_table.json",
+               {"transformer": {}, "scaling": {}, "validation": {}, "settings": {}})
+    _refused(mt.main, [], capsys, "pass --overwrite")                 # the default is under $…RESULTS
+    with pytest.raises(AssertionError, match="work started"):
+        mt.main(["--overwrite"])
+
+
+# ----------------------------------------------------------------------------- throughput --model
+
+@pytest.fixture
+def own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "review_model.py").write_text(textwrap.dedent("""
+        from torch import nn
+        def layers(width=64, depth=2):
+            out = []
+            for i in range(depth):
+                out += [nn.Linear(width if i else 32, width), nn.ReLU()]
+            return nn.Sequential(*out, nn.Linear(width, 10))
+        def notseq():
+            return 42
+        def strings():
+            return ["a", "b"]
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from gpipe_repro.repro import simulate_model
+    monkeypatch.setattr(simulate_model, "simulate_model", _no_work)
+    return "review_model"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--model", "{m}:layers", "--input-shape", "31"],
+     "--input-shape (31) does not fit the model: its first layer raised: RuntimeError"),
+    (["--model", "{m}:layers", "--input-shape", "-3"], "--input-shape takes sizes >= 1"),
+    (["--model", "{m}:layers", "--input-shape", "0"], "--input-shape takes sizes >= 1"),
+    (["--model", "{m}:notseq", "--input-shape", "32"], "must return an nn.Sequential or a list of "
+                                                       "nn.Module layers; it returned int"),
+    (["--model", "{m}:strings", "--input-shape", "32"], "it returned str"),
+    (["--model", "{m}:layers", "--input-shape", "32", "--option", "width=abc"],
+     "building the model raised TypeError"),
+    (["--model", "{m}:layers", "--input-shape", "32", "--repeats", "0"], "--repeats must be >= 1"),
+    (["--model", "{m}:layers", "--input-shape", "32", "--k", "0"], "--k must be >= 1"),
+])
+def test_own_model_mistakes_are_usage_errors_before_the_timing(own_model: str, args: list[str], says: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from gpipe_repro.repro import simulate_model
+    argv = [a.format(m=own_model) for a in args]
+    if "--k" not in argv:
+        argv += ["--k", "2"]
+    _refused(simulate_model.main, [*argv, "--m", "4", "--no-validate"], capsys, says)
+
+
+def test_own_model_json_is_checked_before_the_timing(own_model: str, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from gpipe_repro.repro import simulate_model
+    mine = tmp_path / "r.json"
+    mine.write_text("mine\n")
+    argv = ["--model", f"{own_model}:layers", "--input-shape", "32", "--k", "2", "--m", "4",
+            "--json", str(mine)]
+    _refused(simulate_model.main, [*argv, "--overwrite"], capsys, "not a previous `gpipe-repro throughput`")
+    write_json(mine, {"k": 2, "written_by": "throughput"})
+    _refused(simulate_model.main, argv, capsys, "pass --overwrite")
+    with pytest.raises(AssertionError, match="work started"):       # a shape that fits: on to the work
+        simulate_model.main([*argv, "--overwrite"])
