@@ -182,9 +182,23 @@ class RunLogger:
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl, in logging order."""
+    """The rows of a metrics.jsonl, in logging order. A last line cut off (the disk filled up, or
+    the power went, while it was written: each row is one write, so nothing else tears) is left
+    out; an unreadable line before the last is an error naming the file and the line."""
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.read().split("\n")
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError as e:
+            if number == len(lines):      # no newline after it: the last write was cut off
+                continue
+            raise ValueError(f"{path}, line {number}, is not a JSON row ({e}): repair or remove that "
+                             "line, then run again") from e
+    return rows
 
 
 def resolve_mode(mode: str | None) -> str:

@@ -134,3 +134,15 @@ def test_wandb_folders_of_the_tables_honour_the_environment(tmp_path: Path,
     with pytest.raises(RuntimeError, match="stop"):
         outputs.log_to_wandb({"settings": {}}, [])
     assert seen == [tmp_path / "runs" / "throughput-table"]
+
+
+def test_a_torn_last_metrics_row_is_left_out_and_a_bad_middle_row_is_named(tmp_path: Path) -> None:
+    """A full disk or a power loss can cut the last row of metrics.jsonl; resuming reads the rows
+    (read_metrics) and used to fail with a bare JSON error naming neither file nor line."""
+    from gpipe_repro.report.wandb_log import read_metrics
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 99, "train/lo')
+    assert read_metrics(path) == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+    path.write_text('{"step": 1}\n{"step": 2, "tr\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2, is not a JSON row"):
+        read_metrics(path)
