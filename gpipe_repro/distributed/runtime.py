@@ -23,6 +23,7 @@ matching send started) so the breakdown can tell waiting for a producer from mov
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import time
 from collections import defaultdict
@@ -55,6 +56,8 @@ from gpipe_repro.engine.rng import preserved_rng
 from gpipe_repro.engine.schedule import COMPUTE, RECVS, SENDS, Action, ActionKind, Schedule, ScheduleError
 from gpipe_repro.engine.stage import Agreement, StageExecutor, StepConfig
 from gpipe_repro.engine.timeline import Event, Timeline
+
+BATCH_CHECK_TAG = (1 << 30) + 1   # above every transport tag (transport._tag) on a shared group
 
 # what GPipe(runtime=...) loads
 __all__ = ["StageProcess", "init_distributed", "broadcast_object", "gather_object", "Layout"]
@@ -131,32 +134,50 @@ class StageProcess:
     def check_same_batch(self, key: Any) -> None:
         """Before any work of a step, check every rank was given the same mini-batch (`key`: its
         batch size, shapes, dtypes and plain values, M and the mode; the global mini-batch with
-        replicas) and raise ValueError on every rank if not. Every step: a rank given another batch
-        size at step 5 would otherwise post receives of the wrong shapes and wait out the timeout,
-        and the error would blame a healthy peer. One all-reduce of a 63-bit hash of the key on the
-        control group (microseconds next to a step); the keys themselves are gathered only to say
-        how they differ."""
+        replicas). Every step: a rank given another batch size at step 5 would otherwise post
+        receives of the wrong shapes and wait out the timeout, and the error would blame a healthy
+        peer.
+
+        A ring of point-to-point messages over the job (rank r sends a 63-bit hash of its key to
+        r+1 and compares r-1's with its own): two 8-byte messages per rank and step, and a peer
+        that is gone is named (a collective could not say which). A rank whose predecessor's key
+        differs raises ValueError; the others then lose it and stop."""
         self._check_usable()
-        digest = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "big") >> 1
-        both = torch.tensor([digest, -digest], dtype=torch.int64)
-        try:
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.control)
-        except Exception as e:     # gloo: a peer's connection is gone
-            self._failed = f"checking the batch: {type(e).__name__}: {str(e)[:200]}"
-            raise PeerFailure(f"rank {self.global_rank} lost a rank while checking that every rank "
-                              f"has the same batch (it died or failed): {e}", None) from e
-        if int(both[0]) == -int(both[1]) == digest:
+        world, me = self.layout.world_size, self.global_rank
+        if world == 1:
             return
-        everyone: list[Any] = [None] * self.layout.world_size
-        dist.all_gather_object(everyone, key, group=self.control)
-        odd = [r for r, k in enumerate(everyone) if k != everyone[0]]
-        global_ = " GLOBAL" if self.layout.replicas > 1 else ""
-        raise ValueError(
-            f"the ranks were given different mini-batches (ranks {odd} differ from rank 0): every rank "
-            f"must call train_step/forward with the same{global_} mini-batch (same batch size, shapes "
-            f"and dtypes) and build GPipe with the same micro_batches"
-            + ("; each replica takes its slice of it" if global_ else "")
-            + f". rank 0: {str(everyone[0])[:300]}; rank {odd[0]}: {str(everyone[odd[0]])[:300]}")
+        digest = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "big") >> 1
+        mine = torch.tensor([digest], dtype=torch.int64)
+        theirs = torch.empty(1, dtype=torch.int64)
+        nxt, prv = (me + 1) % world, (me - 1) % world
+        timeout = datetime.timedelta(seconds=self.context.timeout_s)
+
+        def lost(peer: int, doing: str, e: Exception) -> PeerFailure:
+            self._failed = f"checking the batch, rank {peer} was gone"
+            return PeerFailure(f"rank {me} lost rank {peer} while {doing} (it died, failed or did not "
+                               f"answer within {self.context.timeout_s:g} s): {e}", peer)
+        try:
+            sent = dist.isend(mine, nxt, group=self.control, tag=BATCH_CHECK_TAG)
+        except Exception as e:  # gloo: the peer's connection is gone
+            raise lost(nxt, "sending it the batch check", e) from e
+        try:
+            received = dist.irecv(theirs, prv, group=self.control, tag=BATCH_CHECK_TAG)
+            assert received is not None and sent is not None    # every rank is in the group
+            received.wait(timeout)
+        except Exception as e:
+            raise lost(prv, "receiving its batch check", e) from e
+        try:
+            sent.wait(timeout)
+        except Exception as e:
+            raise lost(nxt, "sending it the batch check", e) from e
+        if int(theirs[0]) != digest:
+            global_ = " GLOBAL" if self.layout.replicas > 1 else ""
+            raise ValueError(
+                f"rank {me} and rank {prv} were given different mini-batches: every rank must call "
+                f"train_step/forward with the same{global_} mini-batch (same batch size, shapes and "
+                "dtypes) and build GPipe with the same micro_batches"
+                + ("; each replica takes its slice of it" if global_ else "")
+                + f". Rank {me} has {str(key)[:300]}")
 
     # -- steps --------------------------------------------------------------------------------------
     def train_step(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any],

@@ -111,7 +111,8 @@ def test_ranks_given_different_inputs_fail_with_a_clear_error() -> None:
     try:
         launch_local(train_with_rank_dependent_batch, 2, timeout=10)
     except JobFailed as e:
-        assert e.rank == 1 and "were given different inputs" in str(e)
+        assert "rank 1 and rank 0 were given different mini-batches" in str(e) or \
+            "rank 0 and rank 1 were given different mini-batches" in str(e), str(e)
     else:
         raise AssertionError("ranks with different input shapes were not detected")
 
