@@ -57,6 +57,8 @@ def test_workers_end_when_torchrun_is_killed(tmp_path: Path) -> None:
     import os
     import signal
     import time
+
+    from tests.distributed.test_faults import alive
     script = tmp_path / "endless.py"
     script.write_text(ENDLESS)
     log = (tmp_path / "out.txt").open("w")
@@ -74,12 +76,6 @@ def test_workers_end_when_torchrun_is_killed(tmp_path: Path) -> None:
         job.send_signal(signal.SIGKILL)
         job.wait()
 
-        def alive(pid: int) -> bool:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-            except OSError:
-                return False
         deadline = time.monotonic() + 30
         while any(alive(p) for p in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
