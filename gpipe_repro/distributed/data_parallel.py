@@ -30,9 +30,9 @@ bucket carries one presence flag per parameter.
 **Gradients as views of the buckets** (DDP's ``gradient_as_bucket_view=True``). Each bucket is one
 flat tensor kept for the whole run. At launch a gradient is copied into its place there (unless it
 already is that place), and after the all-reduce ``p.grad`` *is* that place: a view of the bucket,
-summed in place. So a step costs one copy of the gradients and no allocation, against a fresh
-concatenation and a copy back per step before (on the 2-core CPU host a 16 MB bucket's
-allocation, first touch and two copies cost about as much as its loopback all-reduce). The catch
+summed in place. So a step costs one copy of the gradients into the bucket, against a fresh
+concatenation (allocated and first touched every step) and a copy back before; autograd still
+makes each step's gradients anew (the engine starts every step with ``p.grad = None``). The catch
 is DDP's: a reference to ``p.grad`` kept past the next step sees that step's gradient.
 """
 from __future__ import annotations

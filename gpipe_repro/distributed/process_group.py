@@ -166,6 +166,8 @@ def watch_parent(interval_s: float = 1.0) -> None:
     if _parent_watch is not None:
         return
     parent = os.getppid()
+    if not _is_torchrun(parent):   # a process a worker started (its own eval job, say): not ours
+        return
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -177,6 +179,17 @@ def watch_parent(interval_s: float = 1.0) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     _parent_watch = threading.Thread(target=watch, daemon=True, name="gpipe-parent-watch")
     _parent_watch.start()
+
+
+def _is_torchrun(pid: int) -> bool:
+    """Whether process `pid` is torchrun (its command line runs torch.distributed.run)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read().replace(b"\0", b" ")
+    except OSError:
+        return False
+    return b"torchrun" in command or b"torch.distributed.run" in command \
+        or b"torch/distributed/run.py" in command
 
 
 def broadcast_object(obj: Any) -> Any:

@@ -64,7 +64,11 @@ def exact_mean(loss_fn: Any) -> tuple[Any, Callable[[torch.Tensor], float] | Non
     """`loss_fn` as the stages should call it, and the denominator function of the mini-batch's
     targets: ``(SummedLoss(loss_fn), denominator)`` for a ``reduction="mean"``
     ``nn.CrossEntropyLoss`` or ``nn.NLLLoss`` (see the module docstring); ``(loss_fn, None)`` for
-    anything else."""
-    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and loss_fn.reduction == "mean":
+    anything else: a subclass with its own ``forward`` (a focal loss, an added term) is the user's
+    computation and runs as given, weighted n_m / N as any mean loss; so does a function wrapping
+    cross-entropy. Where such a mean depends on padding or class weights, return ``(sum, count)``
+    to make it exact."""
+    stock = getattr(type(loss_fn), "forward", None) in (nn.CrossEntropyLoss.forward, nn.NLLLoss.forward)
+    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and stock and loss_fn.reduction == "mean":
         return SummedLoss(loss_fn), lambda target: denominator(loss_fn, target)
     return loss_fn, None

@@ -11,10 +11,9 @@ Decisions (the issue was silent):
 - **weak scaling**: the planner's mini-batch is each replica's; the job trains R x N examples per
   step (the paper's "replicate this pipeline 8 times"). Comparing K's at a fixed global batch would
   need one memory planner per replica batch;
-- **memory**: the runtime's gradient buckets hold a flat copy of the stage's gradients from its last
-  backward to AGREE (:mod:`gpipe_repro.distributed.data_parallel`), so with R > 1 each stage's peak is
-  counted as its planned peak plus its gradient bytes (conservative: after the last backward most
-  activations are already freed).
+- **memory**: the runtime's gradient buckets are a flat copy of the stage's gradients, kept for the
+  whole run (the summed gradients are views of them: :mod:`gpipe_repro.distributed.data_parallel`),
+  so with R > 1 each stage's peak is counted as its planned peak plus its gradient bytes.
 """
 from __future__ import annotations
 

@@ -236,6 +236,8 @@ class _Run:
             memory = ranks.gather_metrics(pipeline_memory(self.pipe), self.rank)
         except BaseException:
             self.logger.finish(exit_code=1)
+            if self.directory is not None:     # what the failed run wrote is its own, for the next
+                self.directory.update()
             raise
         return self.finish(status, done, memory, stop.signal if status == "interrupted" else None)
 
@@ -305,7 +307,7 @@ class _Run:
             if bad:           # never leave a checkpoint that cannot be resumed from
                 raise FloatingPointError(
                     f"the training diverged: after step {done} {len(bad)} tensors of the model or "
-                    f"optimizer state are not finite (e.g. {bad[0]}); no checkpoint was saved for this "
+                    f"optimizer state hold a NaN or +inf (e.g. {bad[0]}); no checkpoint was saved for this "
                     "step, so --resume would continue from the last finite one. Lower the learning "
                     "rate and start the run again")
             save_checkpoint(checkpoint_path(self.config.checkpoint_dir, done), state,
@@ -327,11 +329,13 @@ class _Run:
 
 
 def _non_finite(value: Any, path: str = "") -> list[str]:
-    """The paths of the floating tensors in a (nested) checkpoint state that hold a NaN or an inf:
+    """The paths of the floating tensors in a (nested) checkpoint state that hold a NaN or a +inf:
     weights, BatchNorm statistics (a running variance overflows before the loss does), optimizer
-    moments."""
+    moments. A -inf is left alone: a causal mask buffer holds them on purpose (and a weight that
+    diverged to -inf makes the loss non-finite, which the step catches)."""
     if isinstance(value, torch.Tensor):
-        return [path or "."] if value.is_floating_point() and not bool(torch.isfinite(value).all()) else []
+        bad = value.is_floating_point() and bool((torch.isnan(value) | (value == float("inf"))).any())
+        return [path or "."] if bad else []
     if isinstance(value, dict):
         return [p for k, v in value.items() for p in _non_finite(v, f"{path}/{k}")]
     if isinstance(value, (list, tuple)):

@@ -33,7 +33,7 @@ RUNS_DIR = Path("runs")
 RECORD_DIR = Path("results") / "training"
 LEGACY_FILES = ("metrics.jsonl", "run.json", "summary.json", "summary.md", "curves.png")
 LEGACY_DIRS = ("wandb/", "tables/", "images/")     # RunLogger's folders
-_CHECKPOINT = re.compile(r"^checkpoints/step-\d+\.pt$")
+_CHECKPOINT = re.compile(r"^checkpoints/\.?step-\d+\.pt(\..*\.tmp)?$")   # and a save cut short
 
 
 def _files(run_dir: Path) -> set[str]:
@@ -129,14 +129,15 @@ def check_run_dir(run_dir: Path, task: str, *, resume: bool, overwrite: bool = F
             f"{RUNS_DIR}/<name>-N")
 
 
-def clear_run(run_dir: Path) -> list[str]:
+def clear_run(run_dir: Path, also: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Delete what a previous run created in `run_dir` (its manifest's files, checkpoints included,
-    finished or not) and nothing else; empty folders it made inside go too, never `run_dir` itself.
-    Returns the files deleted."""
+    finished or not, and `also`) and nothing else; empty folders it made inside go too, never
+    `run_dir` itself. Returns the files deleted."""
     if not run_dir.is_dir():
         return []
     present = _files(run_dir)
     _, ours = run_owner(run_dir)
+    ours = ours | set(also)
     deleted = sorted(ours & present)
     for rel in deleted:
         (run_dir / rel).unlink(missing_ok=True)
@@ -158,9 +159,11 @@ class RunDirectory:
         check_run_dir(path, task, resume=resume, overwrite=overwrite)
         self.path, self.task = path, task
         present = _files(path) if path.is_dir() else set()
-        _, ours = run_owner(path) if present else (None, set())
+        owner, ours = run_owner(path) if present else (None, set())
+        if owner == task:     # a run killed before its manifest listed them: still the run's kinds
+            ours |= {f for f in present if is_run_file(f)}
         if not resume:
-            clear_run(path)
+            clear_run(path, ours)
         self.foreign = (present - ours) if present else set()
         path.mkdir(parents=True, exist_ok=True)
         self.update()
@@ -191,12 +194,16 @@ def fresh_run_dir(name: str, base: Path = RUNS_DIR) -> Path:
     claimed (created, empty) here, atomically: two runs started together (a seed sweep) got the
     same directory when the name was chosen here and the directory made later, and the second
     deleted the first's files."""
-    base.mkdir(parents=True, exist_ok=True)
     existing = numbered(base, name)
     n = 0
     if existing:
         last = existing[-1].name
         n = int(last.rsplit("-", 1)[1]) if last != name else 1
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # under torchrun every rank runs the command and must name the same directory: chosen, not
+        # claimed (rank 0 creates it); runs started together must then be given --name or --out
+        return base / (name if n == 0 else f"{name}-{n + 1}")
+    base.mkdir(parents=True, exist_ok=True)
     while True:
         candidate = base / (name if n == 0 else f"{name}-{n + 1}")
         try:

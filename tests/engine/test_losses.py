@@ -105,3 +105,21 @@ def test_a_loss_with_trainable_parameters_is_refused() -> None:
             return nn.functional.cross_entropy(out / self.temperature, y)
     with pytest.raises(ValueError, match="loss_fn has trainable parameters.*temperature.*last layer"):
         GPipe(list(_model()), partitions=2, micro_batches=2, loss_fn=Tempered())
+
+
+def test_a_cross_entropy_subclass_with_its_own_forward_is_the_users_loss() -> None:
+    """Only the stock forward is run as summed losses over the denominator: a focal loss (or any
+    subclass computing something else) trains on what it computes, as plain PyTorch does."""
+    class Focal(nn.CrossEntropyLoss):
+        def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            logp = torch.log_softmax(out, 1).gather(1, y[:, None]).squeeze(1)
+            return (-(1 - logp.exp()) ** 2 * logp).mean()
+    layers = list(_model())
+    x, y = torch.randn(12, 6), torch.randint(0, 5, (12,))
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    expected = _plain(ref, [(x, y)], Focal())
+    pipe = GPipe(copy.deepcopy(layers), partitions=2, micro_batches=3, loss_fn=Focal(),
+                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9))
+    assert pipe.train_step(x, y) == pytest.approx(expected[0], rel=1e-5)
+    for p, q in zip(pipe.unpartitioned().parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)

@@ -250,3 +250,28 @@ def test_the_users_directory_itself_is_kept_and_names_are_plain(tmp_path: Path,
     for bad in ("../../escaped", "a/b", "..", ".hidden"):
         with pytest.raises(ValueError, match="not a plain folder name"):
             resolve_run_dir(bad, out=None, record=False, resume=False)
+
+
+def test_a_run_killed_before_its_manifest_listed_its_files_is_cleaned_by_the_next(tmp_path: Path) -> None:
+    """The manifest is rewritten at saves; a run that died before one still owns the files of its
+    kinds (metrics.jsonl, run.json, a checkpoint cut short), and --overwrite removes them: the new
+    run's metrics.jsonl must not start with the dead run's rows."""
+    run = tmp_path / "run"
+    RunDirectory(run, "amoebanet", resume=False)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (run / "run.json").write_text(json.dumps({"config": {"task_name": "amoebanet"}}))
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / ".step-00000002.pt.k3j2.tmp").write_text("half")
+    (run / "mine.txt").write_text("mine")
+    RunDirectory(run, "amoebanet", resume=False, overwrite=True)
+    assert not (run / "metrics.jsonl").exists() and not (run / "run.json").exists()
+    assert not (run / "checkpoints").exists() and (run / "mine.txt").read_text() == "mine"
+
+
+def test_under_torchrun_every_rank_names_the_same_fresh_directory(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    (tmp_path / "runs" / "x").mkdir(parents=True)
+    assert fresh_run_dir("x", tmp_path / "runs") == fresh_run_dir("x", tmp_path / "runs") == \
+        tmp_path / "runs" / "x-2"
+    assert not (tmp_path / "runs" / "x-2").exists()

@@ -334,3 +334,11 @@ def test_without_a_terminal_progress_is_a_plain_line_now_and_then(capsys: pytest
     time.sleep(0.02)
     silent.update(0, completed=5, loss=1.0, rate=1.0)
     assert capsys.readouterr().out == ""
+
+
+def test_a_minus_inf_mask_buffer_is_not_a_divergence() -> None:
+    from gpipe_repro.train.loop import _non_finite
+    mask = torch.full((4, 4), float("-inf")).triu(1)
+    assert _non_finite({"model": {"mask": mask, "w": torch.ones(2)}}) == []
+    assert _non_finite({"model": {"var": torch.tensor([1.0, float("inf")])}}) == ["/model/var"]
+    assert _non_finite({"opt": [torch.tensor([float("nan")])]}) == ["/opt/0"]
