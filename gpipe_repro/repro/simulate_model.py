@@ -76,7 +76,14 @@ def preflight(workload: Workload, batch: int, *, options: dict[str, Any]) -> str
     if not layers or not_layers:
         return (f"--model {workload.family} must return an nn.Sequential or a list of nn.Module "
                 f"layers; it returned {'nothing' if not layers else ', '.join(sorted(set(not_layers)))}")
-    x, _ = workload.sample(batch, "cpu")
+    seen: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        if id(layer) in seen:
+            return (f"--model {workload.family}: layers {seen[id(layer)]} and {i} are the same module "
+                    "object; a pipeline runs each layer once per micro-batch, so give each position "
+                    "its own module (copy.deepcopy it), or share weights inside one layer")
+        seen[id(layer)] = i
+    x, target = workload.sample(batch, "cpu")
     shape = "(" + ", ".join(map(str, workload.input_shape)) + ")"
     with torch.no_grad():
         for i, layer in enumerate(layers):
@@ -85,6 +92,13 @@ def preflight(workload: Workload, batch: int, *, options: dict[str, Any]) -> str
             except Exception as e:  # noqa: BLE001 - any failure here means the shape does not fit
                 where = "its first layer" if i == 0 else f"its layer {i} ({type(layer).__name__})"
                 return f"--input-shape {shape} does not fit the model: {where} raised: {_one_line(e)}"
+        try:
+            workload.loss_fn()(x, target)
+        except Exception as e:  # noqa: BLE001 - the output does not fit the targets
+            width = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            return (f"the model's output {width} does not fit its targets ({workload.kind}, "
+                    f"--classes {workload.classes}): the loss raised {_one_line(e)}; make --classes "
+                    "match the model's last layer")
     return None
 
 

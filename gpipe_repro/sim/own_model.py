@@ -111,9 +111,11 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
                       threads=threads, repeats=repeats, neighbours=neighbours)
     platform = platform_for(link)
     balance = choose_partition(calib.partition_costs(microbatch, checkpoint), k, objective)
+    # a step's fixed costs of stage processes (clock, agreement): none for one cell in one process
     sim = simulate_config(calib, balance, m, n, platform.link, checkpoint=checkpoint,
                           recompute_ahead=recompute_ahead, schedule=schedule,
-                          setup=platform.setup, teardown=platform.teardown)
+                          setup=platform.setup if k > 1 else 0.0,
+                          teardown=platform.teardown if k > 1 else 0.0)
     single = simulate_config(calib, [layers], 1, n, platform.link, checkpoint="never",
                              recompute_ahead=False, schedule=schedule)
     result = OwnModelResult(workload.name, k, m, microbatch, checkpoint, recompute_ahead, balance,

@@ -141,6 +141,9 @@ def own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
             return 42
         def strings():
             return ["a", "b"]
+        def tied():
+            shared = nn.Linear(32, 32)
+            return [shared, nn.ReLU(), shared, nn.Linear(32, 10)]
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     from gpipe_repro.repro import simulate_model
@@ -160,6 +163,9 @@ def own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
      "building the model raised TypeError"),
     (["--model", "{m}:layers", "--input-shape", "32", "--repeats", "0"], "--repeats must be >= 1"),
     (["--model", "{m}:layers", "--input-shape", "32", "--k", "0"], "--k must be >= 1"),
+    (["--model", "{m}:tied", "--input-shape", "32"], "layers 0 and 2 are the same module object"),
+    (["--model", "{m}:layers", "--input-shape", "32", "--classes", "500"],
+     "does not fit its targets (features, --classes 500)"),
 ])
 def test_own_model_mistakes_are_usage_errors_before_the_timing(own_model: str, args: list[str], says: str,
                                                                capsys: pytest.CaptureFixture[str]) -> None:

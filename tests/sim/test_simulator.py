@@ -403,3 +403,24 @@ def test_two_tables_are_compared_cell_by_cell_and_partition_by_partition() -> No
     assert "Every cell is simulated" in page
     assert "Run A: host Intel Xeon, commit abcdef1, costs: transformer time on cpu: Intel Xeon" in page
     assert "Run B: not recorded" in page
+
+
+def test_own_model_k1_is_its_own_baseline_and_in_place_layers_are_timed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """K=1 in one process pays no stage processes' per-step costs: it is 1.00x of one device (it
+    read 0.22x on the default link). A model with ReLU(inplace=True) is timed as the executor runs
+    it (a copy of the input it modifies), not refused by autograd."""
+    from gpipe_repro.models.workload import Workload
+    from gpipe_repro.sim.own_model import simulate_model
+    (tmp_path / "inplace_models_for_test.py").write_text(
+        "from torch import nn\n"
+        "def mlp():\n"
+        "    return [nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 32), nn.ReLU(inplace=True),\n"
+        "            nn.Linear(32, 5)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("GPIPE_REPRO_CACHE", str(tmp_path / "cache"))
+    work = Workload.create("in-place MLP", "inplace_models_for_test:mlp", "features", (16,), 5)
+    one = simulate_model(work, k=1, m=1, microbatch=8, checkpoint="never", validate=False, repeats=3)
+    assert one.speedup == pytest.approx(1.0)
+    two = simulate_model(work, k=2, m=2, microbatch=8, validate=False, repeats=3)
+    assert two.step_time_s > 0

@@ -47,10 +47,22 @@ class _TimedLayer:
         params = [p for p in self.layer.parameters() if p.requires_grad]
         self.opt = make_optimizer(params) if params else None
         self.device, self.index, self.loss = device, index, loss
+        self.copies: bool | None = None    # whether it modifies its input in place (learned)
 
     def run(self, inp: Any) -> Any:
+        """The layer on `inp` as the stage executor feeds it: a copy where the layer modifies its
+        input in place (``ReLU(inplace=True)`` right after a cut: learned on the first run, as the
+        executor learns it), else the input itself; the copy's time is part of the layer's."""
         seed_layer(0, 0, self.index, 0, self.device)
-        y = self.layer(inp)
+        if self.copies is False:
+            y = self.layer(inp)
+        else:
+            fed = boundary.map_tensors(inp, lambda t: t.clone())
+            watched = boundary.tensors(fed)
+            versions = [t._version for t in watched]
+            y = self.layer(fed)
+            if self.copies is None:
+                self.copies = any(t._version != v for t, v in zip(watched, versions))
         return self.loss[0](y, self.loss[1]) if self.loss is not None else y
 
     def backward(self, y: Any) -> None:
