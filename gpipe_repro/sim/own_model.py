@@ -73,9 +73,15 @@ class OwnModelResult:
         if self.measured_step_time_s is not None and self.relative_error is not None:
             busy = "" if is_clean(self.measured_host) else \
                 " (host was busy: not a clean measurement)"
+            side = "optimistic" if self.relative_error > 0 else "pessimistic"
             lines.append(f"  measured on {self.K} stage processes: step "
                          f"{self.measured_step_time_s * 1e3:.1f} ms; simulator error "
-                         f"{self.relative_error:+.1%}{busy}")
+                         f"{self.relative_error:+.1%} (measured / simulated - 1: the simulator is "
+                         f"{side}){busy}")
+            if abs(self.relative_error) > 0.25 and self.measured_step_time_s < 0.02:
+                lines.append("  note: steps this short are dominated by per-message and per-step "
+                             "costs the calibration does not see well; use a larger --microbatch "
+                             "for a step of at least 20 ms")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
