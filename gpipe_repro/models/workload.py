@@ -12,6 +12,8 @@ import hashlib
 import importlib
 import inspect
 import json
+import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -37,7 +39,7 @@ def _factory(spec: str) -> Callable[..., Any]:
     if not module_name or not attr:
         raise ValueError(f"a model factory is given as 'module:function', got {spec!r}")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_here_too(module_name)
     except ImportError as e:
         raise ValueError(f"cannot import {module_name!r} for the model factory {spec!r}: {e}; "
                          "is it on PYTHONPATH (or in the current directory)?") from e
@@ -47,10 +49,23 @@ def _factory(spec: str) -> Callable[..., Any]:
     return fn
 
 
+def _import_here_too(module_name: str) -> Any:
+    """`module_name` imported, from the current directory too: the `gpipe-repro` command, unlike
+    `python -m`, does not put it on the path, and a user's model file usually sits there."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError:
+        here = os.getcwd()
+        if here in sys.path or "" in sys.path:
+            raise
+        sys.path.insert(0, here)
+        return importlib.import_module(module_name)
+
+
 def _factory_source_hash(spec: str) -> str:
     """A digest of the factory module's source: a calibration cached for one version of a user's
     model is not reused for another."""
-    module = importlib.import_module(spec.partition(":")[0])
+    module = _import_here_too(spec.partition(":")[0])
     try:
         text = inspect.getsource(module)
     except (OSError, TypeError):

@@ -424,3 +424,18 @@ def test_own_model_k1_is_its_own_baseline_and_in_place_layers_are_timed(
     assert one.speedup == pytest.approx(1.0)
     two = simulate_model(work, k=2, m=2, microbatch=8, validate=False, repeats=3)
     assert two.step_time_s > 0
+
+
+def test_a_model_file_in_the_current_directory_is_found(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gpipe-repro command does not put the current directory on the path (python -m does);
+    a user's model file usually sits there."""
+    import sys
+
+    from gpipe_repro.models.workload import Workload
+    (tmp_path / "here_model_for_test.py").write_text(
+        "from torch import nn\ndef mlp():\n    return [nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 5)]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    work = Workload.create("here", "here_model_for_test:mlp", "features", (16,), 5)
+    assert len(work.build("meta")) == 3
