@@ -36,7 +36,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -59,6 +58,7 @@ from gpipe_repro.engine.backward_split import (
     split_backward_input,
 )
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm
+from gpipe_repro.engine.feeding import Feed, feed
 from gpipe_repro.engine.recompute import recomputing
 from gpipe_repro.engine.rng import seed_layer, step_key
 from gpipe_repro.engine.schedule import Action, ActionKind, Schedule, ScheduleError
@@ -361,7 +361,7 @@ class StageExecutor:
         boundary (:func:`_cut`) and the pieces are kept in ``segments[m]``; each cut is fed to its
         layer by the same rule as the cell's input."""
         entry = self._feed(x, 0)
-        cut: _Feed | None = None          # the cut fed to the layer running now, if any
+        cut: Feed | None = None          # the cut fed to the layer running now, if any
         segments: list[tuple[Any, Any]] | None = [] if self._segmented(x, m) else None
         piece_input = x
         try:
@@ -393,18 +393,15 @@ class StageExecutor:
             self.segments[m] = segments
         return h
 
-    def _feed(self, value: Any, layer: int) -> _Feed:
-        """What layer `layer` (0: the cell) is fed for `value`: a copy while it is not known not to
-        modify its input in place, else a view (:func:`_alias`); with the version counters to check."""
-        copy = self._copies(layer)
-        fed = boundary.map_tensors(value, _alias if copy is False else _fresh_copy)
-        watched = boundary.tensors(fed)
-        return _Feed(fed, layer, copy, watched, [t._version for t in watched])
+    def _feed(self, value: Any, layer: int) -> Feed:
+        """What layer `layer` (0: the cell) is fed for `value` (:func:`feeding.feed`): a copy while
+        it is not known not to modify its input in place, else a view."""
+        return feed(value, self._copies(layer), layer)
 
-    def _settle(self, fed: _Feed, m: int) -> None:
+    def _settle(self, fed: Feed, m: int) -> None:
         """After `fed` was used: learn whether its layer modifies its input in place (first run), or
         fail the step if one fed without a copy just did."""
-        modified = any(t._version != v for t, v in zip(fed.watched, fed.versions))
+        modified = fed.modified()
         if fed.copy is None:
             self._learn_copies(fed.layer, modified)
         elif fed.copy is False and modified:
@@ -492,36 +489,11 @@ def _value(t: torch.Tensor) -> float:
     return float(t)
 
 
-@dataclass
-class _Feed:
-    """A value fed to a layer (`layer` 0: the cell), whether it is a copy (None: a copy, to learn
-    whether the layer modifies its input), and the version counters that say whether it did."""
-    value: Any
-    layer: int
-    copy: bool | None
-    watched: list[torch.Tensor]
-    versions: list[int]
-
-
 def _cut(h: Any) -> Any:
     """The graph cut after a layer: its output as new autograd leaves (same storage, no copy); a
     value no gradient flows through stays without one."""
     return boundary.map_tensors(
         h, lambda t: t.detach().requires_grad_(t.requires_grad and boundary.carries_grad(t)))
-
-
-def _fresh_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy a layer may modify in place; gradients flow through it to `t`."""
-    return t.clone()
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """What a layer is fed in place of a boundary leaf it does not modify: a view (no copy), so that
-    it is not itself a leaf that requires grad. Autocast caches the low-precision cast of such leaves
-    as it does a weight's, so a boundary value read by two low-precision ops would be cast once and
-    the two gradients summed in bf16/fp16, where plain training (whose activations are not leaves)
-    sums them in fp32."""
-    return t.view_as(t) if t.is_leaf and t.requires_grad else t
 
 
 def wall_clock(t0: float | None = None) -> Callable[[], float]:

@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from gpipe_repro.engine import boundary
 from gpipe_repro.engine.backward_split import split_backward_input
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_all
+from gpipe_repro.engine.feeding import feed
 from gpipe_repro.engine.recompute import recomputing
 from gpipe_repro.engine.rng import seed_layer
 
@@ -50,19 +51,15 @@ class _TimedLayer:
         self.copies: bool | None = None    # whether it modifies its input in place (learned)
 
     def run(self, inp: Any) -> Any:
-        """The layer on `inp` as the stage executor feeds it: a copy where the layer modifies its
-        input in place (``ReLU(inplace=True)`` right after a cut: learned on the first run, as the
-        executor learns it), else the input itself; the copy's time is part of the layer's."""
+        """The layer on `inp` as the stage executor feeds it (:func:`gpipe_repro.engine.feeding.feed`):
+        a copy where the layer modifies its input in place (``ReLU(inplace=True)`` right after a
+        cut: learned on the first run, as the executor learns it), else a view; the copy's time is
+        part of the layer's."""
         seed_layer(0, 0, self.index, 0, self.device)
-        if self.copies is False:
-            y = self.layer(inp)
-        else:
-            fed = boundary.map_tensors(inp, lambda t: t.clone())
-            watched = boundary.tensors(fed)
-            versions = [t._version for t in watched]
-            y = self.layer(fed)
-            if self.copies is None:
-                self.copies = any(t._version != v for t, v in zip(watched, versions))
+        fed = feed(inp, self.copies)
+        y = self.layer(fed.value)
+        if self.copies is None:
+            self.copies = fed.modified()
         return self.loss[0](y, self.loss[1]) if self.loss is not None else y
 
     def backward(self, y: Any) -> None:
