@@ -290,17 +290,22 @@ def test_the_throughput_table_end_to_end_on_synthetic_costs(monkeypatch: pytest.
 
 # ----------------------------------------------------------------------------- your own model
 
-def _own_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    (tmp_path / "own_models_for_test.py").write_text(
-        "from torch import nn\n"
-        "def mlp(width=32, depth=4):\n"
-        "    layers = [nn.Linear(16, width), nn.ReLU()]\n"
-        "    for _ in range(depth):\n"
-        "        layers += [nn.Linear(width, width), nn.ReLU()]\n"
-        "    return nn.Sequential(*layers, nn.Linear(width, 5))\n")
+OWN_MLP = ("from torch import nn\n"
+           "def mlp(width=32, depth=4):\n"
+           "    layers = [nn.Linear(16, width), nn.ReLU()]\n"
+           "    for _ in range(depth):\n"
+           "        layers += [nn.Linear(width, width), nn.ReLU()]\n"
+           "    return nn.Sequential(*layers, nn.Linear(width, 5))\n")
+
+
+def _own_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str = OWN_MLP,
+                module: str = "own_models_for_test") -> str:
+    """A user's model module `module` holding `source` (its factory `mlp`), importable, with the
+    calibration cache in `tmp_path`; returns the factory's spec."""
+    (tmp_path / f"{module}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("GPIPE_REPRO_CACHE", str(tmp_path / "cache"))
-    return "own_models_for_test:mlp"
+    return f"{module}:mlp"
 
 
 def test_simulate_your_own_model_from_a_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -412,14 +417,12 @@ def test_own_model_k1_is_its_own_baseline_and_in_place_layers_are_timed(
     it (a copy of the input it modifies), not refused by autograd."""
     from gpipe_repro.models.workload import Workload
     from gpipe_repro.sim.own_model import simulate_model
-    (tmp_path / "inplace_models_for_test.py").write_text(
+    spec = _own_module(tmp_path, monkeypatch, module="inplace_models_for_test", source=(
         "from torch import nn\n"
         "def mlp():\n"
         "    return [nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 32), nn.ReLU(inplace=True),\n"
-        "            nn.Linear(32, 5)]\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("GPIPE_REPRO_CACHE", str(tmp_path / "cache"))
-    work = Workload.create("in-place MLP", "inplace_models_for_test:mlp", "features", (16,), 5)
+        "            nn.Linear(32, 5)]\n"))
+    work = Workload.create("in-place MLP", spec, "features", (16,), 5)
     one = simulate_model(work, k=1, m=1, microbatch=8, checkpoint="never", validate=False, repeats=3)
     assert one.speedup == pytest.approx(1.0)
     two = simulate_model(work, k=2, m=2, microbatch=8, validate=False, repeats=3)
