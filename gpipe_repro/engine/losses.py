@@ -7,43 +7,26 @@ targets that count, ``sum_i w[y_i]`` over targets other than ``ignore_index`` (P
 documentation of both losses, "reduction='mean'"), so a micro-batch with more padding, or with
 rarer classes, weighs differently than its share of rows.
 
-:func:`exact_mean` splits such a loss into what each micro-batch computes, its summed loss
-(:class:`SummedLoss`), and the mini-batch's denominator (:func:`denominator`, summed over every
-micro-batch before the step: every rank holds the whole mini-batch). Each micro-batch's sum is then
-weighted by 1 / that denominator, so the step's loss and gradients are the full batch's, padding
-and class weights included, and the gradients flowing back have the mean's magnitude (a sum form
-would scale them by the batch, which fp16's loss scale would pay for). A mini-batch whose every
+:func:`exact_mean` splits such a loss into what each micro-batch computes, its summed loss (the same
+loss with ``reduction="sum"``), and the mini-batch's denominator (:func:`denominator`, summed over
+every micro-batch before the step: every rank holds the whole mini-batch). Each micro-batch's sum is
+then weighted by 1 / that denominator, so the step's loss and gradients are the full batch's,
+padding and class weights included, and the gradients flowing back have the mean's magnitude (a sum
+form would scale them by the batch, which fp16's loss scale would pay for). A mini-batch whose every
 target is ignored has a NaN loss, as PyTorch's.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["exact_mean", "SummedLoss", "denominator"]
+__all__ = ["exact_mean", "denominator"]
 
 _MeanLoss = nn.CrossEntropyLoss | nn.NLLLoss
-
-
-class SummedLoss(nn.Module):
-    """An ``nn.CrossEntropyLoss`` or ``nn.NLLLoss`` (kept as :attr:`loss`) with ``reduction="sum"``,
-    everything else as it was."""
-
-    def __init__(self, loss: _MeanLoss) -> None:
-        super().__init__()
-        self.loss = loss
-
-    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = self.loss
-        if isinstance(loss, nn.CrossEntropyLoss):
-            return F.cross_entropy(output, target, weight=loss.weight, ignore_index=loss.ignore_index,
-                                   reduction="sum", label_smoothing=loss.label_smoothing)
-        return F.nll_loss(output, target, weight=loss.weight, ignore_index=loss.ignore_index,
-                          reduction="sum")
 
 
 def denominator(loss: _MeanLoss, target: torch.Tensor) -> float:
@@ -62,7 +45,7 @@ def denominator(loss: _MeanLoss, target: torch.Tensor) -> float:
 
 def exact_mean(loss_fn: Any) -> tuple[Any, Callable[[torch.Tensor], float] | None]:
     """`loss_fn` as the stages should call it, and the denominator function of the mini-batch's
-    targets: ``(SummedLoss(loss_fn), denominator)`` for a ``reduction="mean"``
+    targets: ``(the loss with reduction="sum", denominator)`` for a ``reduction="mean"``
     ``nn.CrossEntropyLoss`` or ``nn.NLLLoss`` (see the module docstring); ``(loss_fn, None)`` for
     anything else: a subclass with its own ``forward`` (a focal loss, an added term) is the user's
     computation and runs as given, weighted n_m / N as any mean loss; so does a function wrapping
@@ -70,5 +53,7 @@ def exact_mean(loss_fn: Any) -> tuple[Any, Callable[[torch.Tensor], float] | Non
     to make it exact."""
     stock = getattr(type(loss_fn), "forward", None) in (nn.CrossEntropyLoss.forward, nn.NLLLoss.forward)
     if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and stock and loss_fn.reduction == "mean":
-        return SummedLoss(loss_fn), lambda target: denominator(loss_fn, target)
+        summed = copy.copy(loss_fn)        # the same loss (weights shared), summing
+        summed.reduction = "sum"
+        return summed, lambda target: denominator(loss_fn, target)
     return loss_fn, None
