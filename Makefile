@@ -27,7 +27,7 @@ help:
 	@echo "make deep-vs-wide      deep vs wide multilingual translation, results/translation/"
 	@echo "make baseline          regenerate the CI speedup baseline on purpose (prints the diff)"
 	@echo "make check-speedups    benchmark: measured K=2 speedups vs the committed baseline (RUNS=8)"
-	@echo "make check-regression-detector  the CI regression vs 4 breakages (RUNS=10), results/ci/"
+	@echo "make check-regression-detector  the CI regression vs 4 breakages (RUNS=10; RENDER_ONLY=1: the page again from its JSON), results/ci/"
 	@echo "make gpu-check         engine, memory planner and cost model on one GPU, results/gpu/<device>/"
 
 # The venv's packages come from uv (installed into the venv by its own pip): one resolve and parallel
@@ -122,7 +122,7 @@ check-speedups: $(STAMP)
 	$(PY) -m experiments.check_speedups $(if $(RUNS),--runs $(RUNS))
 
 check-regression-detector: $(STAMP)
-	$(PY) -m experiments.check_regression_detector $(if $(RUNS),--runs $(RUNS))
+	$(PY) -m experiments.check_regression_detector $(if $(RUNS),--runs $(RUNS)) $(if $(RENDER_ONLY),--render-only)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

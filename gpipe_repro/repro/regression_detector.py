@@ -39,7 +39,7 @@ from typing import Any
 
 from gpipe_repro.report.host import host_idle_fraction, usable_cores
 from gpipe_repro.report.provenance import host_block
-from gpipe_repro.report.records import markdown_table, results_root, write_json, write_markdown
+from gpipe_repro.report.records import markdown_table, read_json, results_root, write_json, write_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST = "tests/repro/test_speedup_regression.py"
@@ -267,14 +267,20 @@ def render(payload: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    """Command line: --runs N (default 10), --conditions ..., --out DIR."""
+    """Command line: --runs N (default 10), --conditions ..., --out DIR, --render-only."""
     ap = argparse.ArgumentParser(prog=prog or "python -m experiments.check_regression_detector",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=10, help="runs per condition (the issue asks 10)")
     ap.add_argument("--conditions", nargs="+", default=list(CONDITIONS), metavar="CONDITION",
                     help=f"any of: {', '.join(repr(c) for c in CONDITIONS)}")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--render-only", action="store_true",
+                    help="write the page again from the JSON already in --out (no run, no new number)")
     args = ap.parse_args(argv)
+    if args.render_only:
+        payload = read_json(Path(args.out) / "regression_detector.json")
+        print(f"wrote {write_markdown(Path(args.out) / 'regression_detector.md', render(payload))}")
+        return
     if usable_cores() < 2:
         sys.exit("the detector needs 2 usable cores (the distributed check runs one stage per core)")
     out = Path(args.out)

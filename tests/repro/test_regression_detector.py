@@ -42,3 +42,17 @@ def test_every_mutation_still_applies_to_the_tree() -> None:
     for m in rd.MUTATIONS:
         text = (rd.ROOT / m.path).read_text()
         assert len(re.findall(m.pattern, text, flags=re.MULTILINE)) == 1, (m.name, m.path)
+
+
+def test_render_only_writes_the_page_again_from_its_json(tmp_path: Path) -> None:
+    """`make check-regression-detector RENDER_ONLY=1`: the page from the recorded JSON, no run; the
+    JSON is untouched and the page says measured, and on which device."""
+    import shutil
+
+    record = Path(__file__).resolve().parents[2] / "results" / "ci" / "regression_detector.json"
+    shutil.copy(record, tmp_path / "regression_detector.json")
+    before = (tmp_path / "regression_detector.json").read_bytes()
+    rd.main(["--render-only", "--out", str(tmp_path)])
+    page = (tmp_path / "regression_detector.md").read_text()
+    assert page.startswith("# Does the CI") and "Measured by `make check-regression-detector` on " in page
+    assert (tmp_path / "regression_detector.json").read_bytes() == before
