@@ -76,7 +76,7 @@ class Figure:
     low: float | None
     high: float | None
     rounds: int
-    method: str
+    interval: str                       # how the interval was made (see median_interval)
     unit: str = "x"                     # "x": a ratio; "s": a time (rendered in ms)
     host_fast: float | None = None
     target: float | None = None
@@ -91,8 +91,8 @@ class Figure:
         """The figure of `samples` (median and :func:`median_interval`)."""
         if direction not in DIRECTIONS:
             raise ValueError(f"direction {direction!r}: use one of {DIRECTIONS}")
-        low, high, method = median_interval(samples, seed=seed)
-        return cls(name, statistics.median(samples), low, high, len(samples), method, unit, host_fast,
+        low, high, how = median_interval(samples, seed=seed)
+        return cls(name, statistics.median(samples), low, high, len(samples), how, unit, host_fast,
                    target, direction, tolerance, [float(s) for s in samples])
 
     @property

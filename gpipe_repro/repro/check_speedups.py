@@ -1,95 +1,80 @@
 """`make check-speedups`: the wall-clock K=2 speedup against the committed measured baseline, as a
-benchmark (never a pytest threshold; issue #12).
+benchmark (never a pytest threshold).
 
-Each repetition measures K=2, M=1 and K=2, M=4 on two real stage processes
-(:func:`gpipe_repro.repro.speedup_baseline.measured_speedup`), alternating which goes first, after
-watching the host (:class:`gpipe_repro.report.host.HostWatch`: idle in the second before, other
-processes' CPU while it ran). Only clean repetitions (:func:`gpipe_repro.report.host.is_clean`)
-count; when fewer than half were, the verdict is **"host busy:
-not comparable"** instead of pass or fail, because a speedup measured beside another busy process
-says nothing about the pipeline (a healthy one measured 1.06-1.15 there against 1.56 idle).
+K=2, M=1 and K=2, M=4 run on two real stage processes in alternating rounds of the measurement
+kernel (:mod:`gpipe_repro.report.measurement`); the speedup is the median of the per-round paired
+ratios (per-sample time of M=1 over M=4) with its 95% interval. The verdict against the baseline's
+band: **pass** when the interval lies inside it, **fail** when it lies wholly outside, and
+**inconclusive** when it straddles an edge: a busy host widens the interval, it never makes the
+result "not comparable".
 
-    python -m experiments.check_speedups --runs 8          # compare with the committed baseline
-    python -m experiments.check_speedups --runs 8 --write  # record a new measured baseline (idle host only)
+    python -m experiments.check_speedups                  # compare with the committed baseline
+    python -m experiments.check_speedups --write          # record a new measured baseline
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from typing import Any
 
-from gpipe_repro.report.host import IDLE_CLEAN, OTHERS_CLEAN, HostWatch, is_clean, usable_cores
+from gpipe_repro.report.host import usable_cores
+from gpipe_repro.report.measurement import Comparison, Figure, measure
 from gpipe_repro.report.records import read_json, write_json
 from gpipe_repro.repro import speedup_baseline as sb
+from gpipe_repro.repro.harness import add_stop_rule, stop_rule
 
 BAND = 0.25           # relative band around the baseline speedup (two-sided)
+SPEEDUP = Comparison(f"K=2 M={sb.MEASURED_M} over K=2 M=1 speedup", "M=1", f"M={sb.MEASURED_M}",
+                     tolerance=0.05)
 
 
-def measure(runs: int, steps: int = 4) -> dict[str, Any]:
-    """`runs` repetitions of the measured K=2 speedup, each with the host's conditions (idle before,
-    load, other processes' CPU during) recorded beside it."""
-    if runs < 1:
-        raise ValueError(f"--runs must be >= 1, got {runs}")
-    reps = []
-    for i in range(runs):
-        with HostWatch() as watch:
-            r = sb.measured_speedup(steps=steps, many_first=i % 2 == 1)
-        host = watch.conditions
-        clean = bool(is_clean(host))
-        reps.append({**r, **host, "clean": clean})
-        others = host["others_cpu_fraction_during"]
-        print(f"repetition {i + 1}/{runs}: speedup {r['speedup']:.3f}  (host idle "
-              f"{host['idle_fraction_before']:.0%} before, load {host['load_average_before']:.1f}"
-              + ("" if others is None else f", other processes {others:.0%} of the CPU during")
-              + f"{'' if clean else ', BUSY'})", flush=True)
-    return {"repetitions": reps, "idle_threshold": IDLE_CLEAN, "others_threshold": OTHERS_CLEAN,
-            "usable_cores": usable_cores()}
-
-
-def verdict(result: dict[str, Any], baseline: dict[str, Any] | None) -> tuple[str, str]:
-    """("pass" | "fail" | "not comparable", the sentence that says why)."""
-    reps = result["repetitions"]
-    clean = [r["speedup"] for r in reps if r["clean"]]
-    if len(clean) * 2 < len(reps) or not clean:
-        return ("not comparable", f"host busy: not comparable ({len(clean)} of {len(reps)} "
-                                  f"repetitions started on an idle host)")
-    now = statistics.median(clean)
+def verdict(figure: Figure, baseline: dict[str, Any] | None) -> tuple[str, str]:
+    """("pass" | "fail" | "inconclusive" | "no baseline", the sentence that says why)."""
     if baseline is None:
-        return ("not comparable", f"no measured baseline committed; median speedup {now:.3f}")
+        return "no baseline", f"no measured baseline committed; speedup {figure.markdown()}"
     base = baseline["speedup"]
     lo, hi = base * (1 - BAND), base * (1 + BAND)
-    ok = lo <= now <= hi
-    return ("pass" if ok else "fail",
-            f"median speedup {now:.3f} over {len(clean)} clean repetitions; baseline {base:.3f}, "
-            f"band [{lo:.3f}, {hi:.3f}]: {'within' if ok else 'OUTSIDE'}")
+    sides = {figure.judge(lo, ">="), figure.judge(hi, "<=")}
+    state = "fail" if "not met" in sides else "pass" if sides == {"met"} else "inconclusive"
+    return state, (f"speedup {figure.markdown()}; baseline {base:.3f}, band [{lo:.3f}, {hi:.3f}]: "
+                   + {"pass": "the interval lies inside", "fail": "the interval lies OUTSIDE",
+                      "inconclusive": "the interval straddles an edge of the band (measure longer: "
+                                      "--budget)"}[state])
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    """Command line: --runs N, --write."""
+    """Command line: the stop rule, --write."""
     ap = argparse.ArgumentParser(prog=prog or "python -m experiments.check_speedups",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=8, help="interleaved repetitions (default 8)")
+    ap.add_argument("--runs", type=int, default=None,
+                    help="exactly this many rounds (sets --min-rounds and --max-rounds)")
+    ap.add_argument("--steps", type=int, default=4, help="measured steps per run (their median)")
     ap.add_argument("--write", action="store_true",
-                    help="record the median as the committed measured baseline (refused on a busy host)")
+                    help="record the median and its interval as the committed measured baseline")
+    add_stop_rule(ap, budget=300.0, tolerance=SPEEDUP.tolerance, min_rounds=6, max_rounds=40)
     args = ap.parse_args(argv)
+    if args.runs is not None:
+        if args.runs < 1:
+            ap.error(f"--runs must be >= 1, got {args.runs}")
+        args.min_rounds = args.max_rounds = args.runs
     if usable_cores() < 2:
         sys.exit("check-speedups needs 2 usable cores (one stage process per core)")
     if not sb.BASELINE.exists():
         sys.exit(f"no baseline at {sb.BASELINE}: run `make baseline` first")
     payload = read_json(sb.BASELINE)
-    result = measure(args.runs)
-    state, why = verdict(result, payload.get("measured"))
+    configs, config = sb.measured_configs(args.steps)
+    result = measure(configs, [SPEEDUP], stop_rule(args), label="check-speedups")
+    figure = result.figures[SPEEDUP.name]
     if args.write:
-        clean = [r for r in result["repetitions"] if r["clean"]]
-        if len(clean) * 2 < len(result["repetitions"]) or not clean:
-            sys.exit(f"{why}: not writing a measured baseline taken on a busy host")
-        med = statistics.median(r["speedup"] for r in clean)
+        if figure.low is None:
+            sys.exit(f"{figure.markdown()}: too few rounds for an interval; not writing a baseline "
+                     "(give --min-rounds 3 or more)")
         payload.pop("environment", None)
-        payload["measured"] = {"speedup": med, "config": clean[0]["config"], "band": BAND,
-                               "repetitions": result["repetitions"], "idle_threshold": IDLE_CLEAN}
+        payload["measured"] = {"speedup": figure.value, "config": config, "band": BAND,
+                               "figure": figure.to_json()}
         write_json(sb.BASELINE, payload)
-        print(f"wrote the measured baseline ({med:.3f}) to {sb.BASELINE}")
+        print(f"wrote the measured baseline ({figure.markdown()}) to {sb.BASELINE}")
         return
-    print(why if state == "not comparable" else f"{state.upper()}: {why}")
+    state, why = verdict(figure, payload.get("measured"))
+    print(f"{state.upper()}: {why}")
     sys.exit(1 if state == "fail" else 0)

@@ -233,15 +233,17 @@ def test_the_order_check_names_the_first_difference() -> None:
     assert msg.startswith("stage 0: action 5 is ('backward', 0), expected ('backward', 1)")
 
 
-def test_check_speedups_says_not_comparable_on_a_busy_host() -> None:
+def test_check_speedups_judges_the_interval_against_the_band() -> None:
+    """Inside the band: pass; wholly outside: fail; straddling an edge (a busy host's wide
+    interval): inconclusive, never "not comparable"."""
+    from gpipe_repro.report.measurement import Figure
     from gpipe_repro.repro.check_speedups import verdict
 
-    def result(*reps: tuple[float, bool]) -> dict[str, Any]:
-        return {"repetitions": [{"speedup": s, "clean": c} for s, c in reps]}
-
-    base = {"speedup": 1.56}
-    state, why = verdict(result((1.10, False), (1.05, False), (1.55, True)), base)
-    assert state == "not comparable" and why.startswith("host busy: not comparable")
-    assert verdict(result((1.52, True), (1.60, True), (1.0, False)), base)[0] == "pass"
-    assert verdict(result((1.05, True), (1.02, True)), base)[0] == "fail"
-    assert verdict(result((2.5, True), (2.4, True)), base)[0] == "fail"      # two-sided
+    base = {"speedup": 1.56}                      # band [1.17, 1.95]
+    assert verdict(Figure("s", 1.55, 1.50, 1.60, 12, "m"), base)[0] == "pass"
+    assert verdict(Figure("s", 1.05, 1.02, 1.08, 12, "m"), base)[0] == "fail"
+    assert verdict(Figure("s", 2.5, 2.4, 2.6, 12, "m"), base)[0] == "fail"      # two-sided
+    state, why = verdict(Figure("s", 1.2, 1.0, 1.5, 12, "m"), base)
+    assert state == "inconclusive" and "straddles" in why
+    assert verdict(Figure("s", 1.5, None, None, 2, "m"), base)[0] == "inconclusive"
+    assert verdict(Figure("s", 1.5, 1.4, 1.6, 12, "m"), None)[0] == "no baseline"

@@ -1,0 +1,188 @@
+"""What the benchmarks share: the MLP and its data, the baselines a pipeline is measured against, the
+interleaved rounds inside stage processes (on :mod:`gpipe_repro.report.measurement`), and a
+benchmark's command line and output.
+
+Baselines (each ``step(x, y)`` one training step):
+
+- :class:`PlainK1`: plain PyTorch, the whole model on the whole batch, one process (checkpoint
+  "always": the model under torch.utils.checkpoint, the same extra forward the pipeline does);
+- :class:`SameMicrobatchesK1`: the whole model on the same M micro-batches in one process (the local
+  runtime running both cells in turn), so the per-sample cost, which depends on the micro-batch size,
+  is the pipeline's; it can record each action's cost;
+- :class:`Ours`: ``GPipe(..., runtime="distributed")`` on every rank, any schedule.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe_repro.models.mlp import synthetic_mlp
+from gpipe_repro.report.measurement import Comparison, Figure, Progress, Rounds, StopRule, round_order
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-3)
+
+
+def batch(width: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded batch of `rows` inputs of `width` features and 10-class labels."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(rows, width, generator=g), torch.randint(0, 10, (rows,), generator=g)
+
+
+class Checkpointed(nn.Module):
+    """The wrapped module under torch.utils.checkpoint (non-reentrant): torch's re-materialization."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+class PlainK1:
+    """K=1 baseline: plain PyTorch, the whole model on the whole batch."""
+
+    def __init__(self, width: int, blocks: int, checkpoint: str = "never") -> None:
+        self.model = nn.Sequential(*synthetic_mlp(width, blocks))
+        self.run = Checkpointed(self.model) if checkpoint == "always" else self.model
+        self.optimizer, self.loss_fn = sgd(self.model.parameters()), nn.CrossEntropyLoss()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss_fn(self.run(x), y).backward()
+        self.optimizer.step()
+
+
+class SameMicrobatchesK1:
+    """K=1 on the same M micro-batches: the local runtime runs the balanced cells in turn. With
+    `record`, each action's cost per step is kept (``costs``: "kind/stage" -> seconds)."""
+
+    def __init__(self, width: int, blocks: int, m: int, checkpoint: str = "never",
+                 record: bool = False) -> None:
+        from gpipe_repro import GPipe
+        self.pipe = GPipe(synthetic_mlp(width, blocks), partitions=2, micro_batches=m,
+                          balance=[blocks // 2] * 2, checkpoint=checkpoint,
+                          loss_fn=nn.CrossEntropyLoss(), optimizer=sgd)
+        self.pipe.record_timeline = record
+        self.costs: dict[str, list[float]] = defaultdict(list)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.pipe.train_step(x, y)
+        if self.pipe.record_timeline and self.pipe.last_timeline is not None:
+            for e in self.pipe.last_timeline.events:
+                self.costs[f"{e.kind}/{e.stage}"].append(e.duration)
+
+
+class Ours:
+    """``GPipe(..., runtime="distributed", schedule=schedule)``: 2 processes, the model cut into
+    equal cells (two per process for the interleaved and V schedules)."""
+
+    def __init__(self, width: int, blocks: int, m: int, checkpoint: str = "never",
+                 schedule: str = "gpipe", ahead: bool = False, prepost: bool = True) -> None:
+        from gpipe_repro import GPipe
+        from gpipe_repro.engine.schedule import cells_per_process
+        k = 2 * cells_per_process(schedule)
+        if blocks % k:
+            raise ValueError(f"{blocks} blocks do not cut into {k} equal cells")
+        self.pipe = GPipe(synthetic_mlp(width, blocks), partitions=k, micro_batches=m,
+                          balance=[blocks // k] * k, checkpoint=checkpoint, schedule=schedule,
+                          recompute_ahead=ahead, loss_fn=nn.CrossEntropyLoss(), optimizer=sgd,
+                          runtime="distributed")
+        assert self.pipe.stage_process is not None
+        self.pipe.stage_process.transport.prepost = prepost
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.pipe.train_step(x, y)
+
+
+def rounds_in_processes(items: Mapping[str, Any], comparisons: Sequence[Comparison], rule: StopRule,
+                        x: torch.Tensor, y: torch.Tensor, *, warmup: int = 1,
+                        label: str = "rounds") -> dict[str, Any] | None:
+    """Runs in every stage process: `warmup` untimed rounds, then timed rounds of every item (None:
+    nothing on this rank, it waits in the barrier) in the kernel's order until rank 0's
+    :class:`Rounds` stops (it decides, every rank follows). A round's time of an item: the last
+    rank to finish minus the first to start (one host, one clock). Rank 0 returns the
+    :class:`~gpipe_repro.report.measurement.Measurement` as JSON, the others None."""
+    import torch.distributed as dist
+
+    from gpipe_repro.report.host import fast_share
+
+    rank, names = dist.get_rank(), list(items)
+    for i in range(warmup):
+        for name in round_order(names, i):
+            dist.barrier()
+            if items[name] is not None:
+                items[name].step(x, y)
+    rounds = Rounds(names, comparisons, rule) if rank == 0 else None
+    progress = Progress(label) if rank == 0 else None
+    index, stop = 0, [False]
+    while not stop[0]:
+        spans: dict[str, tuple[float, float]] = {}
+        for name in round_order(names, index):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if items[name] is not None:
+                items[name].step(x, y)
+                spans[name] = (t0, time.perf_counter())
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, spans)
+        if rounds is not None and progress is not None:
+            rounds.record({n: max(s[n][1] for s in gathered if n in s) - min(s[n][0] for s in gathered
+                                                                            if n in s)
+                           for n in names}, fast_share())
+            stop[0] = rounds.done()
+            progress.update(rounds.status())
+        dist.broadcast_object_list(stop, src=0)
+        index += 1
+    return rounds.result().to_json() if rounds is not None else None
+
+
+def add_stop_rule(ap: argparse.ArgumentParser, *, budget: float, tolerance: float = 0.02,
+                  min_rounds: int = 5, max_rounds: int = 60) -> None:
+    """The kernel's stop rule as options (--budget is the whole run's, shared by its groups)."""
+    ap.add_argument("--budget", type=float, default=budget,
+                    help="seconds of measuring for the whole run, shared by its groups (default "
+                         "%(default)s); a busy host reaches it with wider intervals")
+    ap.add_argument("--tolerance", type=float, default=tolerance,
+                    help="relative half-width of the 95%% interval at which rounds stop (default "
+                         "%(default)s)")
+    ap.add_argument("--min-rounds", type=int, default=min_rounds)
+    ap.add_argument("--max-rounds", type=int, default=max_rounds)
+
+
+def stop_rule(args: argparse.Namespace, groups: int = 1) -> StopRule:
+    """The stop rule of one of `groups` measured one after another."""
+    return StopRule(min_rounds=args.min_rounds, max_rounds=args.max_rounds,
+                    budget_s=args.budget / max(1, groups), tolerance=args.tolerance)
+
+
+def scaled(figure: Figure, name: str, factor: float, *, target: float | None = None,
+           direction: str = ">=", tolerance: float = 0.02) -> Figure:
+    """A figure of the same rounds, each sample times `factor` (e.g. a speedup over its ideal)."""
+    return Figure.of(name, [s * factor for s in figure.samples], unit=figure.unit, target=target,
+                     direction=direction, tolerance=tolerance, host_fast=figure.host_fast)
+
+
+def verdict_lines(figures: Sequence[Figure]) -> str:
+    """A markdown list: one line per figure."""
+    return "\n".join(f"- {f.name}: {f.markdown()}" for f in figures)
+
+
+def publish(experiment: str, stem: str, payload: Mapping[str, Any], text: str, *,
+            write: bool = True) -> None:
+    """Print the page; write results/<experiment>/<stem>.{json,md} unless `write` is False."""
+    from gpipe_repro.report.records import results_dir, write_json, write_markdown
+    print(text, flush=True)
+    if write:
+        out = results_dir(experiment)
+        write_json(out / f"{stem}.json", payload)
+        write_markdown(out / f"{stem}.md", text)
