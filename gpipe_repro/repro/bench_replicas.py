@@ -3,10 +3,11 @@
 On a compute-bound model (an MLP of wide Linear layers, one torch thread per process), the same
 global mini-batch of N examples is trained by one process (GPipe K=1, runtime="distributed", one
 rank) and by two (K=1 x R=2: each replica takes N/2, gradients summed by the bucketed all-reduce).
-The ideal is twice the samples per second; the target is >= 0.90 of it. Runs alternate (1, 2, 1, 2,
-...) so that the other load on the host hits both alike; the host is watched before and during the
-run (report.host.HostWatch: other processes' CPU while it ran): on a busy 2-core host the ratio
-measures the host as much as the engine, and the record says so.
+The jobs run in alternating rounds of the measurement kernel
+(:mod:`gpipe_repro.report.measurement`), each launched afresh in every round, so that the other load
+on the host hits all alike; every ratio is the median of per-round paired ratios with its 95%
+interval. The figure of record: K=1 x R=2 against this host's ceiling measured in the same rounds
+(two independent processes at N/2), target >= 0.90 of it.
 
 Three more jobs say where a shortfall comes from: one process at the replica's batch N/2 (its
 speed, twice, is the ideal from costs measured at that batch, as every ideal in this project); two
@@ -22,7 +23,6 @@ overlaps the drain of the stages before it. Results in results/replicas/ (measur
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from typing import Any
@@ -33,8 +33,10 @@ from torch import nn
 from gpipe_repro.distributed import launch_local
 from gpipe_repro.engine.gpipe import GPipe
 from gpipe_repro.engine.timeline import Timeline
-from gpipe_repro.report.host import BUSY_MARK, HostWatch, busy_note, is_clean, usable_cores
-from gpipe_repro.report.records import markdown_table, measured, results_dir, write_json, write_markdown
+from gpipe_repro.report.host import usable_cores
+from gpipe_repro.report.measurement import Comparison, measure
+from gpipe_repro.report.records import markdown_table, results_dir
+from gpipe_repro.repro.harness import add_stop_rule, publish, stop_rule, verdict_lines
 
 
 def _layers(width: int, depth: int) -> list[nn.Module]:
@@ -146,6 +148,40 @@ def validate_simulator(result: list[dict[str, Any]], k: int, r: int, m: int, bat
             "link": link.to_json()}
 
 
+JOBS = {
+    "one": "1 process (K=1, R=1), batch N",
+    "two": "2 processes (K=1 x R=2), N/2 each",
+    "half": "1 process, batch N/2 (x2 = ideal at N/2)",
+    "pair": "2 independent processes, N/2 each, no all-reduce: this host's ceiling",
+    "lockstep": "2 processes in lockstep, N/2 each, a barrier per step, no all-reduce",
+}
+COMPARISONS = [
+    Comparison("K=1 x R=2 / this host's ceiling (two independent processes at N/2)", "pair", "two",
+               target=0.90, tolerance=0.03),
+    Comparison("K=1 x R=2 speedup over one process (ideal 2x)", "one", "two", tolerance=0.03),
+    Comparison("this host's ceiling: two independent processes at N/2 over one at N", "one", "pair",
+               tolerance=0.03),
+    Comparison("ideal from the cost at N/2: one process at N over one at N/2", "one", "half",
+               tolerance=0.03),
+    Comparison("two processes in lockstep at N/2 over one at N", "one", "lockstep", tolerance=0.03),
+    Comparison("K=1 x R=2 / two processes in lockstep", "lockstep", "two", tolerance=0.03),
+]
+
+
+def jobs(width: int, depth: int, n: int, m: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Each job of a round: launched afresh, returning its median step time (seconds)."""
+    common = (width, depth, n, m, steps, warmup)
+    alone = (width, depth, n // 2, steps, warmup)
+
+    def median_of(*runs: dict[str, Any]) -> float:
+        return statistics.median(t for r in runs for t in r["times"])
+    return {"one": lambda: median_of(launch_local(train_steps, 1, 1, 1, *common, timeout=120)[0]),
+            "two": lambda: median_of(launch_local(train_steps, 2, 1, 2, *common, timeout=120)[0]),
+            "half": lambda: median_of(launch_local(train_alone, 1, *alone, timeout=120)[0]),
+            "pair": lambda: median_of(*launch_local(train_alone, 2, *alone, timeout=120)),
+            "lockstep": lambda: median_of(launch_local(train_lockstep, 2, *alone, timeout=120)[0])}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse options, measure, print and record."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
@@ -153,117 +189,44 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--batch", type=int, default=1024, help="global mini-batch")
     ap.add_argument("--m", type=int, default=1, help="micro-batches per replica")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=3, help="alternations of 1 and 2 processes")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per job and round (median)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--no-write", action="store_true", help="print only; write nothing under results/")
+    add_stop_rule(ap, budget=600.0, tolerance=0.03, min_rounds=5, max_rounds=30)
     args = ap.parse_args(argv)
-    common = (args.width, args.depth, args.batch, args.m, args.steps, args.warmup)
-    one: list[float] = []
-    two: list[float] = []
-    half: list[float] = []       # one process, the replica's batch (N/2): the ideal at that batch
-    pair: list[float] = []       # two processes at N/2 each, no all-reduce: this host's ceiling
-    lockstep: list[float] = []   # the same, waiting for each other after every step: the sync cost
-    alone = (args.width, args.depth, args.batch // 2, args.steps, args.warmup)
-    load_before = os.getloadavg()
-    with HostWatch() as watch:   # the host before, and what other processes did during the run
-        for _ in range(args.rounds):
-            one += launch_local(train_steps, 1, 1, 1, *common, timeout=120)[0]["times"]
-            two += launch_local(train_steps, 2, 1, 2, *common, timeout=120)[0]["times"]
-            half += launch_local(train_alone, 1, *alone, timeout=120)[0]["times"]
-            for result in launch_local(train_alone, 2, *alone, timeout=120):   # each: N/2 per step
-                pair += result["times"]
-            lockstep += launch_local(train_lockstep, 2, *alone, timeout=120)[0]["times"]
-    load_after = os.getloadavg()
-    host = watch.conditions
-    t1, t2 = statistics.median(one), statistics.median(two)
-    t_half, t_pair = statistics.median(half), statistics.median(pair)
-    t_lock = statistics.median(lockstep)
-    speedup = t1 / t2
-    efficiency = speedup / 2
-    # The ideal from costs measured at the replica's batch (as every ideal in this project): two
-    # processes each running N/2 at one process's speed at N/2.
-    ideal_at_half = 2 * t1 / (2 * t_half)      # = t1 / t_half
-    decomposition = {
-        "ideal_2x_from_batch_n": 2.0,
-        "ideal_from_cost_at_replica_batch": ideal_at_half,
-        "two_independent_processes_speedup": t1 / t_pair,
-        "data_parallel_speedup": speedup,
-        "efficiency_vs_ideal_at_replica_batch": speedup / ideal_at_half,
-        "efficiency_of_host_ceiling": (t1 / t_pair) / ideal_at_half,
-        "efficiency_vs_host_ceiling": speedup / (t1 / t_pair),
-        "two_processes_in_lockstep_speedup": t1 / t_lock,
-        "efficiency_vs_lockstep": speedup / (t1 / t_lock),
-    }
-    rows = [["1 process (K=1, R=1), batch N", t1 * 1e3, args.batch / t1, 1.0, "-"],
-            ["2 processes (K=1 x R=2), N/2 each", t2 * 1e3, args.batch / t2, speedup,
-             f"{efficiency:.2f} of 2x (target >= 0.90); {speedup / ideal_at_half:.2f} of "
-             f"{ideal_at_half:.2f}x (ideal at N/2)"],
-            ["1 process, batch N/2 (x2 = ideal at N/2)", t_half * 1e3, args.batch / (2 * t_half),
-             t1 / (2 * t_half), "-"],
-            ["2 independent processes, N/2 each, no all-reduce", t_pair * 1e3, args.batch / t_pair,
-             t1 / t_pair, f"{(t1 / t_pair) / ideal_at_half:.2f} of {ideal_at_half:.2f}x: this "
-             "host's ceiling"],
-            ["2 processes in lockstep, N/2 each, a barrier per step, no all-reduce", t_lock * 1e3,
-             args.batch / t_lock, t1 / t_lock,
-             f"{(t1 / t_lock) / ideal_at_half:.2f} of {ideal_at_half:.2f}x: the ceiling of any "
-             "synchronous data parallelism here"]]
-    table = markdown_table(["job", "median step ms (measured)", "samples/s", "speedup over 1 process",
-                            "vs ideal"], rows)
-    where = (f"Where the time goes: two independent trainings of N/2 reach {t1 / t_pair:.2f}x, "
-             f"{(t1 / t_pair) / ideal_at_half:.2f} of the {ideal_at_half:.2f}x that one process's "
-             "speed at N/2 promises (the host: two processes share caches and memory bandwidth); "
-             f"waiting for each other after every step they reach {t1 / t_lock:.2f}x (each step "
-             "lasts as long as the slower process's); the data-parallel job keeps "
-             f"{speedup / (t1 / t_lock):.2f} of that (the all-reduce, whose gloo threads share the "
-             "same 2 cores with compute).")
-    cores = usable_cores()
-    # Clean or busy (report.host.is_clean, as every measured table): the host idle before, and other
-    # processes' CPU while it ran; the load average after includes this benchmark's own processes.
-    busy = not is_clean(host)
-    others = host["others_cpu_fraction_during"]
-    note = (f"host idle {host['idle_fraction_before']:.0%} before"
-            + ("" if others is None else f", other processes used {others:.0%} of its CPU during the run")
-            + "; load average (1, 5, 15 min) before "
-            f"{tuple(round(x, 2) for x in load_before)}, after {tuple(round(x, 2) for x in load_after)} "
-            f"(this run's own processes included) on {cores} cores"
-            + (f": {BUSY_MARK} the host was BUSY with other work{busy_note(host)}, so this ratio is "
-               "not a clean measurement" if busy else ""))
-    print(table)
-    print(where)
-    print(note)
+    if usable_cores() < 2:
+        ap.error(f"bench-replicas runs 2 processes on one core each; this host has {usable_cores()}")
+    result = measure(jobs(args.width, args.depth, args.batch, args.m, args.steps, args.warmup),
+                     COMPARISONS, stop_rule(args), label="bench-replicas")
+    t = {name: f.value for name, f in result.times.items()}
+    table = markdown_table(["job", "median step ms [95% interval]", "samples/s"],
+                           [[JOBS[n], f.markdown(), args.batch / f.value] for n, f in result.times.items()])
+    text = (f"# Data-parallel replicas vs one process (measured)\n\nMLP {args.depth}x{args.width}, "
+            f"global batch {args.batch}, one thread per process; {result.rounds} rounds of the five "
+            f"jobs, alternating ({result.stopped}); each ratio is the median of per-round paired "
+            "ratios with its 95% bootstrap interval. The target: K=1 x R=2 reaches >= 0.90 of what "
+            "two independent processes at N/2 reach on this host in the same rounds (its ceiling: "
+            "shared caches, memory bandwidth and a VM's cores that switch speed).\n\n"
+            + verdict_lines(list(result.figures.values())) + "\n\n" + table)
     k2r2 = launch_local(train_steps, 4, 2, 2, args.width, args.depth, args.batch, 2, 3, 1, True,
                         timeout=120)
-    gantt_timeline = k2r2[0]["timeline"]
     check = validate_simulator(k2r2, 2, 2, 2, args.batch, args.width)
-    print(f"simulator vs measured K=2 x R=2 step: {check['simulated_step_s'] * 1e3:.1f} ms vs "
-          f"{check['measured_step_s'] * 1e3:.1f} ms ({check['error']:+.0%}); all-reduce per stage "
-          f"simulated {[round(a * 1e3, 1) for a in check['simulated_allreduce_s']]} ms, measured "
-          f"launch-to-done {[round(a * 1e3, 1) for a in check['measured_allreduce_launch_to_done_s']]} ms")
-    out = results_dir("replicas")
-    write_json(out / "bench.json", {
+    text += (f"\n\nSimulator vs measured K=2 x R=2 step (replayed compute + all-reduce model on the "
+             f"measured gloo loopback link): {check['simulated_step_s'] * 1e3:.1f} ms vs "
+             f"{check['measured_step_s'] * 1e3:.1f} ms ({check['error']:+.0%}); all-reduce per stage "
+             f"simulated {[round(a * 1e3, 1) for a in check['simulated_allreduce_s']]} ms, measured "
+             f"launch-to-done {[round(a * 1e3, 1) for a in check['measured_allreduce_launch_to_done_s']]}"
+             " ms. On this host the all-reduce shares the 2 cores with compute, which the model does "
+             "not know.\n\n![K=2 x R=2 step](gantt_k2_r2.png)\n")
+    publish("replicas", "bench", {
         "experiment": "K=1 x R=2 data parallel vs one process", "config": vars(args),
-        "median_step_s": {"one": measured(t1, unit="s"), "two": measured(t2, unit="s")},
-        "speedup": measured(speedup), "efficiency_vs_ideal": measured(efficiency),
-        "median_step_s_half_batch": {"one": measured(t_half, unit="s"),
-                                     "two_independent": measured(t_pair, unit="s")},
-        "decomposition": {key: measured(value) for key, value in decomposition.items()},
-        "load_average": {"before": list(load_before), "after": list(load_after)}, "host_busy": busy,
-        "conditions": host,
-        "steps": {"one": one, "two": two, "one_half_batch": half, "two_independent_half_batch": pair},
-        "timeline_k2_r2": gantt_timeline,
-        "simulator_vs_measured_k2_r2": check})
-    write_markdown(out / "bench.md", "# Data-parallel replicas vs one process (measured)\n\n"
-                   f"MLP {args.depth}x{args.width}, global batch {args.batch}, one thread per process, "
-                   f"median of {args.steps} steps x {args.rounds} alternating rounds. {note}.\n\n" + table
-                   + f"\n\n{where}\n"
-                   + f"\n\nSimulator vs measured K=2 x R=2 step (replayed compute + all-reduce model on "
-                   f"the measured gloo loopback link): {check['simulated_step_s'] * 1e3:.1f} ms vs "
-                   f"{check['measured_step_s'] * 1e3:.1f} ms ({check['error']:+.0%}). On this host the "
-                   "all-reduce shares the 2 cores with compute, which the model does not know.\n"
-                   "\n![K=2 x R=2 step](gantt_k2_r2.png)\n")
-    try:
-        from gpipe_repro.report.gantt import render_gantt
-        render_gantt(Timeline.from_json(gantt_timeline), out / "gantt_k2_r2.png",
-                     "K=2 x R=2 (rows: rank = replica * 2 + stage), measured")
-    except ImportError as e:   # matplotlib missing: the JSON still holds the timeline
-        print(f"no Gantt chart: {e}")
+        "measurement": result.to_json(), "median_step_s": t,
+        "timeline_k2_r2": k2r2[0]["timeline"], "simulator_vs_measured_k2_r2": check},
+        text, write=not args.no_write)
+    if not args.no_write:
+        try:
+            from gpipe_repro.report.gantt import render_gantt
+            render_gantt(Timeline.from_json(k2r2[0]["timeline"]), results_dir("replicas") / "gantt_k2_r2.png",
+                         "K=2 x R=2 (rows: rank = replica * 2 + stage), measured")
+        except ImportError as e:   # matplotlib missing: the JSON still holds the timeline
+            print(f"no Gantt chart: {e}")
