@@ -116,7 +116,8 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
     calib = calibrate(workload, sorted({microbatch, n}), method=method, device=device,
                       threads=threads, repeats=repeats, neighbours=neighbours)
     platform = platform_for(link)
-    balance = choose_partition(calib.partition_costs(microbatch, checkpoint), k, objective)
+    balance = choose_partition(calib.partition_costs(microbatch, checkpoint), k, objective,
+                               calib.uncertainty_at(microbatch))
     # a step's fixed costs of stage processes (clock, agreement): none for one cell in one process
     sim = simulate_config(calib, balance, m, n, platform.link, checkpoint=checkpoint,
                           recompute_ahead=recompute_ahead, schedule=schedule,

@@ -232,3 +232,32 @@ def test_flops_counted_by_one_calibration_are_reused_by_the_next_of_the_same_lay
     for a, b, c in zip(timed.at(2), reused.at(2), fresh.at(2)):
         assert (a.forward_flops, a.flops) == (b.forward_flops, b.flops) == (c.forward_flops, c.flops)
         assert b == c
+
+
+def test_rounds_go_on_while_the_costs_are_uncertain_and_record_their_uncertainty(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steady timings stop at the least rounds; timings that vary round to round get more rounds,
+    up to max_rounds, and the calibration records how uncertain its costs stayed."""
+    import itertools
+
+    def timer(spread: float) -> object:
+        wobble = itertools.cycle([1.0, 1.0 + spread, 1.0 - spread, 1.0 + spread / 2])
+        calls: list[int] = []
+
+        def fake(layer: nn.Module, x: object, device: object, **kw: object) -> tuple[float, ...]:
+            calls.append(1)
+            w = next(wobble)
+            return (w * 1e-3, w * 1e-3, w * 1e-3, w * 2e-3, 1e-4, 0.0, 1e-3, 1e-3)
+        fake.calls = calls  # type: ignore[attr-defined]
+        return fake
+
+    steady, noisy = timer(0.0), timer(0.2)
+    monkeypatch.setattr(cal_run, "time_layer_actions", steady)
+    c = calibrate(TINY_LM, [2], repeats=1, rounds=3, max_rounds=9, in_sequence=False, use_cache=False)
+    assert len(steady.calls) == 3 * 3 and c.uncertainty_at(2) == 0.0       # 3 timed layers x 3
+    monkeypatch.setattr(cal_run, "time_layer_actions", noisy)
+    c = calibrate(TINY_LM, [2], repeats=1, rounds=3, max_rounds=9, in_sequence=False, use_cache=False)
+    assert len(noisy.calls) == 3 * 9 and c.uncertainty_at(2) > cal_run.UNCERTAINTY_TARGET
+    assert cal.Calibration.from_json(c.to_json()).uncertainty == c.uncertainty
+    with pytest.raises(ValueError, match="max_rounds"):
+        calibrate(TINY_LM, [2], rounds=3, max_rounds=2)

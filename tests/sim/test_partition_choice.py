@@ -8,7 +8,7 @@ import random
 import pytest
 
 from gpipe_repro.engine.partition import cell_costs, partition
-from gpipe_repro.sim.partition_choice import choose_partition
+from gpipe_repro.sim.partition_choice import choose_partition, tie_break
 
 # A calibration of the throughput table's scaled AmoebaNet-D (18, 64) at 4-row micro-batches on
 # this project's 2-core host (checkpointed forward + recompute + backward + accumulation, seconds
@@ -51,3 +51,38 @@ def test_identical_layers_are_exact_ties_broken_the_same_way() -> None:
             choose_partition([0.6] + [block * 1.01] * 48 + [0.8], 2)
         assert max(cell_costs(costs, choose_partition(costs, 4))) <= \
             max(cell_costs(costs, partition(costs, 4))) * (1 + 1e-12)
+
+
+def test_within_the_calibrations_uncertainty_the_most_even_then_smallest_cut_wins() -> None:
+    costs = [1.0, 1.0, 1.0, 1.02, 0.98, 1.0]
+    exact = choose_partition(costs, 2)
+    assert choose_partition(costs, 2, uncertainty=0.0) == exact
+    assert choose_partition(costs, 2, uncertainty=0.05) == [3, 3]
+    # uneven costs: [3, 1] and [2, 2] are within 10% of the optimum [3, 1]: [2, 2] is more even
+    assert choose_partition([1.0, 1.0, 1.0, 3.1], 2) == [3, 1]
+    assert choose_partition([1.0, 1.0, 1.0, 3.1], 2, uncertainty=0.0) == [3, 1]
+    assert choose_partition([1.0, 1.0, 1.1, 2.0], 2, uncertainty=0.06) == [2, 2]
+    # equally even: the lexicographically smallest
+    assert tie_break([1.0, 1.0, 1.0], 2, 2.0) == [1, 2]
+
+
+def test_tie_break_is_the_brute_force_choice() -> None:
+    from itertools import combinations
+
+    rng = random.Random(0)
+    for _ in range(30):
+        n, k = rng.randint(3, 9), rng.randint(2, 4)
+        if k > n:
+            continue
+        costs = [rng.uniform(0.5, 2.0) for _ in range(n)]
+        limit = max(cell_costs(costs, partition(costs, k))) * 1.1
+        cuts = [[b - a for a, b in zip((0, *c), (*c, n))] for c in combinations(range(1, n), k - 1)]
+        within = [b for b in cuts if max(cell_costs(costs, b)) <= limit]
+        assert tie_break(costs, k, limit) == min(within, key=lambda b: (sum(x * x for x in b), b))
+
+
+def test_uncertainty_must_be_a_relative_half_width() -> None:
+    with pytest.raises(ValueError, match="uncertainty"):
+        choose_partition([1.0, 1.0], 2, uncertainty=-0.1)
+    with pytest.raises(ValueError, match="limit"):
+        tie_break([1.0, 3.0], 2, 1.0)

@@ -63,7 +63,7 @@ def simulate_rows(model: str, calib: Calibration, settings: SweepSettings, platf
         for m in ms:
             b, n = microbatch(m), batch(m)
             costs = calib.partition_costs(b, settings.checkpoint)
-            balance = choose_partition(costs, k, settings.objective)
+            balance = choose_partition(costs, k, settings.objective, calib.uncertainty_at(b))
             sim = platform.simulate(calib, balance, m, n, settings)
             rows.append(Row(model, k, m, b, n, balance, balance_efficiency(costs, balance),
                             sim.summary(),

@@ -53,7 +53,7 @@ def schedule_tradeoff(calib: Calibration, workload: Workload, settings: SweepSet
     per_layer = calib.partition_costs(microbatch, settings.checkpoint)
 
     def cut(name: str, cells: int) -> list[int]:
-        return choose_partition(per_layer, cells, settings.objective)
+        return choose_partition(per_layer, cells, settings.objective, calib.uncertainty_at(microbatch))
 
     rows: list[dict[str, Any]] = []
     for m in ms:

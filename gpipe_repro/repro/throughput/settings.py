@@ -29,6 +29,7 @@ class SweepSettings:
     method: str = "time"
     repeats: int = 10                   # timings per layer action and round (trimmed mean)
     calibration_rounds: int = 3         # rounds per layer, interleaved; the median round is kept
+    calibration_max_rounds: int = 6     # more rounds while the costs' interval is wider than 0.5%
     threads: int | None = 1             # torch threads per stage (None: leave as is, e.g. GPU)
     neighbours: int | None = None       # busy cores while timing (None: the pipeline's, see below)
     paper_size: bool = False

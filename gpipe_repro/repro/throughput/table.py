@@ -59,7 +59,8 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
     calib_kw: dict[str, Any] = dict(method=settings.method, device=settings.device,
                                     threads=settings.threads, repeats=settings.repeats,
                                     neighbours=settings.busy_neighbours(),
-                                    rounds=settings.calibration_rounds)
+                                    rounds=settings.calibration_rounds,
+                                    max_rounds=settings.calibration_max_rounds)
 
     # How clean the calibrations' conditions were: idle before, other processes' CPU during (the
     # calibration's own busy-neighbour processes are descendants and do not count).

@@ -166,13 +166,14 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
         calib = calibrate(workloads[model], [b], method="time", device=settings.device,
                           threads=settings.threads, repeats=settings.repeats, progress=say,
                           use_cache=not fresh_calibration,
-                          neighbours=settings.busy_neighbours(), rounds=settings.calibration_rounds)
+                          neighbours=settings.busy_neighbours(), rounds=settings.calibration_rounds,
+                          max_rounds=settings.calibration_max_rounds)
         for checkpoint in checkpoints:
             for k in ks:
                 for name in names:
                     cells = k * cells_per_process(name)
                     balance = choose_partition(calib.partition_costs(b, checkpoint), cells,
-                                               settings.objective)
+                                               settings.objective, calib.uncertainty_at(b))
                     rows += _validate_cut(model, workloads[model], calib, replace(settings, schedule=name),
                                           measures[name], platform, balance, b, ms, checkpoint, say,
                                           timelines)

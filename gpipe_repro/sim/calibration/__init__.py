@@ -39,6 +39,13 @@ Two sources, as in :mod:`gpipe_repro.engine.layer_costs`:
 - ``flops``: forward and backward FLOPs (``torch.utils.flop_counter`` on meta tensors: deterministic,
   device-free, seconds even for paper-size models), turned into seconds by a :class:`DeviceModel`.
 
+Repeats: every layer is timed in rounds interleaved across layers, and each cost is the median over
+rounds; after the least rounds asked for, more follow (up to ``max_rounds``) while the median layer's
+95% interval over rounds is wider than 0.5% of its cost, so that two calibrations on a host whose
+speed changes agree within about 1% per layer where the host allows it. What remains is recorded as
+the calibration's uncertainty (:meth:`Calibration.uncertainty_at`), and the partition choice treats
+cuts within it of the optimum as ties (:mod:`gpipe_repro.sim.partition_choice`).
+
 Timings are cached on disk (``$GPIPE_REPRO_CACHE`` or ``~/.cache/gpipe-repro``), one JSON file per
 (workload, device and thread count, micro-batch size, torch version, repeats, calibration version),
 so a rerun of an experiment costs nothing and a change of any of those re-measures.

@@ -40,6 +40,8 @@ class Calibration:
     groups: list[int]                     # per layer: index of its group of identical layers
     costs: dict[int, list[LayerCost]] = field(default_factory=dict)   # size -> per-layer costs
     optimizer_call: float = 0.0           # fixed seconds of one optimizer step call, once per cell
+    uncertainty: dict[int, float] = field(default_factory=dict)   # size -> relative half-width of
+                                          # the per-layer costs' intervals over rounds (median layer)
 
     @property
     def num_layers(self) -> int:
@@ -50,6 +52,11 @@ class Calibration:
             raise KeyError(f"no calibration at micro-batch size {size} (have {sorted(self.costs)}); "
                            "calibrate at every micro-batch size the configuration uses")
         return self.costs[size]
+
+    def uncertainty_at(self, size: int) -> float:
+        """The relative uncertainty of the costs at `size` (the median layer's interval half-width
+        over the calibration's rounds); 0.0 where unknown (one round) or exact (FLOPs)."""
+        return self.uncertainty.get(size, 0.0)
 
     def partition_costs(self, size: int, checkpoint: str = "always") -> list[float]:
         """Per-layer cost the partitioner balances: the seconds of the actions one micro-batch runs
@@ -63,12 +70,14 @@ class Calibration:
     def to_json(self) -> dict[str, Any]:
         return {"workload": self.workload, "method": self.method, "device": self.device,
                 "groups": self.groups, "optimizer_call": self.optimizer_call,
+                "uncertainty": {str(b): u for b, u in self.uncertainty.items()},
                 "costs": {str(b): [asdict(c) for c in cs] for b, cs in self.costs.items()}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Calibration:
         return cls(data["workload"], data["method"], data["device"], list(data["groups"]),
                    {int(b): [LayerCost(**c) for c in cs] for b, cs in data["costs"].items()},
-                   float(data.get("optimizer_call", 0.0)))
+                   float(data.get("optimizer_call", 0.0)),
+                   {int(b): float(u) for b, u in data.get("uncertainty", {}).items()})
 
 

@@ -38,8 +38,10 @@ from gpipe_repro.sim.calibration.timing import (
 from gpipe_repro.sim.devices import DEVICES, DeviceModel
 
 METHODS = ("time", "flops")
+UNCERTAINTY_TARGET = 0.005
+"""The relative half-width of a layer's interval at which extra calibration rounds stop."""
 # Bump when what a calibration measures changes, so cached timings are not reused across the change.
-CALIBRATION_VERSION = 6
+CALIBRATION_VERSION = 7
 
 
 def device_description(device: torch.device | str, threads: int, neighbours: int = 0) -> str:
@@ -63,7 +65,7 @@ def code_digest() -> str:
 
 
 def _cache_file(workload: Workload, method: str, device_desc: str, size: int, repeats: int,
-                rounds: int = 1, in_sequence: bool = False) -> Path:
+                rounds: int | tuple[int, int, float] = 1, in_sequence: bool = False) -> Path:
     host = platform.node() if method == "time" else ""
     code = code_digest() if method == "time" else ""
     allocator = cpu_allocator.describe() if method == "time" and device_desc.startswith("cpu") else ""
@@ -77,6 +79,7 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
               device: torch.device | str = "cpu", device_model: DeviceModel | None = None,
               threads: int | None = 1, repeats: int = 20, use_cache: bool = True,
               neighbours: int = 0, rounds: int = 1, in_sequence: bool | None = None,
+              max_rounds: int | None = None, tolerance: float = UNCERTAINTY_TARGET,
               progress: Callable[[str], None] | None = None) -> Calibration:
     """Per-layer costs of `workload` at each micro-batch size in `sizes` (see the module docstring).
 
@@ -85,6 +88,11 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
     method="flops" counts FLOPs and converts them with `device_model` (default: "nominal").
     `rounds` > 1 times every layer that many times, interleaved across layers, and keeps the median
     round (robust to a burst of load during one layer's timing); the cache is keyed by it too.
+    `max_rounds` (default `rounds`): more interleaved rounds, up to this many, while the median
+    layer's 95% interval over rounds (:func:`gpipe_repro.report.measurement.median_interval`) is
+    wider than `tolerance` (relative half-width; 0.5%: two calibrations then agree within about 1%
+    per layer); that half-width is recorded as the calibration's uncertainty
+    (:meth:`Calibration.uncertainty_at`), which the partition choice uses to break near-ties.
     `in_sequence` (method="time"): True times every layer of the whole model in the order a stage
     runs them (:func:`time_model_actions`: the caches as in a pipeline stage); False times one layer
     of each group of identical layers alone (:func:`time_layer_actions`: any model size, but a layer
@@ -98,6 +106,12 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    max_rounds = rounds if max_rounds is None else max_rounds
+    if max_rounds < rounds:
+        raise ValueError(f"max_rounds ({max_rounds}) must be >= rounds ({rounds})")
+    if tolerance <= 0:
+        raise ValueError(f"tolerance must be > 0 (a relative half-width), got {tolerance}")
+    schedule = (rounds, max_rounds, tolerance)
     require_one_of("calibration method", method, METHODS)
     device = torch.device(device)
     if method == "time" and device.type == "cuda" and not torch.cuda.is_available():
@@ -120,7 +134,8 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
         for size in sizes:
             whole = method == "time" and (fits_in_sequence(workload, layers, size, device)
                                           if in_sequence is None else in_sequence)
-            path = _cache_file(workload, method, desc, size, repeats, rounds, whole)
+            path = _cache_file(workload, method, desc, size, repeats,
+                               rounds if max_rounds == rounds else schedule, whole)
             cached_now = use_cache and path.exists()
             if progress:
                 progress(f"calibrating {workload.name} at micro-batch {size} ({method}"
@@ -130,15 +145,17 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
                 calib = calib or Calibration(workload.name, method, desc, cached.groups,
                                              optimizer_call=cached.optimizer_call)
                 calib.costs[size] = cached.costs[size]
+                calib.uncertainty.update(cached.uncertainty)
                 continue
             with busy_neighbours(workload, size, neighbours if method == "time" else 0):
                 one = _calibrate_size(workload, layers, size, method, device, device_model,
-                                      repeats, rounds, whole, reuse_counts=use_cache)
+                                      repeats, schedule, whole, reuse_counts=use_cache)
             one.device = desc
             _write_cache(path, one)
             calib = calib or Calibration(workload.name, method, desc, one.groups,
                                          optimizer_call=one.optimizer_call)
             calib.costs[size] = one.costs[size]
+            calib.uncertainty.update(one.uncertainty)
         assert calib is not None, "no micro-batch sizes given"
         return calib
     finally:
@@ -175,7 +192,8 @@ def _flop_counts(layer: nn.Module, x: Any, signature: str, reuse: bool) -> tuple
 
 def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, method: str,
                     device: torch.device, device_model: DeviceModel | None,
-                    repeats: int, rounds: int = 1, in_sequence: bool = False, *,
+                    repeats: int, rounds: int | tuple[int, int, float] = 1,
+                    in_sequence: bool = False, *,
                     reuse_counts: bool = True) -> Calibration:
     inputs, target = workload.sample(size, "cpu")
     trace_key = (workload.key(), size)
@@ -198,9 +216,10 @@ def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, meth
             if i not in (0, last):
                 seen.add(g)
     timings: dict[int, list[ActionSeconds]] = {i: [] for i in timed}
+    least, most, tolerance = rounds if isinstance(rounds, tuple) else (rounds, rounds, UNCERTAINTY_TARGET)
     if method == "time" and in_sequence:
         whole_loss = (workload.loss_fn(), target.to(device))
-        for _ in range(rounds):
+        while _more_rounds(timings, least, most, tolerance):
             reals = [materialize(layer, device) for layer in layers]
             for i, t in enumerate(time_model_actions(reals, inputs, device, loss=whole_loss,
                                                      repeats=repeats)):
@@ -209,7 +228,7 @@ def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, meth
     elif method == "time":
         # Rounds interleaved across layers: a burst of load on the host lands in one round of a
         # few layers, and the median over rounds drops it.
-        for _ in range(rounds):
+        while _more_rounds(timings, least, most, tolerance):
             for i in timed:
                 real = materialize(layers[i], device)
                 x_real = boundary.to_device(inputs, device) if i == 0 else materialize_value(ins[i], device)
@@ -253,7 +272,33 @@ def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, meth
         pooled = {g: [row for i in ids for row in timings[i]] for g, ids in members.items()}
         costs = [c if i in (0, last) else _with_timing(c, pooled[groups[i]], call)
                  for i, c in enumerate(costs)]
-    return Calibration(workload.name, method, "", groups, {size: costs}, call)
+    uncertainty = {size: _uncertainty(timings)} if method == "time" else {}
+    return Calibration(workload.name, method, "", groups, {size: costs}, call, uncertainty)
+
+
+def _uncertainty(timings: dict[int, list[ActionSeconds]]) -> float:
+    """The median layer's relative half-width of the 95% interval of its per-round cost (forward,
+    checkpointed forward, recompute, backward, accumulation); with 2 rounds half their spread, with
+    1 round 0.0 (unknown)."""
+    from gpipe_repro.report.measurement import median_interval
+
+    widths = []
+    for rows in timings.values():
+        totals = [t[0] + t[1] + t[2] + t[3] + t[5] for t in rows]
+        if len(totals) < 2 or statistics.median(totals) <= 0:
+            continue
+        low, high, _ = median_interval(totals)
+        low, high = (min(totals), max(totals)) if low is None or high is None else (low, high)
+        widths.append((high - low) / 2 / statistics.median(totals))
+    return statistics.median(widths) if widths else 0.0
+
+
+def _more_rounds(timings: dict[int, list[ActionSeconds]], least: int, most: int,
+                 tolerance: float) -> bool:
+    """Whether to time another round: fewer than `least` so far, or fewer than `most` and the
+    costs' uncertainty still above `tolerance`."""
+    done = min((len(rows) for rows in timings.values()), default=0)
+    return done < least or (done < most and _uncertainty(timings) > tolerance)
 
 
 def _medians(rounds: Sequence[ActionSeconds]) -> list[Any]:
