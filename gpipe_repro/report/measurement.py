@@ -137,6 +137,12 @@ class Figure:
             text += f" — {self.verdict} ({self.direction} {self._number(self.target)})"
         return text
 
+    def cell(self) -> str:
+        """A table cell: ``1.07x [1.03, 1.11]``, and the verdict where there is a target."""
+        unit = " ms" if self.unit == "s" else self.unit
+        text = f"{self._number(self.value)}{unit} [{self._number(self.low)}, {self._number(self.high)}]"
+        return text + (f" {self.verdict}" if self.target is not None else "")
+
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "verdict": self.verdict, "half_width": (
             None if math.isinf(self.half_width) else self.half_width)}

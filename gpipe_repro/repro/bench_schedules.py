@@ -1,286 +1,164 @@
 """`make bench-schedules`: every schedule of ours against every torch.distributed.pipelining schedule
 that applies, on the same cells, data and processes (K=2 stage processes x 1 thread, gloo).
 
-What runs (all measured here; the ideal is computed from measured costs and says so):
+What runs, for every (batch, M), in alternating rounds of the measurement kernel inside the stage
+processes (:func:`gpipe_repro.repro.harness.rounds_in_processes`):
 
 - K=1: plain PyTorch, the whole model on the whole batch, one process (rank 0 alone) -> "speedup";
-- K=1 on the same M micro-batches (the local runtime, both cells in turn, rank 0 alone): its step
-  time / 2 is the ideal 2-process step for that M (the same work split evenly, no bubble, free
-  communication) -> "of ideal";
+- K=1 on the same M micro-batches (rank 0 alone): its step time / 2 is the ideal 2-process step for
+  that M (the same work split evenly, no bubble, free communication) -> "of ideal";
 - ours: ``GPipe(..., runtime="distributed", schedule=S)`` for every S in
-  :data:`gpipe_repro.engine.schedule.SCHEDULES` (gpipe, 1f1b, zb-h1, and interleaved with the model
-  cut in 4 cells, two per process, like torch's looped schedules), checkpoint "never";
-- torch's: PipelineStage + ScheduleGPipe / Schedule1F1B (one stage per process), and with two
-  stages per process (the model cut into 4 chunks) ScheduleInterleaved1F1B, ScheduleLoopedBFS,
-  ScheduleInterleavedZeroBubble (chunk c on process c mod 2), ScheduleZBVZeroBubble and
-  ScheduleDualPipeV (V shape: process 0 holds chunks 0 and 3). A schedule torch refuses for a
-  configuration (e.g. too few micro-batches) is listed as not applicable, with torch's reason.
+  :data:`gpipe_repro.engine.schedule.SCHEDULES`, checkpoint "never";
+- torch's: every schedule of :data:`~gpipe_repro.repro.harness.TORCH_SINGLE`, ``TORCH_LOOPED`` and
+  ``TORCH_V`` (:class:`~gpipe_repro.repro.harness.TorchSchedule`). A schedule either side refuses
+  for a configuration is listed as not applicable, with the reason.
 
-Every variant of one (batch, M) group runs step by step interleaved with the others in a rotating
-order, so drifting load hits all alike; medians after warm-up. Peak memory per stage: measured with
-``torch.cuda.max_memory_allocated`` on CUDA only; on CPU the column says "n/a" (no allocator
-statistics) and the ours-best / torch-best comparison is made without the memory condition (said in
-the output). The host load average is recorded before and after; when it exceeded 0.25 per core
-before the run the host was busy, the numbers are not of record and the output says so.
-Results: results/schedules/ (JSON, markdown).
+Every figure is the median of per-round paired ratios with its 95% interval (a busy host widens
+it). Ours-best against torch-best: the two schedules fastest by median, compared round by round.
+Peak memory is not measured on CPU (no allocator statistics): the comparison is made without the
+memory condition, and the output says so. Results: results/schedules/ (JSON, markdown).
 """
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import time
-from collections import defaultdict
 from typing import Any
 
-import torch
-from torch import nn
+from gpipe_repro.report.measurement import Comparison, Figure, Measurement, StopRule
+from gpipe_repro.repro.harness import (
+    TORCH_LOOPED,
+    TORCH_SINGLE,
+    TORCH_V,
+    Ours,
+    PlainK1,
+    SameMicrobatchesK1,
+    TorchSchedule,
+    add_stop_rule,
+    batch,
+    publish,
+    rounds_in_processes,
+    stop_rule,
+    verdict_lines,
+)
 
-from gpipe_repro.models.mlp import synthetic_mlp
-
-TORCH_SINGLE = ("ScheduleGPipe", "Schedule1F1B")
-TORCH_LOOPED = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble")
-TORCH_V = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-
-
-def sgd(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=1e-3)
-
-
-def data(cfg: dict[str, Any], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(batch, cfg["width"], generator=g), torch.randint(0, 10, (batch,), generator=g)
-
-
-class PlainK1:
-    """K=1: plain PyTorch on the whole batch."""
-
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        self.model = nn.Sequential(*synthetic_mlp(cfg["width"], cfg["blocks"]))
-        self.optimizer, self.loss_fn = sgd(self.model.parameters()), nn.CrossEntropyLoss()
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.loss_fn(self.model(x), y).backward()
-        self.optimizer.step()
+TARGETS = {"median ours-best / torch-best": 1.10, "min ours-best / torch-best": 1.0, "M=4 of ideal": 0.95}
 
 
-class SameMicrobatchesK1:
-    """K=1 on the same M micro-batches: the local runtime, both cells in one process."""
-
-    def __init__(self, cfg: dict[str, Any], m: int) -> None:
-        from gpipe_repro import GPipe
-        self.pipe = GPipe(synthetic_mlp(cfg["width"], cfg["blocks"]), partitions=2, micro_batches=m,
-                          balance=[cfg["blocks"] // 2] * 2, checkpoint="never",
-                          loss_fn=nn.CrossEntropyLoss(), optimizer=sgd)
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.pipe.train_step(x, y)
-
-
-class Ours:
-    """``GPipe(..., runtime="distributed", schedule=name)``."""
-
-    def __init__(self, cfg: dict[str, Any], m: int, name: str) -> None:
-        from gpipe_repro import GPipe
-        from gpipe_repro.engine.schedule import cells_per_process
-        # interleaved and zb-v: 2 cells on each of the 2 processes (the model cut in 4; cell c on
-        # process c mod 2 for interleaved, in a V for zb-v: cells 0 and 3 on process 0)
-        k = 2 * cells_per_process(name)
-        if cfg["blocks"] % k:
-            raise ValueError(f"{cfg['blocks']} blocks do not cut into {k} equal cells")
-        self.pipe = GPipe(synthetic_mlp(cfg["width"], cfg["blocks"]), partitions=k, micro_batches=m,
-                          balance=[cfg["blocks"] // k] * k, checkpoint="never", schedule=name,
-                          loss_fn=nn.CrossEntropyLoss(), optimizer=sgd, runtime="distributed")
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.pipe.train_step(x, y)
-
-
-class Torch:
-    """A torch.distributed.pipelining schedule over this rank's stage(s) of the same model."""
-
-    def __init__(self, cfg: dict[str, Any], rank: int, m: int, name: str) -> None:
-        from torch.distributed import pipelining
-        from torch.distributed.pipelining import PipelineStage
-
-        layers = synthetic_mlp(cfg["width"], cfg["blocks"])
-        ranks = 2
-        chunks = ranks if name in TORCH_SINGLE else 2 * ranks
-        if cfg["blocks"] % chunks:
-            raise ValueError(f"{cfg['blocks']} blocks do not cut into {chunks} equal chunks")
-        per = cfg["blocks"] // chunks
-        if name in TORCH_SINGLE:
-            mine = [rank]
-        elif name in TORCH_LOOPED:
-            mine = [rank, rank + ranks]
-        else:
-            mine = [rank, chunks - 1 - rank]
-        self.modules = [nn.Sequential(*layers[c * per:(c + 1) * per]) for c in mine]
-        stages = [PipelineStage(mod, c, chunks, torch.device("cpu")) for mod, c in zip(self.modules, mine)]
-        cls = getattr(pipelining, name)
-        target = stages[0] if name in TORCH_SINGLE else stages
-        self.schedule = cls(target, n_microbatches=m, loss_fn=nn.CrossEntropyLoss())
-        self.first, self.last = 0 in mine, chunks - 1 in mine
-        self.optimizer = sgd([p for mod in self.modules for p in mod.parameters()])
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        args = (x,) if self.first else ()
-        kwargs = {"target": y, "return_outputs": False} if self.last else {}
-        self.schedule.step(*args, **kwargs)
-        self.optimizer.step()
-
-
-def variants(cfg: dict[str, Any], rank: int, m: int) -> tuple[dict[str, Any], dict[str, str]]:
-    """What one (batch, M) group times; and the torch schedules not applicable, with the reason."""
+def group_items(cfg: dict[str, Any], rank: int, m: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """What one (batch, M) group measures; and the schedules not applicable, with the reason."""
     from gpipe_repro.engine.schedule import SCHEDULES
-    items: dict[str, Any] = {"k1_full": PlainK1(cfg) if rank == 0 else None,
-                             "k1_same_m": SameMicrobatchesK1(cfg, m) if rank == 0 else None}
+
+    w, blocks = cfg["width"], cfg["blocks"]
+    items: dict[str, Any] = {"k1_full": PlainK1(w, blocks) if rank == 0 else None,
+                             "k1_same_m": SameMicrobatchesK1(w, blocks, m) if rank == 0 else None}
     refused = {}
     for name in SCHEDULES:
         try:
-            items[f"ours:{name}"] = Ours(cfg, m, name)
+            items[f"ours:{name}"] = Ours(w, blocks, m, schedule=name)
         except ValueError as e:   # the engine's verdict on this configuration (the same on every rank)
             refused[f"ours:{name}"] = str(e).splitlines()[0][:200]
     for name in TORCH_SINGLE + TORCH_LOOPED + TORCH_V:
         try:
-            items[f"torch:{name}"] = Torch(cfg, rank, m, name)
+            items[f"torch:{name}"] = TorchSchedule(w, blocks, rank, m, name)
         except Exception as e:   # torch's own verdict on this configuration (the same on every rank)
             refused[f"torch:{name}"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
     return items, refused
 
 
 def bench_processes(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Runs in each of the 2 processes; returns (start, end) of every timed step of every variant."""
-    import torch.distributed as dist
-
+    """Runs in each of the 2 processes: every group's rounds (rank 0 returns the measurements)."""
     from gpipe_repro.distributed.process_group import init_distributed
 
     rank = init_distributed().rank
-    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    refused_all: dict[str, dict[str, str]] = {}
-    peaks: dict[str, list[int]] = {}
-    for batch in cfg["batches"]:
-        x, y = data(cfg, batch)
+    rule = StopRule(**cfg["rule"])
+    measurements, refused_all = {}, {}
+    for rows in cfg["batches"]:
+        x, y = batch(cfg["width"], rows)
         for m in cfg["ms"]:
-            group = f"{batch}/{m}"
-            items, refused = variants(cfg, rank, m)
-            refused_all[group] = refused
-            names = list(items)
-            for i in range(cfg["warmup"] + cfg["steps"]):
-                for name in names[i % len(names):] + names[:i % len(names)]:
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    if items[name] is not None:
-                        items[name].step(x, y)
-                    if items[name] is not None and i >= cfg["warmup"]:
-                        spans[f"{name}/{group}"].append((t0, time.perf_counter()))
+            group = f"{rows}/{m}"
+            items, refused_all[group] = group_items(cfg, rank, m)
+            pipes = [n for n in items if n.startswith(("ours:", "torch:"))]
+            comps = [Comparison(f"speedup {n}", "k1_full", n) for n in pipes]
+            measurements[group] = rounds_in_processes(items, comps, rule, x, y, warmup=cfg["warmup"],
+                                                      label=f"bench-schedules {group}")
             del items
-    return {"spans": dict(spans), "refused": refused_all, "peaks": peaks}
+    return {"measurements": measurements, "refused": refused_all}
 
 
-def step_times(per_rank: list[dict[str, Any]], key: str) -> list[float]:
-    """Each step's time: last rank to finish minus first to start (one host: one clock)."""
-    steps = zip(*[r["spans"][key] for r in per_rank if key in r["spans"]])
-    return [max(e for _, e in s) - min(b for b, _ in s) for s in steps]
+def best_against_best(result: Measurement, tolerance: float) -> tuple[str, str, Figure]:
+    """Ours-best and torch-best (by median time) and their paired ratio, torch time / ours time."""
+    ours = min((n for n in result.times if n.startswith("ours:")), key=lambda n: result.times[n].value)
+    theirs = min((n for n in result.times if n.startswith("torch:")), key=lambda n: result.times[n].value)
+    ratios = [t / o for t, o in zip(result.times[theirs].samples, result.times[ours].samples)]
+    return ours, theirs, Figure.of(f"{ours} / {theirs}", ratios, tolerance=tolerance,
+                                   host_fast=result.host_fast)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--blocks", type=int, default=8, help="Linear+ReLU layers (a multiple of 4)")
     ap.add_argument("--batches", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--ms", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per variant (median)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--smoke", action="store_true",
-                    help="tiny sizes to check that everything runs; numbers are not of record")
-    args = ap.parse_args()
+                    help="tiny sizes and rounds to check that everything runs; nothing is written")
+    add_stop_rule(ap, budget=1200.0, tolerance=0.02, min_rounds=5, max_rounds=40)
+    args = ap.parse_args(argv)
     if args.blocks % 4:
         ap.error("--blocks must be a multiple of 4 (2 cells for ours, 4 chunks for torch's looped "
                  "and V schedules)")
     if args.smoke:
-        args.width, args.batches, args.steps, args.warmup = 128, [64], 2, 1
-    run(args)
-
-
-def run(args: argparse.Namespace) -> None:
+        args.width, args.batches, args.budget, args.min_rounds, args.max_rounds = 128, [64], 30.0, 3, 3
     from gpipe_repro.distributed import launch_local
-    from gpipe_repro.report.records import markdown_table, measured, results_dir, write_json, write_markdown
+    from gpipe_repro.report.records import markdown_table
 
-    cfg = dict(vars(args))
-    load_before = os.getloadavg()
-    cores = os.cpu_count() or 1
-    started = time.time()
-    print(f"MLP {args.blocks} x Linear({args.width}), batches {args.batches}, M {args.ms}, "
-          f"{args.threads} thread(s) per process; load average {load_before[0]:.2f} on {cores} cores",
-          flush=True)
-    from gpipe_repro.report.host import HostWatch, busy_note, is_clean
-    with HostWatch() as watch:     # idle before, other processes' CPU during (not this run's own)
-        per_rank = launch_local(bench_processes, 2, cfg, timeout=300, threads=args.threads)
-    load_after = os.getloadavg()
-    busy = not is_clean(watch.conditions) or args.smoke
-    med = statistics.median
-    rows, records = [], []
-    for batch in args.batches:
-        for m in args.ms:
-            group = f"{batch}/{m}"
-            full = med(step_times(per_rank, f"k1_full/{group}"))
-            ideal = med(step_times(per_rank, f"k1_same_m/{group}")) / 2
-            times = {}
-            for key in per_rank[0]["spans"]:
-                name = key[:-len(f"/{group}")]
-                if key.endswith(f"/{group}") and name.startswith(("ours:", "torch:")):
-                    times[name] = med(step_times(per_rank, key))
-            ours = {n: t for n, t in times.items() if n.startswith("ours:")}
-            theirs = {n: t for n, t in times.items() if n.startswith("torch:")}
-            best_ours, best_torch = min(ours, key=ours.__getitem__), min(theirs, key=theirs.__getitem__)
-            for name, t in sorted(times.items(), key=lambda kv: kv[1]):
-                rows.append([batch, m, name, t * 1e3, full / t, ideal / t, "n/a"])
-            records.append({
-                "batch": batch, "micro_batches": m, "k1_full_batch_step_s": measured(full, unit="s"),
-                "ideal_step_s_from_k1_same_microbatches_over_2": measured(ideal, unit="s"),
-                "step_s": {n: measured(t, unit="s") for n, t in times.items()},
-                "speedup": {n: measured(full / t, unit="x") for n, t in times.items()},
-                "of_ideal": {n: measured(ideal / t) for n, t in times.items()},
-                "ours_best": best_ours, "torch_best": best_torch,
-                "ours_best_over_torch_best": measured(theirs[best_torch] / ours[best_ours], unit="x"),
-                "not_applicable": per_rank[0]["refused"].get(group, {})})
-    ratios = [r["ours_best_over_torch_best"]["value"] for r in records]
-    m4 = [max(r["of_ideal"][n]["value"] for n in r["of_ideal"] if n.startswith("ours:"))
-          for r in records if r["micro_batches"] == 4]
-    checks = {
-        "median over (batch, M): ours-best / torch-best throughput (target >= 1.10)": measured(med(ratios)),
-        "min over (batch, M): ours-best / torch-best throughput (target >= 1.0)": measured(min(ratios)),
-        "M=4: best of ours, fraction of the ideal from measured costs (target >= 0.95)":
-            measured(min(m4)) if m4 else None}
-    note = (("NOT OF RECORD: smoke run" if args.smoke else "NOT OF RECORD:")
-            + busy_note(watch.conditions) + f" (load average before the run {load_before[0]:.2f} / "
-            f"{load_before[1]:.2f} (1 / 5 min) on {cores} cores)" if busy
-            else f"idle host: idle {watch.conditions['idle_fraction_before']:.0%} before, other "
-            f"processes {watch.conditions['others_cpu_fraction_during'] or 0.0:.0%} of the CPU during;"
-            f" load average before the run {load_before[0]:.2f} on {cores} cores")
-    payload = {"experiment": "schedules: ours vs torch.distributed.pipelining, K=2", "config": cfg,
-               "load_average_before": load_before, "load_average_after": load_after, "status": note,
-               "host": watch.conditions,
-               "peak_memory": "n/a on CPU (no allocator statistics); the best-vs-best comparison is made "
-                              "without the equal-or-lower-memory condition",
-               "wall_s": time.time() - started, "rows": records, "checks": checks}
-    table = markdown_table(["batch", "M", "schedule", "ms/step", "speedup vs K=1", "of ideal",
-                            "peak memory/stage"], rows)
+    rule = stop_rule(args, groups=len(args.batches) * len(args.ms))
+    cfg = {**vars(args), "rule": vars(rule)}
+    per_rank = launch_local(bench_processes, 2, cfg, timeout=300, threads=args.threads)
+    rows, records, ratios, of_ideal_m4 = [], [], [], []
+    for group, data in per_rank[0]["measurements"].items():
+        rows_n, m = (int(v) for v in group.split("/"))
+        result = Measurement.from_json(data)
+        ideal = [t / 2 for t in result.times["k1_same_m"].samples]
+        of_ideal = {n: Figure.of(f"{n} of ideal", [i / t for i, t in zip(ideal, f.samples)],
+                                 host_fast=result.host_fast)
+                    for n, f in result.times.items() if n.startswith(("ours:", "torch:"))}
+        ours, theirs, ratio = best_against_best(result, args.tolerance)
+        ratios.append(ratio)
+        if m == 4:
+            best = max((n for n in of_ideal if n.startswith("ours:")), key=lambda n: of_ideal[n].value)
+            of_ideal_m4.append(of_ideal[best])
+        for n in sorted(of_ideal, key=lambda n: result.times[n].value):
+            rows.append([rows_n, m, n, result.times[n].cell(), result.figures[f"speedup {n}"].cell(),
+                         of_ideal[n].cell(), "n/a"])
+        records.append({"batch": rows_n, "micro_batches": m, "measurement": data,
+                        "of_ideal": {n: f.to_json() for n, f in of_ideal.items()}, "ours_best": ours,
+                        "torch_best": theirs, "ours_best_over_torch_best": ratio.to_json(),
+                        "not_applicable": per_rank[0]["refused"].get(group, {})})
+    pooled = [s for f in ratios for s in f.samples]
+    checks = [Figure.of("every (batch, M)'s rounds pooled: ours-best / torch-best", pooled,
+                        target=TARGETS["median ours-best / torch-best"], host_fast=ratios[0].host_fast)]
+    checks += [Figure(f"ours-best / torch-best, batch {r['batch']}, M={r['micro_batches']}", f.value,
+                      f.low, f.high, f.rounds, f.interval, host_fast=f.host_fast,
+                      target=TARGETS["min ours-best / torch-best"], samples=f.samples)
+               for r, f in zip(records, ratios)]
+    checks += [Figure(f"M=4: best of ours, of the ideal ({f.name})", f.value, f.low, f.high, f.rounds,
+                      f.interval, host_fast=f.host_fast, target=TARGETS["M=4 of ideal"], samples=f.samples)
+               for f in of_ideal_m4]
     refused = sorted({f"{n}: {why}" for r in records for n, why in r["not_applicable"].items()})
-    text = "\n\n".join([f"# Schedules, K=2 stage processes ({note})", table,
-                        "Checks:\n" + "\n".join(f"- {k}: {v['value'] if v else 'n/a'}"
-                                                for k, v in checks.items()),
-                        "Not applicable:\n" + ("\n".join(f"- {x}" for x in refused) or "- none")])
-    print(text, flush=True)
-    if args.smoke:   # a check that everything runs: nothing is written under results/
-        return
-    out = results_dir("schedules")
-    write_json(out / "bench_schedules.json", payload)
-    write_markdown(out / "bench_schedules.md", text)
+    text = "\n\n".join([
+        "# Schedules, K=2 stage processes (measured" + (", SMOKE RUN: not of record)" if args.smoke else ")"),
+        "Each figure: the median over alternating rounds with its 95% bootstrap interval (a busy host "
+        "widens it). Peak memory per stage: n/a on CPU (no allocator statistics); the best-vs-best "
+        "comparison is made without the equal-or-lower-memory condition.",
+        markdown_table(["batch", "M", "schedule", "step", "speedup vs K=1", "of ideal",
+                        "peak memory/stage"], rows),
+        "Checks:\n" + verdict_lines(checks),
+        "Not applicable:\n" + ("\n".join(f"- {x}" for x in refused) or "- none")])
+    publish("schedules", "bench_schedules", {
+        "experiment": "schedules: ours vs torch.distributed.pipelining, K=2", "config": cfg,
+        "rows": records, "checks": [f.to_json() for f in checks]}, text, write=not args.smoke)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,45 @@ class Ours:
         self.pipe.train_step(x, y)
 
 
+TORCH_SINGLE = ("ScheduleGPipe", "Schedule1F1B")
+TORCH_LOOPED = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble")
+TORCH_V = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
+class TorchSchedule:
+    """A torch.distributed.pipelining schedule over this rank's stage(s) of the same model, 2
+    processes: one stage each (TORCH_SINGLE), or the model cut into 4 chunks, chunk c on process
+    c mod 2 (TORCH_LOOPED) or in a V, process 0 holding chunks 0 and 3 (TORCH_V). With checkpoint
+    "always" each stage module runs under torch.utils.checkpoint."""
+
+    def __init__(self, width: int, blocks: int, rank: int, m: int, name: str = "ScheduleGPipe",
+                 checkpoint: str = "never") -> None:
+        from torch.distributed import pipelining
+        from torch.distributed.pipelining import PipelineStage
+
+        layers, ranks = synthetic_mlp(width, blocks), 2
+        chunks = ranks if name in TORCH_SINGLE else 2 * ranks
+        if blocks % chunks:
+            raise ValueError(f"{blocks} blocks do not cut into {chunks} equal chunks")
+        per = blocks // chunks
+        mine = ([rank] if name in TORCH_SINGLE else [rank, rank + ranks] if name in TORCH_LOOPED
+                else [rank, chunks - 1 - rank])
+        self.modules = [nn.Sequential(*layers[c * per:(c + 1) * per]) for c in mine]
+        wrapped = [Checkpointed(mod) if checkpoint == "always" else mod for mod in self.modules]
+        stages = [PipelineStage(mod, c, chunks, torch.device("cpu")) for mod, c in zip(wrapped, mine)]
+        target = stages[0] if name in TORCH_SINGLE else stages
+        self.schedule = getattr(pipelining, name)(target, n_microbatches=m, loss_fn=nn.CrossEntropyLoss())
+        self.first, self.last = 0 in mine, chunks - 1 in mine
+        self.optimizer = sgd([p for mod in self.modules for p in mod.parameters()])
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        args = (x,) if self.first else ()
+        kwargs = {"target": y, "return_outputs": False} if self.last else {}
+        self.schedule.step(*args, **kwargs)
+        self.optimizer.step()
+
+
 def rounds_in_processes(items: Mapping[str, Any], comparisons: Sequence[Comparison], rule: StopRule,
                         x: torch.Tensor, y: torch.Tensor, *, warmup: int = 1,
                         label: str = "rounds") -> dict[str, Any] | None:
