@@ -8,8 +8,9 @@ this host with the pipeline's other core busy, the partition, the schedule simul
 time, then the same configuration run on K=2 real stage processes. Mini-batch 256, M = 1, 2, 4, 8,
 16 (micro-batches of 256 down to 16 rows), checkpoint "never" and "always": 20 configurations.
 Targets (issue #12): median |error| <= 5%, worst <= 10% where micro-batches have >= 16 rows (all of
-these). Each measurement carries the host's conditions (:class:`gpipe_repro.report.host.HostWatch`);
-a busy one is marked and left out of the verdict.
+these). Each configuration's error carries the interval its measured steps give it, and the verdict
+is met / not met / inconclusive from those intervals
+(:mod:`gpipe_repro.repro.throughput.simulator_error`): a busy host widens them, no row is left out.
 
 Results: results/throughput/validation_unseen.{md,json}.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +26,8 @@ from typing import Any
 from torch import nn
 
 from gpipe_repro.models.workload import Workload
-from gpipe_repro.report.host import busy_note, is_clean, usable_cores
+from gpipe_repro.report.host import usable_cores
+from gpipe_repro.report.measurement import Figure
 from gpipe_repro.report.records import (
     markdown_table,
     measured,
@@ -35,8 +36,7 @@ from gpipe_repro.report.records import (
     write_json,
     write_markdown,
 )
-
-MEDIAN_TARGET, WORST_TARGET = 0.05, 0.10
+from gpipe_repro.repro.throughput.simulator_error import describe, error_figure, summarize_errors
 
 
 class _Residual(nn.Module):
@@ -81,39 +81,37 @@ def run_config(workload: Workload, *, k: int, m: int, microbatch: int, checkpoin
     return result.to_json()
 
 
+def row_error(row: dict[str, Any]) -> Figure:
+    """A configuration's error figure, from its measured steps (or its median step alone)."""
+    steps = row.get("measured_step_times_s") or [row["measured_step_time_s"]]
+    return error_figure(steps, row["step_time_s"])
+
+
 def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Median and worst |error| over the clean rows with micro-batches of >= 16 rows."""
-    counted = [r for r in rows if r["microbatch"] >= 16 and is_clean(r.get("measured_host"))]
-    errors = [abs(r["relative_error"]) for r in counted]
-    if not errors:
-        return {"configurations": 0, "left_out_busy": len(rows), "met": None}
-    med, worst = statistics.median(errors), max(errors)
-    return {"configurations": len(counted), "left_out_busy": len(rows) - len(counted),
-            "median_abs_error": med, "worst_abs_error": worst,
-            "met": med <= MEDIAN_TARGET and worst <= WORST_TARGET}
+    """Median and worst |error| with their bounds and the verdict, over the rows with micro-batches
+    of >= 16 rows."""
+    return summarize_errors([row_error(r).to_json() for r in rows if r["microbatch"] >= 16])
 
 
 def render(payload: dict[str, Any]) -> str:
     """The markdown page."""
-    s = payload["summary"]
-    if s["met"] is None:
-        verdict = "No clean measurement: nothing to judge (rerun on an idle host)."
-    else:
-        verdict = (f"Median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%} over "
-                   f"{s['configurations']} clean configurations (targets: median <= "
-                   f"{MEDIAN_TARGET:.0%}, worst <= {WORST_TARGET:.0%}: "
-                   f"{'met' if s['met'] else 'NOT met'})"
-                   + (f"; {s['left_out_busy']} taken on a busy host left out" if s["left_out_busy"]
-                      else "") + ".")
+    def pct(x: float | None) -> str:
+        return "?" if x is None else f"{x:+.1%}"
+
+    def error(r: dict[str, Any]) -> str:
+        f = row_error(r)
+        return f"{pct(f.value)} [{pct(f.low)}, {pct(f.high)}]"
     body = [[r["model"], r["K"], r["M"], r["microbatch"], r["checkpoint"], str(r["balance"]),
-             f"{r['measured_step_time_s'] * 1e3:.1f}{busy_note(r.get('measured_host'))}",
-             f"{r['step_time_s'] * 1e3:.1f}", f"{r['relative_error']:+.1%}"]
+             f"{r['measured_step_time_s'] * 1e3:.1f}", f"{r['step_time_s'] * 1e3:.1f}", error(r)]
             for r in payload["rows"]]
     table = markdown_table(["model", "K", "M", "rows/micro-batch", "checkpoint", "partition",
-                            "measured step ms", "simulated step ms", "error (simulated throughput)"],
-                           body)
+                            "measured step ms", "simulated step ms",
+                            "error (simulated throughput) [95% interval]"], body)
     return ("# The simulator on models it was never tuned on\n\n"
-            f"{verdict}\n\n"
+            f"Over micro-batches of >= 16 rows: {describe(payload['summary'])}. Each error is the "
+            "median over the measured steps with its 95% interval; "
+            "the bounds of the median and the worst come from the intervals' ends (a busy host "
+            "widens them).\n\n"
             f"Generated by `{payload['command']}`: each configuration run the way a user runs their own "
             "model (`gpipe-repro throughput --model module:factory ... --k 2`): calibrate on this host, "
             "partition, simulate, then run on 2 real stage processes (1 thread each) and compare. "
@@ -130,7 +128,8 @@ def main(argv: list[str] | None = None,
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--checkpoints", nargs="+", default=["never", "always"])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--steps", type=int, default=4, help="measured steps per configuration")
+    ap.add_argument("--steps", type=int, default=8,
+                    help="measured steps per configuration (their median and its interval)")
     ap.add_argument("--out", default=None, help="output directory (default results/throughput/)")
     args = ap.parse_args(argv)
     k = 2
@@ -151,8 +150,8 @@ def main(argv: list[str] | None = None,
                           steps=args.steps)
                 row["model"] = name
                 print(f"  simulated {row['step_time_s'] * 1e3:.1f} ms, measured "
-                      f"{row['measured_step_time_s'] * 1e3:.1f} ms"
-                      f"{busy_note(row.get('measured_host'))}", flush=True)
+                      f"{row['measured_step_time_s'] * 1e3:.1f} ms; error {row_error(row).cell()}",
+                      flush=True)
                 rows.append(row)
     given = sys.argv[1:] if argv is None else list(argv)
     command = ("make validate-unseen" if not given

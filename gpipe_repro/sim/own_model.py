@@ -59,6 +59,7 @@ class OwnModelResult:
     measured_step_time_s: float | None = None
     relative_error: float | None = None        # simulated throughput / measured - 1
     measured_host: dict[str, Any] | None = None
+    measured_step_times_s: list[float] | None = None
 
     def describe(self) -> str:
         """A few lines for a terminal."""
@@ -143,4 +144,5 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
         result.measured_step_time_s = float(measured.median_step_time)
         result.relative_error = measured.median_step_time / sim.step_time - 1.0
         result.measured_host = host
+        result.measured_step_times_s = [float(t) for t in measured.step_times]
     return result

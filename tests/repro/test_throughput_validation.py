@@ -29,7 +29,7 @@ def _fake_measure(schedule: str, slowdown: float) -> validation.MeasureFn:
         cal = _calibrate(workload, [n // m])
         sim = simulate(make_schedule(schedule, len(balance), m, checkpoint),
                        stage_costs(cal, balance, [n // m] * m), PRESETS["ideal"], n)
-        return {"step_time_s": sim.step_time * slowdown, "step_times": [sim.step_time * slowdown],
+        return {"step_time_s": sim.step_time * slowdown, "step_times": [sim.step_time * slowdown] * 8,
                 "timeline": sim.timeline}
     return run
 
@@ -37,10 +37,9 @@ def _fake_measure(schedule: str, slowdown: float) -> validation.MeasureFn:
 def test_validation_reports_each_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(validation, "calibrate", _calibrate)
     monkeypatch.setattr(validation, "platform_for", lambda name: Platform(PRESETS["ideal"]))
-    # the host probe samples the CPU for a second per configuration: a fixed answer instead
-    monkeypatch.setattr(validation, "conditions",
-                        lambda: {"idle_fraction_before": 0.9, "load_average_before": 0.5})
-    settings = SweepSettings(link="ideal", wait_idle=0.0)
+    # the host probe times the cores: a fixed answer instead
+    monkeypatch.setattr(validation, "fast_share", lambda: 0.2)
+    settings = SweepSettings(link="ideal")
     slow = {"gpipe": 1.0, "1f1b": 1.25, "zb-h1": 1.02, "interleaved": 1.03}
     result = validation.validate_simulator(
         settings, _fake_measure("gpipe", 1.0), models=["transformer"], ks=[2], ms=[1, 2, 4],
@@ -65,7 +64,8 @@ def test_validation_reports_each_schedule(monkeypatch: pytest.MonkeyPatch) -> No
     assert not result["summary"]["met"] and result["summary"]["not_validated"] == {}
     assert {"transformer_K2_M4_never", "transformer_K2_M4_never_zb-h1"} <= set(result["timelines"])
     text = render_validation_summary(result)
-    assert "`1f1b` median 25.0%, worst 25.0% (NOT met)" in text and "| zb-h1 " in text
+    assert "`1f1b` median |error| 25.0% [25.0, 25.0], worst 25.0% [25.0, 25.0]" in text
+    assert per["1f1b"]["verdict"] == "not met" and "| zb-h1 " in text
     assert "| interleaved " in text and "not validated" not in text
 
 
@@ -75,3 +75,15 @@ def test_validation_refuses_what_it_cannot_measure() -> None:
         validation.validate_simulator(settings, _fake_measure("gpipe", 1.0), schedules=["dualpipe"])
     with pytest.raises(ValueError, match="pass measure_schedule= to measure 1f1b"):
         validation.validate_simulator(settings, _fake_measure("gpipe", 1.0), schedules=["gpipe", "1f1b"])
+
+
+def test_a_wide_interval_makes_the_verdict_inconclusive_not_a_left_out_row() -> None:
+    from gpipe_repro.repro.throughput.simulator_error import error_figure, summarize_errors
+
+    tight = [error_figure([1.02] * 8, 1.0).to_json(), error_figure([0.99] * 8, 1.0).to_json()]
+    assert summarize_errors(tight)["verdict"] == "met"
+    busy = error_figure([0.9, 1.0, 1.1, 1.2, 0.95, 1.05, 1.15, 1.0], 1.0).to_json()   # straddles 10%
+    s = summarize_errors([*tight, busy])
+    assert s["verdict"] == "inconclusive" and s["configurations"] == 3
+    off = [error_figure([1.3] * 8, 1.0).to_json()] * 3
+    assert summarize_errors(off)["verdict"] == "not met"

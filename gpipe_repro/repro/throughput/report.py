@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpipe_repro.report.host import BUSY_MARK, IDLE_CLEAN, OTHERS_CLEAN, busy_note, usable_cores
+from gpipe_repro.report.host import BUSY_MARK, IDLE_CLEAN, OTHERS_CLEAN, busy_note
 from gpipe_repro.report.records import markdown_table
 
 
@@ -341,31 +341,32 @@ def differences(payload: dict[str, Any]) -> list[str]:
 
 
 def render_validation_summary(validation: dict[str, Any]) -> str:
+    """The validation's verdict, per schedule, and a row per configuration with its error interval."""
+    from gpipe_repro.report.measurement import Figure
+    from gpipe_repro.repro.throughput.simulator_error import describe
+
     rows = validation["rows"]
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x * 100:+.1f}%"
 
-    def host(r: dict[str, Any]) -> dict[str, Any] | None:
-        if r.get("host"):
-            return dict(r["host"])
-        if r.get("host_idle_before") is None:
-            return None
-        return {"idle_fraction_before": r["host_idle_before"],
-                "load_average_before": (r.get("load_average") or [None])[0],
-                "others_cpu_fraction_during": r.get("others_cpu_fraction_during")}
+    def error(r: dict[str, Any]) -> str:
+        if "error" not in r:           # a validation written before errors had intervals
+            return pct(r["relative_error"])
+        f = Figure.from_json(r["error"])
+        return f"{pct(f.value)} [{pct(f.low)}, {pct(f.high)}]"
 
     body = [[r["model"], r["K"], r["M"], r["checkpoint"], r.get("schedule", "gpipe"),
-             _num(r["measured_throughput"], 2) + busy_note(host(r)),
-             _num(r["simulated_throughput"], 2), pct(r["relative_error"]),
+             _num(r["measured_throughput"], 2), _num(r["simulated_throughput"], 2), error(r),
              pct(r.get("replay_error")),
-             "-" if r.get("host_idle_before") is None else f"{r['host_idle_before']:.0%}",
-             "-" if "load_average" not in r else f"{r['load_average'][0]:.1f}"] for r in rows]
+             "-" if r.get("host_fast") is None else f"{r['host_fast']:.0%}"] for r in rows]
     summary = validation["summary"]
-    head = (f"Median |error| {summary['median_abs_error'] * 100:.1f}%, worst "
-            f"{summary['max_abs_error'] * 100:.1f}% over {len(rows)} configurations "
-            f"(targets: median <= 5%, worst <= 10%: "
-            f"{'met' if summary['met'] else 'NOT met'}).")
+    head = (describe(summary) if "verdict" in summary else
+            f"Median |error| {summary['median_abs_error'] * 100:.1f}%, worst "
+            f"{summary['max_abs_error'] * 100:.1f}% over {len(rows)} configurations.")
+    head += (" Each error is the median over the measured steps with its 95% interval; the bounds "
+             "of the median and the worst come from the intervals' ends, so a busy host widens them "
+             "and can leave the verdict inconclusive.")
     if summary.get("replay_median_abs_error") is not None:
         head += (f" Replaying each measured step's own action durations through the simulator "
                  f"(pipeline model alone, cost model excluded): median "
@@ -374,17 +375,11 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
     per = summary.get("per_schedule") or {}
     if len(per) > 1:
         head += " Per schedule: " + "; ".join(
-            f"`{name}` median {p['median_abs_error'] * 100:.1f}%, worst {p['max_abs_error'] * 100:.1f}% "
-            f"({'met' if p['met'] else 'NOT met'})" for name, p in per.items()) + "."
+            f"`{name}` {describe(p)}" if "verdict" in p else f"`{name}` median "
+            f"{p['median_abs_error'] * 100:.1f}%" for name, p in per.items()) + "."
     for name, why in (summary.get("not_validated") or {}).items():
         head += f" `{name}` is not validated: {why}."
-    if summary.get("load_average"):
-        lo, hi = summary["load_average"]
-        head += (f" Host load average during the measurements: {lo:.1f} to {hi:.1f} on "
-                 f"{usable_cores()} cores" + ("; other processes were competing for the cores, "
-                                               "which a cost calibrated at another moment cannot "
-                                               "see." if hi > usable_cores() * 0.75 else "."))
     return head + "\n\n" + markdown_table(
-        ["model", "K", "M", "checkpoint", "schedule", "measured samples/s", "simulated samples/s", "error",
-         "replay error", "host idle before", "load"], body)
+        ["model", "K", "M", "checkpoint", "schedule", "measured samples/s", "simulated samples/s",
+         "error [95% interval]", "replay error", "host fast"], body)
 

@@ -1,7 +1,6 @@
 """The simulator against real runs: the same configurations simulated and measured."""
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
@@ -9,9 +8,10 @@ from typing import Any
 
 from gpipe_repro.engine.schedule import cells_per_process, make_schedule, num_processes
 from gpipe_repro.models.workload import Workload
-from gpipe_repro.report.host import HostWatch, conditions, usable_cores, wait_for_idle
+from gpipe_repro.report.host import fast_share, usable_cores
 from gpipe_repro.repro.throughput.measure import MeasureFn
 from gpipe_repro.repro.throughput.settings import MODELS, SweepSettings
+from gpipe_repro.repro.throughput.simulator_error import TARGETS, error_figure, summarize_errors
 from gpipe_repro.repro.throughput.workloads import PAPER_WORKLOADS, SCALED_WORKLOADS
 from gpipe_repro.sim.calibration import Calibration, calibrate
 from gpipe_repro.sim.partition_choice import choose_partition
@@ -20,7 +20,7 @@ from gpipe_repro.sim.simulator import replay_costs, simulate
 
 VALIDATION_MS = (1, 2, 4, 8, 16)
 VALIDATION_CHECKPOINTS = ("always", "never")
-VALIDATION_TARGETS = {"median": 0.05, "max": 0.10}
+VALIDATION_TARGETS = TARGETS
 #: Schedules validated against real runs. Interleaved 1F1B runs K processes of v = 2 cells each: its
 #: cut has K*v cells, and its measured timeline has a row per process, so it is not replayed (the
 #: replay reads each cell's action durations).
@@ -50,16 +50,9 @@ def unvalidated_note(ks: Sequence[int], cores: int) -> str:
             "validates them with no change.")
 
 
-def _met(errors: Sequence[float]) -> bool:
-    return (statistics.median(errors) <= VALIDATION_TARGETS["median"]
-            and max(errors) <= VALIDATION_TARGETS["max"])
-
-
 def _per_schedule(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One schedule's error summary: median and worst |error|, configurations, targets met."""
-    errors = [abs(r["relative_error"]) for r in rows]
-    return {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
-            "configurations": len(errors), "met": _met(errors)}
+    """One schedule's error summary (:func:`summarize_errors`)."""
+    return summarize_errors([r["error"] for r in rows])
 
 
 def _validate_cut(model: str, workload: Workload, calib: Calibration, settings: SweepSettings,
@@ -78,13 +71,12 @@ def _validate_cut(model: str, workload: Workload, calib: Calibration, settings: 
         say(f"validating {model} K={k} M={m} checkpoint={checkpoint} "
             f"schedule={settings.schedule}")
         sim = platform.simulate(calib, balance, m, m * b, settings, checkpoint)
-        if settings.wait_idle > 0:
-            wait_for_idle(settings.wait_idle)
-        # the probe is looked up at call time, so tests can give a fixed answer for the 1 s CPU sample
-        with HostWatch(before=lambda: conditions()) as watch:   # idle before, others' CPU during
-            measured = measure(workload, balance, m, m * b, checkpoint)
-        host = watch.conditions
-        idle, load = host["idle_fraction_before"], host["load_average_before"]
+        # the probe is looked up at call time, so tests can give a fixed answer
+        fast_before = fast_share()
+        measured = measure(workload, balance, m, m * b, checkpoint)
+        host_fast = (fast_before + fast_share()) / 2
+        error = error_figure(measured.get("step_times") or [measured["step_time_s"]], sim.step_time,
+                             host_fast)
         meas_tp = m * b / measured["step_time_s"]
         replay = None
         if measured.get("timeline") is not None and measured["timeline"].num_stages == cells:
@@ -104,10 +96,7 @@ def _validate_cut(model: str, workload: Workload, calib: Calibration, settings: 
                      "simulated_throughput": sim.throughput,
                      "measured_throughput": meas_tp,
                      "relative_error": sim.throughput / meas_tp - 1.0,
-                     "load_average": [load, os.getloadavg()[0]],
-                     "host_idle_before": idle,
-                     "others_cpu_fraction_during": host["others_cpu_fraction_during"],
-                     "host": host,
+                     "error": error.to_json(), "host_fast": host_fast,
                      "replay_step_s": replay.step_time if replay else None,
                      "replay_error": (replay.throughput / meas_tp - 1.0
                                       if replay else None),
@@ -160,9 +149,6 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     timelines: dict[str, Any] = {}
     for model in models:
         b = dict(settings.microbatch)[model]
-        if settings.wait_idle > 0:
-            say("waiting for an idle host to calibrate")
-            wait_for_idle(settings.wait_idle)
         calib = calibrate(workloads[model], [b], method="time", device=settings.device,
                           threads=settings.threads, repeats=settings.repeats, progress=say,
                           use_cache=not fresh_calibration,
@@ -177,14 +163,11 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                     rows += _validate_cut(model, workloads[model], calib, replace(settings, schedule=name),
                                           measures[name], platform, balance, b, ms, checkpoint, say,
                                           timelines)
-    errors = [abs(r["relative_error"]) for r in rows]
     replays = [abs(r["replay_error"]) for r in rows if r["replay_error"] is not None]
-    summary = {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
+    summary = {**summarize_errors([r["error"] for r in rows]),
                "replay_median_abs_error": statistics.median(replays) if replays else None,
                "replay_max_abs_error": max(replays) if replays else None,
-               "load_average": [min(r["load_average"][0] for r in rows),
-                                max(r["load_average"][1] for r in rows)],
-               "targets": VALIDATION_TARGETS, "met": _met(errors),
+               "host_fast": statistics.fmean(r["host_fast"] for r in rows) if rows else None,
                "per_schedule": {n: _per_schedule([r for r in rows if r["schedule"] == n])
                                 for n in names},
                "not_validated": dict(NOT_VALIDATED)}

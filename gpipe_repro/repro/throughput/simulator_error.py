@@ -1,0 +1,76 @@
+"""The simulator's error against measured steps, with the measurement's own uncertainty.
+
+A configuration's error is simulated throughput / measured - 1 = measured step / simulated step - 1,
+one sample per measured step; its figure is the median with a 95% interval
+(:class:`gpipe_repro.report.measurement.Figure`). Over configurations, the median and the worst
+|error| are bounded by the same statistics of the intervals' ends (the median of the rows' lower
+|error| bounds, the median of their upper bounds; likewise the largest). The verdict against the
+targets: ``met`` when the upper bounds are within them, ``not met`` when a lower bound exceeds one,
+``inconclusive`` otherwise: a busy host widens the intervals, it leaves no row out.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpipe_repro.report.measurement import Figure
+
+TARGETS = {"median": 0.05, "max": 0.10}
+
+
+def error_figure(step_times: Sequence[float], simulated_step: float,
+                 host_fast: float | None = None) -> Figure:
+    """The error of simulated throughput against each measured step (see the module docstring)."""
+    if simulated_step <= 0 or not step_times:
+        raise ValueError("need a positive simulated step and at least one measured step")
+    return Figure.of("simulated throughput / measured - 1", [t / simulated_step - 1 for t in step_times],
+                     unit="", host_fast=host_fast)
+
+
+def abs_bounds(error: Mapping[str, Any]) -> tuple[float, float]:
+    """(lower, upper) bound of |error| from an error figure's JSON (unbounded: 0, inf)."""
+    low, high = error.get("low"), error.get("high")
+    if low is None or high is None:
+        return 0.0, math.inf
+    if low <= 0 <= high:
+        return 0.0, max(-low, high)
+    return min(abs(low), abs(high)), max(abs(low), abs(high))
+
+
+def summarize_errors(errors: Sequence[Mapping[str, Any]],
+                     targets: Mapping[str, float] = TARGETS) -> dict[str, Any]:
+    """Median and worst |error| over configurations (error figures' JSON), their bounds and the
+    verdict (``met`` True only when the verdict is "met")."""
+    if not errors:
+        return {"configurations": 0, "verdict": "inconclusive", "met": False}
+    values = [abs(e["value"]) for e in errors]
+    bounds = [abs_bounds(e) for e in errors]
+    med = (statistics.median(b[0] for b in bounds), statistics.median(b[1] for b in bounds))
+    worst = (max(b[0] for b in bounds), max(b[1] for b in bounds))
+    if med[1] <= targets["median"] and worst[1] <= targets["max"]:
+        verdict = "met"
+    elif med[0] > targets["median"] or worst[0] > targets["max"]:
+        verdict = "not met"
+    else:
+        verdict = "inconclusive"
+    return {"configurations": len(errors), "median_abs_error": statistics.median(values),
+            "median_abs_error_bounds": list(med), "max_abs_error": max(values),
+            "max_abs_error_bounds": list(worst), "targets": dict(targets), "verdict": verdict,
+            "met": verdict == "met"}
+
+
+def describe(summary: Mapping[str, Any]) -> str:
+    """"median |error| 3.1% [2.0, 4.4], worst 7.9% [6.1, 9.0] over 20 configurations: met"."""
+    if not summary.get("configurations"):
+        return "no configuration measured: inconclusive"
+
+    def pct(x: float) -> str:
+        return "inf" if math.isinf(x) else f"{x * 100:.1f}"
+    m, w = summary["median_abs_error_bounds"], summary["max_abs_error_bounds"]
+    return (f"median |error| {summary['median_abs_error'] * 100:.1f}% [{pct(m[0])}, {pct(m[1])}], worst "
+            f"{summary['max_abs_error'] * 100:.1f}% [{pct(w[0])}, {pct(w[1])}] over "
+            f"{summary['configurations']} configurations (targets: median <= "
+            f"{summary['targets']['median']:.0%}, worst <= {summary['targets']['max']:.0%}): "
+            f"{summary['verdict']}")
