@@ -1,4 +1,4 @@
-"""Host probing: usable cores, how idle the host is, waiting for it to be idle."""
+"""Host probing: usable cores, how idle the host is, how fast it runs right now."""
 from __future__ import annotations
 
 import os
@@ -24,28 +24,6 @@ def host_idle_fraction(window: float = 1.0) -> float:
     except (OSError, ValueError, IndexError):
         return 1.0
     return (idle1 - idle0) / max(1, total1 - total0)
-
-
-def wait_for_idle(timeout: float, threshold: float = 0.9) -> float:
-    """Wait up to `timeout` seconds for the host to be idle (other processes would share the cores
-    with the measurement, which no calibration can anticipate) and running at speed (the
-    :func:`speed_probe` within SPEED_CLEAN of the fastest this process has seen: see there why);
-    return the last idle fraction."""
-    deadline = time.monotonic() + timeout
-    idle = host_idle_fraction()
-    while (idle < threshold or _slow_now()) and time.monotonic() < deadline:
-        idle = host_idle_fraction()
-    return idle
-
-
-def _slow_now() -> bool:
-    if fastest_speed() == 0.0:
-        for _ in range(5):                # a first reference: the best of a few probes
-            speed_probe()
-            time.sleep(0.05)
-    return speed_probe() < (1.0 - SPEED_CLEAN) * fastest_speed()
-
-
 
 
 IDLE_CLEAN = 0.9

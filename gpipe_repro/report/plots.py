@@ -65,7 +65,8 @@ def plot_speedups(tables: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
             marker = _MARKERS.get(m, "o")
             ax.plot(ks, [r["simulated"]["normalized"] for r in sel], "-", marker=marker, color=color,
                     label=f"M={m} simulated")
-            meas = [(r["K"], r["measured"]["normalized"], r["measured"].get("normalized_clean"))
+            meas = [(r["K"], r["measured"]["normalized"], r["measured"].get(
+                        "normalized_clean", "normalized_figure" in r["measured"]))
                     for r in sel if r.get("measured") and "normalized" in r["measured"]]
             clean = [(k, v) for k, v, ok in meas if ok]
             busy = [(k, v) for k, v, ok in meas if not ok]

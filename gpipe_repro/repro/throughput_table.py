@@ -30,8 +30,7 @@ from gpipe_repro.sim.links import LINK_NAMES
 
 DEFAULTS = SweepSettings(ks=(2, 4, 8), ms=(1, 4, 32), policy="micro", checkpoint="always",
                          recompute_ahead=False, schedule="gpipe", objective="bottleneck",
-                         link="gloo-loopback", device="cpu", method="time", threads=1,
-                         wait_idle=10.0)
+                         link="gloo-loopback", device="cpu", method="time", threads=1)
 
 
 def settings_from_args(argv: list[str] | None = None,
@@ -59,8 +58,6 @@ def _parse(argv: list[str] | None, prog: str | None) -> tuple[SweepSettings, str
     ap.add_argument("--recompute-ahead", action="store_true")
     ap.add_argument("--method", choices=("time", "flops"), default=DEFAULTS.method)
     ap.add_argument("--no-measure", action="store_true", help="simulate only")
-    ap.add_argument("--wait-idle", type=float, default=DEFAULTS.wait_idle,
-                    help="seconds to wait for an idle host before each measured run")
     ap.add_argument("--no-wandb", action="store_true")
     ap.add_argument("--out", default=None,
                     help="output directory (default: results/throughput, under $GPIPE_REPRO_RESULTS "
@@ -73,7 +70,6 @@ def _parse(argv: list[str] | None, prog: str | None) -> tuple[SweepSettings, str
                        objective=args.objective, checkpoint=args.checkpoint,
                        recompute_ahead=args.recompute_ahead, method=args.method,
                        measure=not args.no_measure, paper_size=args.paper_size,
-                       wait_idle=args.wait_idle,
                        link=args.link or ("nvlink" if args.device == "cuda" else "gloo-loopback"))
     if args.paper_size:
         settings = replace(settings, microbatch=tuple(PAPER_MICROBATCH.items()))

@@ -81,22 +81,14 @@ def test_the_watch_probes_speed_before_and_after_when_the_conditions_do() -> Non
     assert set(conditions()) >= {"speed_before", "speed_fastest"}
 
 
-def test_waiting_for_an_idle_host_also_waits_for_it_to_run_at_speed(monkeypatch: Any) -> None:
+def test_fast_share_is_the_share_of_chunks_near_the_fastest_seen(monkeypatch: Any) -> None:
     import gpipe_repro.report.host as host
-    calls = []
-
-    def probe() -> float:
-        speed = next(readings)
-        host._fastest = max(host._fastest, speed)
-        return speed
-    monkeypatch.setattr(host, "_fastest", 0.0)
-    monkeypatch.setattr(host, "speed_probe", probe)
-    monkeypatch.setattr(host, "host_idle_fraction", lambda: calls.append(1) or 1.0)
-    monkeypatch.setattr(host.time, "sleep", lambda s: None)
-    # the first call takes 5 reference probes (100, 50, 55, 97, 97), then waits while probes are slow
-    readings = iter([100.0, 50.0, 55.0, 97.0, 97.0, 60.0, 70.0, 99.0])
-    assert host.wait_for_idle(timeout=60.0) == 1.0
-    assert len(calls) == 3            # the first idle sample, then one per slow probe (60, 70)
+    monkeypatch.setattr(host, "_cores", lambda: [None])
+    monkeypatch.setattr(host, "_fastest_chunk", 1.0)           # 1 s per chunk is the fastest seen
+    monkeypatch.setattr(host, "_chunk_seconds", lambda cpu, chunks, loop: [1.0, 2.0, 1.05, 2.1])
+    assert host.fast_share() == 0.5
+    monkeypatch.setattr(host, "_chunk_seconds", lambda cpu, chunks, loop: [0.5, 1.0, 1.0, 1.0])
+    assert host.fast_share() == 0.25                           # a faster chunk raises the reference
 
 
 def test_the_speed_probe_reads_every_core_and_reports_the_slowest(monkeypatch: Any) -> None:

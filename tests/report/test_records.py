@@ -292,3 +292,18 @@ def test_busy_measured_points_are_drawn_apart(tmp_path: Path) -> None:
     for r in rows:
         r["simulated"]["normalized"] = float(r["M"])
     assert plot_speedups({"transformer": rows}, tmp_path / "s.png").stat().st_size > 0
+
+
+def test_a_cell_measured_by_the_kernel_shows_its_interval_not_a_busy_mark() -> None:
+    from gpipe_repro.report.measurement import Figure
+    from gpipe_repro.repro.throughput.outputs import _host_label
+    from gpipe_repro.repro.throughput.report import _paper_layout, any_busy
+
+    row = _row(2, 4, 40.0, None)
+    row["measured"] = {"throughput": 40.0, "normalized": 4.0,
+                       "step_figure": Figure("t", 0.025, 0.024, 0.026, 6, "m", unit="s").to_json(),
+                       "normalized_figure": Figure("n", 4.0, 3.9, 4.1, 6, "m").to_json()}
+    md = _paper_layout([row])
+    assert "measured 4.00 [3.90, 4.10]" in md and "†" not in md
+    assert not any_busy({"table2": {"transformer": [row]}})
+    assert _host_label(row["measured"]) == "95% interval [3.90, 4.10]"

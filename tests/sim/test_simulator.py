@@ -3,7 +3,6 @@ bandwidth, link serialization, recompute-ahead, and the schedule it consumes bei
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -245,7 +244,7 @@ def test_the_throughput_table_end_to_end_on_synthetic_costs(monkeypatch: pytest.
     # row (7 s here): a fixed answer instead; what other processes use during a row is still read
     idle = {"idle_fraction_before": 0.95, "load_average_before": 0.5, "usable_cores": 2}
     monkeypatch.setattr(table, "conditions", lambda: dict(idle))
-    monkeypatch.setattr(measure, "HostWatch", functools.partial(measure.HostWatch, before=lambda: dict(idle)))
+    monkeypatch.setattr(measure, "CELL_RULE", measure.StopRule(min_rounds=3, max_rounds=3))
     # The schedule ablation plans the paper-size models (minutes); its rows are tested at toy scale
     # in tests/repro/test_throughput_schedules.py. Here: that the sweep runs it and the page shows it.
     ablated: list[str] = []

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 # Moved out by the #14 split (simulator configuration and host probing are not the experiment);
 # still importable from here.
-from gpipe_repro.report.host import host_idle_fraction, usable_cores, wait_for_idle
+from gpipe_repro.report.host import host_idle_fraction, usable_cores
 from gpipe_repro.repro.throughput.ablations import (
     BubbleCurve,
     bubble_curves,
@@ -101,5 +101,5 @@ __all__ = [
     "validate_simulator", "validation_ks",
     "PAPER_MICROBATCH", "PAPER_TABLE3_WORKLOADS", "PAPER_WORKLOADS", "SCALED_MICROBATCH",
     "SCALED_TABLE3_WORKLOADS", "SCALED_WORKLOADS",
-    "Platform", "platform_for", "host_idle_fraction", "usable_cores", "wait_for_idle",
+    "Platform", "platform_for", "host_idle_fraction", "usable_cores",
 ]

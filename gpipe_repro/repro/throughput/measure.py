@@ -7,12 +7,17 @@ from typing import Any
 
 from gpipe_repro.distributed.measure import measure_pipeline
 from gpipe_repro.models.workload import Workload
-from gpipe_repro.report.host import HostWatch, is_clean, usable_cores, wait_for_idle
-from gpipe_repro.repro.throughput.rows import Row, normalize
+from gpipe_repro.report.host import usable_cores
+from gpipe_repro.report.measurement import Comparison, StopRule
+from gpipe_repro.report.measurement import measure as measure_rounds
+from gpipe_repro.repro.throughput.rows import Row
 from gpipe_repro.repro.throughput.settings import SweepSettings
 
 MeasureFn = Callable[[Workload, list[int], int, int, str], dict[str, Any]]
 """(workload, balance, M, batch, checkpoint) -> {"step_time_s", "step_times", "timeline"}."""
+
+CELL_RULE = StopRule(min_rounds=5, max_rounds=12, budget_s=600.0, tolerance=0.03)
+"""The rounds of a table's measured cells (each round launches every cell's stage processes)."""
 
 
 
@@ -28,27 +33,43 @@ def measurable_k(settings: SweepSettings) -> int:
 def measure_rows(rows: list[Row], workload: Workload, measure: MeasureFn, max_k: int,
                  checkpoint: str, progress: Callable[[str], None] | None = None,
                  base: tuple[int, int] | None = None,
-                 wait_idle: float = 0.0) -> dict[tuple[int, int], Any]:
-    """Run every row with K <= max_k on real processes; returns the measured timelines by (K, M)."""
-    timelines = {}
-    for r in rows:
-        if r.K > max_k:
-            continue
-        if progress:
-            progress(f"measuring {r.model} K={r.K} M={r.M} on {r.K} processes")
-        if wait_idle > 0:
-            wait_for_idle(wait_idle)
-        with HostWatch() as watch:       # idle before, other processes' CPU during
+                 rule: StopRule = CELL_RULE) -> dict[tuple[int, int], Any]:
+    """Run every row with K <= max_k on real processes, in alternating rounds of the measurement
+    kernel (each row once per round); returns the last measured timeline of each (K, M).
+
+    Each measured row gets its median step time with a 95% interval (``step_figure``, per sample)
+    and, against the `base` (K, M) row measured in the same rounds, its normalized throughput as
+    the median of per-round paired ratios with its interval (``normalized_figure``)."""
+    measured = [r for r in rows if r.K <= max_k]
+    timelines: dict[tuple[int, int], Any] = {}
+    if not measured:
+        return timelines
+    base = base or (min(r.K for r in rows), min(r.M for r in rows))
+
+    def name(r: Row) -> str:
+        return f"K={r.K} M={r.M}"
+
+    def run(r: Row) -> Callable[[], float]:
+        def once() -> float:
+            if progress:
+                progress(f"measuring {r.model} K={r.K} M={r.M} on {r.K} processes")
             result = measure(workload, r.balance, r.M, r.batch, checkpoint)
-        host = watch.conditions
-        host["clean"] = is_clean(host)
-        r.measured = {"step_time_s": result["step_time_s"],
-                      "step_times_s": result.get("step_times"),
-                      "throughput": r.batch / result["step_time_s"], "host": host}
-        if result.get("timeline") is not None:
-            timelines[(r.K, r.M)] = result["timeline"]
-    if any(r.measured for r in rows):
-        normalize(rows, base or (min(r.K for r in rows), min(r.M for r in rows)))
+            if result.get("timeline") is not None:
+                timelines[(r.K, r.M)] = result["timeline"]
+            return float(result["step_time_s"]) / r.batch       # seconds per sample
+        return once
+    ref = next((r for r in measured if (r.K, r.M) == base), None)
+    comparisons = [Comparison(name(r), name(ref), name(r)) for r in measured if ref is not None]
+    result = measure_rounds({name(r): run(r) for r in measured}, comparisons, rule,
+                            label=f"measuring {measured[0].model}")
+    for r in measured:
+        per_sample = result.times[name(r)]
+        r.measured = {"step_time_s": per_sample.value * r.batch, "throughput": 1.0 / per_sample.value,
+                      "step_figure": per_sample.to_json(), "host_fast": result.host_fast,
+                      "rounds": result.rounds, "stopped": result.stopped}
+        if ref is not None:
+            fig = result.figures[name(r)]
+            r.measured.update(normalized=fig.value, normalized_figure=fig.to_json())
     return timelines
 
 

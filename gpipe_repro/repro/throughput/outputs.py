@@ -144,6 +144,8 @@ def _host_label(meas: dict[str, Any] | None) -> str | None:
     if not meas:
         return None
     note = measured_note(meas, normalized=True)
+    if "normalized_figure" in meas:
+        return f"95% interval {note.strip()}"
     return "clean" if not note else note.strip().replace(BUSY_MARK, "BUSY ")
 
 

@@ -24,8 +24,15 @@ def measured_host(meas: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def measured_note(meas: dict[str, Any], normalized: bool = False) -> str:
-    """The visible mark of a measured number that was not taken on an idle host ("" when clean).
-    A normalized number is a ratio of two measurements: marked when either was not clean."""
+    """What goes beside a measured number: its 95% interval where the measurement kernel measured
+    it (a busy host widens it); for a cell recorded before that, the visible mark of a number not
+    taken on an idle host ("" when clean; a normalized number: when either measurement was not)."""
+    figure = meas.get("normalized_figure" if normalized else "step_figure")
+    if figure is not None:
+        low, high = figure.get("low"), figure.get("high")
+        if not normalized and low is not None and high is not None:   # per-sample time -> samples/s
+            low, high = 1.0 / high, 1.0 / low
+        return f" [{_num(low, 2 if normalized else 1)}, {_num(high, 2 if normalized else 1)}]"
     if normalized and "normalized_clean" in meas:
         if meas["normalized_clean"]:
             return ""
@@ -46,7 +53,7 @@ def generated_by(payload: dict[str, Any]) -> str:
 
 def any_busy(payload: dict[str, Any]) -> bool:
     """Whether any measured cell of a throughput payload carries a busy mark."""
-    return any(measured_note(r["measured"], normalized=True)
+    return any(BUSY_MARK in measured_note(r["measured"], normalized=True)
                for rows in payload.get("table2", {}).values() for r in rows if r.get("measured"))
 
 

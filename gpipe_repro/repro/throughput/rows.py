@@ -74,13 +74,14 @@ def simulate_rows(model: str, calib: Calibration, settings: SweepSettings, platf
 
 
 def normalize(rows: list[Row], base: tuple[int, int]) -> None:
-    """Fill "normalized" of the simulated and measured results, relative to the `base` (K, M) row."""
+    """Fill "normalized" of the simulated and measured results, relative to the `base` (K, M) row
+    (a measured cell normalized by the measurement kernel, with its interval, is kept as it is)."""
     ref = next((r for r in rows if (r.K, r.M) == base), None)
     if ref is None:
         raise ValueError(f"no row for the normalization base K={base[0]}, M={base[1]}")
     for r in rows:
         r.simulated["normalized"] = r.simulated["throughput"] / ref.simulated["throughput"]
-        if r.measured is not None and ref.measured is not None:
+        if r.measured is not None and ref.measured is not None and "normalized_figure" not in r.measured:
             r.measured["normalized"] = r.measured["throughput"] / ref.measured["throughput"]
             # A ratio is as clean as the less clean of its two measurements.
             states = [is_clean(x.get("host")) for x in (r.measured, ref.measured)]

@@ -35,7 +35,6 @@ class SweepSettings:
     paper_size: bool = False
     measure: bool = True
     measure_steps: int = 4
-    wait_idle: float = 0.0                # seconds to wait for an idle host before each measurement
 
     def microbatch_size(self, model: str, m: int) -> int:
         if self.policy == "mini":

@@ -102,7 +102,7 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
         for model in MODELS:
             timelines[model] = measure_rows(table2[model], workloads[model], measure,
                                             measurable_k(settings), settings.checkpoint, say,
-                                            base=(2, 1), wait_idle=settings.wait_idle)
+                                            base=(2, 1))
 
     fixed_minibatch = None
     if settings.policy == "micro":
