@@ -47,15 +47,16 @@ VERDICTS = ("met", "not met", "inconclusive")
 
 
 def median_interval(samples: Sequence[float], *, confidence: float = CONFIDENCE,
-                    resamples: int = RESAMPLES, seed: int = 0) -> tuple[float | None, float | None, str]:
+                    resamples: int = RESAMPLES, seed: int = 0,
+                    bootstrap_from: int = BOOTSTRAP_FROM) -> tuple[float | None, float | None, str]:
     """(low, high, method) of a confidence interval of the median of `samples` (see
-    :data:`BOOTSTRAP_FROM`); None is an unbounded side."""
+    :data:`BOOTSTRAP_FROM`, which `bootstrap_from` replaces); None is an unbounded side."""
     n = len(samples)
     if n == 0:
         raise ValueError("no samples: measure at least one round")
     if n < 3:
         return None, None, f"unbounded ({n} round{'s' if n > 1 else ''}: too few for an interval)"
-    if n < BOOTSTRAP_FROM:
+    if n < max(3, bootstrap_from):
         return min(samples), max(samples), f"range of {n} rounds (covers the median {1 - 2 ** (1 - n):.0%})"
     data = np.asarray(samples, dtype=float)
     picks = np.random.default_rng(seed).integers(0, n, size=(resamples, n))

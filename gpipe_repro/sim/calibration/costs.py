@@ -41,7 +41,8 @@ class Calibration:
     costs: dict[int, list[LayerCost]] = field(default_factory=dict)   # size -> per-layer costs
     optimizer_call: float = 0.0           # fixed seconds of one optimizer step call, once per cell
     uncertainty: dict[int, float] = field(default_factory=dict)   # size -> relative half-width of
-                                          # the per-layer costs' intervals over rounds (median layer)
+                                          # the layers' shares of a round's cost over rounds (the
+                                          # median layer's 95% interval): what can move a cut
 
     @property
     def num_layers(self) -> int:
@@ -54,8 +55,9 @@ class Calibration:
         return self.costs[size]
 
     def uncertainty_at(self, size: int) -> float:
-        """The relative uncertainty of the costs at `size` (the median layer's interval half-width
-        over the calibration's rounds); 0.0 where unknown (one round) or exact (FLOPs)."""
+        """The relative uncertainty of the costs at `size` that can move a cut: the median layer's
+        interval half-width of its share of a round's cost, over the calibration's rounds; 0.0
+        where unknown (fewer than 3 rounds) or exact (FLOPs)."""
         return self.uncertainty.get(size, 0.0)
 
     def partition_costs(self, size: int, checkpoint: str = "always") -> list[float]:

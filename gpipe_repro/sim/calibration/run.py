@@ -272,24 +272,31 @@ def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, meth
         pooled = {g: [row for i in ids for row in timings[i]] for g, ids in members.items()}
         costs = [c if i in (0, last) else _with_timing(c, pooled[groups[i]], call)
                  for i, c in enumerate(costs)]
-    uncertainty = {size: _uncertainty(timings)} if method == "time" else {}
+    uncertainty = {size: _uncertainty(timings, shares=True)} if method == "time" else {}
     return Calibration(workload.name, method, "", groups, {size: costs}, call, uncertainty)
 
 
-def _uncertainty(timings: dict[int, list[ActionSeconds]]) -> float:
-    """The median layer's relative half-width of the 95% interval of its per-round cost (forward,
-    checkpointed forward, recompute, backward, accumulation); with 2 rounds half their spread, with
-    1 round 0.0 (unknown)."""
+def _uncertainty(timings: dict[int, list[ActionSeconds]], *, shares: bool = False) -> float:
+    """The median layer's relative half-width of the 95% interval (percentile bootstrap from 3
+    rounds) of its per-round cost (forward, checkpointed forward, recompute, backward,
+    accumulation); 0.0 with fewer than 3 rounds (unknown). With `shares`, of its share of the round's
+    total instead: a host that runs a whole round slower moves every cost alike, which changes no
+    cut, so what the partition choice must allow for is the spread of the shares."""
     from gpipe_repro.report.measurement import median_interval
 
+    rows = {i: [t[0] + t[1] + t[2] + t[3] + t[5] for t in r] for i, r in timings.items() if r}
+    count = min((len(r) for r in rows.values()), default=0)
+    if count < 3:
+        return 0.0
+    if shares:
+        totals = [sum(r[k] for r in rows.values()) for k in range(count)]
+        rows = {i: [r[k] / totals[k] for k in range(count)] for i, r in rows.items()}
     widths = []
-    for rows in timings.values():
-        totals = [t[0] + t[1] + t[2] + t[3] + t[5] for t in rows]
-        if len(totals) < 2 or statistics.median(totals) <= 0:
-            continue
-        low, high, _ = median_interval(totals)
-        low, high = (min(totals), max(totals)) if low is None or high is None else (low, high)
-        widths.append((high - low) / 2 / statistics.median(totals))
+    for values in rows.values():
+        mid = statistics.median(values[:count])
+        low, high, _ = median_interval(values[:count], bootstrap_from=3)
+        if mid > 0 and low is not None and high is not None:
+            widths.append((high - low) / 2 / mid)
     return statistics.median(widths) if widths else 0.0
 
 
