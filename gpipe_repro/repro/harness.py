@@ -14,6 +14,7 @@ Baselines (each ``step(x, y)`` one training step):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -153,8 +154,6 @@ def rounds_in_processes(items: Mapping[str, Any], comparisons: Sequence[Comparis
     :class:`~gpipe_repro.report.measurement.Measurement` as JSON, the others None."""
     import torch.distributed as dist
 
-    from gpipe_repro.report.host import fast_share
-
     rank, names = dist.get_rank(), list(items)
     for i in range(warmup):
         for name in round_order(names, i):
@@ -163,6 +162,18 @@ def rounds_in_processes(items: Mapping[str, Any], comparisons: Sequence[Comparis
                 items[name].step(x, y)
     rounds = Rounds(names, comparisons, rule) if rank == 0 else None
     progress = Progress(label) if rank == 0 else None
+    with progress if progress is not None else contextlib.nullcontext():
+        _run_rounds(items, names, rounds, progress, x, y)
+    return rounds.result().to_json() if rounds is not None else None
+
+
+def _run_rounds(items: Mapping[str, Any], names: list[str], rounds: Rounds | None,
+                progress: Progress | None, x: torch.Tensor, y: torch.Tensor) -> None:
+    """The timed rounds of :func:`rounds_in_processes` (`rounds` and `progress` on rank 0 only)."""
+    import torch.distributed as dist
+
+    from gpipe_repro.report.host import fast_share
+
     index, stop = 0, [False]
     while not stop[0]:
         spans: dict[str, tuple[float, float]] = {}
@@ -182,7 +193,6 @@ def rounds_in_processes(items: Mapping[str, Any], comparisons: Sequence[Comparis
             progress.update(rounds.status())
         dist.broadcast_object_list(stop, src=0)
         index += 1
-    return rounds.result().to_json() if rounds is not None else None
 
 
 def add_stop_rule(ap: argparse.ArgumentParser, *, budget: float, tolerance: float = 0.02,

@@ -130,7 +130,9 @@ def render_markdown(payload: dict[str, Any], validation: dict[str, Any] | None =
         "this device at the micro-batch size used), *measured* = real stage processes of the "
         "distributed runtime (only where K <= usable cores). `paper` is Table 2/3 of Huang et al. "
         "(TPUs / P100s), `torchgpipe` is Kim et al.'s reproduction (8x P40). "
-        "Normalized to K=2, M=1 like the paper.",
+        "Normalized to K=2, M=1 like the paper. A measured number's [low, high] is its 95% interval: "
+        "the measured cells run in alternating rounds, and a normalized one is the median of per-round "
+        "ratios to the K=2, M=1 cell of the same round (a busy host widens the interval).",
         "",
         f"**Throughput semantics.** Micro-batch size fixed per model (policy `{s['policy']}`: "
         + ("mini-batch N = M x b, " if s["policy"] == "micro" else f"mini-batch fixed at {s['minibatch']}, ")
