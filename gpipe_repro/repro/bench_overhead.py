@@ -32,6 +32,11 @@ from gpipe_repro.report.measurement import Comparison, measure
 from gpipe_repro.report.records import markdown_table
 from gpipe_repro.repro.harness import add_stop_rule, publish, sgd, stop_rule, verdict_lines
 
+LABELS = {"plain": "plain PyTorch step", "plain clip": "plain step + clip_grad_norm_",
+          "never": "GPipe K=1 M=1 checkpoint=never", "always": "GPipe K=1 M=1 checkpoint=always",
+          "cut": "GPipe K=2 M=4, cut before ReLU",
+          "inplace": "GPipe K=2 M=4, cut before ReLU(inplace): input copied",
+          "clip": "GPipe K=1 M=1 clip_grad_norm=1"}
 COMPARISONS = [
     Comparison("GPipe K=1 M=1 checkpoint=never / plain step", "never", "plain", 1.03, "<="),
     Comparison("GPipe K=1 M=1 checkpoint=always / plain step (recompute; paper ~1.25-1.33)",
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     result = measure({n: timed(s) for n, s in configs.items()}, COMPARISONS, stop_rule(args),
                      label="bench-overhead")
     table = markdown_table(["step", "median ms [95% interval]"],
-                           [[n, f.markdown()] for n, f in result.times.items()])
+                           [[LABELS[n], f.markdown()] for n, f in result.times.items()])
     text = (f"# Engine overhead (measured)\n\nMLP {args.depth}x{args.width}, batch {args.batch}, "
             f"{args.threads} thread(s); {result.rounds} alternating rounds ({result.stopped}). Each "
             "ratio is the median of per-round paired ratios with its 95% bootstrap interval; a busy "
