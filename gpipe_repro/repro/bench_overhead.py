@@ -30,7 +30,7 @@ from torch import nn
 from gpipe_repro import GPipe
 from gpipe_repro.report.measurement import Comparison, measure
 from gpipe_repro.report.records import markdown_table
-from gpipe_repro.repro.harness import add_stop_rule, publish, sgd, stop_rule, verdict_lines
+from gpipe_repro.repro.harness import add_stop_rule, publish, relu_mlp, sgd, stop_rule, verdict_lines
 
 LABELS = {"plain": "plain PyTorch step", "plain clip": "plain step + clip_grad_norm_",
           "never": "GPipe K=1 M=1 checkpoint=never", "always": "GPipe K=1 M=1 checkpoint=always",
@@ -47,15 +47,6 @@ COMPARISONS = [
 ]
 
 
-def model(width: int, depth: int, inplace: bool = False) -> list[nn.Module]:
-    """`depth` x (Linear, ReLU) then a Linear to 10 classes."""
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU(inplace=inplace)]
-    return layers + [nn.Linear(width, 10)]
-
-
 def timed(step: Callable[[], Any]) -> Callable[[], float]:
     def run() -> float:
         t0 = time.perf_counter()
@@ -68,7 +59,7 @@ def steps(width: int, depth: int, rows: int) -> dict[str, Callable[[], Any]]:
     """Every configuration's training step, by name."""
     x, y = torch.randn(rows, width), torch.randint(0, 10, (rows,))
     loss_fn = nn.CrossEntropyLoss()
-    plain = nn.Sequential(*model(width, depth))
+    plain = nn.Sequential(*relu_mlp(width, depth))
     plain_opt = sgd(plain.parameters())
 
     def plain_step(clip: bool = False) -> None:
@@ -87,9 +78,9 @@ def steps(width: int, depth: int, rows: int) -> dict[str, Callable[[], Any]]:
             "never": pipe(copy.deepcopy(list(plain)), partitions=1, micro_batches=1, checkpoint="never"),
             "always": pipe(copy.deepcopy(list(plain)), partitions=1, micro_batches=1,
                            checkpoint="always"),
-            "cut": pipe(model(width, depth), partitions=2, micro_batches=4, balance=cut,
+            "cut": pipe(relu_mlp(width, depth), partitions=2, micro_batches=4, balance=cut,
                         checkpoint="except_last"),
-            "inplace": pipe(model(width, depth, True), partitions=2, micro_batches=4, balance=cut,
+            "inplace": pipe(relu_mlp(width, depth, True), partitions=2, micro_batches=4, balance=cut,
                             checkpoint="except_last"),
             "clip": pipe(copy.deepcopy(list(plain)), partitions=1, micro_batches=1, checkpoint="never",
                          clip_grad_norm=1.0)}

@@ -36,20 +36,8 @@ from gpipe_repro.engine.timeline import Timeline
 from gpipe_repro.report.host import usable_cores
 from gpipe_repro.report.measurement import Comparison, measure
 from gpipe_repro.report.records import markdown_table, results_dir
-from gpipe_repro.repro.harness import add_stop_rule, publish, stop_rule, verdict_lines
-
-
-def _layers(width: int, depth: int) -> list[nn.Module]:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return layers + [nn.Linear(width, 10)]
-
-
-def _batch(batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+from gpipe_repro.repro.harness import add_stop_rule, publish, relu_mlp, stop_rule, verdict_lines
+from gpipe_repro.repro.harness import batch as batch_of
 
 
 def _step_times(pipe: GPipe, x: torch.Tensor, y: torch.Tensor, warmup: int, steps: int) -> list[float]:
@@ -66,10 +54,10 @@ def _step_times(pipe: GPipe, x: torch.Tensor, y: torch.Tensor, warmup: int, step
 def train_steps(k: int, replicas: int, width: int, depth: int, batch: int, m: int, steps: int,
                 warmup: int, record: bool = False) -> dict[str, Any]:
     """Runs in every process: `warmup` + `steps` steps; step times (and a timeline if asked)."""
-    pipe = GPipe(_layers(width, depth), partitions=k, replicas=replicas, micro_batches=m,
+    pipe = GPipe(relu_mlp(width, depth), partitions=k, replicas=replicas, micro_batches=m,
                  checkpoint="never", loss_fn=nn.CrossEntropyLoss(), runtime="distributed",
                  optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
-    x, y = _batch(batch, width)
+    x, y = batch_of(width, batch)
     times = _step_times(pipe, x, y, warmup, steps)
     timeline = None
     params = sum(p.numel() for p in pipe.parameters())   # this rank's cell
@@ -87,9 +75,9 @@ def train_alone(width: int, depth: int, batch: int, steps: int, warmup: int) -> 
     this host (shared caches, memory bandwidth, a VM's sibling threads): the ceiling any data-parallel
     implementation can reach here, before its all-reduce costs anything."""
     torch.set_num_threads(1)
-    pipe = GPipe(_layers(width, depth), partitions=1, micro_batches=1, checkpoint="never",
+    pipe = GPipe(relu_mlp(width, depth), partitions=1, micro_batches=1, checkpoint="never",
                  loss_fn=nn.CrossEntropyLoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
-    x, y = _batch(batch, width)
+    x, y = batch_of(width, batch)
     times = _step_times(pipe, x, y, warmup, steps)
     return {"times": times}
 
@@ -104,9 +92,9 @@ def train_lockstep(width: int, depth: int, batch: int, steps: int, warmup: int) 
     from gpipe_repro.distributed.process_group import init_distributed
     init_distributed()
     torch.set_num_threads(1)
-    pipe = GPipe(_layers(width, depth), partitions=1, micro_batches=1, checkpoint="never",
+    pipe = GPipe(relu_mlp(width, depth), partitions=1, micro_batches=1, checkpoint="never",
                  loss_fn=nn.CrossEntropyLoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
-    x, y = _batch(batch, width)
+    x, y = batch_of(width, batch)
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()

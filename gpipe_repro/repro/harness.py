@@ -37,6 +37,15 @@ def batch(width: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(rows, width, generator=g), torch.randint(0, 10, (rows,), generator=g)
 
 
+def relu_mlp(width: int, depth: int, inplace: bool = False) -> list[nn.Module]:
+    """`depth` x (Linear, ReLU) then a Linear to 10 classes, seeded."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU(inplace=inplace)]
+    return layers + [nn.Linear(width, 10)]
+
+
 class Checkpointed(nn.Module):
     """The wrapped module under torch.utils.checkpoint (non-reentrant): torch's re-materialization."""
 
