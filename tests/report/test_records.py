@@ -307,3 +307,10 @@ def test_a_cell_measured_by_the_kernel_shows_its_interval_not_a_busy_mark() -> N
     assert "measured 4.00 [3.90, 4.10]" in md and "†" not in md
     assert not any_busy({"table2": {"transformer": [row]}})
     assert _host_label(row["measured"]) == "95% interval [3.90, 4.10]"
+
+
+def test_the_page_states_the_calibrations_uncertainty_not_a_busy_host() -> None:
+    from gpipe_repro.repro.throughput.report import calibration_uncertainty
+
+    text = calibration_uncertainty({"transformer": {"uncertainty": {"4": 0.031}}, "amoebanet": {}})
+    assert "transformer 3.1% at micro-batch 4" in text and "most even cut" in text

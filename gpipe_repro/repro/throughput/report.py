@@ -41,6 +41,16 @@ def measured_note(meas: dict[str, Any], normalized: bool = False) -> str:
     return busy_note(measured_host(meas))
 
 
+def calibration_uncertainty(calibrations: dict[str, Any]) -> str:
+    """How far the calibrated costs could move a cut: each model's share spread over rounds."""
+    parts = [f"{model} {float(u):.1%} at micro-batch {size}" for model, c in calibrations.items()
+             for size, u in (c.get("uncertainty") or {}).items()]
+    return ("**Calibration uncertainty** (the median layer's 95% interval of its share of a round's "
+            "cost, over interleaved rounds): " + ", ".join(parts) + ". Cuts whose simulated "
+            "bottleneck lies within it of the best are ties, broken by the most even cut in layer "
+            "count, then the smallest balance.")
+
+
 def generated_by(payload: dict[str, Any]) -> str:
     """How the page was produced: the make target only when it ran with the make target's
     arguments (none), otherwise the command as run."""
@@ -125,6 +135,9 @@ def render_markdown(payload: dict[str, Any], validation: dict[str, Any] | None =
            + ": per-layer costs measured beside other processes, so the simulated cells may not "
            "reproduce on an idle host.", ""]
           if (payload.get("host") or {}).get("clean") is False else []),
+        *([calibration_uncertainty(payload["calibration"]), ""]
+          if any((c or {}).get("uncertainty") for c in (payload.get("calibration") or {}).values())
+          else []),
         "**How to read.** Every number of ours is labelled: **bold\\*** = simulated (the pipeline "
         "simulator driven by the schedule the runtimes execute and by per-layer costs measured on "
         "this device at the micro-batch size used), *measured* = real stage processes of the "

@@ -6,7 +6,6 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from gpipe_repro.models.workload import Workload
-from gpipe_repro.report.host import HostWatch, conditions, is_clean
 from gpipe_repro.repro.throughput.ablations import (
     bubble_curves,
     objective_ablation,
@@ -62,38 +61,34 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
                                     rounds=settings.calibration_rounds,
                                     max_rounds=settings.calibration_max_rounds)
 
-    # How clean the calibrations' conditions were: idle before, other processes' CPU during (the
-    # calibration's own busy-neighbour processes are descendants and do not count).
-    with HostWatch(before=lambda: conditions()) as calibration_watch:
-        calibrations: dict[str, Calibration] = {}
-        table2: dict[str, list[Row]] = {}
-        for model in MODELS:
-            calibrations[model] = calibrate(workloads[model], settings.sizes(model), progress=say,
-                                            **calib_kw)
-            table2[model] = simulate_rows(model, calibrations[model], settings, platform, settings.ks,
-                                          settings.ms, base=(2, 1) if 2 in settings.ks and 1 in settings.ms
-                                          else None, paper_values=table2_paper(model),
-                                          peer_values=table2_peer(model))
-            say(f"FLOP model of {PAPER_WORKLOADS[model].name} on a TPUv3 core")
-            attach_flop_model(table2[model], flop_model_rows(
-                model, PAPER_WORKLOADS[model], "tpu-v3-core", platform_for("tpu-ici"), settings,
-                settings.ks,
-                settings.ms, PAPER_MICROBATCH[model]))
+    calibrations: dict[str, Calibration] = {}
+    table2: dict[str, list[Row]] = {}
+    for model in MODELS:
+        calibrations[model] = calibrate(workloads[model], settings.sizes(model), progress=say,
+                                        **calib_kw)
+        table2[model] = simulate_rows(model, calibrations[model], settings, platform, settings.ks,
+                                      settings.ms, base=(2, 1) if 2 in settings.ks and 1 in settings.ms
+                                      else None, paper_values=table2_paper(model),
+                                      peer_values=table2_peer(model))
+        say(f"FLOP model of {PAPER_WORKLOADS[model].name} on a TPUv3 core")
+        attach_flop_model(table2[model], flop_model_rows(
+            model, PAPER_WORKLOADS[model], "tpu-v3-core", platform_for("tpu-ici"), settings,
+            settings.ks,
+            settings.ms, PAPER_MICROBATCH[model]))
 
-        pcie = platform_for("pcie")
-        table3: dict[str, list[Row]] = {}
-        calibrations3: dict[str, Calibration] = {}
-        m3 = 32
-        for model in MODELS:
-            b = settings.microbatch_size(model, m3)
-            calibrations3[model] = calibrate(workloads3[model], [b], progress=say, **calib_kw)
-            table3[model] = simulate_rows(model, calibrations3[model], settings, pcie, settings.ks, [m3],
-                                          base=(min(settings.ks), m3), paper_values=table3_paper(model))
-            say(f"FLOP model of {PAPER_TABLE3_WORKLOADS[model].name} on a P100 with PCIe")
-            attach_flop_model(table3[model], flop_model_rows(
-                model, PAPER_TABLE3_WORKLOADS[model], "p100", pcie, settings, settings.ks, [m3],
-                PAPER_MICROBATCH[model]))
-    host = calibration_watch.conditions
+    pcie = platform_for("pcie")
+    table3: dict[str, list[Row]] = {}
+    calibrations3: dict[str, Calibration] = {}
+    m3 = 32
+    for model in MODELS:
+        b = settings.microbatch_size(model, m3)
+        calibrations3[model] = calibrate(workloads3[model], [b], progress=say, **calib_kw)
+        table3[model] = simulate_rows(model, calibrations3[model], settings, pcie, settings.ks, [m3],
+                                      base=(min(settings.ks), m3), paper_values=table3_paper(model))
+        say(f"FLOP model of {PAPER_TABLE3_WORKLOADS[model].name} on a P100 with PCIe")
+        attach_flop_model(table3[model], flop_model_rows(
+            model, PAPER_TABLE3_WORKLOADS[model], "p100", pcie, settings, settings.ks, [m3],
+            PAPER_MICROBATCH[model]))
 
     timelines: dict[str, dict[tuple[int, int], Any]] = {}
     measure = measure if measure is not None else (distributed_measure(settings)
@@ -138,7 +133,6 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
                  for model in MODELS}
     return {
         "settings": asdict(settings),
-        "host": {**host, "clean": is_clean(host)},
         "link": platform.to_json(),
         "workloads": {"table2": {m: workloads[m].name for m in MODELS},
                       "table3": {m: workloads3[m].name for m in MODELS},
@@ -185,6 +179,7 @@ def calibration_summary(calib: Calibration) -> dict[str, Any]:
                   for size, costs in sorted(calib.costs.items())}
     return {"device": calib.device, "method": calib.method, "layers": calib.num_layers,
             "distinct_layers": len(set(calib.groups)), "optimizer_call_s": calib.optimizer_call,
-            "per_sample_s": per_sample}
+            "per_sample_s": per_sample,
+            "uncertainty": {str(size): u for size, u in sorted(calib.uncertainty.items())}}
 
 
