@@ -30,6 +30,8 @@ the logit soft-capping (``config.final_logit_softcapping``, Gemma 2/3), the logi
 ``logit_scale``) and the logit divisor (Granite's ``config.logits_scaling``).
 
 With ``config.tie_word_embeddings`` the first and the last layer share one ``nn.Parameter``.
+:func:`~gpipe_repro.models.hf_config.hf_config` (here too) builds a config from a family name and
+sizes, or from a ``config.json``, for a model on the meta device.
 
 transformers is imported only when a function here is called.
 """
@@ -43,7 +45,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CausalLMLoss", "causal_lm_layers", "refusal", "TokenEmbedding", "DecoderBlock", "LMHead"]
+from gpipe_repro.models.hf_config import hf_config
+
+__all__ = ["CausalLMLoss", "causal_lm_layers", "hf_config", "refusal", "TokenEmbedding", "DecoderBlock",
+           "LMHead"]
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")   # the layer types with a causal mask
 BLOCK_INPUTS = ("attention_mask", "position_ids", "position_embeddings")   # what a block is given
@@ -161,12 +166,17 @@ class CausalLMLoss(nn.Module):
 
 # -- reading the model --------------------------------------------------------------------------------
 
-def _number(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        raise ValueError("a tensor-valued scaling is not supported")
-    return float(value)
+def _scalings(model: Any, base: nn.Module) -> dict[str, float | None] | str:
+    """The family's scalings read off the model (see the module docstring), or why they cannot be
+    kept: one that is not a plain number (a learned tensor would be a parameter outside the layers)."""
+    found = {"multiplier": getattr(base, "embedding_multiplier", None),
+             "scale": getattr(model, "logit_scale", None),
+             "divisor": getattr(model.config, "logits_scaling", None),
+             "softcap": getattr(model.config, "final_logit_softcapping", None)}
+    for role, value in found.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"its {role} ({type(value).__name__}) is not a number"
+    return {role: None if value is None else float(value) for role, value in found.items()}
 
 
 def _base_parts(model: Any) -> dict[str, Any] | str:
@@ -237,7 +247,8 @@ def refusal(model: Any) -> str | None:
     parts = _base_parts(model)
     if isinstance(parts, str):
         return f"its forward is not embed -> blocks -> norm -> head: {parts}"
-    return None
+    scalings = _scalings(model, parts["base"])
+    return scalings if isinstance(scalings, str) else None
 
 
 def _layer_types(config: Any, n: int) -> list[str]:
@@ -264,27 +275,25 @@ def causal_lm_layers(model: Any, *, check: bool = True) -> nn.Sequential:
     if reason is not None:
         raise ValueError(f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')}) cannot "
                          f"be pipelined by causal_lm_layers: {reason}")
-    parts = _base_parts(model)
-    assert not isinstance(parts, str)
+    parts, scalings = _base_parts(model), _scalings(model, model.base_model)
+    assert not isinstance(parts, str) and not isinstance(scalings, str)
     config = model.config
     blocks = list(parts["blocks"])[:getattr(config, "num_hidden_layers", None) or len(parts["blocks"])]
-    softcap = getattr(config, "final_logit_softcapping", None)
     layers: dict[str, nn.Module] = {"embeddings": TokenEmbedding(
-        parts["tokens"], parts["positions"], parts["dropout"],
-        _number(getattr(parts["base"], "embedding_multiplier", None)))}
+        parts["tokens"], parts["positions"], parts["dropout"], scalings["multiplier"])}
     for i, (block, kind) in enumerate(zip(blocks, _layer_types(config, len(blocks)))):
         layers[f"block_{i}"] = DecoderBlock(block, config, kind, parts["rotary"])
-    layers["head"] = LMHead(parts["norm"], parts["head"], _number(getattr(model, "logit_scale", None)),
-                            _number(getattr(config, "logits_scaling", None)), _number(softcap))
+    layers["head"] = LMHead(parts["norm"], parts["head"], scalings["scale"], scalings["divisor"],
+                            scalings["softcap"])
     sequence = nn.Sequential()
     for name, layer in layers.items():
         sequence.add_module(name, layer)
     if check:
-        check_same_logits(model, sequence)
+        _check_same_logits(model, sequence)
     return sequence
 
 
-def check_same_logits(model: Any, layers: nn.Sequential) -> None:
+def _check_same_logits(model: Any, layers: nn.Sequential) -> None:
     """Raise ValueError unless `layers` give `model`'s logits on a short padded batch (see
     :func:`causal_lm_layers`). Skipped for weights without values (meta or fake tensors)."""
     weight = next(model.parameters(), None)
