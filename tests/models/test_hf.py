@@ -73,6 +73,8 @@ def padded_batch(rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def pipeline_gradients(model: Any, inputs: Any, labels: torch.Tensor, **gpipe: Any) -> tuple[float, dict]:
     pipe = GPipe(causal_lm_layers(model), loss_fn=CausalLMLoss(), optimizer=None, **gpipe)
     loss = pipe.train_step(inputs, labels)
+    if model.config.tie_word_embeddings and gpipe["partitions"] > 1:   # the tie crosses cells
+        assert [t.cells for t in pipe.ties] == [[0, len(pipe.cells) - 1]]
     # a weight tied across cells is a copy per cell (the model's modules hold them), each with the sum
     return loss, {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
 
@@ -101,41 +103,42 @@ def assert_same_step(family: str, tie: bool | None, partitions: int, micro_batch
     return model
 
 
-TIED_ENGINE = "K >= 2 with weights tied across cells needs the engine's support for tied parameters"
-
-# (family, tied, partitions, micro-batches, schedule): every family at K >= 2, every schedule, tied and
-# untied, M = 2..4. interleaved and zb-v run partitions = 2 x processes cells.
+# (family, tied, partitions, micro-batches, schedule, checkpoint): every family at K >= 2, every
+# schedule, tied and untied, M = 2..4, every checkpoint mode. interleaved and zb-v run partitions =
+# 2 x processes cells.
 CASES = [
-    ("llama", False, 2, 3, "gpipe"),
-    ("mistral", False, 3, 2, "1f1b"),
-    ("qwen2", False, 4, 4, "zb-h1"),
-    ("qwen3", False, 4, 4, "interleaved"),
-    ("gemma2", False, 4, 2, "zb-v"),
-    ("gemma3_text", False, 2, 3, "1f1b"),
-    ("gpt_neox", False, 3, 3, "gpipe"),
-    ("phi", False, 2, 2, "zb-h1"),
-    ("olmo", False, 2, 4, "1f1b"),
-    ("granite", False, 3, 2, "gpipe"),
-    ("gemma", True, 1, 3, "gpipe"),          # tied in one cell: nothing crosses cells
-    ("gpt2", True, 2, 3, "gpipe"),
-    ("gemma", True, 3, 2, "1f1b"),
-    ("cohere", True, 2, 4, "zb-h1"),
-    ("qwen2", True, 4, 2, "interleaved"),
-    ("gemma2", True, 2, 3, "zb-v"),
+    ("llama", False, 2, 3, "gpipe", "except_last"),
+    ("mistral", False, 3, 2, "1f1b", "always"),
+    ("qwen2", False, 4, 4, "zb-h1", "except_last"),
+    ("qwen3", False, 4, 4, "interleaved", "never"),
+    ("gemma2", False, 4, 2, "zb-v", "always"),
+    ("gemma3_text", False, 2, 3, "1f1b", "except_last"),
+    ("gpt_neox", False, 3, 3, "gpipe", "never"),
+    ("phi", False, 2, 2, "zb-h1", "always"),
+    ("olmo", False, 2, 4, "1f1b", "except_last"),
+    ("granite", False, 3, 2, "gpipe", "except_last"),
+    ("gemma", True, 1, 3, "gpipe", "except_last"),      # tied in one cell: nothing crosses cells
+    ("gpt2", True, 2, 3, "gpipe", "always"),
+    ("gemma", True, 3, 2, "1f1b", "except_last"),
+    ("cohere", True, 2, 4, "zb-h1", "never"),
+    ("qwen2", True, 4, 2, "interleaved", "except_last"),
+    ("gemma2", True, 2, 3, "zb-v", "except_last"),
 ]
 
 
 def _case_id(case: tuple) -> str:
-    family, tie, k, m, schedule = case
-    return f"{family}-{'tied' if tie else 'untied'}-K{k}-M{m}-{schedule}"
+    family, tie, k, m, schedule, checkpoint = case
+    return f"{family}-{'tied' if tie else 'untied'}-K{k}-M{m}-{schedule}-{checkpoint}"
 
 
-@pytest.mark.parametrize("family,tie,partitions,micro_batches,schedule", CASES, ids=map(_case_id, CASES))
+@pytest.mark.parametrize("family,tie,partitions,micro_batches,schedule,checkpoint", CASES,
+                         ids=map(_case_id, CASES))
 def test_a_pipelined_step_gives_the_models_loss_and_gradients(family: str, tie: bool, partitions: int,
-                                                                micro_batches: int, schedule: str) -> None:
+                                                                micro_batches: int, schedule: str,
+                                                                checkpoint: str) -> None:
     model = tiny_model(family, tie)
     assert model.config.tie_word_embeddings == tie
-    assert_same_step(family, tie, partitions, micro_batches, schedule)
+    assert_same_step(family, tie, partitions, micro_batches, schedule, checkpoint=checkpoint)
 
 
 def test_without_a_mask_the_layers_pass_the_hidden_states_alone() -> None:
