@@ -218,6 +218,8 @@ def _base_parts(model: Any) -> dict[str, Any] | str:
         if needed:
             return (f"its blocks need {', '.join(needed)}, which its forward computes for them (only "
                     "a mask, positions and rotary embeddings are known)")
+        if not any(p.name == "attention_mask" or p.kind is p.VAR_KEYWORD for p in params):
+            return "its blocks take no attention mask (they are not attention blocks)"
     return parts
 
 

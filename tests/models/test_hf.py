@@ -210,6 +210,8 @@ def test_the_loss_is_the_models_token_mean() -> None:
     ("mamba", dict(), "linear_attention"),
     ("bloom", dict(n_layer=2, n_head=4), "word_embeddings_layernorm"),
     ("biogpt", dict(), "embed_positions"),
+    ("mpt", dict(d_model=32, n_heads=4, n_layers=2), "position_bias"),
+    ("rwkv", dict(), "no attention mask"),
 ])
 def test_a_family_that_is_not_embed_blocks_norm_head_is_refused_before_any_work(
         family: str, options: dict, why: str) -> None:
