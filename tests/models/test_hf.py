@@ -233,6 +233,11 @@ def test_an_encoder_decoder_model_is_refused() -> None:
         causal_lm_layers(model)
 
 
+def test_a_module_that_is_not_a_transformers_model_is_refused() -> None:
+    with pytest.raises(ValueError, match="Linear .*not a transformers model"):
+        causal_lm_layers(torch.nn.Linear(2, 2))
+
+
 def test_a_forward_that_does_more_than_the_layers_is_refused() -> None:
     """A family whose structure fits but whose forward computes something else (here: the logits
     doubled) is caught by comparing logits on a test batch, not trained on another function."""
