@@ -238,7 +238,7 @@ class ProcessGroupTransport:
             return
         chunk, chunks = self._chunk(stage), self._chunks
         tensors = boundary.tensors(value)
-        spec: Message = (describe(value), aliasing.layout(tensors) if kind == ACTIVATION else None)
+        spec: Message = (describe(value), aliasing.layout(tensors, None) if kind == ACTIVATION else None)
         slot = (kind, stage, microbatch)
         if self._learning:
             self._known[slot] = spec

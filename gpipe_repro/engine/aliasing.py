@@ -111,9 +111,11 @@ def _holds(carrier: torch.Tensor, t: torch.Tensor) -> bool:
     return carrier.is_contiguous() and carrier.dtype == t.dtype and c0 <= t0 and t1 <= c1
 
 
-def layout(tensors: list[torch.Tensor], where: str = "a value crossing between cells") -> Layout:
+def layout(tensors: list[torch.Tensor], where: str | None = "a value crossing between cells") -> Layout:
     """How the tensors of one value (its :func:`leaves`) travel: see the module docstring. Raises
-    :class:`AliasingError` for sharing that cannot be rebuilt; `where` names the value in it."""
+    :class:`AliasingError` for sharing that cannot be rebuilt, naming the value `where`; with `where`
+    None such tensors travel each on its own instead (a model's input or target, a received value
+    its sender already checked)."""
     group = list(range(len(tensors)))
 
     def root(i: int) -> int:
@@ -139,6 +141,8 @@ def layout(tensors: list[torch.Tensor], where: str = "a value crossing between c
         same = {_geometry(tensors[i]) for i in members}
         holders = [c for c in members if all(_holds(tensors[c], tensors[i]) for i in members)]
         if len(same) > 1 and not holders:
+            if where is None:
+                continue
             raise AliasingError(
                 f"{where} holds tensors (#{', #'.join(map(str, members))} of its tensors, in order) "
                 "that overlap in memory as different views, none of them contiguous and holding the "
@@ -190,10 +194,11 @@ def expand(lay: Layout | None, carriers: list[torch.Tensor]) -> list[torch.Tenso
     return [t for t in out if t is not None]
 
 
-def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor],
-                where: str = "a value crossing between cells") -> Any:
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], where: str | None = None) -> Any:
     """`value` with `fn` applied once per carrier and the tensors aliasing it rebuilt from the result
-    (same structure). `fn` must keep shapes and strides (detach, ``to``, clone, ``view_as``)."""
+    (same structure). `fn` must keep shapes and strides (detach, ``to``, clone, ``view_as``). Sharing
+    that cannot be rebuilt is refused naming the value `where`, or left unshared where it is None
+    (:func:`layout`)."""
     tensors = leaves(value)
     if len(tensors) < 2:
         return _put(value, iter([fn(t) for t in tensors]))

@@ -28,6 +28,9 @@ __all__ = ["PLAIN", "check", "tensors", "map_tensors", "carries_grad", "detach",
            "grad_leaves", "grad_pairs", "input_grads"]
 
 PLAIN = (type(None), bool, int, float, str)
+# What a boundary value is called where its tensors share memory in a way that cannot be rebuilt:
+# refused where it leaves a layer for a cut (detach, cut), left unshared elsewhere.
+SENT = "a value crossing a cut between layers"
 
 
 def check(value: Any, where: str) -> None:
@@ -80,8 +83,10 @@ def carries_grad(t: torch.Tensor) -> bool:
 
 
 def detach(value: Any) -> Any:
-    """Cut the autograd graph at the boundary; the receiver re-attaches with :func:`attach`."""
-    return aliasing.map_tensors(value, lambda t: t.detach())
+    """Cut the autograd graph at the boundary; the receiver re-attaches with :func:`attach`. Tensors
+    sharing memory in a way the receiver cannot rebuild are refused (:class:`AliasingError
+    <gpipe_repro.engine.aliasing.AliasingError>`)."""
+    return aliasing.map_tensors(value, lambda t: t.detach(), SENT)
 
 
 def attach(value: Any, device: torch.device) -> Any:
@@ -95,7 +100,7 @@ def cut(value: Any) -> Any:
     """A graph cut inside a cell: `value` as new autograd leaves, one per shared memory (same
     storage, no copy); a tensor no gradient flows through stays without one."""
     return aliasing.map_tensors(value, lambda t: t.detach().requires_grad_(t.requires_grad
-                                                                           and carries_grad(t)))
+                                                                           and carries_grad(t)), SENT)
 
 
 def to_device(value: Any, device: torch.device) -> Any:
@@ -106,7 +111,7 @@ def to_device(value: Any, device: torch.device) -> Any:
 def _carriers(value: Any) -> list[torch.Tensor]:
     """The tensors of `value` that travel: one per shared memory (:mod:`~gpipe_repro.engine.aliasing`)."""
     leaves = tensors(value)
-    return aliasing.travelling(leaves, aliasing.layout(leaves))
+    return aliasing.travelling(leaves, aliasing.layout(leaves, None))
 
 
 def grad_leaves(inputs: Any) -> list[torch.Tensor]:
@@ -120,7 +125,7 @@ def grad_pairs(outputs: Any,
     """(output tensors, incoming gradients) for outputs that carry one and were differentiated: one
     per shared memory, whose gradient is already the sum over the items sharing it."""
     leaves = tensors(outputs)
-    lay = aliasing.layout(leaves)
+    lay = aliasing.layout(leaves, SENT)
     for j, (t, a) in enumerate(zip(leaves, lay)):
         if a is not None and carries_grad(t):
             _check_same_graph(leaves[a.carrier], t, a.carrier, j)

@@ -141,6 +141,22 @@ def test_aliased_items_that_cannot_be_rebuilt_are_refused_before_any_update() ->
             assert torch.equal(value, before[name]), name
 
 
+def test_a_models_input_of_partly_overlapping_views_is_not_refused() -> None:
+    """Shifted views of one tensor (a sequence and its next-step shift) as the model's input: no
+    cut has to rebuild them, so they are fed as before."""
+    class Shifted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 4)
+
+        def forward(self, t: Any) -> torch.Tensor:
+            return self.lin(t[0]) + self.lin(t[1])
+    x, y = batch()
+    torch.manual_seed(0)
+    assert_same_training([Shifted(), nn.Linear(4, 4)], (x[:, :3], x[:, 1:]), y, nn.MSELoss(),
+                         partitions=2, micro_batches=2, checkpoint="never")
+
+
 def test_one_gradient_per_shared_memory_crosses_back() -> None:
     """The receiver's leaf collects the summed gradient once; the producer seeds it once."""
     h = torch.randn(3, 4, requires_grad=True) * 1
