@@ -104,6 +104,8 @@ def test_sharing_is_rebuilt_for_views_and_left_alone_for_disjoint_memory() -> No
     copied[1].fill_(7)
     assert torch.equal(copied[0][1], torch.full((6,), 7.0)) and torch.equal(copied[3], copied[0].reshape(-1))
     assert copied[2]._base is copied[0] and torch.equal(copied[2], copied[0].t())
+    rows = aliasing.map_tensors((h[1:], h[2]), torch.Tensor.detach)   # a carrier not at offset 0
+    assert rows[1].data_ptr() == h[2].data_ptr() and torch.equal(rows[1], h[2])
     assert aliasing.layout([h[:, :3], h[:, 3:]]) == (None, None)
     assert aliasing.layout([h[:, ::2], h[:, 1::2]]) == (None, None)    # interleaved, no shared element
     assert aliasing.layout([h, h.detach()])[1] == aliasing.Alias(0)
