@@ -74,7 +74,7 @@ def _distinct_leaves(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     view of it (:mod:`gpipe_repro.engine.aliasing`), collects one gradient, the sum, in one leaf."""
     found: dict[int, torch.Tensor] = {}
     for t in tensors:
-        leaf = t if t._base is None else t._base
+        leaf = t._base if t._base is not None and t._base.is_leaf else t
         found.setdefault(id(leaf), leaf)
     return list(found.values())
 
