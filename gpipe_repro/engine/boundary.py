@@ -25,7 +25,7 @@ import torch
 from gpipe_repro.engine import aliasing, microbatch
 
 __all__ = ["PLAIN", "check", "tensors", "map_tensors", "carries_grad", "detach", "attach", "cut", "to_device",
-           "grad_leaves", "grad_pairs", "input_grads"]
+           "grad_pairs", "input_grads"]
 
 PLAIN = (type(None), bool, int, float, str)
 # What a boundary value is called where its tensors share memory in a way that cannot be rebuilt:
@@ -114,12 +114,6 @@ def _carriers(value: Any) -> list[torch.Tensor]:
     return aliasing.travelling(leaves, aliasing.layout(leaves, None))
 
 
-def grad_leaves(inputs: Any) -> list[torch.Tensor]:
-    """The autograd leaves of a boundary input (:func:`attach`, or a cut) that collect a gradient:
-    one per shared memory."""
-    return [t for t in _carriers(inputs) if carries_grad(t) and t.requires_grad]
-
-
 def grad_pairs(outputs: Any,
                grads: list[torch.Tensor | None]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(output tensors, incoming gradients) for outputs that carry one and were differentiated: one
@@ -144,7 +138,7 @@ def _check_same_graph(carrier: torch.Tensor, t: torch.Tensor, i: int, j: int) ->
     if carrier.requires_grad == t.requires_grad and (not t.requires_grad or root(carrier) is root(t)):
         return
     raise aliasing.AliasingError(
-        f"tensors #{i} and #{j} of a value crossing between cells share memory but not their "
+        f"tensors #{i} and #{j} of {SENT} share memory but not their "
         "autograd graph (one is detached, or made requires_grad on its own), so the one gradient "
         "they receive cannot be split between them. Return the tensor once, or a copy "
         "(.detach().clone() or .clone()) for the second item")
