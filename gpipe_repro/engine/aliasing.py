@@ -15,7 +15,8 @@ the tensors that alias it from that one:
 - any other tensor of the group is rebuilt as a view of the carrier (``as_strided``) when the carrier
   is contiguous, has their dtype and holds all of their memory (``(h, h[0])``, ``(h, h.t())``);
 - anything else (views that partly overlap, neither holding the other; one storage read as two
-  dtypes) cannot be rebuilt and is refused with an error saying what to return instead.
+  dtypes) cannot be rebuilt: refused, with an error saying what to return instead, where a value
+  leaves a layer for a cut; elsewhere (a model's input or target) those tensors stay unshared.
 
 Tensors that share a storage without overlapping (``h[:, :2]`` and ``h[:, 2:]``) cannot see each
 other's writes, so they travel independently. The :data:`Layout` of a value says, per tensor leaf,
