@@ -69,18 +69,19 @@ def untie(cells: Sequence[nn.Module]) -> list[Tie]:
     module docstring) and return the ties. Raises ValueError, before changing anything, when a
     submodule holding a tied parameter is itself in two cells (its parameter cannot be two copies)."""
     ties = find_ties(cells)
-    owners = [{id(m) for m in cell.modules()} for cell in cells]
     for tie in ties:
         original = cells[tie.holders[0][0]].get_parameter(tie.holders[0][1])
-        for c, name in tie.holders:
-            for other, _ in tie.holders:
-                shared = [n for n, m in cells[c].named_modules() if other != c and id(m) in owners[other]
-                          and any(q is original for q in m._parameters.values())]
-                if shared:
+        holding: dict[int, tuple[int, str]] = {}   # a module holding it -> (its cell, its name there)
+        for c in tie.cells:
+            for name, module in cells[c].named_modules():
+                if not any(q is original for q in module._parameters.values()):
+                    continue
+                other, other_name = holding.setdefault(id(module), (c, name))
+                if other != c:
                     raise ValueError(
-                        f"the module {shared[0]!r} of cell {c} (holding the tied parameter {name!r}) is "
-                        f"also a module of cell {other}: cells holding a tied parameter keep one copy "
-                        "each, so tie the parameter, not the module (e.g. head.weight = "
+                        f"the module {other_name!r} of cell {other} holds a parameter tied across cells "
+                        f"and is also a module of cell {c}: each cell holding a tied parameter keeps "
+                        "its own copy, so tie the parameter, not the module (e.g. head.weight = "
                         "embedding.weight), or choose a balance that keeps both layers in one cell")
     for tie in ties:
         first, name = tie.holders[0]
