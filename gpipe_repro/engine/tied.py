@@ -144,7 +144,7 @@ def refuse_diverging_copies(pipe: nn.Module, ties: Sequence[Tie]) -> None:
     def check(module: nn.Module, state: Mapping[str, Any], prefix: str, *args: Any) -> None:
         for tie in ties:
             keys = [f"{prefix}cells.{c}.{name}" for c, name in tie.holders
-                    if len(pipe.cells[c]) > 0]   # type: ignore[index]
+                    if len(module.cells[c]) > 0]   # type: ignore[index]
             given = [k for k in keys if k in state]
             if given and len(given) != len(keys):
                 missing = sorted(set(keys) - set(given))
