@@ -101,12 +101,12 @@ def tied_copies(tie: Tie, cells: Mapping[int, nn.Module]) -> list[nn.Parameter]:
 
 
 def copies_sum(copies: Sequence[nn.Parameter]) -> torch.Tensor | None:
-    """The sum of the copies' gradients, in holder order, on the first copy's device; None when
-    none has a gradient."""
+    """The sum of the copies' gradients, in holder order, added in place into the first gradient
+    present (no tensor of the matrix's size is allocated); None when none has a gradient."""
     grads = [p.grad for p in copies if p.grad is not None]
     if not grads:
         return None
-    total = grads[0].clone()
+    total = grads[0]
     for g in grads[1:]:
         total.add_(g.to(total.device))
     return total
@@ -116,6 +116,8 @@ def set_gradients(copies: Sequence[nn.Parameter], total: torch.Tensor) -> None:
     """Make every copy's gradient `total` (each its own tensor, on its own device; in place where it
     has one, so a gradient that is a view of a data-parallel bucket stays one)."""
     for p in copies:
+        if p.grad is total:
+            continue
         if p.grad is not None and p.grad.shape == total.shape and p.grad.dtype == total.dtype:
             p.grad.copy_(total)
         else:
