@@ -37,8 +37,9 @@ def _name(page: Path) -> str:
     return str(page.relative_to(ROOT))
 
 
-def test_readme_has_blocks() -> None:
+def test_readme_is_short_and_has_blocks() -> None:
     readme = ROOT / "README.md"
+    assert len(readme.read_text().splitlines()) <= 150, "the README is a front page: 150 lines at most"
     assert sum(page == readme for page, _, _ in PYTHON_BLOCKS) >= 3
     assert any(page == readme and line.startswith("make ") for page, line in SHELL_LINES)
 
