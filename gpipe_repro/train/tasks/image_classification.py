@@ -261,7 +261,7 @@ def preset(name: str) -> tuple[RunConfig, AmoebaNetConfig]:
         # re-materialization): 92.2% top-1 / 99.4% top-5 in 445 s wall (372 steps, ~0.93 s each).
         # Before (local runtime, except_last, a shared host): 90.3% in 5.2 min, so at M=4 the local
         # runtime was not slower; the headline `--k 4 --m 32` is where this choice pays: 491 s
-        # against ~19 min (README, "The cpu preset pipelines for real"). Regularization is
+        # against ~19 min (docs/training.md, "The cpu preset pipelines for real"). Regularization is
         # lighter than the recipe's (dropout 0.2, drop-path 0.1): a few-minute run on 4,000 digits
         # underfits, and the full recipe reached 60% in 186 steps. Cells are balanced by FLOPs
         # ([2, 2, 2, 4]); by parameters ([6, 1, 1, 2]) the high-resolution first cell would do most
