@@ -28,7 +28,7 @@ import typer
 from gpipe_repro.commands._vocabulary import PIPELINE_HELP, pipeline_options
 
 # Fewer examples than this per micro-batch and per-micro-batch BatchNorm statistics are noise
-# (issue 16: with 2 examples AmoebaNet stays at chance level).
+# (with 2 examples AmoebaNet stays at chance level).
 MIN_BATCHNORM_MICRO_BATCH = 8
 
 

@@ -10,7 +10,8 @@ returns at once, a RECV blocks until its value has arrived. Nothing here decides
 and this runtime simply executes it there, so the recomputation overlaps the wait for the gradient.
 
 Each training step has one collective: the schedule's AGREE, right before the optimizer step, is a
-small all-reduce (five float64 numbers: the loss, its count, the squared gradient norm, an overflow
+small all-reduce (five float64 numbers, :data:`~gpipe_repro.engine.agreement.AGREEMENT_FIELDS`: the
+loss, its count, whether the loss is a (sum, count) one, the squared gradient norm, a non-finite
 flag) on the control group, after this rank's sends have completed. It is the step's only
 synchronization point and its commit point: no rank updates before every rank has finished every
 action of the step, and every rank gets the same loss, global gradient norm and overflow verdict. A

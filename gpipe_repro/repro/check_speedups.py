@@ -1,5 +1,5 @@
 """`make check-speedups`: the wall-clock K=2 speedup against the committed measured baseline, as a
-benchmark (never a pytest threshold; issue #12).
+benchmark (never a pytest threshold).
 
 Each repetition measures K=2, M=1 and K=2, M=4 on two real stage processes
 (:func:`gpipe_repro.repro.speedup_baseline.measured_speedup`), alternating which goes first, after
