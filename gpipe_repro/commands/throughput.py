@@ -36,7 +36,8 @@ def register(app: typer.Typer) -> None:
         Face causal LM: --model hf:llama --option layers=4 ..., or --model path/to/config.json, with
         --input-shape SEQ_LEN): step time, speedup, and a real run where K fits the host; with
         --replicas R: R data-parallel replicas of a K-stage pipeline of a registry model (--model
-        transformer-lm --k 8 --replicas 128 --m 32): samples/s and the time breakdown, all-reduce included (--help, --replicas 1 --help)."""
+        transformer-lm --k 8 --replicas 128 --m 32): samples/s and the time breakdown, all-reduce
+        included (--help, --replicas 1 --help)."""
         args = list(ctx.args)
         # One command, two simulations, chosen by an explicit table on whether --replicas is given.
         replicas = any(a == "--replicas" or a.startswith("--replicas=") for a in args)

@@ -132,10 +132,19 @@ def family_config(family: str, **options: Any) -> Any:
 
 def tiny_config(family: str, **options: Any) -> Any:
     """The family at the :data:`TINY` sizes a CPU trains in seconds (sizes the family has no
-    attribute for are left out), with `options` on top."""
+    attribute for are left out), with `options` on top. Unless given, the head size follows the
+    hidden size and heads given (hidden / heads), and kv-heads is half the heads (all of them for
+    an odd count)."""
     defaults = _config_class(model_type(family))()
     sizes = {k: v for k, v in TINY.items() if any(hasattr(defaults, a) for a in SIZE_OPTIONS[k])}
-    return family_config(family, **{**sizes, **options})
+    sizes.update(options)
+    heads, hidden = sizes.get("heads"), sizes.get("hidden")
+    if "head_dim" in sizes and "head_dim" not in options and isinstance(heads, int) \
+            and isinstance(hidden, int) and heads > 0:
+        sizes["head_dim"] = max(1, hidden // heads)
+    if "kv_heads" in sizes and "kv_heads" not in options and "heads" in options and isinstance(heads, int):
+        sizes["kv_heads"] = heads // 2 if heads % 2 == 0 else heads
+    return family_config(family, **sizes)
 
 
 def file_config(path: str | Path, **options: Any) -> Any:
