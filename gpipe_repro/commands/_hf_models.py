@@ -6,7 +6,7 @@
     gpipe-repro throughput --model hf:qwen3 --option layers=4 --option hidden=128 --input-shape 64 \\
         --k 2 --m 4
 
-A model is ``hf:<family>`` with size options (:mod:`gpipe_repro.train.hf_config`) or the path of a
+A model is ``hf:<family>`` with size options (:mod:`gpipe_repro.train.hf_spec`) or the path of a
 ``config.json``. For the planner it is built on the meta device (no weights, nothing downloaded: an
 8B model costs a second or two) and taken apart into the pipeline's layers by
 :func:`gpipe_repro.models.hf.causal_lm_layers`; the batch is ``--batch-size`` packed sequences of
@@ -23,22 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_repro.train.hf_config import ConfigError, describe, hf_config, is_hf_model
+from gpipe_repro.train.hf_spec import ConfigError, causal_lm_layers_of, describe, is_hf_model, model_config
 
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_BATCH = 32
 FACTORY = f"{__name__}:causal_lm_layers_for"
 
 __all__ = ["HFWorkload", "causal_lm_layers_for", "hf_workload", "is_hf_model", "throughput_args"]
-
-
-def _model(config: Any) -> nn.Sequential:
-    """The config's ``*ForCausalLM`` as the pipeline's layers, fp32, on the default device (under
-    ``torch.device("meta")``: no weights)."""
-    from transformers import AutoModelForCausalLM
-
-    from gpipe_repro.models.hf import causal_lm_layers
-    return causal_lm_layers(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
 
 
 class SummedLoss(nn.Module):
@@ -68,7 +59,7 @@ class HFWorkload:
         from gpipe_repro.models.hf import CausalLMLoss
         ids = torch.empty((self.batch, self.seq_len), dtype=torch.long, device="meta")
         with torch.device("meta"):
-            layers = list(_model(self.config))
+            layers = list(causal_lm_layers_of(self.config))
         return layers, ids, ids.clone(), SummedLoss(CausalLMLoss())
 
     def describe(self) -> str:
@@ -82,7 +73,7 @@ def hf_workload(spec: str, batch: int | None, options: dict[str, Any]) -> HFWork
     what to change, before any model is built."""
     options = dict(options)
     seq_len = options.pop("seq_len", None)
-    config = hf_config(spec, **options)
+    config = model_config(spec, **options)
     positions = getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN
     if seq_len is None:
         seq_len = min(DEFAULT_SEQ_LEN, positions)
@@ -97,7 +88,7 @@ def hf_workload(spec: str, batch: int | None, options: dict[str, Any]) -> HFWork
 def causal_lm_layers_for(spec: str, **options: Any) -> nn.Sequential:
     """The model `spec` names (``hf:<family>`` or a config path) with weights, as the pipeline's
     layers: the factory `gpipe-repro throughput` calibrates."""
-    return _model(hf_config(spec, **options))
+    return causal_lm_layers_of(model_config(spec, **options))
 
 
 def _option_value(key: str, value: str) -> str:
@@ -134,7 +125,7 @@ def throughput_args(args: list[str]) -> list[str]:
                 sizes[key] = ast.literal_eval(value)
             except (ValueError, SyntaxError):
                 sizes[key] = value
-    config = hf_config(spec, **sizes)              # checked now, before the calibration's work
+    config = model_config(spec, **sizes)              # checked now, before the calibration's work
     extra = ["--model", FACTORY, "--option", _option_value("spec", spec)]
     if not any(a == "--kind" or a.startswith("--kind=") for a in out):
         extra += ["--kind", "tokens"]

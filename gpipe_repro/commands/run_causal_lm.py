@@ -5,7 +5,7 @@
     gpipe-repro run causal-lm --family gpt-neox --layers 4 --hidden 128 --heads 4 --text notes.txt
     gpipe-repro run causal-lm --config-file path/to/config.json --layers 2 --precision bf16
 
-The model is any family of `gpipe_repro.train.hf_config.FAMILIES` at tiny sizes (each size is an
+The model is any family of `gpipe_repro.train.hf_spec.FAMILIES` at tiny sizes (each size is an
 option), or a `config.json` (its sizes, or those given); random initialization, nothing downloaded.
 The pipeline options (--k, --m, --schedule, --precision, --resume, ...) are the shared ones of every
 `run` command (`pipeline_options`), and the run writes what `run amoebanet` writes: metrics.jsonl,

@@ -81,19 +81,20 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """Building the model is the work: these errors must come before it."""
     def refuse(*args: Any, **kw: Any) -> Any:
         raise AssertionError("the model was built before the options were checked")
-    monkeypatch.setattr(_hf_models, "_model", refuse)
+    monkeypatch.setattr(_hf_models, "causal_lm_layers_of", refuse)
 
 
 @pytest.mark.parametrize("args, says", [
     (["plan", "{tmp}/missing/config.json"], "no Hugging Face config at"),
-    (["fit", "hf:bert"], "unknown Hugging Face family 'hf:bert': use hf:<family> with one of llama"),
+    (["fit", "hf:nonesuch"], "unknown Hugging Face family 'hf:nonesuch': use hf:<family> with a "
+                             "transformers model type (llama, mistral"),
     (["plan", "llama"], "unknown model 'llama': use one of"),
     (["plan", "hf:llama", "--layers", "0"], "--layers takes a whole number >= 1, got 0"),
     (["fit", "hf:llama", "--heads", "32", "--kv-heads", "5"], "give --kv-heads a divisor of 32"),
-    (["plan", "hf:gpt2", "--kv-heads", "2"], "hf:gpt2 has no kv-heads size"),
-    (["plan", "hf:mistral", "--depth", "2"], "hf:mistral has no option --depth: use the sizes --layers"),
+    (["plan", "hf:gpt2", "--kv-heads", "2"], "hf:gpt2: gpt2 has no kv_heads (num_key_value_heads)"),
+    (["plan", "hf:mistral", "--depth", "2"], "hf:mistral: MistralConfig has no attribute depth"),
     (["fit", "hf:llama", "--seq-len", "4096"], "--seq-len 4096 is longer than the model's 2048 positions"),
-    (["plan", "{tmp}/config.json"], "has no \"model_type\""),
+    (["plan", "{tmp}/config.json"], "is not a transformers config (it has no model_type)"),
 ])
 def test_bad_models_are_one_usage_error_before_any_work(no_model: None, tmp_path: Path,
                                                         args: list[str], says: str) -> None:
@@ -104,6 +105,14 @@ def test_bad_models_are_one_usage_error_before_any_work(no_model: None, tmp_path
     assert says in _flat(result.output), result.output
 
 
+def test_a_family_the_layers_cannot_take_is_refused_with_the_reason() -> None:
+    for family, says in (("t5", "hf:t5 has no causal-LM model in transformers"),
+                         ("mamba", "cannot be pipelined by causal_lm_layers")):
+        result = CliRunner().invoke(app, ["fit", f"hf:{family}", "--layers", "2", "--hidden", "32"])
+        assert result.exit_code == 2, (result.output, result.exception)
+        assert says in _flat(result.output), result.output
+
+
 def test_throughput_takes_a_hugging_face_model(tmp_path: Path) -> None:
     config = _tiny_config_json(tmp_path)
     args = _hf_models.throughput_args(["--model", str(config), "--option", "layers=2", "--k", "2"])
@@ -111,7 +120,7 @@ def test_throughput_takes_a_hugging_face_model(tmp_path: Path) -> None:
     assert "--kind" in args and "tokens" in args and args[args.index("--classes") + 1] == "300"
     layers = _hf_models.causal_lm_layers_for(str(config), layers=2)
     assert [name for name, _ in layers.named_children()] == ["embeddings", "block_0", "block_1", "head"]
-    with pytest.raises(ValueError, match="has no option --bogus"):
+    with pytest.raises(ValueError, match="has no attribute bogus"):
         _hf_models.throughput_args(["--model", "hf:llama", "--option", "bogus=1"])
     assert _hf_models.throughput_args(["--model", "pkg.mod:make", "--k", "2"]) == \
         ["--model", "pkg.mod:make", "--k", "2"]

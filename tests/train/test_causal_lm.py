@@ -74,9 +74,11 @@ def test_run_causal_lm_trains_a_tiny_model_through_the_pipeline(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--family", "bert"], "unknown Hugging Face family 'bert'"),
+    (["--family", "nonesuch"], "unknown Hugging Face family 'nonesuch'"),
+    (["--family", "t5"], "t5 has no intermediate"),
+    (["--family", "mamba", "--heads", "1"], "mamba has no heads"),
     (["--text", "{tmp}/missing.txt"], "--text {tmp}/missing.txt: no such file"),
-    (["--family", "gpt2", "--kv-heads", "2"], "hf:gpt2 has no kv-heads size"),
+    (["--family", "gpt2", "--kv-heads", "2"], "gpt2 has no kv_heads"),
     (["--heads", "4", "--kv-heads", "3"], "give --kv-heads a divisor of 4"),
     (["--config-file", "{tmp}/nope.json"], "no Hugging Face config at"),
     (["--config-file", "{tmp}/config.json", "--seq-len", "1000"],

@@ -2,8 +2,8 @@
 
 What the loop gets from here:
 
-- **Model.** A transformers ``*ForCausalLM`` of any family of :data:`gpipe_repro.train.hf_config.FAMILIES`
-  (random init, nothing downloaded) at tiny sizes (:func:`gpipe_repro.train.hf_config.tiny_config`,
+- **Model.** A transformers ``*ForCausalLM`` of any family of :data:`gpipe_repro.train.hf_spec.FAMILIES`
+  (random init, nothing downloaded) at tiny sizes (:func:`gpipe_repro.train.hf_spec.tiny_config`,
   each size can be changed), or from a ``config.json``; taken apart into the pipeline's layers by
   :func:`gpipe_repro.models.hf.causal_lm_layers` (embeddings, one layer per decoder block, head),
   which checks that the layers compute the model's own logits before training starts. Tied
@@ -31,7 +31,14 @@ from torch import nn
 from gpipe_repro.engine.gpipe import GPipe
 from gpipe_repro.engine.stage import LossFn
 from gpipe_repro.train.config import RunConfig
-from gpipe_repro.train.hf_config import describe, file_config, model_type, tiny_config
+from gpipe_repro.train.hf_spec import (
+    ConfigError,
+    causal_lm_layers_of,
+    describe,
+    model_config,
+    model_type,
+    tiny_config,
+)
 from gpipe_repro.train.loop import Task, pipelined_outputs
 from gpipe_repro.train.optim import OptimizerConfig
 from gpipe_repro.train.tasks.packed_bytes import VOCAB, PackedBatches, pack
@@ -85,21 +92,20 @@ class CausalLMConfig:
     def model_config(self) -> Any:
         """The transformers config of the model this task trains (checked: a ConfigError says what
         to change)."""
-        from gpipe_repro.train.hf_config import ConfigError
+        tie = {} if self.tie_embeddings is None else {"tie": self.tie_embeddings}
         if self.config_file is not None:
-            config = file_config(self.config_file, **self.sizes())
+            config = model_config(self.config_file, **self.sizes(), **tie)
             if config.vocab_size < VOCAB:
                 raise ConfigError(f"{self.config_file}: vocabulary {config.vocab_size} is smaller than the "
                                   f"{VOCAB} byte-level ids this task feeds: give a config with a "
                                   f"vocab_size of at least {VOCAB}")
         else:
-            config = tiny_config(self.family, vocab=VOCAB, positions=max(256, self.seq_len), **self.sizes())
+            config = tiny_config(self.family, vocab=VOCAB, positions=max(256, self.seq_len), **self.sizes(),
+                                 **tie)
         positions = getattr(config, "max_position_embeddings", None)
         if positions is not None and positions < self.seq_len:
             raise ConfigError(f"--seq-len {self.seq_len} is longer than the model's {positions} positions: "
                               "lower --seq-len")
-        if self.tie_embeddings is not None:
-            config.tie_word_embeddings = self.tie_embeddings
         return config
 
     def to_dict(self) -> dict[str, Any]:
@@ -147,6 +153,8 @@ class CausalLMTask(Task):
     def __init__(self, config: CausalLMConfig) -> None:
         self.settings = config
         self.model_config = config.model_config()           # a bad size fails before the data work
+        with torch.device("meta"):                           # a family the layers refuse, too
+            causal_lm_layers_of(self.model_config)
         if config.text is not None:
             self.source = f"text {config.text}"
             train, held = text_documents(config.text)
@@ -171,11 +179,7 @@ class CausalLMTask(Task):
                 "tied_embeddings": bool(getattr(self.model_config, "tie_word_embeddings", False))}
 
     def build_layers(self) -> nn.Sequential:
-        from transformers import AutoModelForCausalLM
-
-        from gpipe_repro.models.hf import causal_lm_layers
-        model = AutoModelForCausalLM.from_config(self.model_config, dtype=torch.float32)
-        return causal_lm_layers(model)
+        return causal_lm_layers_of(self.model_config)
 
     def loss_fn(self) -> LossFn:
         from gpipe_repro.models.hf import CausalLMLoss
