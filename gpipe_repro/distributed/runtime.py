@@ -15,7 +15,9 @@ flag) on the control group, after this rank's sends have completed. It is the st
 synchronization point and its commit point: no rank updates before every rank has finished every
 action of the step, and every rank gets the same loss, global gradient norm and overflow verdict. A
 rank that fails before it leaves the others waiting there (their receives or the all-reduce time out,
-and the launcher ends the job), so a failed step updates no rank. With ``record`` every action is
+and the launcher ends the job), so a failed step updates no rank. Right before it come the
+replicas' gradient all-reduces and, for a parameter tied across cells, one all-reduce per tie over the
+ranks holding a copy (:mod:`gpipe_repro.distributed.tied`). With ``record`` every action is
 timestamped on one
 clock (:mod:`gpipe_repro.distributed.clock`) and the ranks' events are merged into one
 :class:`~gpipe_repro.engine.timeline.Timeline` on every rank, receives carrying ``ready`` (when the

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpipe_repro.models.hf import causal_lm_layers, hf_config
+from gpipe_repro.memory.planner import MemoryPlanner
+from gpipe_repro.models.hf import CausalLMLoss, causal_lm_layers, hf_config
 
 transformers = pytest.importorskip("transformers")
 
 
-def test_llama_3_8b_is_traced_on_the_meta_device() -> None:
+def test_llama_3_8b_is_planned_on_the_meta_device() -> None:
     config = hf_config("llama", layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336,
                        vocab=128256, positions=8192, tie=False)
     with torch.device("meta"):
@@ -22,6 +23,10 @@ def test_llama_3_8b_is_traced_on_the_meta_device() -> None:
     assert len(layers) == 34
     assert sum(p.numel() for p in layers.parameters()) == 8_030_261_248   # Llama-3-8B's count
     assert all(p.device.type == "meta" for p in layers.parameters())
+    ids = torch.empty(4, 64, dtype=torch.long, device="meta")
+    plan = MemoryPlanner(layers, (ids, ids), ids, CausalLMLoss()).plan(partitions=4, micro_batches=2)
+    weights = 8_030_261_248 * 12 / 4     # fp32 weight, gradient, one optimizer slot: 24 GB a device
+    assert len(plan.stages) == 4 and all(0.8 * weights < s.peak < 1.5 * weights for s in plan.stages)
 
 
 def test_the_size_options_go_to_the_familys_own_attributes() -> None:
