@@ -32,18 +32,6 @@ FACTORY = f"{__name__}:causal_lm_layers_for"
 __all__ = ["HFWorkload", "causal_lm_layers_for", "hf_workload", "is_hf_model", "throughput_args"]
 
 
-class SummedLoss(nn.Module):
-    """The summed part of a ``(sum, count)`` loss: the memory planner takes a scalar loss, and
-    what the loss holds in memory does not depend on the division by the count."""
-
-    def __init__(self, loss: Callable[[Any, Any], tuple[torch.Tensor, torch.Tensor]]) -> None:
-        super().__init__()
-        self.loss = loss
-
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss(logits, labels)[0]
-
-
 @dataclass(frozen=True)
 class HFWorkload:
     """A Hugging Face config with the training batch the planner assumes (shapes only)."""
@@ -54,13 +42,13 @@ class HFWorkload:
     seq_len: int
 
     def planner_inputs(self) -> tuple[list[nn.Module], torch.Tensor, torch.Tensor,
-                                      Callable[[Any, torch.Tensor], torch.Tensor]]:
+                                      Callable[[Any, torch.Tensor], Any]]:
         """(layers on ``meta``, token ids, labels, the loss): what the memory planner takes."""
         from gpipe_repro.models.hf import CausalLMLoss
         ids = torch.empty((self.batch, self.seq_len), dtype=torch.long, device="meta")
         with torch.device("meta"):
             layers = list(causal_lm_layers_of(self.config))
-        return layers, ids, ids.clone(), SummedLoss(CausalLMLoss())
+        return layers, ids, ids.clone(), CausalLMLoss()
 
     def describe(self) -> str:
         model = f"hf:{describe(self.config)}" if self.spec.startswith("hf:") else \
