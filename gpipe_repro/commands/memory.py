@@ -60,11 +60,11 @@ def _planner(family: str, batch: Optional[int], extra: list[str], attention: str
         options = parse_options(extra)
         work = hf_workload(family, batch, options) if is_hf_model(family) else \
             workload(family, batch, **options)
-        inputs = work.planner_inputs()          # builds the model: a bad size (--L 0) fails here
+        layers, sample, target, loss_fn = work.planner_inputs()   # a bad size (--L 0) fails here
     except (ValueError, TypeError) as e:
         raise typer.BadParameter(str(e)) from e
-    planner = MemoryPlanner(*inputs, optimizer=rmsprop_foreach, attention=attention,
-                            optimizer_foreach=True)
+    planner = MemoryPlanner(layers, sample, target, loss_fn, optimizer=rmsprop_foreach,
+                            attention=attention, optimizer_foreach=True)
     return work, planner
 
 
