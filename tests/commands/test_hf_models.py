@@ -124,3 +124,11 @@ def test_throughput_takes_a_hugging_face_model(tmp_path: Path) -> None:
         _hf_models.throughput_args(["--model", "hf:llama", "--option", "bogus=1"])
     assert _hf_models.throughput_args(["--model", "pkg.mod:make", "--k", "2"]) == \
         ["--model", "pkg.mod:make", "--k", "2"]
+
+
+def test_models_counts_a_hugging_face_config_without_building_it() -> None:
+    result = CliRunner().invoke(app, ["models", *LLAMA_8B], terminal_width=200)
+    assert result.exit_code == 0, (result.output, result.exception)
+    text = _flat(result.output)
+    assert "block_0 .. block_31 DecoderBlock 218,112,000 32" in text
+    assert "parameters: 8,030,261,248 (8.03B)" in text
