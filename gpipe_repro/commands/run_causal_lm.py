@@ -40,10 +40,10 @@ def causal_lm(
                                                   "(default: the family's choice)"),
     seq_len: Optional[int] = typer.Option(None, help="bytes per packed row"),
     text: Optional[str] = typer.Option(None, help="a UTF-8 text file to train on (one document per "
-                                       "line, every 20th held out) [default: the English sentences of "
-                                       "the offline gettext corpus]"),
-    data_dir: Optional[str] = typer.Option(None, help="where corpora live [default: "
-                                           "$GPIPE_REPRO_DATA_DIR or data/translation/]"),
+                                       "line, every 20th held out; default: the English sentences of "
+                                       "the offline gettext corpus)"),
+    data_dir: Optional[str] = typer.Option(None, help="where corpora live (default: "
+                                           "$GPIPE_REPRO_DATA_DIR or data/translation/)"),
     warmup_steps: Optional[int] = typer.Option(None, help="linear warm-up steps before the cosine decay"),
     pipeline: dict[str, Any],
 ) -> None:
