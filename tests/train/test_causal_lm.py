@@ -61,7 +61,7 @@ def test_run_causal_lm_trains_a_tiny_model_through_the_pipeline(tmp_path: Path) 
                                       "--schedule", "1f1b", "--out", str(out), "--wandb", "disabled",
                                       "--no-progress"])
     assert result.exit_code == 0, (result.output, result.exception)
-    assert "K=2, M=2" in result.output and "byte-level text" in result.output
+    assert "K=2, M=2" in result.output and "byte-level ids of text" in result.output
     metrics = _rows(out / "metrics.jsonl")
     losses = [r["train/loss"] for r in metrics if "train/loss" in r]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)

@@ -169,7 +169,7 @@ class CausalLMTask(Task):
     def describe_data(self) -> str:
         rows = self.train_rows[0].shape[0]
         tokens, length = int(self.train_rows[1].sum()), self.settings.seq_len
-        return (f"byte-level {self.source}: {self.documents[0]:,} documents in {rows:,} rows of "
+        return (f"byte-level ids of {self.source}: {self.documents[0]:,} documents in {rows:,} rows of "
                 f"{length} ({tokens:,} bytes, {tokens / max(1, rows * length):.0%} of the rows); "
                 f"{self.eval_rows[0].shape[0]} held-out rows scored (of "
                 f"{self.documents[1]:,} held-out documents)")
@@ -217,7 +217,7 @@ class CausalLMTask(Task):
 
 PRESETS: dict[str, str] = {
     "cpu": "a 2-layer LLaMA (hidden 64) on the gettext corpus's English sentences, byte-level, rows of "
-           "128, K=2, M=4, 300 steps of 16 rows: a few minutes on 2 shared cores",
+           "128, K=2, M=4, 300 steps of 16 rows",
     "smoke": "a 2-layer LLaMA (hidden 32), rows of 32, K=2, M=2, 4 steps of 4 rows: checks that "
              "everything runs",
 }
