@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from gpipe_repro.engine import boundary
+from gpipe_repro.engine import aliasing
 
 __all__ = ["PRECISIONS", "AGREEMENT_FIELDS", "StepConfig", "Agreement", "autocast", "cast_boundary",
            "upcast"]
@@ -99,11 +99,12 @@ def autocast(precision: str, device: torch.device) -> Any:
 
 
 def cast_boundary(value: Any, precision: str) -> Any:
-    """Under bf16/fp16, floating boundary values cross in that dtype (half the bytes)."""
+    """Under bf16/fp16, floating boundary values cross in that dtype (half the bytes); tensors
+    sharing memory are cast once and stay shared (:mod:`gpipe_repro.engine.aliasing`)."""
     dtype = PRECISIONS[precision]
     if dtype is None:
         return value
-    return boundary.map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
+    return aliasing.map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def upcast(loss: torch.Tensor) -> torch.Tensor:

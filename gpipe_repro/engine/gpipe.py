@@ -68,7 +68,8 @@ def _to_device(cell: nn.Module, device: torch.device) -> nn.Module:
 
 
 class _Unset:
-    __repr__ = lambda self: "<not given>"   # noqa: E731
+    def __repr__(self) -> str:
+        return "<not given>"
 
 
 _NOT_GIVEN: Any = _Unset()
@@ -229,9 +230,8 @@ class GPipe(nn.Module):
         self.record_timeline = False
         self.last_timeline: Timeline | None = None
         self._transport = LocalTransport(self.devices)
-        firsts = [sum(balance[:i]) for i in range(partitions)]
         self.executors = [
-            StageExecutor(self._cell(s), s, partitions, firsts[s], self.devices[s], self._transport,
+            StageExecutor(self._cell(s), s, partitions, sum(balance[:s]), self.devices[s], self._transport,
                           stage_loss, self.optimizers[s], self.seed)
             for s in self.stages_here]
         bind_ties(self, self.ties)

@@ -69,18 +69,19 @@ def untie(cells: Sequence[nn.Module]) -> list[Tie]:
     module docstring) and return the ties. Raises ValueError, before changing anything, when a
     submodule holding a tied parameter is itself in two cells (its parameter cannot be two copies)."""
     ties = find_ties(cells)
-    owners = [{id(m) for m in cell.modules()} for cell in cells]
     for tie in ties:
         original = cells[tie.holders[0][0]].get_parameter(tie.holders[0][1])
-        for c, name in tie.holders:
-            for other, _ in tie.holders:
-                shared = [n for n, m in cells[c].named_modules() if other != c and id(m) in owners[other]
-                          and any(q is original for q in m._parameters.values())]
-                if shared:
+        holding: dict[int, tuple[int, str]] = {}   # a module holding it -> (its cell, its name there)
+        for c in tie.cells:
+            for name, module in cells[c].named_modules():
+                if not any(q is original for q in module._parameters.values()):
+                    continue
+                other, other_name = holding.setdefault(id(module), (c, name))
+                if other != c:
                     raise ValueError(
-                        f"the module {shared[0]!r} of cell {c} (holding the tied parameter {name!r}) is "
-                        f"also a module of cell {other}: cells holding a tied parameter keep one copy "
-                        "each, so tie the parameter, not the module (e.g. head.weight = "
+                        f"the module {other_name!r} of cell {other} holds a parameter tied across cells "
+                        f"and is also a module of cell {c}: each cell holding a tied parameter keeps "
+                        "its own copy, so tie the parameter, not the module (e.g. head.weight = "
                         "embedding.weight), or choose a balance that keeps both layers in one cell")
     for tie in ties:
         first, name = tie.holders[0]
@@ -100,12 +101,12 @@ def tied_copies(tie: Tie, cells: Mapping[int, nn.Module]) -> list[nn.Parameter]:
 
 
 def copies_sum(copies: Sequence[nn.Parameter]) -> torch.Tensor | None:
-    """The sum of the copies' gradients, in holder order, on the first copy's device; None when
-    none has a gradient."""
+    """The sum of the copies' gradients, in holder order, added in place into the first gradient
+    present (no tensor of the matrix's size is allocated); None when none has a gradient."""
     grads = [p.grad for p in copies if p.grad is not None]
     if not grads:
         return None
-    total = grads[0].clone()
+    total = grads[0]
     for g in grads[1:]:
         total.add_(g.to(total.device))
     return total
@@ -115,6 +116,8 @@ def set_gradients(copies: Sequence[nn.Parameter], total: torch.Tensor) -> None:
     """Make every copy's gradient `total` (each its own tensor, on its own device; in place where it
     has one, so a gradient that is a view of a data-parallel bucket stays one)."""
     for p in copies:
+        if p.grad is total:
+            continue
         if p.grad is not None and p.grad.shape == total.shape and p.grad.dtype == total.dtype:
             p.grad.copy_(total)
         else:
@@ -143,7 +146,7 @@ def refuse_diverging_copies(pipe: nn.Module, ties: Sequence[Tie]) -> None:
     def check(module: nn.Module, state: Mapping[str, Any], prefix: str, *args: Any) -> None:
         for tie in ties:
             keys = [f"{prefix}cells.{c}.{name}" for c, name in tie.holders
-                    if len(pipe.cells[c]) > 0]   # type: ignore[index]
+                    if len(module.cells[c]) > 0]   # type: ignore[index]
             given = [k for k in keys if k in state]
             if given and len(given) != len(keys):
                 missing = sorted(set(keys) - set(given))

@@ -13,7 +13,13 @@ the model object, not looked up by family name: the token embedding is ``get_inp
 and the head ``get_output_embeddings()``; of the base model's children, the one ``nn.ModuleList`` is
 the blocks, an ``nn.Embedding`` other than the tokens' holds absolute positions (GPT-2's ``wpe``), an
 ``nn.Dropout`` drops embeddings, a ``*RotaryEmbedding`` makes rotary positions, and the one child left
-is the final norm. Anything else is refused (:func:`refusal`) before any work.
+is the final norm. Anything else is refused (:func:`refusal`) before any work, by name and why:
+encoder-decoders, bases with other parts (Bloom's embedding norm, BioGPT's offset positions, OPT's
+decoder wrapper), blocks that need more than a mask and positions (MPT's ALiBi) or no mask (RWKV), layer
+types other than full and sliding attention (Mamba, Jamba, Qwen3-Next, Llama 4's chunks), a router
+loss added to the loss. A model that passes is then run once on a short padded batch beside its
+layers (:func:`causal_lm_layers`, ``check``): a forward that does more than what is read off the
+model (CTRL's scaled sinusoids) is refused too.
 
 The layers are ``embeddings`` (token ids, or ``(input_ids, attention_mask)``, to hidden states),
 ``block_i`` (one decoder layer each) and ``head`` (final norm, ``lm_head``, logits). Between layers
@@ -29,7 +35,8 @@ multiplier (Granite's ``embedding_multiplier``; Gemma's sqrt(hidden) is inside i
 the logit soft-capping (``config.final_logit_softcapping``, Gemma 2/3), the logit scale (Cohere's
 ``logit_scale``) and the logit divisor (Granite's ``config.logits_scaling``).
 
-With ``config.tie_word_embeddings`` the first and the last layer share one ``nn.Parameter``.
+With ``config.tie_word_embeddings`` the first and the last layer share one ``nn.Parameter`` (cut
+into different cells, GPipe keeps a copy in each and sums their gradients).
 :func:`~gpipe_repro.models.hf_config.hf_config` (here too) builds a config from a family name and
 sizes, or from a ``config.json``, for a model on the meta device.
 
@@ -218,6 +225,8 @@ def _base_parts(model: Any) -> dict[str, Any] | str:
         if needed:
             return (f"its blocks need {', '.join(needed)}, which its forward computes for them (only "
                     "a mask, positions and rotary embeddings are known)")
+        if not any(p.name == "attention_mask" or p.kind is p.VAR_KEYWORD for p in params):
+            return "its blocks take no attention mask (they are not attention blocks)"
     return parts
 
 
@@ -273,8 +282,9 @@ def causal_lm_layers(model: Any, *, check: bool = True) -> nn.Sequential:
     """
     reason = refusal(model)
     if reason is not None:
-        raise ValueError(f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')}) cannot "
-                         f"be pipelined by causal_lm_layers: {reason}")
+        family = getattr(getattr(model, "config", None), "model_type", "not a transformers model")
+        raise ValueError(f"{type(model).__name__} ({family}) cannot be pipelined by causal_lm_layers: "
+                         f"{reason}")
     parts, scalings = _base_parts(model), _scalings(model, model.base_model)
     assert not isinstance(parts, str) and not isinstance(scalings, str)
     config = model.config

@@ -8,8 +8,9 @@ What runs (all measured here; the ideal is computed from measured costs and says
   time / 2 is the ideal 2-process step for that M (the same work split evenly, no bubble, free
   communication) -> "of ideal";
 - ours: ``GPipe(..., runtime="distributed", schedule=S)`` for every S in
-  :data:`gpipe_repro.engine.schedule.SCHEDULES` (gpipe, 1f1b, zb-h1, and interleaved with the model
-  cut in 4 cells, two per process, like torch's looped schedules), checkpoint "never";
+  :data:`gpipe_repro.engine.schedule.SCHEDULES` (gpipe, 1f1b, zb-h1, and interleaved, zb-v and
+  dualpipe-v with the model cut in 4 cells, two per process, like torch's looped and V schedules),
+  checkpoint "never";
 - torch's: PipelineStage + ScheduleGPipe / Schedule1F1B (one stage per process), and with two
   stages per process (the model cut into 4 chunks) ScheduleInterleaved1F1B, ScheduleLoopedBFS,
   ScheduleInterleavedZeroBubble (chunk c on process c mod 2), ScheduleZBVZeroBubble and
@@ -84,14 +85,15 @@ class Ours:
     def __init__(self, cfg: dict[str, Any], m: int, name: str) -> None:
         from gpipe_repro import GPipe
         from gpipe_repro.engine.schedule import cells_per_process
-        # interleaved and zb-v: 2 cells on each of the 2 processes (the model cut in 4; cell c on
-        # process c mod 2 for interleaved, in a V for zb-v: cells 0 and 3 on process 0)
+        # interleaved, zb-v and dualpipe-v: 2 cells on each of the 2 processes (the model cut in 4;
+        # cell c on process c mod 2 for interleaved, in a V for the others: cells 0 and 3 on process 0)
         k = 2 * cells_per_process(name)
         if cfg["blocks"] % k:
             raise ValueError(f"{cfg['blocks']} blocks do not cut into {k} equal cells")
         self.pipe = GPipe(synthetic_mlp(cfg["width"], cfg["blocks"]), partitions=k, micro_batches=m,
                           balance=[cfg["blocks"] // k] * k, checkpoint="never", schedule=name,
                           loss_fn=nn.CrossEntropyLoss(), optimizer=sgd, runtime="distributed")
+        self.pipe.make_schedule()   # the schedule's verdict on M (dualpipe-v: M >= 2K) before any step
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.pipe.train_step(x, y)

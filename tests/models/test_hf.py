@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from gpipe_repro import GPipe
+from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES
 from gpipe_repro.models.hf import CausalLMLoss, causal_lm_layers
 
 transformers = pytest.importorskip("transformers")
@@ -104,8 +105,8 @@ def assert_same_step(family: str, tie: bool | None, partitions: int, micro_batch
 
 
 # (family, tied, partitions, micro-batches, schedule, checkpoint): every family at K >= 2, every
-# schedule, tied and untied, M = 2..4, every checkpoint mode. interleaved and zb-v run partitions =
-# 2 x processes cells.
+# schedule, tied and untied, M = 2..4, every checkpoint mode. interleaved, zb-v and dualpipe-v run
+# partitions = 2 x processes cells.
 CASES = [
     ("llama", False, 2, 3, "gpipe", "except_last"),
     ("mistral", False, 3, 2, "1f1b", "always"),
@@ -123,6 +124,8 @@ CASES = [
     ("cohere", True, 2, 4, "zb-h1", "never"),
     ("qwen2", True, 4, 2, "interleaved", "except_last"),
     ("gemma2", True, 2, 3, "zb-v", "except_last"),
+    ("olmo", False, 4, 4, "dualpipe-v", "except_last"),
+    ("gpt2", True, 4, 4, "dualpipe-v", "never"),
 ]
 
 
@@ -139,6 +142,12 @@ def test_a_pipelined_step_gives_the_models_loss_and_gradients(family: str, tie: 
     model = tiny_model(family, tie)
     assert model.config.tie_word_embeddings == tie
     assert_same_step(family, tie, partitions, micro_batches, schedule, checkpoint=checkpoint)
+
+
+def test_the_cases_cover_every_schedule_and_checkpoint_mode() -> None:
+    assert {case[4] for case in CASES} == set(SCHEDULES)
+    assert {case[5] for case in CASES} == set(CHECKPOINT_MODES)
+    assert {(case[1], case[2] > 1) for case in CASES} == {(False, True), (True, True), (True, False)}
 
 
 def test_without_a_mask_the_layers_pass_the_hidden_states_alone() -> None:
@@ -210,6 +219,8 @@ def test_the_loss_is_the_models_token_mean() -> None:
     ("mamba", dict(), "linear_attention"),
     ("bloom", dict(n_layer=2, n_head=4), "word_embeddings_layernorm"),
     ("biogpt", dict(), "embed_positions"),
+    ("mpt", dict(d_model=32, n_heads=4, n_layers=2), "position_bias"),
+    ("rwkv", dict(), "no attention mask"),
 ])
 def test_a_family_that_is_not_embed_blocks_norm_head_is_refused_before_any_work(
         family: str, options: dict, why: str) -> None:
@@ -229,6 +240,11 @@ def test_an_encoder_decoder_model_is_refused() -> None:
     model = transformers.AutoModelForSeq2SeqLM.from_config(config)
     with pytest.raises(ValueError, match="encoder-decoder"):
         causal_lm_layers(model)
+
+
+def test_a_module_that_is_not_a_transformers_model_is_refused() -> None:
+    with pytest.raises(ValueError, match="Linear .*not a transformers model"):
+        causal_lm_layers(torch.nn.Linear(2, 2))
 
 
 def test_a_forward_that_does_more_than_the_layers_is_refused() -> None:
