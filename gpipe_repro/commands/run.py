@@ -158,7 +158,8 @@ def fail(message: str, code: int = 2) -> NoReturn:
     usage error)."""
     from rich.console import Console
     from rich.markup import escape
-    Console(stderr=True, soft_wrap=True, highlight=False).print(f"[bold red]error:[/] {escape(message)}")
+    console = Console(stderr=True, soft_wrap=True, highlight=False, emoji=False)   # "hf:llama:" stays text
+    console.print(f"[bold red]error:[/] {escape(message)}")
     raise typer.Exit(code)
 
 
