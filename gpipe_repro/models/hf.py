@@ -118,9 +118,11 @@ class DecoderBlock(nn.Module):
     def forward(self, value: Any) -> Any:
         hidden, mask = _hidden_and_mask(value)
         positions = _positions(hidden)
+        # the mask is built without position_ids: they are always arange here, and given, transformers
+        # looks for packed sequences with a data-dependent check that meta tensors (planning) cannot run
         kwargs: dict[str, Any] = {
             "attention_mask": self.make_mask(config=self.config, inputs_embeds=hidden, attention_mask=mask,
-                                             cache=None, position_ids=positions)}
+                                             cache=None, position_ids=None)}
         if self.takes_position_ids:
             kwargs["position_ids"] = positions
         if self.rotary is not None:
