@@ -1,4 +1,5 @@
-# Every target sets up what it needs: the first run creates .venv (torch pinned by constraints.txt).
+# Every target sets up what it needs: the first run creates .venv (torch pinned by constraints.txt)
+# with the project and all its extras (`.[repro,test]`).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -6,13 +7,14 @@ STAMP := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv test test-host-data lint throughput-table memory-table validate-sim validate-unseen bench-overhead bench-runtime \
+.PHONY: help venv test test-core test-host-data lint throughput-table memory-table validate-sim validate-unseen bench-overhead bench-runtime \
         bench-replicas bench-schedules bench-latency replicas-plan-table deep-vs-wide train-amoebanet corpus baseline \
         gpu-check check-speedups check-regression-detector clean
 
 help:
 	@echo "make throughput-table  the paper's Table 2/3 (K x M speedups), results/throughput/"
 	@echo "make test              lint (ruff + mypy), then the test suite"
+	@echo "make test-core         the engine installed alone (torch, numpy) trains in both runtimes"
 	@echo "make test-host-data    checks of this host's installed data (the full gettext corpus)"
 	@echo "make memory-table      the paper's Table 1 (max model size), results/memory/"
 	@echo "make validate-sim      simulator vs real stage processes, results/throughput/validation.*"
@@ -44,11 +46,11 @@ $(STAMP): pyproject.toml constraints.txt
 ifeq ($(UV),yes)
 	( $(PY) -m pip install -q uv && \
 	  $(VENV)/bin/uv pip install --python $(PY) -q --compile-bytecode \
-	      $(addprefix --find-links ,$(sort $(FIND_LINKS))) -c constraints.txt torch -e ".[test]" ) || \
+	      $(addprefix --find-links ,$(sort $(FIND_LINKS))) -c constraints.txt torch -e ".[repro,test]" ) || \
 	{ echo "uv could not install the venv: installing with pip"; \
-	  $(PY) -m pip install -q -c constraints.txt torch -e ".[test]"; }
+	  $(PY) -m pip install -q -c constraints.txt torch -e ".[repro,test]"; }
 else
-	$(PY) -m pip install -q -c constraints.txt torch -e ".[test]"
+	$(PY) -m pip install -q -c constraints.txt torch -e ".[repro,test]"
 endif
 	touch $(STAMP)
 
@@ -59,6 +61,25 @@ venv: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP) lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not host_data"
+
+# The engine as `pip install gpipe-repro` gives it: a venv of its own with torch and numpy only (the
+# project's core dependencies), then a tiny pipeline trained in both runtimes (.ci/core_only.py).
+# Rebuilt when pyproject.toml or constraints.txt change; the project is installed editable.
+CORE_VENV := build/venv-core
+CORE_PY := $(CORE_VENV)/bin/python
+$(CORE_VENV)/.installed: pyproject.toml constraints.txt | $(STAMP)
+	rm -rf $(CORE_VENV)
+	$(PYTHON) -m venv $(CORE_VENV)
+	if [ "$(UV)" = yes ] && [ -x $(VENV)/bin/uv ]; then \
+	  $(VENV)/bin/uv pip install --python $(CORE_PY) -q \
+	      $(addprefix --find-links ,$(sort $(FIND_LINKS))) -c constraints.txt torch -e . ; \
+	else $(CORE_PY) -m pip install -q -c constraints.txt torch -e . ; fi
+	touch $@
+
+# Bytecode is written as modules are imported (PYTHONDONTWRITEBYTECODE cleared): compiling all of
+# torch at install would cost more than the check.
+test-core: $(CORE_VENV)/.installed
+	PYTHONDONTWRITEBYTECODE= $(CORE_PY) .ci/core_only.py
 
 # What this host's installed data gives (the full offline gettext corpus: >= 20 languages, a long tail);
 # the corpus-building logic itself is tested by `make test` on small catalog sets.

@@ -1,7 +1,8 @@
 """gpipe-repro: GPipe pipeline-parallel training for PyTorch.
 
 The engine in one line: ``GPipe(layers, partitions=K, micro_batches=M).train_step(x, y)``.
-See docs/design.md for the map of modules.
+It needs torch and numpy only (``pip install gpipe-repro``); the command line and the paper's
+experiments are extras. See docs/design.md for the map of modules.
 """
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm
 from gpipe_repro.engine.gpipe import GPipe

@@ -15,7 +15,9 @@ documented rules (docs/design.md) with its own implementation of each:
 - one optimizer over all parameters, `torch.nn.utils.clip_grad_norm_` before it when asked.
 
 `assert_same_training` builds a GPipe and the reference from one model, runs `steps` steps on each,
-and compares every loss, and after the last step every gradient, parameter and buffer.
+and compares every loss, and after the last step every gradient, parameter and buffer, under every
+name a parameter has: a parameter tied across cells is compared in each cell holding a copy (each
+copy's value and gradient are the tied parameter's), and the copies must be bit-identical.
 """
 from __future__ import annotations
 
@@ -189,7 +191,7 @@ def assert_same_training(layers: list[nn.Module], inputs: Any, targets: Any, los
     where = f"K={partitions} M={micro_batches} checkpoint={checkpoint} balance={pipe.balance}"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=atol,
                                msg=lambda msg: f"losses differ ({where}): {msg}")
-    ours = dict(pipe.unpartitioned().named_parameters())
+    ours = dict(pipe.unpartitioned().named_parameters(remove_duplicate=False))
     theirs = ref_params
     assert ours.keys() == theirs.keys()
     for name in ours:
@@ -204,7 +206,27 @@ def assert_same_training(layers: list[nn.Module], inputs: Any, targets: Any, los
     for name, buf in ref_buffers.items():
         torch.testing.assert_close(our_buffers[name].float(), buf.float(), rtol=rtol, atol=atol,
                                    msg=lambda msg, name=name: f"buffer {name} differs ({where}): {msg}")
+    assert_copies_identical(pipe)
     return pipe
+
+
+def tied_copies(pipe: GPipe) -> list[list[torch.nn.Parameter]]:
+    """The copies this process holds of each parameter tied across cells (`pipe.ties`: each tie's
+    (cell, name) holders)."""
+    return [[pipe.cells[c].get_parameter(name) for c, name in tie.holders if len(pipe.cells[c]) > 0]
+            for tie in pipe.ties]
+
+
+def assert_copies_identical(pipe: GPipe) -> None:
+    """Each tied parameter's copies: distinct objects, bit-identical values and gradients."""
+    for copies in tied_copies(pipe):
+        first = copies[0]
+        for p in copies[1:]:
+            assert p is not first, "a tied parameter's copies are distinct parameters"
+            assert torch.equal(p.detach().cpu(), first.detach().cpu()), "tied copies differ"
+            assert (p.grad is None) == (first.grad is None), "tied copies' gradient presence differs"
+            if p.grad is not None and first.grad is not None:
+                assert torch.equal(p.grad.cpu(), first.grad.cpu()), "tied copies' gradients differ"
 
 
 # Reference runs already made in this process, by everything a run depends on (_reference_key): the
@@ -270,7 +292,7 @@ def _reference(layers: list[nn.Module], batches: Sequence[tuple[Any, Any]], loss
         losses = reference_train(layers, batches, loss_fn, micro_batches, optimizer, **kwargs)
         model = nn.Sequential(*layers)
         params = {name: (p.detach().clone(), None if p.grad is None else p.grad.clone())
-                  for name, p in model.named_parameters()}
+                  for name, p in model.named_parameters(remove_duplicate=False)}
         buffers = {name: b.clone() for name, b in model.named_buffers()}
         _REFERENCES[key] = (losses, params, buffers, torch.get_rng_state())
     losses, params, buffers, rng = _REFERENCES[key]

@@ -11,7 +11,7 @@ Spellings that earlier versions accepted (`--partitions` / `-K`, `--micro-batche
 `--json`) still work as hidden aliases, so nothing a user typed breaks; `alias` declares one and
 `resolve` merges it with the documented flag (giving both with different values is an error).
 Each command module declares its options with these names; tests/commands/test_run.py checks that every
-command line in README.md parses.
+command line in README.md and docs/*.md parses.
 
 The options every `run <task>` command shares (K, M, batch, re-materialization, schedule, runtime, run
 directory, cadence, W&B, ...) are declared once, in `PIPELINE_OPTIONS`; `pipeline_options` appends

@@ -3,6 +3,9 @@
     gpipe-repro fit transformer-lm --L 1663 --k 128 --m 8 --memory 16    # 84B parameters: fits?
     gpipe-repro fit amoebanet-d --L 18 --F 416 --k 1 --m 8 --memory 8 --batch-size 128
     gpipe-repro plan transformer-lm --L 48 --devices 8 --memory 16 --link nvlink
+    gpipe-repro plan hf:llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --vocab 128256 \\
+        --intermediate 14336 --seq-len 2048 --batch-size 32 --devices 16 --memory 80   # an 8B LLaMA
+    gpipe-repro fit path/to/config.json --k 4 --m 8 --memory 40            # a Hugging Face config
 
 ``fit`` answers "does this model fit on K devices of X GiB with M micro-batches, and what is each
 device's peak?", and when it does not, says why and what would fit (re-materialization, more
@@ -11,8 +14,12 @@ one that applies: gpipe, 1f1b, interleaved, zb-h1, zb-v) and the memory-capped p
 simulated throughput under the budget, and says why each other schedule lost. Model options are
 those of ``gpipe-repro models`` (any
 builder keyword, e.g. ``--L 24 --d-model 1024``), plus ``--seq-len`` (language models) and
-``--image-size`` (AmoebaNet). Models are built on the meta device and measured on fake tensors:
-nothing is allocated, whatever the size. All numbers are simulated by the memory planner.
+``--image-size`` (AmoebaNet). A Hugging Face causal LM is ``hf:<family>`` (llama, mistral, qwen2, qwen3,
+gemma, gpt2, gpt-neox) with size options (``--layers --hidden --heads --kv-heads --intermediate
+--head-dim --vocab --positions``, or any attribute of the family's config by its name), or the path
+of its ``config.json``; its batch is ``--batch-size`` sequences (default 32) of ``--seq-len`` tokens
+(default 2048, at most the model's positions). Models are built on the meta device and measured on
+fake tensors: nothing is allocated, whatever the size. All numbers are simulated by the memory planner.
 """
 from __future__ import annotations
 
@@ -34,20 +41,30 @@ from gpipe_repro.commands._vocabulary import (
 )
 
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+MODEL_HELP = ("model family (gpipe-repro models lists them), hf:<family> (llama, mistral, qwen2, qwen3, "
+              "gemma, gpt2, gpt-neox) with --layers --hidden --heads --kv-heads --intermediate --vocab, "
+              "or a Hugging Face config.json; then its size options, and --seq-len")
 
 
 def _planner(family: str, batch: Optional[int], extra: list[str], attention: str) -> tuple[Any, Any]:
+    from gpipe_repro.commands._hf_models import hf_workload, is_hf_model
     from gpipe_repro.commands.models import parse_options
     from gpipe_repro.memory.planner import MemoryPlanner
     from gpipe_repro.memory.profile import rmsprop_foreach
-    from gpipe_repro.memory.workloads import workload
+    from gpipe_repro.memory.workloads import SUPPORTED, workload
+    if not is_hf_model(family) and family not in SUPPORTED:
+        raise typer.BadParameter(f"unknown model {family!r}: use one of {', '.join(SUPPORTED)}, "
+                                 "hf:<family> with size options (hf:llama --layers 32 ...), or the "
+                                 "path of a Hugging Face config.json")
     try:
-        work = workload(family, batch, **parse_options(extra))
-        inputs = work.planner_inputs()          # builds the model: a bad size (--L 0) fails here
+        options = parse_options(extra)
+        work = hf_workload(family, batch, options) if is_hf_model(family) else \
+            workload(family, batch, **options)
+        layers, sample, target, loss_fn = work.planner_inputs()   # a bad size (--L 0) fails here
     except (ValueError, TypeError) as e:
         raise typer.BadParameter(str(e)) from e
-    planner = MemoryPlanner(*inputs, optimizer=rmsprop_foreach, attention=attention,
-                            optimizer_foreach=True)
+    planner = MemoryPlanner(layers, sample, target, loss_fn, optimizer=rmsprop_foreach,
+                            attention=attention, optimizer_foreach=True)
     return work, planner
 
 
@@ -110,7 +127,7 @@ def _print_plan(plan: Any, budget: float, title: str) -> None:
 def register(app: typer.Typer) -> None:
     @app.command(context_settings=_CONTEXT)
     def fit(ctx: typer.Context,
-            family: str = typer.Argument(..., help="model family (gpipe-repro models lists them)"),
+            family: str = typer.Argument(..., help=MODEL_HELP),
             k: Optional[int] = typer.Option(None, "--k", "-k", help=HELP["k"] + " (default 1)"),
             m: Optional[int] = typer.Option(None, "--m", "-m", help=HELP["m"] + " (default 8)"),
             memory: float = typer.Option(16.0, "--memory", help=HELP["memory"]),
@@ -188,7 +205,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command(context_settings=_CONTEXT)
     def plan(ctx: typer.Context,
-             family: str = typer.Argument(..., help="model family (gpipe-repro models lists them)"),
+             family: str = typer.Argument(..., help=MODEL_HELP),
              devices: int = typer.Option(8, "--devices", help=HELP["devices"]),
              memory: float = typer.Option(16.0, "--memory", help=HELP["memory"]),
              batch_size: Optional[int] = typer.Option(None, "--batch-size", help=HELP["batch_size"]

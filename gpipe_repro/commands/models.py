@@ -3,6 +3,8 @@
     gpipe-repro models                                  # the families and their default sizes
     gpipe-repro models amoebanet-d --L 18 --F 256       # layers, parameters, memory at 12 B/param
     gpipe-repro models transformer-lm --L 1663          # 83.9B parameters, counted in seconds
+    gpipe-repro models hf:llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --vocab 128256 \\
+        --intermediate 14336                            # a Hugging Face config: Llama 3 8B's 8.03B
 
 Any builder keyword is an option (``--num-classes 10``, ``--d-model 1024``). The model is built on
 the meta device, so nothing is allocated whatever its size. Runs of identical consecutive layers are
@@ -66,10 +68,25 @@ def _grouped(rows: list[tuple[str, str, int]]) -> list[tuple[str, str, int, int]
     return out
 
 
+def _hf_size(spec: str, options: dict[str, Any]) -> tuple[str, Any]:
+    """A Hugging Face model's title and layer sizes, built on the meta device."""
+    import torch
+
+    from gpipe_repro.models import count_layers
+    from gpipe_repro.train.hf_spec import causal_lm_layers_of, describe, model_config
+    config = model_config(spec, **options)
+    with torch.device("meta"):
+        layers = causal_lm_layers_of(config)
+    title = f"hf:{describe(config)}" if spec.startswith("hf:") else f"{describe(config)} from {spec}"
+    return title, count_layers(layers)
+
+
 def register(app: typer.Typer) -> None:
     @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     def models(ctx: typer.Context,
-               family: Optional[str] = typer.Argument(None, help="model family; omit to list them"),
+               family: Optional[str] = typer.Argument(None, help="model family; omit to list them; or "
+                                                      "hf:<family> with size options, or a Hugging "
+                                                      "Face config.json"),
                expand: bool = typer.Option(False, "--expand", help="one row per layer")) -> None:
         """List the model families, or show a model's layers, parameters and parameter memory."""
         from rich.console import Console
@@ -85,15 +102,19 @@ def register(app: typer.Typer) -> None:
                 table.add_row(f.name, f.description, defaults)
             console.print(table)
             return
+        from gpipe_repro.commands._hf_models import is_hf_model
         try:
-            fam = get_family(family)
             options = parse_options(list(ctx.args))
-            size = model_size(family, **options)
+            if is_hf_model(family):
+                title, size = _hf_size(family, options)
+            else:
+                fam = get_family(family)
+                size = model_size(family, **options)
+                settings = {**fam.options(), **options}
+                title = f"{family} (" + ", ".join(f"{k}={v}" for k, v in settings.items()) + ")"
         except ValueError as e:
             raise typer.BadParameter(str(e)) from e
 
-        settings = {**fam.options(), **options}
-        title = f"{family} (" + ", ".join(f"{k}={v}" for k, v in settings.items()) + ")"
         table = Table("layer", "type", "params", "x", title=title)
         rows = [(n, c, p, 1) for n, c, p in size.layers] if expand else _grouped(size.layers)
         for names, cls, params, count in rows:

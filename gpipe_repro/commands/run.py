@@ -28,7 +28,7 @@ import typer
 from gpipe_repro.commands._vocabulary import PIPELINE_HELP, pipeline_options
 
 # Fewer examples than this per micro-batch and per-micro-batch BatchNorm statistics are noise
-# (issue 16: with 2 examples AmoebaNet stays at chance level).
+# (with 2 examples AmoebaNet stays at chance level).
 MIN_BATCHNORM_MICRO_BATCH = 8
 
 
@@ -158,7 +158,8 @@ def fail(message: str, code: int = 2) -> NoReturn:
     usage error)."""
     from rich.console import Console
     from rich.markup import escape
-    Console(stderr=True, soft_wrap=True, highlight=False).print(f"[bold red]error:[/] {escape(message)}")
+    console = Console(stderr=True, soft_wrap=True, highlight=False, emoji=False)   # "hf:llama:" stays text
+    console.print(f"[bold red]error:[/] {escape(message)}")
     raise typer.Exit(code)
 
 

@@ -5,6 +5,8 @@ simulator's check against real stage processes.
     gpipe-repro throughput-table --paper-size --device cuda
     gpipe-repro validate-sim                         # same as `make validate-sim`
     gpipe-repro throughput --model pkg.mod:factory --input-shape 784 --k 2 --m 8   # your own model
+    gpipe-repro throughput --model hf:llama --option layers=4 --option hidden=128 --input-shape 64 \\
+        --k 2 --m 4                                  # a Hugging Face causal LM (or a config.json)
 
 Both pass their options through to the experiment modules (`--help` there lists them), so the
 command line and the Makefile targets can never drift apart. One difference: these commands never
@@ -30,17 +32,25 @@ def register(app: typer.Typer) -> None:
 
     @app.command("throughput", context_settings=_PASS_THROUGH, add_help_option=False)
     def throughput(ctx: typer.Context) -> None:
-        """Simulate your own model (--model module:factory --input-shape ... --k K --m M): step time,
-        speedup, and a real run where K fits the host; with --replicas R: R data-parallel replicas of a
-        K-stage pipeline of a registry model (--model transformer-lm --k 8 --replicas 128 --m 32):
-        samples/s and the time breakdown, all-reduce included (--help, --replicas 1 --help)."""
+        """Simulate your own model (--model module:factory --input-shape ... --k K --m M; or a Hugging
+        Face causal LM: --model hf:llama --option layers=4 ..., or --model path/to/config.json, with
+        --input-shape SEQ_LEN): step time, speedup, and a real run where K fits the host; with
+        --replicas R: R data-parallel replicas of a K-stage pipeline of a registry model (--model
+        transformer-lm --k 8 --replicas 128 --m 32): samples/s and the time breakdown, all-reduce
+        included (--help, --replicas 1 --help)."""
         args = list(ctx.args)
         # One command, two simulations, chosen by an explicit table on whether --replicas is given.
         replicas = any(a == "--replicas" or a.startswith("--replicas=") for a in args)
         if replicas:
             from gpipe_repro.repro.replicas_throughput import main
         else:
+            from gpipe_repro.commands._hf_models import throughput_args
+            from gpipe_repro.commands.run import fail
             from gpipe_repro.repro.simulate_model import main
+            try:
+                args = throughput_args(args)     # --model hf:<family> or a config.json: its factory
+            except ValueError as e:
+                fail(str(e))
         main(args, prog="gpipe-repro throughput" + (" --replicas" if replicas else ""))
 
     @app.command("validate-sim", context_settings=_PASS_THROUGH, add_help_option=False)

@@ -123,7 +123,7 @@ def build_groups(layout: Layout) -> Groups:
 
     Built once per layout and process group, then reused: every pipeline built with replicas
     created its groups anew, and nothing frees a torch.distributed group before the job ends (about
-    10 file descriptors and 6 threads per pipeline, found by an outside review building pipelines
+    10 file descriptors and 6 threads per pipeline, seen when building pipelines
     in a loop). Every rank builds its pipelines in the same order, so every rank reuses alike."""
     rank = dist.get_rank()
     if dist.get_world_size() != layout.world_size:

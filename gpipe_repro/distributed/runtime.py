@@ -10,12 +10,15 @@ returns at once, a RECV blocks until its value has arrived. Nothing here decides
 and this runtime simply executes it there, so the recomputation overlaps the wait for the gradient.
 
 Each training step has one collective: the schedule's AGREE, right before the optimizer step, is a
-small all-reduce (five float64 numbers: the loss, its count, the squared gradient norm, an overflow
+small all-reduce (five float64 numbers, :data:`~gpipe_repro.engine.agreement.AGREEMENT_FIELDS`: the
+loss, its count, whether the loss is a (sum, count) one, the squared gradient norm, a non-finite
 flag) on the control group, after this rank's sends have completed. It is the step's only
 synchronization point and its commit point: no rank updates before every rank has finished every
 action of the step, and every rank gets the same loss, global gradient norm and overflow verdict. A
 rank that fails before it leaves the others waiting there (their receives or the all-reduce time out,
-and the launcher ends the job), so a failed step updates no rank. With ``record`` every action is
+and the launcher ends the job), so a failed step updates no rank. Right before it come the
+replicas' gradient all-reduces and, for a parameter tied across cells, one all-reduce per tie over the
+ranks holding a copy (:mod:`gpipe_repro.distributed.tied`). With ``record`` every action is
 timestamped on one
 clock (:mod:`gpipe_repro.distributed.clock`) and the ranks' events are merged into one
 :class:`~gpipe_repro.engine.timeline.Timeline` on every rank, receives carrying ``ready`` (when the
@@ -27,6 +30,7 @@ import datetime
 import hashlib
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -47,6 +51,7 @@ from gpipe_repro.distributed.process_group import (
     gather_object,
     init_distributed,
 )
+from gpipe_repro.distributed.tied import TiedGradientReducer
 from gpipe_repro.distributed.transport import ProcessGroupTransport, signature
 from gpipe_repro.distributed.watchdog import PeerFailure
 from gpipe_repro.engine import boundary, microbatch
@@ -55,6 +60,7 @@ from gpipe_repro.engine.driver import drive
 from gpipe_repro.engine.rng import preserved_rng
 from gpipe_repro.engine.schedule import COMPUTE, RECVS, SENDS, Action, ActionKind, Schedule, ScheduleError
 from gpipe_repro.engine.stage import Agreement, StageExecutor, StepConfig
+from gpipe_repro.engine.tied import Tie
 from gpipe_repro.engine.timeline import Event, Timeline
 
 BATCH_CHECK_TAG = (1 << 30) + 1   # above every transport tag (transport._tag) on a shared group
@@ -73,12 +79,14 @@ class StageProcess:
         layout: the pipeline's processes x replicas (default: one process per stage, one replica).
         process_of: the process running each stage (default: stage s on process s).
         bucket_cap_mb, batchnorm_stats: replicas (see :class:`~gpipe_repro.engine.gpipe.GPipe`).
+        ties: the model's parameters tied across cells (:mod:`gpipe_repro.engine.tied`): their
+            copies' gradients are summed over the processes holding them before AGREE.
     """
 
     def __init__(self, executor: StageExecutor | list[StageExecutor], context: StageContext,
                  prepost: bool = True, *, layout: Layout | None = None,
                  process_of: list[int] | None = None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-                 batchnorm_stats: str = "per_replica") -> None:
+                 batchnorm_stats: str = "per_replica", ties: Sequence[Tie] = ()) -> None:
         executors = sorted([executor] if isinstance(executor, StageExecutor) else executor,
                            key=lambda e: e.stage)
         num_stages = executors[0].num_stages
@@ -116,6 +124,10 @@ class StageProcess:
                                            group=self.groups.data_parallel,
                                            ranks=layout.data_parallel_ranks(self.rank), rank=context.rank,
                                            timeout_s=context.timeout_s, bucket_cap_mb=bucket_cap_mb)
+        # every rank builds the tie groups, in the same order, even one holding no copy
+        self.tied = (TiedGradientReducer(ties, {e.stage: e.cell for e in executors}, layout,
+                                         self.process_of, context.rank, context.timeout_s)
+                     if ties else None)
         self.record = False
         self.last_timeline: Timeline | None = None
         self.last_step_time: float | None = None
@@ -258,14 +270,20 @@ class StageProcess:
             if reducer is not None and a == last_backward:
                 reducer.start()
 
+        tied_summed = [self.tied is None]
+
         def barrier(waiting: list[tuple[int, Action]]) -> None:
             # AGREE: one all-reduce over the job, inside this process's first AGREE (the transport
             # adds the vectors of all its stages); the barrier over processes is that collective.
+            # Before it, the replicas' sum of each stage's gradients, then the tied copies' sum.
             for _, a in waiting:
                 if reducer is not None:
                     if not reducer.started:
                         reducer.start()
                     self._finish_replicas(reduce_start[0])
+                if not tied_summed[0] and self.tied is not None:
+                    self.tied.reduce()
+                    tied_summed[0] = True
                 by_stage[a.stage].execute(a)
 
         def stuck(blocked: list[Action]) -> RuntimeError:   # unreachable: receives block in `run`

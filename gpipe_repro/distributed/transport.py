@@ -14,7 +14,10 @@ dtype in advance. Sending that description with every message would double the n
 - every later step with that signature sends the raw tensors only. The sender checks locally that
   the value still matches the agreed spec (free), and says what changed if it does not.
 
-Floating tensors come back with gradients; integer/bool tensors and plain values travel forward only
+Tensors of an activation that share memory (``(h, h)``, ``(h, h[0])``) travel once: the spec holds
+the value's :data:`~gpipe_repro.engine.aliasing.Layout`, and the receiver rebuilds the others from
+the one received (:mod:`gpipe_repro.engine.aliasing`). Floating tensors come back with gradients;
+integer/bool tensors and plain values travel forward only
 (:mod:`gpipe_repro.engine.boundary`). Gradient lists may hold ``None`` (nothing flowed): that is part of the
 spec too.
 
@@ -43,11 +46,12 @@ import torch.distributed as dist
 
 from gpipe_repro.distributed.process_group import StageContext
 from gpipe_repro.distributed.watchdog import PeerFailure
-from gpipe_repro.engine import boundary
+from gpipe_repro.engine import aliasing, boundary
 from gpipe_repro.engine.schedule import Action, ActionKind
 from gpipe_repro.engine.stage import AGREEMENT_FIELDS
 
 Spec = tuple  # ("tensor", shape, dtype) | ("seq", "tuple" | "list", (Spec, ...)) | ("value", plain)
+Message = tuple[Spec, "aliasing.Layout | None"]   # a value's spec, and which of its tensors travel
 
 ACTIVATION, GRADIENT = 0, 1
 _SIZE_LEAF, _HEADER_LEAF = 1022, 1023   # tag slots of the header's size and bytes
@@ -68,13 +72,20 @@ def describe(value: Any) -> Spec:
                     "tuples and plain values (None/bool/int/float/str)")
 
 
-def allocate(spec: Spec, device: torch.device) -> list[torch.Tensor]:
-    """Empty receive buffers for the tensor leaves of `spec`, in leaf order."""
+def _leaf_specs(spec: Spec) -> list[Spec]:
     if spec[0] == "tensor":
-        return [torch.empty(spec[1], dtype=spec[2], device=device)]
+        return [spec]
     if spec[0] == "seq":
-        return [t for s in spec[2] for t in allocate(s, device)]
+        return [t for s in spec[2] for t in _leaf_specs(s)]
     return []
+
+
+def allocate(spec: Spec, device: torch.device,
+             layout: aliasing.Layout | None = None) -> list[torch.Tensor]:
+    """Empty receive buffers for the tensor leaves of `spec` that travel (all of them, or those
+    `layout` says travel), in leaf order."""
+    return [torch.empty(s[1], dtype=s[2], device=device)
+            for s in aliasing.travelling(_leaf_specs(spec), layout)]
 
 
 def rebuild(spec: Spec, leaves: Iterator[torch.Tensor]) -> Any:
@@ -116,14 +127,15 @@ class ProcessGroupTransport:
         self.agree_group = agree_group   # a CPU (gloo) group for the AGREE all-reduce
         self.timeout = datetime.timedelta(seconds=context.timeout_s)
         self.prepost = prepost and context.backend == "gloo"
-        self.specs: dict[Hashable, dict[tuple[int, int, int], Spec]] = {}
-        self._known: dict[tuple[int, int, int], Spec] = {}
+        self.specs: dict[Hashable, dict[tuple[int, int, int], Message]] = {}
+        self._known: dict[tuple[int, int, int], Message] = {}
         self._learning = True
         self._key: Hashable = None
         # in-flight sends: (work, tensors kept alive, generation, destination rank)
         self._sends: list[tuple[dist.Work | None, list[torch.Tensor], int, int]] = []
         self._generation = 0
-        self._posted: dict[tuple[int, int, int], tuple[Spec, list[torch.Tensor], list[dist.Work | None]]] = {}
+        self._posted: dict[tuple[int, int, int],
+                           tuple[Message, list[torch.Tensor], list[dist.Work | None]]] = {}
         # Values between two stages on this same process (zb-v's chunks K-1 and K): handed over in
         # memory, (kind, sending stage, micro-batch) -> a copy of the value.
         self._local: dict[tuple[int, int, int], Any] = {}
@@ -221,11 +233,12 @@ class ProcessGroupTransport:
     def _send(self, kind: int, stage: int, to_stage: int, microbatch: int, value: Any) -> None:
         dst = self.rank_of(to_stage)
         if dst == self.rank:          # both stages here: a copy, as a message would be
-            self._local[(kind, stage, microbatch)] = boundary.map_tensors(
+            self._local[(kind, stage, microbatch)] = aliasing.map_tensors(
                 value, lambda t: t.detach().clone())
             return
         chunk, chunks = self._chunk(stage), self._chunks
-        spec = describe(value)
+        tensors = boundary.tensors(value)
+        spec: Message = (describe(value), aliasing.layout(tensors, None) if kind == ACTIVATION else None)
         slot = (kind, stage, microbatch)
         if self._learning:
             self._known[slot] = spec
@@ -244,7 +257,7 @@ class ProcessGroupTransport:
                 "boundary shapes for these input shapes. Boundary shapes, dtypes and plain values must "
                 "be a function of the input shapes (the same on every step with the same inputs' "
                 "shapes); return a tensor instead of a changing plain value")
-        leaves = boundary.tensors(value)
+        leaves = aliasing.travelling(tensors, spec[1])
         if len(leaves) > MAX_LEAVES:
             raise ValueError(f"stage {stage}: a boundary value holds {len(leaves)} "
                              f"tensors; at most {MAX_LEAVES} can cross between stages: concatenate some of "
@@ -274,13 +287,13 @@ class ProcessGroupTransport:
             if self._learning:
                 self._known[slot] = self._recv_header(kind, stage, microbatch, what)
             posted = self._post(kind, stage, microbatch, keep=False)
-        spec, buffers, works = posted
+        (spec, layout), buffers, works = posted
         for work in works:
             self._wait(work, f"receiving {what}", src)
-        return rebuild(spec, iter(buffers))
+        return rebuild(spec, iter(aliasing.expand(layout, buffers)))
 
     def _post(self, kind: int, stage: int, microbatch: int, keep: bool = True
-              ) -> tuple[Spec, list[torch.Tensor], list[dist.Work | None]]:
+              ) -> tuple[Message, list[torch.Tensor], list[dist.Work | None]]:
         src, chunk, chunks = self.rank_of(stage), self._chunk(stage), self._chunks
         slot = (kind, stage, microbatch)
         if slot not in self._known:
@@ -288,7 +301,7 @@ class ProcessGroupTransport:
                                f"micro-batch {microbatch} from rank {src}; the schedule changed "
                                "between steps with the same inputs")
         spec = self._known[slot]
-        buffers = allocate(spec, self.device)
+        buffers = allocate(spec[0], self.device, spec[1])
         works = [self._start(dist.irecv, t, src, _tag(kind, microbatch, i, chunk, chunks), "receiving from")
                  for i, t in enumerate(buffers) if t.numel() > 0]
         posted = (spec, buffers, works)
@@ -296,7 +309,7 @@ class ProcessGroupTransport:
             self._posted[(kind, stage, microbatch)] = posted
         return posted
 
-    def _recv_header(self, kind: int, stage: int, microbatch: int, what: str) -> Spec:
+    def _recv_header(self, kind: int, stage: int, microbatch: int, what: str) -> Message:
         src, chunk, chunks = self.rank_of(stage), self._chunk(stage), self._chunks
         size = torch.empty(1, dtype=torch.int64, device=self.device)
         self._wait(self._start(dist.irecv, size, src, _tag(kind, microbatch, _SIZE_LEAF, chunk, chunks),

@@ -7,8 +7,9 @@
 - :class:`Agreement`: derived from that sum, the same on every stage: the reported loss, the global
   gradient norm, the factor every gradient is multiplied by (1/count, 1/loss scale, the clipping
   coefficient) and whether to skip the update (fp16 overflow);
-- precision handling: :data:`PRECISIONS`, :func:`autocast` (a cell's forward) and
-  :func:`cast_boundary` (floating boundary values cross in the low dtype).
+- precision handling: :data:`PRECISIONS`, :func:`autocast` (a cell's forward),
+  :func:`cast_boundary` (floating boundary values cross in the low dtype) and :func:`upcast` (a
+  low-precision loss is summed in float32).
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from typing import Any
 
 import torch
 
-from gpipe_repro.engine import boundary
+from gpipe_repro.engine import aliasing
 
-__all__ = ["PRECISIONS", "AGREEMENT_FIELDS", "StepConfig", "Agreement", "autocast", "cast_boundary"]
+__all__ = ["PRECISIONS", "AGREEMENT_FIELDS", "StepConfig", "Agreement", "autocast", "cast_boundary",
+           "upcast"]
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The vector each stage contributes at AGREE; the transport returns its sum over stages.
@@ -97,8 +99,15 @@ def autocast(precision: str, device: torch.device) -> Any:
 
 
 def cast_boundary(value: Any, precision: str) -> Any:
-    """Under bf16/fp16, floating boundary values cross in that dtype (half the bytes)."""
+    """Under bf16/fp16, floating boundary values cross in that dtype (half the bytes); tensors
+    sharing memory are cast once and stay shared (:mod:`gpipe_repro.engine.aliasing`)."""
     dtype = PRECISIONS[precision]
     if dtype is None:
         return value
-    return boundary.map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
+    return aliasing.map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def upcast(loss: torch.Tensor) -> torch.Tensor:
+    """A loss in float16 or bfloat16 as float32 (its sum over micro-batches and its backward seed);
+    a float32 or float64 loss as it is (a float64 model trains in float64)."""
+    return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss

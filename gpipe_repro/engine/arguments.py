@@ -3,8 +3,8 @@
 Every check runs before any work starts (no partitioner, no process group, no optimizer), and every
 error says what to change. :func:`check_arguments` covers the scalar configuration (K, M, the
 re-materialization mode, the loss's reduction, clipping, precision, schedule, runtime, objective,
-replicas, devices); :func:`as_layers` the model; :func:`check_shared_parameters` the cut cells;
-:func:`batch_key` what every rank's mini-batch must share when there are replicas.
+replicas, devices); :func:`as_layers` the model; :func:`batch_key` what every rank's mini-batch
+must share when there are replicas.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from gpipe_repro.engine.placement import RUNTIMES
 from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES, num_processes
 
 __all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_running_statistics",
-           "check_shared_parameters",
            "declared_reduction"]
 
 BATCHNORM_STATS = ("per_replica", "synchronized")   # GPipe(batchnorm_stats=...), with replicas
@@ -133,18 +132,6 @@ def check_running_statistics(layers: Sequence[nn.Module], micro_batches: int, ch
                     "micro-batch and again on each recompute, unlike full-batch training. Use "
                     "track_running_stats=False (InstanceNorm's default), or micro_batches=1 with "
                     "checkpoint='never' or 'except_last'")
-
-
-def check_shared_parameters(cells: Sequence[nn.Module]) -> None:
-    """Refuse a parameter held by two cells (each cell has its own optimizer and device)."""
-    owner: dict[int, int] = {}
-    for c, cell in enumerate(cells):
-        for name, p in cell.named_parameters(remove_duplicate=False):
-            if owner.setdefault(id(p), c) != c:
-                raise ValueError(f"parameter {name!r} of cell {c} is shared with cell {owner[id(p)]}; each "
-                                 "cell has its own optimizer (and device), so tied weights must live in "
-                                 "one cell: choose a balance that keeps the tied layers together, or "
-                                 "untie them")
 
 
 def batch_key(inputs: Any, targets: Any) -> Any:

@@ -29,6 +29,7 @@ def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], le
         get_param_groups,
         stage_backward_weight,
     )
+    leaves = _distinct_leaves(leaves)
     out_fns = [f for f in map(_get_grad_fn_or_grad_acc, outs) if f is not None]
     in_fns = [f for f in map(_get_grad_fn_or_grad_acc, leaves) if f is not None]
     param_fns = [f for f in map(_get_grad_fn_or_grad_acc, params) if f is not None]
@@ -66,6 +67,16 @@ def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], le
     def weights() -> None:
         stage_backward_weight(iter(params), groups)  # type: ignore[arg-type]  # any leaf works
     return weights
+
+
+def _distinct_leaves(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The autograd leaves behind `tensors`, once each: a cut's input holding one tensor twice, or a
+    view of it (:mod:`gpipe_repro.engine.aliasing`), collects one gradient, the sum, in one leaf."""
+    found: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        leaf = t._base if t._base is not None and t._base.is_leaf else t
+        found.setdefault(id(leaf), leaf)
+    return list(found.values())
 
 
 def full_backward(outs: list[torch.Tensor], grads: list[torch.Tensor]) -> Callable[[], None]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from gpipe_repro.engine import boundary
+from gpipe_repro.engine import aliasing, boundary
 
 __all__ = ["Feed", "feed", "fresh_copy", "alias"]
 
@@ -32,8 +32,10 @@ class Feed:
 
 def feed(value: Any, copy: bool | None, layer: int = 0) -> Feed:
     """`value` as a layer is fed it: a copy unless `copy` is False (the layer is known not to modify
-    its input), then a view (:func:`alias`); with the version counters to check."""
-    fed = boundary.map_tensors(value, alias if copy is False else fresh_copy)
+    its input), then a view (:func:`alias`); with the version counters to check. Tensors of `value`
+    sharing memory are copied once and stay shared (:mod:`gpipe_repro.engine.aliasing`): a layer
+    writing into one item sees the write in the other, as in plain PyTorch."""
+    fed = aliasing.map_tensors(value, alias if copy is False else fresh_copy)
     watched = boundary.tensors(fed)
     return Feed(fed, layer, copy, watched, [t._version for t in watched])
 

@@ -33,7 +33,6 @@ from gpipe_repro.engine.arguments import (
     batch_key,
     check_arguments,
     check_running_statistics,
-    check_shared_parameters,
     declared_reduction,
 )
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_all
@@ -45,6 +44,7 @@ from gpipe_repro.engine.placement import RUNTIMES, place_stages
 from gpipe_repro.engine.rng import preserved_rng
 from gpipe_repro.engine.schedule import Schedule, forward_on_processes, gpipe_schedule, make_schedule
 from gpipe_repro.engine.stage import Agreement, LossFn, StageExecutor, StepConfig, wall_clock
+from gpipe_repro.engine.tied import bind_ties, untie
 from gpipe_repro.engine.timeline import Timeline
 
 __all__ = ["GPipe", "OptimizerFactory", "RUNTIMES", "as_layers", "split_cells"]
@@ -62,8 +62,7 @@ def split_cells(layers: list[nn.Module], balance: Sequence[int]) -> list[nn.Sequ
 
 
 def _to_device(cell: nn.Module, device: torch.device) -> nn.Module:
-    """Move a cell only if some tensor of it is elsewhere (moving is a no-op otherwise, but tracing
-    tools that run the engine on fake tensors cannot swap storages)."""
+    """Move a cell only if some tensor of it is elsewhere (fake tensors cannot swap storages)."""
     tensors = [*cell.parameters(), *cell.buffers()]
     return cell if all(t.device == device for t in tensors) else cell.to(device)
 
@@ -91,13 +90,14 @@ class GPipe(nn.Module):
     Args:
         layers: the model as an ``nn.Sequential`` or a list of modules, run in order. Each module
             object may appear once. Layers exchange a tensor or a tuple of tensors and plain values.
+            A parameter tied across cells is one identical copy per cell (:mod:`~.engine.tied`).
         partitions: K, the number of stages (cells), 1 <= K <= number of layers.
         micro_batches: M, the number of micro-batches each mini-batch is split into
             (``torch.tensor_split``: sizes differ by at most one); needs M <= the batch size.
         checkpoint: re-materialization: "always", "except_last" (default) or "never".
         balance: the number of layers per cell; default: the partitioner on `cost`.
-        cost: per-layer cost for the partitioner: "params" (default), "flops", "time",
-            "activations" (the last three need `sample`), or a list of floats.
+        cost: per-layer cost for the partitioner: "params", "flops", "time", "activations" (the last
+            three need `sample`), or a list of floats. Default: "time" with a `sample`, else "params".
         sample: an input batch for measured costs (never modified).
         objective: the partitioner's objective: "bottleneck", "variance", "greedy" or "equal".
         devices: one device per cell (default: where each cell's parameters are).
@@ -153,7 +153,7 @@ class GPipe(nn.Module):
 
     def __init__(self, layers: nn.Sequential | Sequence[nn.Module], *, partitions: int = 1,
                  micro_batches: int = 1, checkpoint: str = "except_last",
-                 balance: Sequence[int] | None = None, cost: str | Sequence[float] = "params",
+                 balance: Sequence[int] | None = None, cost: str | Sequence[float] | None = None,
                  sample: Any = None, objective: str = "bottleneck",
                  devices: Sequence[torch.device | str] | None = None, loss_fn: LossFn | None = None,
                  loss_reduction: str | None = None, optimizer: OptimizerFactory | None = _NOT_GIVEN,
@@ -185,7 +185,7 @@ class GPipe(nn.Module):
         if deferred_batchnorm:
             layer_list = [DeferredBatchNorm.convert(layer) for layer in layer_list]
         cells = split_cells(layer_list, balance)
-        check_shared_parameters(cells)
+        self.ties = untie(cells)   # a parameter held by several cells: one copy per cell (engine.tied)
         check_running_statistics(layer_list, micro_batches, checkpoint)
         self._batch_statistics_in_eval = next(
             (f"layer {i} ({type(mod).__name__})" for i, layer in enumerate(layer_list)
@@ -230,11 +230,11 @@ class GPipe(nn.Module):
         self.record_timeline = False
         self.last_timeline: Timeline | None = None
         self._transport = LocalTransport(self.devices)
-        firsts = [sum(balance[:i]) for i in range(partitions)]
         self.executors = [
-            StageExecutor(self._cell(s), s, partitions, firsts[s], self.devices[s], self._transport,
+            StageExecutor(self._cell(s), s, partitions, sum(balance[:s]), self.devices[s], self._transport,
                           stage_loss, self.optimizers[s], self.seed)
             for s in self.stages_here]
+        bind_ties(self, self.ties)
         self._process_of = placement.process_of
         self.stage_process = None  # runtime="distributed": this rank's StageProcess
         if placement.plugin is not None:
@@ -243,7 +243,7 @@ class GPipe(nn.Module):
                 self.executors if shared else self.executors[0], placement.context,
                 layout=placement.plugin.Layout(placement.processes, replicas),
                 process_of=placement.process_of, bucket_cap_mb=float(bucket_cap_mb),
-                batchnorm_stats=batchnorm_stats)
+                batchnorm_stats=batchnorm_stats, ties=self.ties)
 
     # -- training ---------------------------------------------------------------------------------
     def make_schedule(self) -> Schedule:
@@ -388,7 +388,7 @@ class GPipe(nn.Module):
         self._transport.box.clear()
         try:
             with preserved_rng(self.devices):
-                run_local(schedule, self.executors, self._transport)
+                run_local(schedule, self.executors, self._transport, self.ties)
         except BaseException:
             for e in self.executors:   # all-or-nothing: drop what the failed step accumulated
                 for bn in e.batchnorms:
@@ -428,8 +428,8 @@ class GPipe(nn.Module):
         return cell
 
     def unpartitioned(self) -> nn.Sequential:
-        """The layers as one nn.Sequential (the same module objects, not copies); with
-        runtime="distributed", only this rank's layers."""
+        """The layers as one nn.Sequential (the same module objects, each cell's copy of a tied
+        parameter untied: engine.tied); with runtime="distributed", only this rank's layers."""
         return nn.Sequential(*[layer for s in range(len(self.cells)) for layer in self._cell(s)])
 
     def training_state(self) -> dict[str, Any]:

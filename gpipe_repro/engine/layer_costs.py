@@ -11,6 +11,10 @@ Five sources, because each answers a different question:
   or to send.
 - a list the caller gives.
 
+Left out (``None``), the cost is ``time`` when a sample is given (torchgpipe's ``balance_by_time``:
+a parameter count says little of a layer's compute, so the cut it gives can leave one cell ten
+times slower than the other) and ``params`` without one.
+
 Layers are fed the sample in sequence, so each is measured on its real input. Each measurement feeds
 its layer a fresh copy of that input, so in-place layers (``ReLU(inplace=True)``) neither corrupt
 the next layer's input nor the caller's `sample`, and never modify an autograd leaf.
@@ -126,9 +130,12 @@ def activation_bytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in boundary.tensors(value))
 
 
-def layer_costs(layers: Sequence[nn.Module], method: str | Sequence[float] = "params",
+def layer_costs(layers: Sequence[nn.Module], method: str | Sequence[float] | None = "params",
                 sample: Any = None, device: torch.device | str = "cpu", repeats: int = 5) -> list[float]:
-    """One cost per layer by `method` (see the module docstring), or the caller's list checked."""
+    """One cost per layer by `method` (see the module docstring), or the caller's list checked;
+    `method` None: "time" with a `sample`, else "params"."""
+    if method is None:
+        method = "time" if sample is not None else "params"
     if not isinstance(method, str):
         costs = [float(c) for c in method]
         if len(costs) != len(layers):

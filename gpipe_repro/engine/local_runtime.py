@@ -10,15 +10,16 @@ the only "communication". On a multi-GPU host kernels are queued asynchronously 
 stages overlap for real even though one Python thread drives them. On a single device with K cells
 this is the paper's "Pipeline-1": re-materialization without parallelism.
 
-AGREE is a barrier: a stage that reaches it waits until every stage has; then the runtime sums the
-stages' contributions once and runs every stage's AGREE (each reads that sum) before any stage's
-update. An exception in any action up to and including AGREE propagates from :func:`run_local`
+AGREE is a barrier: a stage that reaches it waits until every stage has; then the runtime gives
+each copy of a tied parameter the sum of the copies' gradients (:mod:`gpipe_repro.engine.tied`),
+sums the stages' contributions once and runs every stage's AGREE (each reads that sum) before any
+stage's update. An exception in any action up to and including AGREE propagates from :func:`run_local`
 before any cell has updated. The updates themselves (OPTIMIZER_STEP) are the commit: an optimizer
 whose own ``step()`` raises is not rolled back.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from gpipe_repro.engine import boundary
 from gpipe_repro.engine.driver import drive
 from gpipe_repro.engine.schedule import RECVS, Action, ActionKind, Schedule, ScheduleError
 from gpipe_repro.engine.stage import StageExecutor
+from gpipe_repro.engine.tied import Tie, sum_tied_gradients
 
 __all__ = ["LocalTransport", "run_local"]
 
@@ -63,12 +65,15 @@ class LocalTransport:
         return self.agreed
 
 
-def run_local(schedule: Schedule, executors: list[StageExecutor], transport: LocalTransport) -> None:
-    """Execute `schedule` over `executors` (one per stage) in this process."""
+def run_local(schedule: Schedule, executors: list[StageExecutor], transport: LocalTransport,
+              ties: Sequence[Tie] = ()) -> None:
+    """Execute `schedule` over `executors` (one per stage) in this process; `ties`: the parameters
+    whose copies in several cells get the sum of their gradients at AGREE."""
     transport.agreed = None
 
     def barrier(waiting: list[tuple[int, Action]]) -> None:
         if transport.agreed is None:   # once per step: every stage's vector, summed
+            sum_tied_gradients(ties, {e.stage: e.cell for e in executors})
             transport.agreed = [sum(col) for col in zip(*(e.contribution() for e in executors))]
         for _, a in waiting:            # every process's AGREE before any update
             executors[a.stage].execute(a)

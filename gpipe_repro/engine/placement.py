@@ -18,7 +18,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from gpipe_repro.engine.schedule import make_schedule, num_processes
+from gpipe_repro.engine.schedule import num_processes, owner_of_cells
 
 __all__ = ["RUNTIMES", "Placement", "place_stages", "runtime_plugin"]
 
@@ -84,10 +84,10 @@ def place_stages(*, runtime: str, schedule: str, partitions: int, checkpoint: st
     replicas of a pipeline whose processes hold several stages (checked before the process group)."""
     plugin = runtime_plugin(runtime)
     # The processes of one pipeline: one per partition, or K = partitions / v with "interleaved"
-    # (its v cells per process, round robin); owner[s] is the process running cell s.
+    # (its v cells per process, round robin) and the V schedules (2 per process); owner[s] is the
+    # process running cell s.
     procs = partitions if plugin is None else num_processes(schedule, partitions)
-    owner = (list(range(partitions)) if procs == partitions else
-             make_schedule(schedule, partitions, procs, checkpoint).process_of())
+    owner = list(range(partitions)) if procs == partitions else owner_of_cells(schedule, partitions)
     if procs != partitions and replicas > 1:
         raise ValueError(f"schedule={schedule!r} with replicas={replicas}: replicas of a pipeline "
                          "whose processes hold several cells are not supported (each stage's "

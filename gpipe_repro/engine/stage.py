@@ -27,9 +27,9 @@ data. Stage 0's input is the caller's batch, which must never change: stage 0 al
 vector (:data:`AGREEMENT_FIELDS`), summed over stages by the transport: the loss, the loss's count
 for ``(sum, count)`` losses, the squared global gradient norm and whether a gradient is not finite.
 From it every stage derives the same gradient factor (1/count, 1/loss scale, the clipping
-coefficient) and whether to skip the update (fp16 overflow); OPTIMIZER_STEP applies them.
-:class:`StepConfig`, :class:`Agreement`, the vector and the precision helpers live in
-:mod:`gpipe_repro.engine.agreement` and are re-exported here.
+coefficient) and whether to skip the update (fp16 overflow); OPTIMIZER_STEP applies them. They live
+in :mod:`gpipe_repro.engine.agreement` (re-exported here). A tied parameter's copy that another cell
+counts (:mod:`gpipe_repro.engine.tied`) stays out of this stage's gradient norm (``uncounted``).
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ from gpipe_repro.engine.agreement import (
     StepConfig,
     autocast,
     cast_boundary,
+    upcast,
 )
 from gpipe_repro.engine.backward_split import (
     backward_now,
@@ -118,6 +119,7 @@ class StageExecutor:
         # Micro-batches whose backward is split (BACKWARD_INPUT / BACKWARD_WEIGHT) this step.
         self.split_microbatches: frozenset[int] = frozenset()
         self.param_order: dict[int, int] = {}
+        self.uncounted: frozenset[str] = frozenset()   # tied copies another cell counts in the norm
         # One handler per action kind (DeepSpeed's _INSTRUCTION_MAP style).
         self.handlers: dict[ActionKind, Callable[[int | None], None]] = {
             ActionKind.RECV_ACT: self._recv_act, ActionKind.FORWARD: self._forward,
@@ -310,8 +312,7 @@ class StageExecutor:
             self.outbox[(ActionKind.SEND_GRAD, m)] = boundary.input_grads(x)
 
     def _backward_weight(self, m: int | None) -> None:
-        """The zero-bubble split's second half: the parameters' gradients of micro-batch m, from
-        what its BACKWARD_INPUT kept; accumulated into ``p.grad`` like BACKWARD's."""
+        """The zero-bubble split's second half: micro-batch m's parameter gradients, into ``p.grad``."""
         assert m is not None
         self.weight_work.pop(m)()
 
@@ -333,7 +334,8 @@ class StageExecutor:
             if self.count_sum is not None:
                 vec[1], vec[2] = _value(self.count_sum), 1.0
         if self.config.needs_norm:
-            grads = [p.grad for p in self.cell.parameters() if p.grad is not None]
+            grads = [p.grad for n, p in self.cell.named_parameters()
+                     if p.grad is not None and n not in self.uncounted]
             if grads:
                 norms = torch._foreach_norm(grads)
                 vec[3] = _value(torch.stack([n.double() for n in norms]).square().sum())
@@ -465,7 +467,7 @@ class StageExecutor:
         if not isinstance(result, torch.Tensor) or result.dim() != 0:
             raise TypeError("loss_fn must return a scalar tensor (0-dim) or (sum, count); use a "
                             "reducing loss")
-        loss = result.float() * (1.0 if count is not None else self.weights[m])
+        loss = upcast(result) * (1.0 if count is not None else self.weights[m])
         if not recompute:  # the recompute's loss is the forward's again: count it once
             value = loss.detach()
             self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
@@ -476,24 +478,21 @@ class StageExecutor:
             loss = loss * self.config.loss_scale
         return loss
 
-    def _cast_boundary(self, value: Any) -> Any:
-        """Under bf16/fp16, floating boundary values cross in that dtype (half the bytes)."""
+    def _cast_boundary(self, value: Any) -> Any:   # bf16/fp16: floating values cross in that dtype
         return cast_boundary(value, self.config.precision)
 
 
 def _value(t: torch.Tensor) -> float:
-    """A 0-dim tensor's value; NaN for a tensor without data (fake or meta: the memory planner
-    runs the engine on those)."""
+    """A 0-dim tensor's value; NaN without data (fake or meta tensors: the memory planner's)."""
     if t.device.type == "meta" or is_fake(t):
         return math.nan
     return float(t)
 
 
 def _cut(h: Any) -> Any:
-    """The graph cut after a layer: its output as new autograd leaves (same storage, no copy); a
-    value no gradient flows through stays without one."""
-    return boundary.map_tensors(
-        h, lambda t: t.detach().requires_grad_(t.requires_grad and boundary.carries_grad(t)))
+    """The graph cut after a layer (:func:`boundary.cut`): its output as new autograd leaves (same
+    storage, no copy), one per shared memory."""
+    return boundary.cut(h)
 
 
 def wall_clock(t0: float | None = None) -> Callable[[], float]:

@@ -14,7 +14,9 @@ profiles and a few stage walks, seconds and well under a gigabyte. The planner's
 
 Conventions: a steady-state step (optimizer state exists; gradients are freed at the step's start
 by the engine and re-created by the first backward); the caller's mini-batch lives on the first
-device and the targets on the last (``data``); parameters are counted once per layer that owns them.
+device and the targets on the last (``data``); parameters are counted once per layer that owns them
+(a parameter tied across cells is on every device holding a copy, as in the engine,
+:mod:`gpipe_repro.engine.tied`; tied inside one cell it is over-counted by one copy).
 """
 from __future__ import annotations
 

@@ -96,8 +96,9 @@ class LayerProfile:
 
 class LossLayer(nn.Module):
     """The loss as the last stage's extra layer: ``loss_fn(output, target) * weight``, as the engine
-    computes it (:meth:`gpipe_repro.engine.stage.StageExecutor._loss`). The target is a buffer so that it
-    is made fake with the layer; it is data, not counted as the layer's memory."""
+    computes it (:meth:`gpipe_repro.engine.stage.StageExecutor._loss`); of a ``(sum, count)`` loss, the
+    sum (the engine scales it by a number, 1 / the mini-batch's count). The target is a buffer so that
+    it is made fake with the layer; it is data, not counted as the layer's memory."""
 
     target: torch.Tensor    # a buffer (registered in __init__)
 
@@ -109,7 +110,8 @@ class LossLayer(nn.Module):
                              persistent=False)
 
     def forward(self, x: Any) -> torch.Tensor:
-        return self.loss_fn(x, self.target) * self.weight
+        loss = self.loss_fn(x, self.target)
+        return (loss[0] if isinstance(loss, tuple) else loss) * self.weight
 
     def extra_repr(self) -> str:
         fn = getattr(self.loss_fn, "__qualname__", None) or repr(self.loss_fn)

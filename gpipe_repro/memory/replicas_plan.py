@@ -6,7 +6,7 @@ pipeline step), the data-parallel all-reduce of each stage's gradients and its o
 are added by :func:`gpipe_repro.sim.data_parallel.replicate`. The answer is the fitting configuration
 with the highest simulated samples/s of the whole job; the runner-ups and the reason are kept.
 
-Decisions (the issue was silent):
+Decisions:
 
 - **weak scaling**: the planner's mini-batch is each replica's; the job trains R x N examples per
   step (the paper's "replicate this pipeline 8 times"). Comparing K's at a fixed global batch would

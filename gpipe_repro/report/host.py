@@ -57,7 +57,7 @@ def speed_probe(chunks: int = 7, loop: int = 20_000) -> float:
 
     Why: a virtual machine's cores can slow down with nothing in the guest to show it (no load, no
     other process, no steal time): a neighbour on the physical core's other hyperthread, or the
-    package's clock. On the 2-core VM of 2026-11-23 the host alternated, every few seconds to tens
+    package's clock. On a 2-core VM the host alternated, every few seconds to tens
     of seconds, between two states; this probe read 0.75-0.8 ms in one and 1.35-1.4 ms in the other,
     while a Transformer layer's forward and backward took 11-12 ms and 16-17 ms. /proc showed
     the host idle throughout. A measurement taken in the slow state, or across a change of state,

@@ -8,7 +8,9 @@ processes (:func:`gpipe_repro.repro.harness.rounds_in_processes`):
 - K=1 on the same M micro-batches (rank 0 alone): its step time / 2 is the ideal 2-process step for
   that M (the same work split evenly, no bubble, free communication) -> "of ideal";
 - ours: ``GPipe(..., runtime="distributed", schedule=S)`` for every S in
-  :data:`gpipe_repro.engine.schedule.SCHEDULES`, checkpoint "never";
+  :data:`gpipe_repro.engine.schedule.SCHEDULES` (gpipe, 1f1b, zb-h1, and interleaved, zb-v and
+  dualpipe-v with the model cut in 4 cells, two per process, like torch's looped and V schedules),
+  checkpoint "never";
 - torch's: every schedule of :data:`~gpipe_repro.repro.harness.TORCH_SINGLE`, ``TORCH_LOOPED`` and
   ``TORCH_V`` (:class:`~gpipe_repro.repro.harness.TorchSchedule`). A schedule either side refuses
   for a configuration is listed as not applicable, with the reason.

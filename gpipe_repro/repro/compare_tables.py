@@ -1,5 +1,5 @@
 """Do two throughput tables agree? Every simulated cell and every partition of two
-``throughput_table.json`` files, side by side (issue #12: two consecutive `make throughput-table` runs
+``throughput_table.json`` files, side by side (two consecutive `make throughput-table` runs
 must agree within 2% on an idle host and within 5% with one busy process, with the same partitions).
 
     python -m experiments.compare_throughput RUN_A/throughput_table.json RUN_B/throughput_table.json \\

@@ -94,7 +94,9 @@ class SameMicrobatchesK1:
 
 class Ours:
     """``GPipe(..., runtime="distributed", schedule=schedule)``: 2 processes, the model cut into
-    equal cells (two per process for the interleaved and V schedules)."""
+    equal cells (two per process for the interleaved and V schedules: cell c on process c mod 2 for
+    interleaved, in a V for zb-v and dualpipe-v, cells 0 and 3 on process 0). The schedule's verdict
+    on M (dualpipe-v: M >= 2K) comes before any step, as a ValueError."""
 
     def __init__(self, width: int, blocks: int, m: int, checkpoint: str = "never",
                  schedule: str = "gpipe", ahead: bool = False, prepost: bool = True) -> None:
@@ -107,6 +109,7 @@ class Ours:
                           balance=[blocks // k] * k, checkpoint=checkpoint, schedule=schedule,
                           recompute_ahead=ahead, loss_fn=nn.CrossEntropyLoss(), optimizer=sgd,
                           runtime="distributed")
+        self.pipe.make_schedule()
         assert self.pipe.stage_process is not None
         self.pipe.stage_process.transport.prepost = prepost
 

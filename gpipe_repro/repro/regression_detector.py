@@ -1,5 +1,5 @@
 """`make check-regression-detector`: show that the CI speedup regression passes a healthy tree and
-fails a broken one (issue #12).
+fails a broken one.
 
 It runs tests/repro/test_speedup_regression.py N times in each condition, on a private copy of the tree
 (your checkout is never modified):
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """Command line: --runs N (default 10), --conditions ..., --out DIR, --render-only."""
     ap = argparse.ArgumentParser(prog=prog or "python -m experiments.check_regression_detector",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=10, help="runs per condition (the issue asks 10)")
+    ap.add_argument("--runs", type=int, default=10, help="runs per condition")
     ap.add_argument("--conditions", nargs="+", default=list(CONDITIONS), metavar="CONDITION",
                     help=f"any of: {', '.join(repr(c) for c in CONDITIONS)}")
     ap.add_argument("--out", default=str(OUT))

@@ -5,7 +5,10 @@
 
 The factory returns an ``nn.Sequential`` (or a list of layers); ``--option key=value`` (repeatable)
 are its keyword arguments. Prints the partition, the simulated step time and the speedup over one
-device, and, where K fits the host, the same configuration measured on K stage processes. The library
+device, and, where K fits the host, the same configuration measured on K stage processes; then which
+cut was simulated (the simulator's, balanced by the calibrated times) beside the cut ``GPipe`` makes
+by default on the same model, with a sample and without one, each simulated with the same
+calibration. The library
 function is :func:`gpipe_repro.sim.own_model.simulate_model`.
 """
 from __future__ import annotations
@@ -163,17 +166,87 @@ def parse(argv: list[str] | None = None,
     return workload, kw, args.json
 
 
+_BY = {"time": "measured time", "params": "parameters", "flops": "FLOPs", "activations": "activations"}
+
+
+def engine_default_cuts(workload: Workload, k: int, sample: Any) -> dict[str, Any]:
+    """The cut ``GPipe(layers, partitions=k)`` makes with its default cost and objective, given
+    `sample` and given none: ``{"with_sample": cut, "with_sample_by": cost, "without_sample": ...,
+    "without_sample_by": ...}``. Computed by the engine's own functions on the real layers (a
+    measured cost is measured again here, as GPipe measures it at construction)."""
+    import inspect
+
+    from gpipe_repro.engine.gpipe import GPipe
+    from gpipe_repro.engine.layer_costs import layer_costs
+    from gpipe_repro.engine.partition import partition
+    defaults = inspect.signature(GPipe.__init__).parameters
+    cost, objective = defaults["cost"].default, defaults["objective"].default
+    layers = workload.build("cpu")
+    out: dict[str, Any] = {}
+    for name, given in (("with_sample", sample), ("without_sample", None)):
+        by = cost if cost is not None else ("time" if given is not None else "params")
+        out[name] = partition(layer_costs(layers, by, given), k, objective)
+        out[f"{name}_by"] = by
+    return out
+
+
+def compare_cuts(workload: Workload, result: Any, kw: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """One line saying which cut was simulated and how GPipe's default cut on the same model
+    compares (each simulated with the same calibration), and the same as data."""
+    from gpipe_repro.report.host import usable_cores
+    from gpipe_repro.sim.calibration import calibrate
+    from gpipe_repro.sim.platform import platform_for
+    from gpipe_repro.sim.simulator import simulate_config
+
+    k, m, microbatch = kw["k"], kw["m"], kw["microbatch"]
+    how = {"time": "measured time", "flops": "FLOP-estimated time"}[kw["method"]]
+    how += "" if kw["objective"] == "bottleneck" else f", objective {kw['objective']}"
+    if k == 1:
+        return f"cut: {result.balance} (K=1: one cell, nothing to balance)", {"simulated": result.balance}
+    n = m * microbatch
+    # the calibration simulate_model made (cached): the same arguments
+    neighbours = max(0, min(usable_cores(), k) - 1) if kw["method"] == "time" else 0
+    calib = calibrate(workload, sorted({microbatch, n}), method=kw["method"], device="cpu", threads=1,
+                      repeats=kw["repeats"], neighbours=neighbours)
+    platform = platform_for(kw["link"])
+
+    def step_time(cut: list[int]) -> float:
+        return simulate_config(calib, cut, m, n, platform.link, checkpoint=kw["checkpoint"],
+                               recompute_ahead=kw["recompute_ahead"], setup=platform.setup,
+                               teardown=platform.teardown).step_time
+
+    defaults = engine_default_cuts(workload, k, workload.sample(microbatch)[0])
+    base = step_time(result.balance)
+    data: dict[str, Any] = {"simulated": result.balance, "simulated_by": how, **defaults}
+
+    def versus(name: str) -> str:
+        cut, by = defaults[name], _BY.get(defaults[f"{name}_by"], defaults[f"{name}_by"])
+        if cut == result.balance:
+            return f"{cut} (by {by}: the same cut)"
+        ratio = step_time(cut) / base
+        data[f"{name}_step_ratio"] = ratio
+        speed = f"{ratio:.2f}x slower" if ratio >= 1 else f"{1 / ratio:.2f}x faster"
+        return f"{cut} (by {by}: simulated {speed})"
+
+    line = (f"cut: simulating {result.balance} (balanced by {how}); GPipe's default for this model "
+            f"with sample= a micro-batch of {microbatch} is {versus('with_sample')}; without a sample "
+            f"{versus('without_sample')}")
+    return line, data
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    """Simulate (and, where K fits, measure) and print."""
+    """Simulate (and, where K fits, measure) and print, with the cut compared to GPipe's default."""
     workload, kw, json_path = parse(argv, prog)
     try:
         result = simulate_model(workload, **kw)
+        cut_line, cuts = compare_cuts(workload, result, kw)
     except ValueError as e:
         sys.exit(f"error: {e}")
     print(result.describe())
+    print(f"  {cut_line}")
     if json_path:
         from gpipe_repro.report.records import write_json
-        write_json(json_path, {**result.to_json(), "written_by": COMMAND})
+        write_json(json_path, {**result.to_json(), "cuts": cuts, "written_by": COMMAND})
         print(f"wrote {json_path}")
 
 

@@ -7,7 +7,7 @@ simulate_model` (= ``gpipe-repro throughput --model module:factory``): per-layer
 this host with the pipeline's other core busy, the partition, the schedule simulated in virtual
 time, then the same configuration run on K=2 real stage processes. Mini-batch 256, M = 1, 2, 4, 8,
 16 (micro-batches of 256 down to 16 rows), checkpoint "never" and "always": 20 configurations.
-Targets (issue #12): median |error| <= 5%, worst <= 10% where micro-batches have >= 16 rows (all of
+Targets: median |error| <= 5%, worst <= 10% where micro-batches have >= 16 rows (all of
 these). Each configuration's error carries the interval its measured steps give it, and the verdict
 is met / not met / inconclusive from those intervals
 (:mod:`gpipe_repro.repro.throughput.simulator_error`): a busy host widens them, no row is left out.

@@ -2,7 +2,7 @@
 
 The exact partitioner (:func:`gpipe_repro.engine.partition.partition`) is deterministic given its
 input, but calibrated costs are not: two calibrations minutes apart differ by a few percent, and
-where two cuts are nearly tied that is enough to flip the choice (issue #12 saw AmoebaNet K=8 cut as
+where two cuts are nearly tied that is enough to flip the choice (AmoebaNet K=8 was cut as
 [4,4,3,2,2,2,3,4] and as [4,3,3,3,3,2,2,4] in two runs).
 
 What keeps the choice stable is in the costs, not here: identical layers get one pooled cost (so the
@@ -21,7 +21,7 @@ with the tie-break at an uncertainty of 2% (the noise), 48 at 4%; K=4: 3, 0 and 
 uncertainty to give is the calibration's own (its intervals' half-width), not a safety margin.
 
 Decided against, with the evidence: rounding every cost to a 5% logarithmic grid before
-partitioning (this module's rule until 2026-11-23). It makes equal measurements give equal cuts,
+partitioning. It makes equal measurements give equal cuts,
 but real noise does not stay inside a grid cell: each layer near a grid boundary becomes a new
 discontinuity (and where the boundaries fall depends on the unit the costs are in). On this
 project's calibrated AmoebaNet costs (24 layers, ``AMOEBANET_COSTS`` in

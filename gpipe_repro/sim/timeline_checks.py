@@ -1,7 +1,7 @@
 """Judging a runtime from its recorded timeline rather than from wall time.
 
 A wall-clock speedup on a shared host moves with the load: a healthy pipeline measured next to a busy
-process looks broken, and a broken one can look healthy (issue #12). What a timeline records does
+process looks broken, and a broken one can look healthy. What a timeline records does
 not have that problem, because host load slows both sides of each comparison below alike:
 
 - :func:`order_violations`: each stage ran its actions in the order a reference schedule gives;

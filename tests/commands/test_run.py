@@ -38,8 +38,8 @@ def test_the_headline_command_keeps_micro_batches_batchnorm_can_use(launched: li
     assert config.batch_size // config.micro_batches >= MIN_BATCHNORM_MICRO_BATCH
     assert "the batch follows --m" in result.output
     assert Path(config.out_dir) == Path("runs/amoebanet-cpu")          # not the published results
-    # pipelined for real where the host has cores for it, without re-materialization (issue 16's
-    # ten-minute target; README "Train the paper's models")
+    # pipelined for real where the host has cores for it, without re-materialization (the
+    # ten-minute target; docs/training.md, "The cpu preset pipelines for real")
     assert config.runtime == pipelining_runtime() and config.checkpoint == "never"
 
 
@@ -111,13 +111,15 @@ def test_exit_codes_say_how_the_run_ended() -> None:
     assert exit_code_of(summary("interrupted")) == 1
 
 
-# ----------------------------------------------------------------------------- README and --help agree
+# ----------------------------------------------------------------------- README, docs and --help agree
 
 def readme_command_lines() -> list[list[str]]:
-    """Every `gpipe-repro ...` line in README.md's code blocks, as arguments (comments removed)."""
+    """Every `gpipe-repro ...` line in the code blocks of README.md and docs/*.md, as arguments
+    (comments removed)."""
     import re
     import shlex
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    root = Path(__file__).resolve().parents[2]
+    text = "\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
     lines = []
     for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
         block = re.sub(r"\\\n\s*", " ", block)   # a command continued with a backslash is one line

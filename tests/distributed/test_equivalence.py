@@ -1,13 +1,13 @@
 """The distributed runtime trains exactly like the local runtime and like plain PyTorch.
 
 2 and 3 stage processes (gloo, CPU, launched locally), uneven micro-batches, dropout, tuple
-boundaries with integer and bool tensors, deferred BatchNorm, every checkpoint mode, recompute-ahead,
-1F1B, and interleaved 1F1B (K=2 processes x v=2 cells each: a process runs two stages and sends
-between processes by the same transport). Each rank compares ITS cells' loss, gradients and updated
-weights, after two steps (the first agrees on boundary specs, the second runs on the agreed specs
-with receives posted early), with a local GPipe and with `reference_step` computed in the same
-process. Many configurations run in one launch to keep the test fast; each rank returns what it
-checked so a vacuous pass is caught.
+boundaries with integer and bool tensors, deferred BatchNorm, every checkpoint mode,
+recompute-ahead, 1F1B, interleaved 1F1B (K=2 processes x v=2 cells each: a process runs two stages
+and sends between processes by the same transport) and DualPipeV (2 processes x 2 cells in a V).
+Each rank compares ITS cells' loss, gradients and updated weights, after two steps (the first agrees
+on boundary specs, the second runs on the agreed specs with receives posted early), with a local
+GPipe and with `reference_step` computed in the same process. Many configurations run in one launch
+to keep the test fast; each rank returns what it checked so a vacuous pass is caught.
 """
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ CONFIGS = {
         ("transformer", 2, "never", False, "gpipe"), ("conv", 3, "always", True, "gpipe"),
         # interleaved: partitions = 2K cells, v=2 per process; M a multiple of K
         ("mlp", 4, "never", False, "interleaved"), ("mlp", 2, "always", True, "interleaved"),
-        ("transformer", 4, "except_last", False, "interleaved")],
+        ("transformer", 4, "except_last", False, "interleaved"),
+        # dualpipe-v: partitions = 2K cells in a V (cells 0 and 3 on process 0); M >= 2K
+        ("mlp", 5, "except_last", True, "dualpipe-v")],
     3: [("mlp", 4, "always", True, "gpipe"), ("mlp", 3, "never", False, "gpipe"),
         ("transformer", 3, "always", False, "gpipe"), ("conv", 4, "except_last", False, "gpipe"),
         ("mlp", 4, "never", False, "1f1b")],
@@ -49,7 +51,7 @@ def check_configs(k: int) -> list[str]:
         build, loss_fn = MODELS[kind]
         x, y = data(kind)
         where = f"{kind} K={k} M={m} checkpoint={mode} ahead={ahead} {schedule}"
-        cells = 2 * k if schedule in ("interleaved", "zb-v") else k
+        cells = 2 * k if schedule in ("interleaved", "zb-v", "dualpipe-v") else k
         kwargs = dict(partitions=cells, micro_batches=m, checkpoint=mode, recompute_ahead=ahead,
                       schedule=schedule, loss_fn=loss_fn, cost="params",
                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
@@ -59,8 +61,8 @@ def check_configs(k: int) -> list[str]:
         rank = pipe.rank
         assert rank is not None and pipe.balance == local.balance
         here = pipe.stages_here
-        assert here == {"interleaved": [rank, rank + k], "zb-v": [rank, 2 * k - 1 - rank]}.get(
-            schedule, [rank]), here
+        assert here == {"interleaved": [rank, rank + k], "zb-v": [rank, 2 * k - 1 - rank],
+                        "dualpipe-v": [rank, 2 * k - 1 - rank]}.get(schedule, [rank]), here
         mine = [layer for s in here for layer in pipe.cells[s]]
         theirs = [ref[i] for s in here for i in range(sum(pipe.balance[:s]), sum(pipe.balance[:s + 1]))]
         local_params = [p for s in here for p in local.cells[s].parameters()]

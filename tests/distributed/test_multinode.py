@@ -1,7 +1,7 @@
 """Two torchrun "nodes" on one host form one K=2 x R=2 job (c10d rendezvous on 127.0.0.1), and a
 process killed on the second node ends the whole job, the rank and node named.
 
-Both invocations are exactly the two-host command of the README with the rendezvous endpoint on
+Both invocations are exactly the two-host command of docs/distributed.md with the rendezvous endpoint on
 127.0.0.1. How the job ends is asserted, not how fast: every surviving rank fails by itself with a
 PeerFailure naming the peer or group it lost (a dead peer shows as a closed connection at once, a
 silent one after the communication timeout, 5 s here), and torchrun ends each node. No clock is

@@ -11,7 +11,6 @@ from gpipe_repro.engine.arguments import (
     as_layers,
     batch_key,
     check_arguments,
-    check_shared_parameters,
     declared_reduction,
 )
 
@@ -72,14 +71,6 @@ def test_as_layers_refuses_what_is_not_a_sequence_of_distinct_modules() -> None:
         as_layers([lin, 3])   # type: ignore[list-item]
     with pytest.raises(ValueError, match="layers 0 and 1 are the same module object"):
         as_layers([lin, lin])
-
-
-def test_a_parameter_shared_by_two_cells_is_refused() -> None:
-    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
-    b.weight = a.weight
-    check_shared_parameters([nn.Sequential(a, b)])
-    with pytest.raises(ValueError, match="of cell 1 is shared with cell 0"):
-        check_shared_parameters([nn.Sequential(a), nn.Sequential(b)])
 
 
 def test_batch_key_compares_shapes_and_dtypes_not_data() -> None:

@@ -87,11 +87,13 @@ def test_module_reused_twice() -> None:
         make(model=[lin, nn.ReLU(), lin])
 
 
-def test_tied_weights_across_cells() -> None:
+def test_a_module_holding_a_tied_weight_in_two_cells() -> None:
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
     b.weight = a.weight
-    with pytest.raises(ValueError, match="shared with cell 0.*keeps the tied layers together"):
-        make(model=[a, nn.ReLU(), b], partitions=2, balance=[2, 1])
+    make(model=[a, nn.ReLU(), b], partitions=2, balance=[2, 1])   # a tied parameter: one copy per cell
+    shared = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="module '0.0' of cell 0 .*also a module of cell 1"):
+        make(model=[nn.Sequential(shared), nn.ReLU(), nn.Sequential(shared)], partitions=2, balance=[2, 1])
 
 
 def test_not_a_sequence() -> None:

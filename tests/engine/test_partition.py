@@ -115,3 +115,29 @@ def test_cell_count_holds_when_sum_is_compensated(objective: str, monkeypatch: p
     for k in range(1, len(costs) + 1):
         balance = partition(costs, k, objective)
         assert len(balance) == k and min(balance) >= 1 and sum(balance) == len(costs), (k, balance)
+
+
+def test_default_cost_is_measured_time_with_a_sample_else_params(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchgpipe's balance_by_time when a sample is given: a layer's parameters say little of its
+    time. The timing is patched (no wall clock): the parameter-less layers are the slow ones."""
+    import torch
+    from torch import nn
+
+    from gpipe_repro import GPipe
+    from gpipe_repro.engine import layer_costs
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 64), nn.Tanh(), nn.Tanh(), nn.Tanh(), nn.Linear(64, 8)]
+    seconds = {id(layers[0]): 1.0, id(layers[4]): 1.0, id(layers[1]): 5.0, id(layers[2]): 5.0,
+               id(layers[3]): 5.0}
+    monkeypatch.setattr(layer_costs, "measure_layer",
+                        lambda layer, x, *args, **kwargs: (seconds[id(layer)], 0.0))
+    x = torch.randn(4, 8)
+
+    def cut(**kwargs: object) -> list[int]:
+        return GPipe(layers, partitions=2, loss_fn=nn.MSELoss(), optimizer=None, **kwargs).balance
+
+    by_time, by_params = cut(cost="time", sample=x), cut(cost="params")
+    assert by_time != by_params
+    assert cut(sample=x) == by_time
+    assert cut() == by_params

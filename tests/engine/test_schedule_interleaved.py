@@ -111,12 +111,19 @@ def test_schedule_ablation_gives_throughput_beside_memory_for_every_schedule() -
     rows = {r["schedule"]: r for r in schedule_ablation(
         planner, devices=2, micro_batches=8, link=LinkModel("instant", latency=0.0, bandwidth=1e12),
         flops_per_second=1e9)}
-    assert set(rows) == {"gpipe", "1f1b", "zb-h1", "interleaved", "zb-v"}
+    assert set(rows) == {"gpipe", "1f1b", "zb-h1", "interleaved", "zb-v", "dualpipe-v"}
     assert all("note" not in r for r in rows.values()), rows
     assert rows["1f1b"]["max_activation_peak_bytes"] < rows["gpipe"]["max_activation_peak_bytes"]
     assert rows["zb-h1"]["throughput"] > rows["1f1b"]["throughput"]
     assert rows["interleaved"]["throughput"] > rows["1f1b"]["throughput"]
     assert rows["interleaved"]["cells"] == 4 and "upper bound" in rows["interleaved"]["memory_note"]
+    # DualPipeV: ZB-V's time on the same V, one chunk's activations more on a device (2K + 1 held)
+    dual, zbv = rows["dualpipe-v"], rows["zb-v"]
+    assert dual["balance"] == zbv["balance"] and dual["throughput"] == pytest.approx(zbv["throughput"])
+    assert all(d >= z for d, z in zip(dual["activation_peak_bytes_per_device"],
+                                      zbv["activation_peak_bytes_per_device"]))
+    assert dual["activation_peak_bytes_per_device"] != zbv["activation_peak_bytes_per_device"]
+    assert dual["max_activation_peak_bytes"] < rows["gpipe"]["max_activation_peak_bytes"]
     odd = schedule_ablation(planner, devices=2, micro_batches=3, link=LinkModel("i", 0.0, 1e12),
                             flops_per_second=1e9, schedules=["interleaved"])
     assert "not a multiple" in odd[0]["note"]

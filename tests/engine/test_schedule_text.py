@@ -31,6 +31,8 @@ GOLDEN_CASES = {
     "interleaved_k2_v2_m4_except_last_ahead": lambda: make_schedule("interleaved", 4, 4, "except_last", True),
     "zb-v_k2_m4_never": lambda: make_schedule("zb-v", 4, 4, "never"),
     "zb-v_k3_m6_always_ahead": lambda: make_schedule("zb-v", 6, 6, "always", True),
+    "dualpipe-v_k2_m4_never": lambda: make_schedule("dualpipe-v", 4, 4, "never"),
+    "dualpipe-v_k3_m7_except_last_ahead": lambda: make_schedule("dualpipe-v", 6, 7, "except_last", True),
 }
 
 

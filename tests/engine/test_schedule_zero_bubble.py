@@ -359,7 +359,7 @@ class _TiedHead(nn.Module):
         return nn.functional.linear(x, self._ref[0].weight, self.bias)
 
 
-@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v", "dualpipe-v"])
 def test_split_reaches_a_weight_a_layer_uses_without_registering_it(schedule: str) -> None:
     """Each layer's split takes every cell parameter its graph reaches, not only its own: the
     weight half of the tied head's micro-batches must reach the owner's weight."""
@@ -410,7 +410,7 @@ def test_bf16_split_sums_a_cut_values_gradients_in_fp32_as_plain_autocast() -> N
                          schedule="zb-h1")
 
 
-@pytest.mark.parametrize("schedule,partitions", [("zb-h1", 2), ("zb-v", 4), ("gpipe", 2)])
+@pytest.mark.parametrize("schedule,partitions", [("zb-h1", 2), ("zb-v", 4), ("dualpipe-v", 2), ("gpipe", 2)])
 def test_split_reaches_every_leaf_plain_training_reaches(schedule: str, partitions: int) -> None:
     """The weight half differentiates every leaf the graph reaches, as plain backward does: another
     cell's parameters read by the loss (an L2 regularizer over the whole model), a tensor a layer

@@ -66,8 +66,7 @@ def lm_case() -> Case:
 
 def translation_case() -> Case:
     torch.manual_seed(0)
-    # Tied output weights would put one parameter in the first and the last cell, which GPipe
-    # refuses (see test_tied_translation_model_asks_to_untie); untie for a pipeline.
+    # untied here; the tied model: test_tied_translation_model_trains_like_the_plain_tied_model
     model = translation_transformer(2, 32, 2, d_model=16, head_dim=8, vocab_size=19, dropout=0.1,
                                     tie_embeddings=False, logit_clip=4.0)
     g = torch.Generator().manual_seed(1)
@@ -118,7 +117,13 @@ def test_randomness_is_really_on() -> None:
     assert pipe.train_step(x, y) != pipe.train_step(x, y)
 
 
-def test_tied_translation_model_asks_to_untie() -> None:
-    model = translation_transformer(1, 16, 2, d_model=8, head_dim=4, vocab_size=11)
-    with pytest.raises(ValueError, match="untie"):
-        GPipe(model, partitions=2, loss_fn=translation_loss)
+def test_tied_translation_model_trains_like_the_plain_tied_model() -> None:
+    """The shared source/target embedding and the output projection: one parameter in the first and
+    the last cell (a copy each, gradients summed)."""
+    layers, x, y, loss_fn = translation_case()
+    torch.manual_seed(0)
+    tied = list(translation_transformer(2, 32, 2, d_model=16, head_dim=8, vocab_size=19, dropout=0.1,
+                                        logit_clip=4.0))
+    pipe = assert_same_training(tied, x, y, loss_fn, partitions=3, micro_batches=3,
+                                checkpoint="except_last", rtol=1e-5, atol=1e-5)
+    assert [t.cells for t in pipe.ties] == [[0, 2]]

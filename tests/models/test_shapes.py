@@ -264,10 +264,10 @@ def test_gpt2_layers_give_the_logits_of_gpt2lmheadmodel(attention: str) -> None:
     torch.manual_seed(0)
     reference = GPT2LMHeadModel(config).eval()
     layers = gpt2_layers(reference)
-    assert [type(m).__name__ for m in layers] == ["GPT2Embeddings"] + ["GPT2BlockLayer"] * 3 + ["GPT2Head"]
+    assert [type(m).__name__ for m in layers] == ["TokenEmbedding"] + ["DecoderBlock"] * 3 + ["LMHead"]
     ids = torch.randint(0, 60, (2, 12))
     with torch.no_grad():
         expected = reference(ids).logits
         values = run_layers(layers, ids)
     torch.testing.assert_close(values[-1], expected, rtol=1e-5, atol=1e-5)
-    assert layers.head.lm_head.weight is layers.embeddings.wte.weight     # GPT-2 ties them
+    assert layers.head.lm_head.weight is layers.embeddings.tokens.weight     # GPT-2 ties them

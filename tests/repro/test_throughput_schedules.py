@@ -35,12 +35,12 @@ def test_schedule_ablation_rows_match_each_schedules_closed_form() -> None:
     k, m, b = 2, 4, 2
     rows = {r["schedule"]: r for r in schedule_tradeoff(calib, work, settings, Platform(PRESETS["ideal"]),
                                                          microbatch=b, costs="calibrated", k=k, ms=[m])}
-    assert set(rows) == {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"}
+    assert set(rows) == {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"}
     assert all("note" not in r and r["costs"] == "calibrated" and r["method"] == "simulated"
                for r in rows.values()), rows
     # 4 uniform layers: 2 per cell (1 per cell for interleaved's 2K cells).
     assert rows["gpipe"]["balance"] == [2, 2] and rows["interleaved"]["balance"] == [1, 1, 1, 1]
-    assert rows["zb-v"]["balance"] == [1, 1, 1, 1]
+    assert rows["zb-v"]["balance"] == rows["dualpipe-v"]["balance"] == [1, 1, 1, 1]
     fwd, bwd = 2 * F, 4 * F                   # one cell's forward and backward per micro-batch
     # Fill-drain: (M + K - 1) slots of F + B (GPipe, Huang et al. 2019: bubble (K-1)/(M+K-1)).
     expected = {"gpipe": (m + k - 1) * (fwd + bwd),
@@ -51,7 +51,10 @@ def test_schedule_ablation_rows_match_each_schedules_closed_form() -> None:
                 "zb-h1": m * (fwd + bwd) + (k - 1) * fwd,
                 # ZB-V (Qi et al. sec. 6): 2K chunks in a V; only the first chunk's forward, half a
                 # cell's, idles the last process: (K-1) F/2.
-                "zb-v": m * (fwd + bwd) + (k - 1) * fwd / 2}
+                "zb-v": m * (fwd + bwd) + (k - 1) * fwd / 2,
+                # DualPipeV (DeepSeek-V3), same V, each overlapped F/B pair run one after the other:
+                # ZB-V's time (tests/engine/test_schedule_dualpipe_v.py).
+                "dualpipe-v": m * (fwd + bwd) + (k - 1) * fwd / 2}
     for name, step in expected.items():
         assert rows[name]["step_time_s"] == pytest.approx(step, rel=1e-9), name
         assert rows[name]["throughput"] == pytest.approx(m * b / step, rel=1e-9), name

@@ -39,7 +39,9 @@ ICLR 2024: B split into I, which the previous stage waits for, and W, which fill
 cells and :attr:`Schedule.processes` holds each process's program (text lines ``process r: F0@2 ...``,
 each token naming its stage); the interpreter and the local runtime run the programs as they are.
 ``zb-v`` (Qi et al., section 6) puts the zero-bubble split on 2K chunks placed in a V, process p
-holding chunks p and 2K-1-p.
+holding chunks p and 2K-1-p; ``dualpipe-v`` is DualPipeV (DeepSeek-V3's DualPipe folded into that
+V) in PyTorch's order, each forward/backward pair PyTorch overlaps written as two consecutive
+actions, for M >= 2K.
 
 tests/golden/ holds generated schedules in this form, and a :class:`ScheduleError` prints the schedule
 with the failing action marked.
@@ -54,7 +56,7 @@ overflow check read the agreed numbers.
 The package, one responsibility per module: :mod:`.actions` (action kinds, actions, ScheduleError),
 :mod:`.core` (the Schedule), :mod:`.validate`, :mod:`.text` (text form and picture),
 :mod:`.generators` (gpipe, 1f1b, zb-h1), :mod:`.interleaved`, :mod:`.zero_bubble_v`,
-:mod:`.registry` (by name). Every
+:mod:`.dualpipe_v`, :mod:`.registry` (by name). Every
 public name is importable from ``gpipe_repro.engine.schedule``.
 """
 from __future__ import annotations
@@ -71,6 +73,7 @@ from gpipe_repro.engine.schedule.actions import (
     ScheduleError,
 )
 from gpipe_repro.engine.schedule.core import Schedule
+from gpipe_repro.engine.schedule.dualpipe_v import dualpipe_v_schedule
 from gpipe_repro.engine.schedule.generators import (
     checkpointed_microbatches,
     gpipe_schedule,
@@ -84,6 +87,7 @@ from gpipe_repro.engine.schedule.interleaved import (
 )
 from gpipe_repro.engine.schedule.registry import (
     SCHEDULES,
+    V_SCHEDULES,
     cells_per_process,
     make_schedule,
     num_processes,
@@ -94,6 +98,6 @@ from gpipe_repro.engine.schedule.zero_bubble_v import zero_bubble_v_schedule
 __all__ = ["CHECKPOINT_MODES", "ActionKind", "COMPUTE", "BACKWARDS", "SENDS", "RECVS", "BARRIERS", "Action",
            "ScheduleError", "Schedule", "checkpointed_microbatches", "gpipe_schedule",
            "one_f_one_b_schedule", "zero_bubble_h1_schedule", "interleaved_schedule",
-           "zero_bubble_v_schedule", "SCHEDULES",
+           "zero_bubble_v_schedule", "dualpipe_v_schedule", "SCHEDULES", "V_SCHEDULES",
            "make_schedule", "num_processes", "forward_on_processes", "INTERLEAVED_VIRTUAL_STAGES",
            "cells_per_process", "owner_of_cells"]

@@ -7,7 +7,7 @@ from gpipe_repro.engine.schedule.actions import CHECKPOINT_MODES, Action, Action
 from gpipe_repro.engine.schedule.core import Schedule
 
 __all__ = ["checkpointed_microbatches", "gpipe_schedule", "one_f_one_b_schedule",
-           "zero_bubble_h1_schedule"]
+           "zero_bubble_h1_schedule", "program_of_order"]
 
 
 def checkpointed_microbatches(mode: str, num_microbatches: int) -> frozenset[int]:
@@ -133,24 +133,26 @@ def zero_bubble_h1_schedule(num_stages: int, num_microbatches: int, checkpoint: 
     A = ActionKind
     stages = []
     for s, order in enumerate(_zb_h1_order(num_stages, num_microbatches)):
-        acts = split_backward_program([(kind, s, mb) for kind, mb in order], num_stages, ckpt,
-                                      recompute_ahead)
+        acts = program_of_order([(kind, s, mb) for kind, mb in order], num_stages, ckpt,
+                                recompute_ahead)
         acts += [Action(A.AGREE, s), Action(A.OPTIMIZER_STEP, s)]
         stages.append(tuple(acts))
     return Schedule("zb-h1", num_stages, num_microbatches, tuple(stages))
 
 
-def split_backward_program(order: list[tuple[ActionKind, int, int]], num_stages: int,
-                           ckpt: frozenset[int], recompute_ahead: bool) -> list[Action]:
-    """A zero-bubble compute order, (FORWARD | BACKWARD_INPUT | BACKWARD_WEIGHT, stage,
-    micro-batch) in the order a process runs them, as actions: each forward with its receive and
-    send, each I with its gradient's receive, its RECOMPUTE if checkpointed and its send, each W
-    alone."""
+def program_of_order(order: list[tuple[ActionKind, int, int]], num_stages: int,
+                     ckpt: frozenset[int], recompute_ahead: bool) -> list[Action]:
+    """A compute order, (FORWARD | BACKWARD | BACKWARD_INPUT | BACKWARD_WEIGHT, stage, micro-batch)
+    in the order a process runs them, as actions: each forward with its receive and send, each
+    whole backward (B) or input gradient (I) with its gradient's receive, its RECOMPUTE if
+    checkpointed and its send, each W alone."""
     A = ActionKind
     acts: list[Action] = []
     for kind, s, mb in order:
         if kind is A.FORWARD:
             acts += _forward_block(s, num_stages, mb)
+        elif kind is A.BACKWARD:
+            acts += _backward_block(s, num_stages, mb, ckpt, recompute_ahead)
         elif kind is A.BACKWARD_INPUT:
             acts += [Action(A.BACKWARD_INPUT, s, mb) if a.kind is A.BACKWARD else a
                      for a in _backward_block(s, num_stages, mb, ckpt, recompute_ahead)]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.schedule.core import Schedule
+from gpipe_repro.engine.schedule.dualpipe_v import dualpipe_v_schedule
 from gpipe_repro.engine.schedule.generators import (
     gpipe_schedule,
     one_f_one_b_schedule,
@@ -15,10 +16,14 @@ from gpipe_repro.engine.schedule.interleaved import (
 )
 from gpipe_repro.engine.schedule.zero_bubble_v import check_v_stages, zero_bubble_v_schedule
 
-__all__ = ["SCHEDULES", "make_schedule", "num_processes", "cells_per_process", "owner_of_cells"]
+__all__ = ["SCHEDULES", "V_SCHEDULES", "make_schedule", "num_processes", "cells_per_process",
+           "owner_of_cells"]
 
 SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule, "zb-h1": zero_bubble_h1_schedule,
-             "interleaved": interleaved_schedule, "zb-v": zero_bubble_v_schedule}
+             "interleaved": interleaved_schedule, "zb-v": zero_bubble_v_schedule,
+             "dualpipe-v": dualpipe_v_schedule}
+# The schedules placing 2K cells in a V on K processes: process p holds cells p and 2K-1-p.
+V_SCHEDULES = ("zb-v", "dualpipe-v")
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int, checkpoint: str,
@@ -30,29 +35,34 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, checkpoint:
 
 def cells_per_process(name: str) -> int:
     """How many cells (stages) each process of a `name` schedule holds: v for "interleaved", 2 for
-    "zb-v", else 1. K processes run K * cells_per_process(name) cells."""
+    the V schedules ("zb-v", "dualpipe-v"), else 1. K processes run K * cells_per_process(name)
+    cells."""
     require_one_of("schedule", name, SCHEDULES)
-    return {"interleaved": INTERLEAVED_VIRTUAL_STAGES, "zb-v": 2}.get(name, 1)
+    if name == "interleaved":
+        return INTERLEAVED_VIRTUAL_STAGES
+    return 2 if name in V_SCHEDULES else 1
 
 
 def owner_of_cells(name: str, num_stages: int) -> list[int]:
     """The process running each of the `num_stages` cells of a `name` schedule (round robin for
-    "interleaved", a V for "zb-v", one each otherwise)."""
+    "interleaved", a V for "zb-v" and "dualpipe-v", one each otherwise). The placement does not
+    depend on the number of micro-batches; it is read from a schedule of `num_stages` of them,
+    a number every schedule serves."""
     procs = num_processes(name, num_stages)
     if procs == num_stages:
         return list(range(num_stages))
-    return make_schedule(name, num_stages, procs, "never").process_of()
+    return make_schedule(name, num_stages, num_stages, "never").process_of()
 
 
 def num_processes(name: str, num_stages: int) -> int:
     """How many processes :func:`make_schedule`'s `name` schedule of `num_stages` stages runs on:
     num_stages / v for "interleaved" (v = :data:`INTERLEAVED_VIRTUAL_STAGES`), num_stages / 2 for
-    "zb-v" (two chunks per process, in a V), else one per stage. Raises ValueError (saying what to
+    the V schedules (two chunks per process), else one per stage. Raises ValueError (saying what to
     use) for a stage count the schedule cannot serve."""
     if name == "interleaved":
         _check_interleaved_stages(num_stages, INTERLEAVED_VIRTUAL_STAGES)
         return num_stages // INTERLEAVED_VIRTUAL_STAGES
-    if name == "zb-v":
-        check_v_stages(num_stages)
+    if name in V_SCHEDULES:
+        check_v_stages(num_stages, name)
         return num_stages // 2
     return num_stages

@@ -37,16 +37,17 @@ from gpipe_repro.engine.schedule.core import Schedule
 from gpipe_repro.engine.schedule.generators import (
     _check_sizes,
     checkpointed_microbatches,
-    split_backward_program,
+    program_of_order,
 )
 
 __all__ = ["zero_bubble_v_schedule", "check_v_stages"]
 
 
-def check_v_stages(num_stages: int) -> None:
-    """ZB-V needs an even number of stages (chunks): two per process."""
+def check_v_stages(num_stages: int, name: str = "zb-v") -> None:
+    """A V schedule (`name`: zb-v, dualpipe-v) needs an even number of stages (chunks): two per
+    process."""
     if num_stages < 2 or num_stages % 2:
-        raise ValueError(f"zb-v cuts the model into 2K chunks for K processes (two per process, in a V): "
+        raise ValueError(f"{name} cuts the model into 2K chunks for K processes (two per process, in a V): "
                          f"{num_stages} stages (partitions) is not even; use partitions="
                          f"{max(2, num_stages + num_stages % 2)}")
 
@@ -191,7 +192,7 @@ def zero_bubble_v_schedule(num_stages: int, num_microbatches: int, checkpoint: s
                                                   for limit in (num_stages, num_stages + 2))
         orders = lean if lean_span <= roomy_span else roomy
     for p, order in enumerate(orders):
-        acts = split_backward_program(order, num_stages, ckpt, recompute_ahead)
+        acts = program_of_order(order, num_stages, ckpt, recompute_ahead)
         mine = (p, num_stages - 1 - p)
         acts += [Action(A.AGREE, c) for c in mine] + [Action(A.OPTIMIZER_STEP, c) for c in mine]
         procs.append(tuple(acts))

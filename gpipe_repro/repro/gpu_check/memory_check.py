@@ -9,7 +9,7 @@ shaped like its own output) and drops what it sends. The step is a steady-state 
 primed, RMSProp updating the cell in one multi-tensor pass, the planner's convention); the mini-batch
 lives on the first device and the targets on the last, as the planner assumes. The device's peak
 (``torch.cuda.max_memory_allocated`` over the step, minus what was allocated before the cell was
-built) is compared with the planner's prediction for that cell; the issue's target is within 5%.
+built) is compared with the planner's prediction for that cell; the target is within 5%.
 
 **How deep fits.** The deepest Transformer-L (the paper's layer, its batch of 32 x 1024 tokens) that
 trains on this device as Naive-1 (K=1, M=1, no re-materialization) and as Pipeline-1 (K=1, M=8,

@@ -35,7 +35,7 @@ memory). The names below are the package's public surface.
 """
 from __future__ import annotations
 
-# Moved out by the #14 split (simulator configuration and host probing are not the experiment);
+# Simulator configuration and host probing live in report/ (they are not the experiment);
 # still importable from here.
 from gpipe_repro.report.host import host_idle_fraction, usable_cores
 from gpipe_repro.repro.throughput.ablations import (

@@ -60,7 +60,7 @@ def check_out_dir(out_dir: str | os.PathLike[str], *, overwrite: bool, record: b
 
 def check_overwrite(out_dir: str | os.PathLike[str], *, measuring: bool) -> None:
     """Refuse, before any work, a simulation-only run that would replace a measured table in
-    `out_dir` (issue #16): measured numbers are only ever replaced by measured numbers."""
+    `out_dir`: measured numbers are only ever replaced by measured numbers."""
     path = Path(out_dir) / "throughput_table.json"
     if measuring or not path.exists():
         return

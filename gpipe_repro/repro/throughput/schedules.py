@@ -1,5 +1,5 @@
 """The schedule ablation of ``make throughput-table``: every schedule at the paper's K=8, throughput
-beside peak memory per device (issue #17).
+beside peak memory per device.
 
 GPipe's fill-drain keeps all M micro-batches' activations; 1F1B keeps at most K - s on stage s at the
 same bubble; interleaved 1F1B shrinks the bubble by v=2 with two cells per device; ZB-H1 fills the

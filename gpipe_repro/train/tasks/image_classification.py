@@ -257,11 +257,11 @@ def pipelining_runtime() -> str:
 def preset(name: str) -> tuple[RunConfig, AmoebaNetConfig]:
     """The run and task settings of a named preset (options given on the command line override them)."""
     if name == "cpu":
-        # Measured on this 2-core host (2026-11-23, `make train-amoebanet`, distributed runtime, no
+        # Measured on a 2-core host (`make train-amoebanet`, distributed runtime, no
         # re-materialization): 92.2% top-1 / 99.4% top-5 in 445 s wall (372 steps, ~0.93 s each).
         # Before (local runtime, except_last, a shared host): 90.3% in 5.2 min, so at M=4 the local
         # runtime was not slower; the headline `--k 4 --m 32` is where this choice pays: 491 s
-        # against ~19 min (README, "The cpu preset pipelines for real"). Regularization is
+        # against ~19 min (docs/training.md, "The cpu preset pipelines for real"). Regularization is
         # lighter than the recipe's (dropout 0.2, drop-path 0.1): a few-minute run on 4,000 digits
         # underfits, and the full recipe reached 60% in 186 steps. Cells are balanced by FLOPs
         # ([2, 2, 2, 4]); by parameters ([6, 1, 1, 2]) the high-resolution first cell would do most
@@ -270,7 +270,7 @@ def preset(name: str) -> tuple[RunConfig, AmoebaNetConfig]:
         # than one even on an idle host.
         # Pipelined for real: one process per cell (the distributed runtime, local launcher)
         # wherever the host has two cores or more, so K cells run on the host's cores in parallel;
-        # the local runtime runs them one after another in one process (issue 16: the headline
+        # the local runtime runs them one after another in one process (the headline
         # `--k 4 --m 32` took ~18 min that way, 1.6x longer than distributed).
         # No re-materialization: it trades compute for memory, and this 28x28 model's activations at
         # batch 256 fit any host; recomputing them cost 36% more per step at M=32 (measured beside a

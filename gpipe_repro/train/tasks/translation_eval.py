@@ -11,7 +11,7 @@ sentence counts) for the plot against training-set size.
 Why decoding uses a key/value cache, in both runtimes. Decoding is autoregressive: the encoder once,
 then the decoder once per target position on a small batch. Without a cache each step recomputes the
 whole prefix, so the cost grows with the square of the length (it took longer than training in our CPU
-runs, and 15x longer than the cached decoder under the distributed runtime: issue #16). So every
+runs, and 15x longer than the cached decoder under the distributed runtime). So every
 decoder here caches: `StageDecoder` decodes one position at a time on a run of consecutive layers,
 keeping the keys and values of its decoder layers. When one process holds every cell on one device,
 `LayerDecoder` is that on the pipeline's own layer objects; when each cell is its own process

@@ -1,0 +1,168 @@
+"""Parameters tied across cells: one copy per cell, gradients summed before any update.
+
+A model may use one ``nn.Parameter`` in several layers (GPT-2 and most LLaMA-style models tie the
+token embedding ``wte`` to the output projection ``lm_head``: the first and the last layer). When
+the cut puts those layers in different cells, each cell keeps the parameter as its OWN copy (its
+own ``nn.Parameter``, on its own device, updated by its own optimizer), as Megatron-LM's embedding
+group and DeepSpeed's ``TiedLayerSpec`` do:
+
+- :func:`untie` runs once, on the whole model's cells, before any cell is moved or dropped (every
+  process of the distributed runtime computes the same :class:`Tie` list from the same model): the
+  first cell holding the parameter keeps the original object, every other holding cell gets a
+  clone, swapped into each of its submodules that held the original;
+- at the step's agreement point, before the AGREE vector is computed, every copy's gradient is
+  replaced by the SUM of all the copies' gradients (:func:`sum_tied_gradients` in one process;
+  between processes one all-reduce per tie, :mod:`gpipe_repro.distributed.tied`). That sum is
+  the tied parameter's gradient in plain training (autograd sums its uses), so global clipping and
+  the fp16 overflow check see it; the global gradient norm counts it once, from the tie's first
+  holder (:func:`uncounted_names`: the other holders leave their copy out of their contribution);
+- every copy then gets the same update (same optimizer factory, same value, same gradient, same
+  agreed factor), so the copies stay bit-identical step after step.
+
+``state_dict()`` gives the tied value under each cell's name (equal tensors);
+:func:`refuse_diverging_copies` makes ``load_state_dict`` refuse a state that gives the copies of a
+tie different values, or only some of them. ``unpartitioned()`` returns the cells' layers, which
+hold the copies: they are no longer one object.
+
+A parameter used twice inside ONE cell stays one parameter: autograd sums its uses there.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Tie", "find_ties", "untie", "tied_copies", "copies_sum", "set_gradients",
+           "sum_tied_gradients", "uncounted_names", "refuse_diverging_copies", "bind_ties"]
+
+
+@dataclass(frozen=True)
+class Tie:
+    """One parameter held by several cells.
+
+    Attributes:
+        holders: (cell index, the parameter's name in that cell), one per holding cell, in cell
+            order. The first holder keeps the original parameter and counts it in the global norm.
+    """
+    holders: tuple[tuple[int, str], ...]
+
+    @property
+    def cells(self) -> list[int]:
+        """The cells holding a copy, in order."""
+        return [c for c, _ in self.holders]
+
+
+def find_ties(cells: Sequence[nn.Module]) -> list[Tie]:
+    """Every parameter held by more than one cell, in the order of its first holder's parameters."""
+    holders: dict[int, list[tuple[int, str]]] = {}
+    for c, cell in enumerate(cells):
+        for name, p in cell.named_parameters():   # each parameter once per cell
+            holders.setdefault(id(p), []).append((c, name))
+    return [Tie(tuple(h)) for h in holders.values() if len(h) > 1]
+
+
+def untie(cells: Sequence[nn.Module]) -> list[Tie]:
+    """Give every cell but the first holder of each tie its own copy of the tied parameter (see the
+    module docstring) and return the ties. Raises ValueError, before changing anything, when a
+    submodule holding a tied parameter is itself in two cells (its parameter cannot be two copies)."""
+    ties = find_ties(cells)
+    for tie in ties:
+        original = cells[tie.holders[0][0]].get_parameter(tie.holders[0][1])
+        holding: dict[int, tuple[int, str]] = {}   # a module holding it -> (its cell, its name there)
+        for c in tie.cells:
+            for name, module in cells[c].named_modules():
+                if not any(q is original for q in module._parameters.values()):
+                    continue
+                other, other_name = holding.setdefault(id(module), (c, name))
+                if other != c:
+                    raise ValueError(
+                        f"the module {other_name!r} of cell {other} holds a parameter tied across cells "
+                        f"and is also a module of cell {c}: each cell holding a tied parameter keeps "
+                        "its own copy, so tie the parameter, not the module (e.g. head.weight = "
+                        "embedding.weight), or choose a balance that keeps both layers in one cell")
+    for tie in ties:
+        first, name = tie.holders[0]
+        original = cells[first].get_parameter(name)
+        for c, _ in tie.holders[1:]:
+            copy = nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad)
+            for module in cells[c].modules():
+                for key, value in module._parameters.items():
+                    if value is original:
+                        module._parameters[key] = copy
+    return ties
+
+
+def tied_copies(tie: Tie, cells: Mapping[int, nn.Module]) -> list[nn.Parameter]:
+    """The copies of `tie` held by `cells` (stage -> cell: the cells of this process)."""
+    return [cells[c].get_parameter(name) for c, name in tie.holders if c in cells]
+
+
+def copies_sum(copies: Sequence[nn.Parameter]) -> torch.Tensor | None:
+    """The sum of the copies' gradients, in holder order, added in place into the first gradient
+    present (no tensor of the matrix's size is allocated); None when none has a gradient."""
+    grads = [p.grad for p in copies if p.grad is not None]
+    if not grads:
+        return None
+    total = grads[0]
+    for g in grads[1:]:
+        total.add_(g.to(total.device))
+    return total
+
+
+def set_gradients(copies: Sequence[nn.Parameter], total: torch.Tensor) -> None:
+    """Make every copy's gradient `total` (each its own tensor, on its own device; in place where it
+    has one, so a gradient that is a view of a data-parallel bucket stays one)."""
+    for p in copies:
+        if p.grad is total:
+            continue
+        if p.grad is not None and p.grad.shape == total.shape and p.grad.dtype == total.dtype:
+            p.grad.copy_(total)
+        else:
+            p.grad = total.to(p.device, copy=True)
+
+
+def sum_tied_gradients(ties: Sequence[Tie], cells: Mapping[int, nn.Module]) -> None:
+    """One process holding every copy: each copy's gradient becomes the sum of all of them."""
+    for tie in ties:
+        copies = tied_copies(tie, cells)
+        total = copies_sum(copies)
+        if total is not None:
+            set_gradients(copies, total)
+
+
+def uncounted_names(ties: Sequence[Tie], stage: int) -> frozenset[str]:
+    """The names, in cell `stage`, of the copies another cell counts in the global gradient norm."""
+    return frozenset(name for tie in ties for c, name in tie.holders[1:] if c == stage)
+
+
+def refuse_diverging_copies(pipe: nn.Module, ties: Sequence[Tie]) -> None:
+    """Make ``pipe.load_state_dict`` refuse, before loading anything, a state that gives a tie's
+    copies (``cells.<c>.<name>``) different values, or a value for some of them and not the others;
+    the copies would no longer be one parameter. (Each process of the distributed runtime checks the
+    copies it holds.)"""
+    def check(module: nn.Module, state: Mapping[str, Any], prefix: str, *args: Any) -> None:
+        for tie in ties:
+            keys = [f"{prefix}cells.{c}.{name}" for c, name in tie.holders
+                    if len(module.cells[c]) > 0]   # type: ignore[index]
+            given = [k for k in keys if k in state]
+            if given and len(given) != len(keys):
+                missing = sorted(set(keys) - set(given))
+                raise ValueError(f"the state gives the tied parameter {given[0]!r} but not its copies "
+                                 f"{missing}: give the tied value under every name, or under none")
+            values = [state[k] for k in given]
+            if any(not torch.equal(v.cpu(), values[0].cpu()) for v in values[1:]):
+                raise ValueError(f"the state gives the tied parameter different values under {given}: "
+                                 "its copies must stay one parameter; give the same value under every "
+                                 "name")
+    pipe.register_load_state_dict_pre_hook(check)
+
+
+def bind_ties(pipe: Any, ties: Sequence[Tie]) -> None:
+    """Make a built pipeline treat each tie's copies as one parameter: its executors leave the copies
+    another cell counts out of the gradient norm, and ``load_state_dict`` keeps the copies equal."""
+    for e in pipe.executors:
+        e.uncounted = uncounted_names(ties, e.stage)
+    refuse_diverging_copies(pipe, ties)

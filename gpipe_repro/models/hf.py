@@ -1,0 +1,344 @@
+"""A Hugging Face decoder-only ``*ForCausalLM`` as a pipeline's layer sequence, and its loss.
+
+::
+
+    layers = causal_lm_layers(model)      # the model's own modules: the weights are shared
+    pipe = GPipe(layers, partitions=4, micro_batches=8, loss_fn=CausalLMLoss(), optimizer=...)
+    loss = pipe.train_step((input_ids, attention_mask), labels)
+    # == model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+
+One flattener serves every family whose base model is token embedding -> decoder blocks -> final
+norm and whose causal-LM forward is that base model followed by ``lm_head``. The roles are read off
+the model object, not looked up by family name: the token embedding is ``get_input_embeddings()``
+and the head ``get_output_embeddings()``; of the base model's children, the one ``nn.ModuleList`` is
+the blocks, an ``nn.Embedding`` other than the tokens' holds absolute positions (GPT-2's ``wpe``), an
+``nn.Dropout`` drops embeddings, a ``*RotaryEmbedding`` makes rotary positions, and the one child left
+is the final norm. Anything else is refused (:func:`refusal`) before any work, by name and why:
+encoder-decoders, bases with other parts (Bloom's embedding norm, BioGPT's offset positions, OPT's
+decoder wrapper), blocks that need more than a mask and positions (MPT's ALiBi) or no mask (RWKV), layer
+types other than full and sliding attention (Mamba, Jamba, Qwen3-Next, Llama 4's chunks), a router
+loss added to the loss. A model that passes is then run once on a short padded batch beside its
+layers (:func:`causal_lm_layers`, ``check``): a forward that does more than what is read off the
+model (CTRL's scaled sinusoids) is refused too.
+
+The layers are ``embeddings`` (token ids, or ``(input_ids, attention_mask)``, to hidden states),
+``block_i`` (one decoder layer each) and ``head`` (final norm, ``lm_head``, logits). Between layers
+flows the hidden state, or ``(hidden, attention_mask)`` when a mask was given: the 2-D padding mask
+crosses cells as an integer tensor (no gradient). Each block recomputes what the base model's
+forward computes once for all blocks, exactly as it does: the positions (``arange`` of the
+sequence, as transformers derives them without a cache), the causal mask of its own layer type
+(``create_causal_mask``, or ``create_sliding_window_causal_mask`` for a sliding layer, from
+``config.layer_types`` or, without them, ``config.sliding_window``) and its rotary cos/sin, from its
+own copy of the parameter-free rotary module (a module object may sit in one layer only, and cells
+may live on different devices). Each family's scalings are kept, read off the model: the embedding
+multiplier (Granite's ``embedding_multiplier``; Gemma's sqrt(hidden) is inside its embedding module),
+the logit soft-capping (``config.final_logit_softcapping``, Gemma 2/3), the logit scale (Cohere's
+``logit_scale``) and the logit divisor (Granite's ``config.logits_scaling``).
+
+With ``config.tie_word_embeddings`` the first and the last layer share one ``nn.Parameter`` (cut
+into different cells, GPipe keeps a copy in each and sums their gradients).
+:func:`~gpipe_repro.models.hf_config.hf_config` (here too) builds a config from a family name and
+sizes, or from a ``config.json``, for a model on the meta device.
+
+transformers is imported only when a function here is called.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe_repro.models.hf_config import hf_config
+
+__all__ = ["CausalLMLoss", "causal_lm_layers", "hf_config", "refusal", "TokenEmbedding", "DecoderBlock",
+           "LMHead"]
+
+ATTENTION_TYPES = ("full_attention", "sliding_attention")   # the layer types with a causal mask
+BLOCK_INPUTS = ("attention_mask", "position_ids", "position_embeddings")   # what a block is given
+
+
+def _hidden_and_mask(value: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(value, tuple):
+        return value[0], value[1]
+    return value, None
+
+
+def _positions(hidden: torch.Tensor) -> torch.Tensor:
+    """Position ids as transformers derives them without a cache: arange of the sequence, (1, T)."""
+    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+
+
+class TokenEmbedding(nn.Module):
+    """``input_ids`` or ``(input_ids, attention_mask)`` -> hidden, or ``(hidden, attention_mask)``:
+    token embedding, times the family's multiplier, plus absolute positions, dropout."""
+
+    def __init__(self, tokens: nn.Module, positions: nn.Module | None, dropout: nn.Module | None,
+                 multiplier: float | None) -> None:
+        super().__init__()
+        self.tokens, self.positions, self.dropout = tokens, positions, dropout
+        self.multiplier = multiplier
+
+    def forward(self, batch: Any) -> Any:
+        ids, mask = _hidden_and_mask(batch)
+        hidden = self.tokens(ids)
+        if self.multiplier is not None:
+            hidden = hidden * self.multiplier
+        if self.positions is not None:
+            hidden = hidden + self.positions(_positions(hidden))
+        if self.dropout is not None:
+            hidden = self.dropout(hidden)
+        return hidden if mask is None else (hidden, mask)
+
+
+class DecoderBlock(nn.Module):
+    """One decoder layer: hidden (or ``(hidden, attention_mask)``) -> the same. Builds its causal
+    mask and, with a rotary module, its cos/sin as the base model's forward does for it."""
+
+    def __init__(self, block: nn.Module, config: Any, layer_type: str, rotary: nn.Module | None) -> None:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        super().__init__()
+        self.block = block
+        self.config = config
+        self.layer_type = layer_type
+        self.make_mask: Callable[..., Any] = (create_sliding_window_causal_mask
+                                              if layer_type == "sliding_attention" else create_causal_mask)
+        # its own copy: a module object belongs to one layer (the config stays shared)
+        self.rotary = None if rotary is None else copy.deepcopy(rotary, {id(config): config})
+        self.rotary_takes_layer_type = rotary is not None and \
+            "layer_type" in inspect.signature(rotary.forward).parameters
+        params = inspect.signature(block.forward).parameters
+        self.takes_position_ids = "position_ids" in params or any(
+            p.kind is p.VAR_KEYWORD for p in params.values())
+
+    def forward(self, value: Any) -> Any:
+        hidden, mask = _hidden_and_mask(value)
+        positions = _positions(hidden)
+        # the mask is built without position_ids: they are always arange here, and given, transformers
+        # looks for packed sequences with a data-dependent check that meta tensors (planning) cannot run
+        kwargs: dict[str, Any] = {
+            "attention_mask": self.make_mask(config=self.config, inputs_embeds=hidden, attention_mask=mask,
+                                             cache=None, position_ids=None)}
+        if self.takes_position_ids:
+            kwargs["position_ids"] = positions
+        if self.rotary is not None:
+            by_type = (self.layer_type,) if self.rotary_takes_layer_type else ()
+            kwargs["position_embeddings"] = self.rotary(hidden, positions, *by_type)
+        out = self.block(hidden, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        return out if mask is None else (out, mask)
+
+
+class LMHead(nn.Module):
+    """hidden (or ``(hidden, attention_mask)``) -> logits: final norm, ``lm_head``, then the family's
+    logit scale, divisor and soft-capping, in its forward's order."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, scale: float | None, divisor: float | None,
+                 softcap: float | None) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+        self.scale, self.divisor, self.softcap = scale, divisor, softcap
+
+    def forward(self, value: Any) -> torch.Tensor:
+        hidden, _ = _hidden_and_mask(value)
+        logits = self.lm_head(self.norm(hidden))
+        if self.scale is not None:
+            logits = logits * self.scale
+        if self.divisor is not None:
+            logits = logits / self.divisor
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+class CausalLMLoss(nn.Module):
+    """The causal-LM loss of transformers' models (shift the labels left by one, cross-entropy in
+    fp32, ``ignore_index`` -100), as ``(summed loss, number of counted tokens)`` of a micro-batch:
+    the pipeline divides the sum of sums by the sum of counts, the token mean over the whole
+    mini-batch, so a micro-batch with more padding weighs exactly as in the full batch."""
+
+    def __init__(self, ignore_index: int = -100) -> None:
+        super().__init__()
+        self.ignore_index = ignore_index
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shifted = nn.functional.pad(labels, (0, 1), value=self.ignore_index)[..., 1:].to(logits.device)
+        total = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                            shifted.reshape(-1), ignore_index=self.ignore_index,
+                                            reduction="sum")
+        return total, (shifted != self.ignore_index).sum()
+
+
+# -- reading the model --------------------------------------------------------------------------------
+
+def _scalings(model: Any, base: nn.Module) -> dict[str, float | None] | str:
+    """The family's scalings read off the model (see the module docstring), or why they cannot be
+    kept: one that is not a plain number (a learned tensor would be a parameter outside the layers)."""
+    found = {"multiplier": getattr(base, "embedding_multiplier", None),
+             "scale": getattr(model, "logit_scale", None),
+             "divisor": getattr(model.config, "logits_scaling", None),
+             "softcap": getattr(model.config, "final_logit_softcapping", None)}
+    for role, value in found.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"its {role} ({type(value).__name__}) is not a number"
+    return {role: None if value is None else float(value) for role, value in found.items()}
+
+
+def _base_parts(model: Any) -> dict[str, Any] | str:
+    """The base model's parts by role, or why they cannot be told apart."""
+    base = getattr(model, "base_model", None)
+    if not isinstance(base, nn.Module) or base is model:
+        return "it has no base model (model.base_model) separate from its head"
+    tokens, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(head, nn.Module):
+        return "it has no output embeddings (lm_head)"
+    parts: dict[str, Any] = {"base": base, "tokens": tokens, "head": head}
+    roles: dict[str, list[str]] = {"blocks": [], "rotary": [], "dropout": [], "positions": [], "norm": []}
+    for name, child in base.named_children():
+        if child is tokens:
+            continue
+        role = ("blocks" if isinstance(child, nn.ModuleList) else
+                "rotary" if type(child).__name__.endswith("RotaryEmbedding") else
+                "dropout" if isinstance(child, nn.Dropout) else
+                "positions" if type(child) is nn.Embedding else "norm")   # offsets, sinusoids: unknown
+        roles[role].append(name)
+    if not any(child is tokens for child in base.children()):
+        return f"its token embedding is not a direct part of {type(base).__name__}"
+    if len(roles["blocks"]) != 1:
+        return (f"{type(base).__name__} has {len(roles['blocks'])} module lists "
+                f"({', '.join(roles['blocks']) or 'none'}), not one list of decoder blocks")
+    for role in ("rotary", "dropout", "positions"):
+        if len(roles[role]) > 1:
+            return f"{type(base).__name__} has several {role} modules: {', '.join(roles[role])}"
+    if len(roles["norm"]) != 1:
+        found = ", ".join(f"{n} ({type(getattr(base, n)).__name__})" for n in roles["norm"]) or "none"
+        return (f"{type(base).__name__} has parts that are not embedding, blocks, rotary, dropout "
+                f"or one final norm: {found}")
+    for role, names in roles.items():
+        parts[role] = getattr(base, names[0]) if names else None
+    if len(parts["blocks"]):
+        params = list(inspect.signature(parts["blocks"][0].forward).parameters.values())[1:]
+        needed = [p.name for p in params if p.default is p.empty and p.name not in BLOCK_INPUTS
+                  and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if needed:
+            return (f"its blocks need {', '.join(needed)}, which its forward computes for them (only "
+                    "a mask, positions and rotary embeddings are known)")
+        if not any(p.name == "attention_mask" or p.kind is p.VAR_KEYWORD for p in params):
+            return "its blocks take no attention mask (they are not attention blocks)"
+    return parts
+
+
+def refusal(model: Any) -> str | None:
+    """Why `model` cannot be flattened into embed -> blocks -> norm -> head with the same loss, or
+    None when it can (see the module docstring). Reads the model object only; runs nothing."""
+    from transformers import PreTrainedModel
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    if not isinstance(model, PreTrainedModel):
+        return f"it is a {type(model).__name__}, not a transformers model"
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        return "it is an encoder-decoder model; only decoder-only models are a single chain of blocks"
+    if getattr(config, "output_router_logits", False):
+        return ("its loss adds the router's auxiliary loss (config.output_router_logits=True), which "
+                "depends on every micro-batch's routing; set output_router_logits=False to train on the "
+                "language-model loss alone")
+    if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False):
+        return "its attention is not causal (is_causal / use_bidirectional_attention)"
+    if getattr(model, "loss_function", None) is not ForCausalLMLoss:
+        return "its loss is not transformers' ForCausalLMLoss"
+    others = sorted(set(getattr(config, "layer_types", None) or []) - set(ATTENTION_TYPES))
+    if others:
+        return (f"it has {', '.join(others)} layers; only {' and '.join(ATTENTION_TYPES)} layers get "
+                "their mask from the padding mask alone")
+    parts = _base_parts(model)
+    if isinstance(parts, str):
+        return f"its forward is not embed -> blocks -> norm -> head: {parts}"
+    scalings = _scalings(model, parts["base"])
+    return scalings if isinstance(scalings, str) else None
+
+
+def _layer_types(config: Any, n: int) -> list[str]:
+    """Each block's attention type, as the family's forward picks its mask."""
+    declared = getattr(config, "layer_types", None)
+    if declared:
+        return list(declared[:n])
+    sliding = getattr(config, "sliding_window", None) is not None
+    return ["sliding_attention" if sliding else "full_attention"] * n
+
+
+def causal_lm_layers(model: Any, *, check: bool = True) -> nn.Sequential:
+    """`model` (a transformers ``*ForCausalLM``) as ``embeddings, block_0 .. block_{n-1}, head``,
+    made of the model's own modules (see the module docstring).
+
+    Raises ValueError naming the family and why, before any work, for a model that is not
+    embed -> blocks -> norm -> head (encoder-decoder, recurrent or linear-attention layers, a router
+    loss, ...). With `check` (default) and real weights, the layers' logits are compared with
+    ``model(...)``'s on a short padded batch (eval mode, no gradient; the modes are restored): a family
+    whose forward does more than what is read off the model object is refused rather than trained on
+    a different function. A model on the meta device is not run.
+    """
+    reason = refusal(model)
+    if reason is not None:
+        family = getattr(getattr(model, "config", None), "model_type", "not a transformers model")
+        raise ValueError(f"{type(model).__name__} ({family}) cannot be pipelined by causal_lm_layers: "
+                         f"{reason}")
+    parts, scalings = _base_parts(model), _scalings(model, model.base_model)
+    assert not isinstance(parts, str) and not isinstance(scalings, str)
+    config = model.config
+    blocks = list(parts["blocks"])[:getattr(config, "num_hidden_layers", None) or len(parts["blocks"])]
+    layers: dict[str, nn.Module] = {"embeddings": TokenEmbedding(
+        parts["tokens"], parts["positions"], parts["dropout"], scalings["multiplier"])}
+    for i, (block, kind) in enumerate(zip(blocks, _layer_types(config, len(blocks)))):
+        layers[f"block_{i}"] = DecoderBlock(block, config, kind, parts["rotary"])
+    layers["head"] = LMHead(parts["norm"], parts["head"], scalings["scale"], scalings["divisor"],
+                            scalings["softcap"])
+    sequence = nn.Sequential()
+    for name, layer in layers.items():
+        sequence.add_module(name, layer)
+    if check:
+        _check_same_logits(model, sequence)
+    return sequence
+
+
+def _check_same_logits(model: Any, layers: nn.Sequential) -> None:
+    """Raise ValueError unless `layers` give `model`'s logits on a short padded batch (see
+    :func:`causal_lm_layers`). Skipped for weights without values (meta or fake tensors)."""
+    weight = next(model.parameters(), None)
+    if weight is None or weight.device.type == "meta" or type(weight).__name__ == "FakeTensor":
+        return
+    window = getattr(model.config, "sliding_window", None)
+    length = 8 if not isinstance(window, int) or window > 62 else max(8, window + 2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, length), generator=g).to(weight.device)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            expected = model(input_ids=ids, attention_mask=mask).logits
+            got: Any = (ids, mask)
+            try:
+                for layer in layers:
+                    got = layer(got)
+            except Exception as e:   # the block takes its inputs otherwise than the family's forward
+                raise ValueError(f"{type(model).__name__} ({model.config.model_type}) cannot be pipelined "
+                                 f"by causal_lm_layers: its blocks fail when called as the flattener "
+                                 f"calls them ({type(e).__name__}: {e})") from e
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    kept = mask.bool()
+    expected, got = expected[kept].float(), got[kept].float()
+    tolerance = 1e-4 * max(1.0, float(expected.abs().max()))
+    if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=tolerance):
+        diff = (got - expected).abs().max() if got.shape == expected.shape else "shape"
+        raise ValueError(f"{type(model).__name__} ({model.config.model_type}) cannot be pipelined by "
+                         f"causal_lm_layers: its forward computes something the layers do not "
+                         f"(largest logit difference {diff} on a test batch); it is not "
+                         "embed -> blocks -> norm -> head with the scalings read off the model")

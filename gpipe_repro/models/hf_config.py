@@ -1,0 +1,100 @@
+"""A transformers config from a family name and sizes, or from a ``config.json``: no download.
+
+::
+
+    cfg = hf_config("llama", layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336,
+                    vocab=128256, positions=8192)          # LLaMA-3 8B's shape
+    cfg = hf_config("path/to/config.json", layers=4)       # a checkpoint's config, made shallower
+    with torch.device("meta"):                              # no memory: a planner traces shapes
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    layers = causal_lm_layers(model)
+
+A family is a transformers ``model_type`` ("llama", "mistral", "qwen2", "gemma2", "gpt2", ...); its
+config class's defaults fill in what is not given. The size options have one name for every family
+and go to the attribute the family's config has (``hidden`` is GPT-2's ``n_embd`` and LLaMA's
+``hidden_size``); any other keyword is a config attribute, given as is. An option the family's config
+does not have is an error, not a silently ignored attribute. Values derived from the sizes (the
+per-layer attention types, ``head_dim`` where the family derives it) are derived by the config
+class itself, so a ``config.json`` whose depth is changed gets its ``layer_types`` rebuilt.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SIZE_OPTIONS", "hf_config"]
+
+# option -> the config attributes it may set, first one the family's config has
+SIZE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "layers": ("num_hidden_layers",),
+    "hidden": ("hidden_size",),
+    "heads": ("num_attention_heads",),
+    "kv_heads": ("num_key_value_heads",),
+    "head_dim": ("head_dim",),
+    "intermediate": ("intermediate_size", "n_inner"),
+    "vocab": ("vocab_size",),
+    "positions": ("max_position_embeddings",),
+    "tie": ("tie_word_embeddings",),
+}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"{path} has no config.json: give a config.json file or the folder holding it")
+    values = json.loads(file.read_text())
+    if not isinstance(values, dict) or "model_type" not in values:
+        raise ValueError(f"{file} is not a transformers config (it has no model_type)")
+    return values
+
+
+def hf_config(family_or_path: str | os.PathLike[str], *, layers: int | None = None,
+              hidden: int | None = None, heads: int | None = None, kv_heads: int | None = None,
+              head_dim: int | None = None, intermediate: int | None = None, vocab: int | None = None,
+              positions: int | None = None, tie: bool | None = None, **config: Any) -> Any:
+    """A ``transformers.PretrainedConfig``: the family's defaults (a ``model_type``), or a
+    ``config.json`` (the file or its folder), with the given sizes and config attributes on top.
+
+    Raises ValueError, before building anything, for an unknown family, a missing or foreign
+    ``config.json``, or an option the family's config does not have (naming the ones it has).
+    """
+    from transformers import CONFIG_MAPPING
+
+    path, name = Path(family_or_path), str(family_or_path)
+    if isinstance(family_or_path, os.PathLike) or "/" in name or name.endswith(".json") or \
+            (path.exists() and name not in CONFIG_MAPPING):
+        values = _read_json(path)
+        family = str(values.pop("model_type"))
+    else:
+        values, family = {}, str(family_or_path)
+    if family not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(family, list(CONFIG_MAPPING.keys()), n=3)
+        raise ValueError(f"unknown model family {family!r}: give a transformers model_type"
+                         f"{' (' + ', '.join(close) + '?)' if close else ''} or the path of a config.json")
+    config_class = CONFIG_MAPPING[family]
+    defaults = config_class()
+    sizes = {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
+             "head_dim": head_dim, "intermediate": intermediate, "vocab": vocab,
+             "positions": positions, "tie": tie}
+    given: dict[str, Any] = {}
+    for option, value in sizes.items():
+        if value is None:
+            continue
+        attribute = next((a for a in SIZE_OPTIONS[option] if hasattr(defaults, a)), None)
+        if attribute is None:
+            usable = [o for o, names in SIZE_OPTIONS.items() if any(hasattr(defaults, a) for a in names)]
+            raise ValueError(f"{family} has no {option} ({' or '.join(SIZE_OPTIONS[option])}); its size "
+                             f"options are: {', '.join(usable)}")
+        given[config_class.attribute_map.get(attribute, attribute)] = value   # GPT-2: n_embd
+    unknown = sorted(k for k in config if not hasattr(defaults, k))
+    if unknown:
+        raise ValueError(f"{config_class.__name__} has no attribute {', '.join(unknown)}: check the "
+                         "spelling, or use a size option (" + ", ".join(SIZE_OPTIONS) + ")")
+    given.update(config)
+    if config_class.attribute_map.get("num_hidden_layers", "num_hidden_layers") in given and \
+            "layer_types" not in config:
+        values.pop("layer_types", None)   # one type per layer: the config class derives them again
+    return config_class(**{**values, **given})

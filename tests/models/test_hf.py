@@ -1,0 +1,274 @@
+"""Hugging Face causal LMs pipelined by `causal_lm_layers`: one GPipe step gives the model's own loss
+and gradients.
+
+Each case builds a tiny model of one family from a config (no download, dropout 0, train mode), and
+compares one GPipe step (no optimizer: gradients only) on a padded batch, labels -100 where the
+padding is, with ``model(input_ids=..., attention_mask=..., labels=...).loss.backward()`` on a deep
+copy of the model (the reference never calls our code): the same loss and the same gradient of
+every parameter. The cases cover every family at K >= 2, every schedule, tied and untied
+embeddings, M = 2..4, sliding windows shorter than the sequence and each family's own scalings.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from gpipe_repro import GPipe
+from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES
+from gpipe_repro.models.hf import CausalLMLoss, causal_lm_layers
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, ROWS = 96, 12, 6
+SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+GPT2_SIZES = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)
+FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
+    "mistral": dict(sliding_window=5),                                   # shorter than SEQ
+    "gemma2": dict(sliding_window=5, final_logit_softcapping=2.0, attn_implementation="eager"),
+    "gemma3_text": dict(sliding_window=5, final_logit_softcapping=2.0, num_hidden_layers=3,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    "granite": dict(embedding_multiplier=4.0, logits_scaling=3.0),
+    "cohere": dict(logit_scale=0.5),
+    "gpt_neox": dict(rotary_pct=0.5),
+    "phi": dict(partial_rotary_factor=0.5),
+}
+
+
+def tiny_model(family: str, tie: bool | None = None, **options: Any) -> Any:
+    """A tiny `family` causal LM, random init, dropout 0, train mode."""
+    kwargs = {**(GPT2_SIZES if family == "gpt2" else SIZES), **FAMILY_OPTIONS.get(family, {}), **options}
+    if tie is not None:
+        kwargs["tie_word_embeddings"] = tie
+    attention = kwargs.pop("attn_implementation", None)
+    config = transformers.AutoConfig.for_model(family, **kwargs)
+    for key, value in vars(config).items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)
+    if attention is not None:
+        config._attn_implementation = attention
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def padded_batch(rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, a padding mask (left padding, right padding, none) and labels: the ids, -100
+    where the padding is and at a few other places."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (rows, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0           # left padding
+    mask[2, 7:] = 0           # right padding
+    mask[rows - 1, :9] = 0    # mostly padding: its micro-batch has few tokens
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 5] = -100
+    return ids, mask, labels
+
+
+def pipeline_gradients(model: Any, inputs: Any, labels: torch.Tensor, **gpipe: Any) -> tuple[float, dict]:
+    pipe = GPipe(causal_lm_layers(model), loss_fn=CausalLMLoss(), optimizer=None, **gpipe)
+    loss = pipe.train_step(inputs, labels)
+    if model.config.tie_word_embeddings and gpipe["partitions"] > 1:   # the tie crosses cells
+        assert [t.cells for t in pipe.ties] == [[0, len(pipe.cells) - 1]]
+    # a weight tied across cells is a copy per cell (the model's modules hold them), each with the sum
+    return loss, {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def reference_gradients(model: Any, ids: torch.Tensor, mask: torch.Tensor | None,
+                        labels: torch.Tensor) -> tuple[float, dict]:
+    reference = copy.deepcopy(model)
+    loss = reference(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
+
+
+def assert_same_step(family: str, tie: bool | None, partitions: int, micro_batches: int,
+                     schedule: str = "gpipe", with_mask: bool = True, **gpipe: Any) -> Any:
+    model = tiny_model(family, tie)
+    ids, mask, labels = padded_batch()
+    expected_loss, expected = reference_gradients(model, ids, mask if with_mask else None, labels)
+    loss, got = pipeline_gradients(model, (ids, mask) if with_mask else ids, labels, partitions=partitions,
+                                   micro_batches=micro_batches, schedule=schedule, **gpipe)
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    assert got.keys() == expected.keys()
+    for name, grad in got.items():
+        assert grad is not None and expected[name] is not None, f"{family}: no gradient for {name}"
+        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"{family}: gradient of {name}: {m}")  # type: ignore[misc]
+    return model
+
+
+# (family, tied, partitions, micro-batches, schedule, checkpoint): every family at K >= 2, every
+# schedule, tied and untied, M = 2..4, every checkpoint mode. interleaved, zb-v and dualpipe-v run
+# partitions = 2 x processes cells.
+CASES = [
+    ("llama", False, 2, 3, "gpipe", "except_last"),
+    ("mistral", False, 3, 2, "1f1b", "always"),
+    ("qwen2", False, 4, 4, "zb-h1", "except_last"),
+    ("qwen3", False, 4, 4, "interleaved", "never"),
+    ("gemma2", False, 4, 2, "zb-v", "always"),
+    ("gemma3_text", False, 2, 3, "1f1b", "except_last"),
+    ("gpt_neox", False, 3, 3, "gpipe", "never"),
+    ("phi", False, 2, 2, "zb-h1", "always"),
+    ("olmo", False, 2, 4, "1f1b", "except_last"),
+    ("granite", False, 3, 2, "gpipe", "except_last"),
+    ("gemma", True, 1, 3, "gpipe", "except_last"),      # tied in one cell: nothing crosses cells
+    ("gpt2", True, 2, 3, "gpipe", "always"),
+    ("gemma", True, 3, 2, "1f1b", "except_last"),
+    ("cohere", True, 2, 4, "zb-h1", "never"),
+    ("qwen2", True, 4, 2, "interleaved", "except_last"),
+    ("gemma2", True, 2, 3, "zb-v", "except_last"),
+    ("olmo", False, 4, 4, "dualpipe-v", "except_last"),
+    ("gpt2", True, 4, 4, "dualpipe-v", "never"),
+]
+
+
+def _case_id(case: tuple) -> str:
+    family, tie, k, m, schedule, checkpoint = case
+    return f"{family}-{'tied' if tie else 'untied'}-K{k}-M{m}-{schedule}-{checkpoint}"
+
+
+@pytest.mark.parametrize("family,tie,partitions,micro_batches,schedule,checkpoint", CASES,
+                         ids=map(_case_id, CASES))
+def test_a_pipelined_step_gives_the_models_loss_and_gradients(family: str, tie: bool, partitions: int,
+                                                                micro_batches: int, schedule: str,
+                                                                checkpoint: str) -> None:
+    model = tiny_model(family, tie)
+    assert model.config.tie_word_embeddings == tie
+    assert_same_step(family, tie, partitions, micro_batches, schedule, checkpoint=checkpoint)
+
+
+def test_the_cases_cover_every_schedule_and_checkpoint_mode() -> None:
+    assert {case[4] for case in CASES} == set(SCHEDULES)
+    assert {case[5] for case in CASES} == set(CHECKPOINT_MODES)
+    assert {(case[1], case[2] > 1) for case in CASES} == {(False, True), (True, True), (True, False)}
+
+
+def test_without_a_mask_the_layers_pass_the_hidden_states_alone() -> None:
+    model = assert_same_step("llama", False, 2, 2, "1f1b", with_mask=False, checkpoint="always")
+    ids, _, _ = padded_batch()
+    layers = causal_lm_layers(model)
+    assert isinstance(layers[0](ids), torch.Tensor)
+
+
+def test_the_layers_are_the_models_modules() -> None:
+    model = tiny_model("gemma2", tie=True)
+    layers: Any = causal_lm_layers(model)
+    assert list(dict(layers.named_children())) == ["embeddings", "block_0", "block_1", "head"]
+    assert layers.head.lm_head.weight is layers.embeddings.tokens.weight is model.lm_head.weight
+    assert {id(p) for p in layers.parameters()} == {id(p) for p in model.parameters()}
+    rotaries = [layers.block_0.rotary, layers.block_1.rotary]
+    assert rotaries[0] is not rotaries[1] and model.model.rotary_emb not in rotaries   # one per layer
+    assert [b.layer_type for b in (layers.block_0, layers.block_1)] == ["sliding_attention",
+                                                                         "full_attention"]
+    assert layers.head.softcap == 2.0
+
+
+def test_the_sliding_window_and_the_padding_are_in_effect() -> None:
+    """The equalities above are not vacuous: the window (5 < 12 tokens) and the padding change the
+    logits of the rows they concern."""
+    model = tiny_model("mistral").eval()
+    ids, mask, _ = padded_batch()
+    layers: Any = causal_lm_layers(model)
+    assert {b.layer_type for b in list(layers)[1:-1]} == {"sliding_attention"}
+    with torch.no_grad():
+        windowed = _run(layers, (ids, mask))
+        unpadded = _run(layers, ids)
+        model.config.sliding_window = None
+        full = _run(causal_lm_layers(model), (ids, mask))
+    assert not torch.allclose(windowed[1, 8:], full[1, 8:])            # past the window
+    torch.testing.assert_close(windowed[1, :5], full[1, :5])           # within it
+    assert not torch.allclose(windowed[0, 4:], unpadded[0, 4:])        # after left padding
+    torch.testing.assert_close(windowed[2, :7], unpadded[2, :7])       # before right padding
+
+
+def _run(layers: Any, value: Any) -> Any:
+    for layer in layers:
+        value = layer(value)
+    return value
+
+
+def test_the_family_scalings_are_read_off_the_model() -> None:
+    granite: Any = causal_lm_layers(tiny_model("granite"))
+    assert granite.embeddings.multiplier == 4.0 and granite.head.divisor == 3.0
+    cohere: Any = causal_lm_layers(tiny_model("cohere"))
+    assert cohere.head.scale == 0.5
+    plain: Any = causal_lm_layers(tiny_model("llama"))
+    assert (plain.embeddings.multiplier, plain.head.scale, plain.head.divisor, plain.head.softcap) == \
+        (None, None, None, None)
+
+
+def test_the_loss_is_the_models_token_mean() -> None:
+    model = tiny_model("llama")
+    ids, mask, labels = padded_batch()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    total, count = CausalLMLoss()(out.logits, labels)
+    assert int(count) == int((labels[:, 1:] != -100).sum())
+    torch.testing.assert_close(total / count, out.loss)
+
+
+@pytest.mark.parametrize("family,options,why", [
+    ("mixtral", dict(output_router_logits=True, num_local_experts=2, num_experts_per_tok=1), "router"),
+    ("mamba", dict(), "linear_attention"),
+    ("bloom", dict(n_layer=2, n_head=4), "word_embeddings_layernorm"),
+    ("biogpt", dict(), "embed_positions"),
+    ("mpt", dict(d_model=32, n_heads=4, n_layers=2), "position_bias"),
+    ("rwkv", dict(), "no attention mask"),
+])
+def test_a_family_that_is_not_embed_blocks_norm_head_is_refused_before_any_work(
+        family: str, options: dict, why: str) -> None:
+    config = transformers.AutoConfig.for_model(family, vocab_size=VOCAB, hidden_size=32,
+                                               num_hidden_layers=2, num_attention_heads=4,
+                                               intermediate_size=64, pad_token_id=0, **options)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.forward = lambda *args, **kwargs: pytest.fail("the model was run")
+    with pytest.raises(ValueError, match=f"{type(model).__name__} \\({family}\\) cannot be pipelined"
+                       f".*{why}"):
+        causal_lm_layers(model)
+
+
+def test_an_encoder_decoder_model_is_refused() -> None:
+    config = transformers.AutoConfig.for_model("t5", vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64,
+                                               num_layers=1, num_heads=2)
+    model = transformers.AutoModelForSeq2SeqLM.from_config(config)
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        causal_lm_layers(model)
+
+
+def test_a_module_that_is_not_a_transformers_model_is_refused() -> None:
+    with pytest.raises(ValueError, match="Linear .*not a transformers model"):
+        causal_lm_layers(torch.nn.Linear(2, 2))
+
+
+def test_a_forward_that_does_more_than_the_layers_is_refused() -> None:
+    """A family whose structure fits but whose forward computes something else (here: the logits
+    doubled) is caught by comparing logits on a test batch, not trained on another function."""
+    class DoubledLogits(transformers.LlamaForCausalLM):   # type: ignore[name-defined]
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    config = transformers.AutoConfig.for_model("llama", **SIZES)
+    model = DoubledLogits(config).train()
+    with pytest.raises(ValueError, match="DoubledLogits \\(llama\\).*computes something the layers do not"):
+        causal_lm_layers(model)
+    assert model.training and all(m.training for m in model.modules())   # modes restored
+    causal_lm_layers(model, check=False)   # on the caller's word
+
+
+def test_a_model_on_the_meta_device_is_flattened_without_running() -> None:
+    config = transformers.AutoConfig.for_model("llama", **{**SIZES, "num_hidden_layers": 4})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    layers = causal_lm_layers(model)
+    assert len(layers) == 6
+    assert sum(p.numel() for p in layers.parameters()) == sum(p.numel() for p in model.parameters())
+    assert all(p.device.type == "meta" for p in layers.parameters())

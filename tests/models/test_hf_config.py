@@ -1,0 +1,66 @@
+"""`hf_config`: a transformers config from a family and sizes, or a config.json, and a model built
+from it on the meta device flattened by `causal_lm_layers` without weights."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpipe_repro.memory.planner import MemoryPlanner
+from gpipe_repro.models.hf import CausalLMLoss, causal_lm_layers, hf_config
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_llama_3_8b_is_planned_on_the_meta_device() -> None:
+    config = hf_config("llama", layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336,
+                       vocab=128256, positions=8192, tie=False)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    layers = causal_lm_layers(model)
+    assert len(layers) == 34
+    assert sum(p.numel() for p in layers.parameters()) == 8_030_261_248   # Llama-3-8B's count
+    assert all(p.device.type == "meta" for p in layers.parameters())
+    ids = torch.empty(4, 64, dtype=torch.long, device="meta")
+    plan = MemoryPlanner(layers, (ids, ids), ids, CausalLMLoss()).plan(partitions=4, micro_batches=2)
+    weights = 8_030_261_248 * 12 / 4     # fp32 weight, gradient, one optimizer slot: 24 GB a device
+    assert len(plan.stages) == 4 and all(0.8 * weights < s.peak < 1.5 * weights for s in plan.stages)
+
+
+def test_the_size_options_go_to_the_familys_own_attributes() -> None:
+    gpt2 = hf_config("gpt2", layers=2, hidden=32, heads=4, intermediate=64, vocab=96, tie=False)
+    assert (gpt2.n_layer, gpt2.n_embd, gpt2.n_head, gpt2.n_inner, gpt2.vocab_size) == (2, 32, 4, 64, 96)
+    assert gpt2.tie_word_embeddings is False
+    gemma2 = hf_config("gemma2", layers=3, hidden=64, sliding_window=16)
+    assert gemma2.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert gemma2.sliding_window == 16
+
+
+def test_a_config_json_is_read_and_resized(tmp_path: Path) -> None:
+    original = hf_config("gemma2", layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=96)
+    original.to_json_file(tmp_path / "config.json")
+    for given in (tmp_path / "config.json", str(tmp_path / "config.json"), tmp_path):
+        assert hf_config(given).to_dict() == original.to_dict()
+    shallower = hf_config(tmp_path, layers=2)
+    assert shallower.num_hidden_layers == 2 and len(shallower.layer_types) == 2
+    assert (shallower.hidden_size, shallower.head_dim) == (64, 16)
+
+
+@pytest.mark.parametrize("args,kwargs,message", [
+    (("lama",), {}, "unknown model family 'lama'.*llama"),
+    (("gpt2",), {"kv_heads": 2}, "gpt2 has no kv_heads.*its size options are: layers, hidden"),
+    (("llama",), {"hidden_sise": 2}, "LlamaConfig has no attribute hidden_sise"),
+])
+def test_a_wrong_family_or_option_says_what_to_change(args: tuple, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        hf_config(*args, **kwargs)
+
+
+def test_a_path_without_a_config_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="has no config.json"):
+        hf_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 4}))
+    with pytest.raises(ValueError, match="no model_type"):
+        hf_config(tmp_path)

@@ -1,0 +1,103 @@
+"""The causal-LM task: byte-level packing, its resumable stream, and `run causal-lm` training a tiny
+Hugging Face model through the pipeline from the command line."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from gpipe_repro.cli import app
+from gpipe_repro.train.tasks.packed_bytes import EOS, IGNORE, PackedBatches, decode, encode, pack
+
+WORDS = "the cat sees a red house and the dog eats small fish near an old tree".split()
+
+
+def _text(path: Path, lines: int = 120) -> Path:
+    """A made-up English text, one sentence per line."""
+    sentences = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(3 + i % 6)) + "."
+                 for i in range(lines)]
+    path.write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    return path
+
+
+def test_documents_are_packed_whole_with_padding_masked_and_ignored() -> None:
+    ids, mask, labels = pack(["ab", "cde", "fghijkl", "é"], seq_len=6)
+    assert encode("é") == [0xC3, 0xA9, EOS] and decode(encode("é")) == "é"
+    rows = [decode(r[m.bool()].tolist()) for r, m in zip(ids, mask)]
+    # "ab"+EOS and "cde"+EOS do not share a row of 6; "fghijkl"+EOS is cut into 6 + 2
+    assert rows == ["ab", "cde", "fghijk", "lé"]
+    assert mask.tolist()[0] == [1, 1, 1, 0, 0, 0]
+    assert (labels[mask == 0] == IGNORE).all() and torch.equal(labels[mask == 1], ids[mask == 1])
+
+
+def test_the_stream_resumes_where_it_stopped_and_reshuffles_each_epoch() -> None:
+    rows = pack([f"sentence {i}" for i in range(40)], seq_len=16)
+    stream = PackedBatches(rows, batch_size=4, seed=3)
+    drawn = [next(stream)[1] for _ in range(stream.batches_per_epoch + 2)]
+    again = PackedBatches(rows, batch_size=4, seed=3)
+    again.load_state_dict({"drawn": 5})
+    assert torch.equal(next(again)[1], drawn[5])
+    first, second = (torch.cat(drawn[e * stream.batches_per_epoch:(e + 1) * stream.batches_per_epoch][:2])
+                     for e in (0, 1))
+    assert not torch.equal(first, second)
+    with pytest.raises(ValueError, match="fewer than a mini-batch of 99"):
+        PackedBatches(rows, batch_size=99, seed=0)
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_run_causal_lm_trains_a_tiny_model_through_the_pipeline(tmp_path: Path) -> None:
+    text = _text(tmp_path / "sentences.txt")
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["run", "causal-lm", "--preset", "smoke", "--family", "qwen3",
+                                      "--text", str(text), "--k", "2", "--m", "2", "--steps", "3",
+                                      "--schedule", "1f1b", "--out", str(out), "--wandb", "disabled",
+                                      "--no-progress"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "K=2, M=2" in result.output and "byte-level ids of text" in result.output
+    metrics = _rows(out / "metrics.jsonl")
+    losses = [r["train/loss"] for r in metrics if "train/loss" in r]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0]
+    evals = [r["eval/loss"] for r in metrics if "eval/loss" in r]
+    assert evals and all(math.isfinite(x) for x in evals)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step-00000003.pt"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--family", "nonesuch"], "unknown Hugging Face family 'nonesuch'"),
+    (["--family", "t5"], "t5 has no intermediate"),
+    (["--family", "mamba", "--heads", "1"], "mamba has no heads"),
+    (["--text", "{tmp}/missing.txt"], "--text {tmp}/missing.txt: no such file"),
+    (["--family", "gpt2", "--kv-heads", "2"], "gpt2 has no kv_heads"),
+    (["--heads", "4", "--kv-heads", "3"], "give --kv-heads a divisor of 4"),
+    (["--config-file", "{tmp}/nope.json"], "no Hugging Face config at"),
+    (["--config-file", "{tmp}/config.json", "--seq-len", "1000"],
+     "--seq-len 1000 is longer than the model's 128 positions"),
+])
+def test_mistakes_are_one_line_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               args: list[str], says: str) -> None:
+    from gpipe_repro.train.tasks import causal_lm
+
+    def refuse(*a: Any, **kw: Any) -> Any:
+        raise AssertionError("the data were read before the options were checked")
+    monkeypatch.setattr(causal_lm, "text_documents", refuse)
+    monkeypatch.setattr(causal_lm, "corpus_documents", refuse)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
+        "intermediate_size": 64, "vocab_size": 300, "max_position_embeddings": 128}))
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = CliRunner().invoke(app, ["run", "causal-lm", "--preset", "smoke", *args,
+                                      "--out", str(tmp_path / "run"), "--wandb", "disabled"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert says.replace("{tmp}", str(tmp_path)) in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "run").exists()
