@@ -28,7 +28,7 @@ help:
 	@echo "make train-amoebanet   AmoebaNet-B on the offline MNIST sample (CPU preset)"
 	@echo "make deep-vs-wide      deep vs wide multilingual translation, results/translation/"
 	@echo "make baseline          regenerate the CI speedup baseline on purpose (prints the diff)"
-	@echo "make check-speedups    benchmark: measured K=2 speedups vs the committed baseline (RUNS=8)"
+	@echo "make check-speedups    benchmark: K=2 speedups vs the committed baseline: pass / fail / inconclusive (RUNS=N rounds, BUDGET=s)"
 	@echo "make check-regression-detector  the CI regression vs 4 breakages (RUNS=10; RENDER_ONLY=1: the page again from its JSON), results/ci/"
 	@echo "make gpu-check         engine, memory planner and cost model on one GPU, results/gpu/<device>/"
 
@@ -104,19 +104,19 @@ validate-unseen: $(STAMP)
 	$(PY) -m experiments.validate_unseen
 
 bench-overhead: $(STAMP)
-	$(PY) -m experiments.bench_overhead
+	$(PY) -m experiments.bench_overhead $(if $(BUDGET),--budget $(BUDGET))
 
 bench-runtime: $(STAMP)
-	$(PY) -m experiments.bench_runtime
+	$(PY) -m experiments.bench_runtime $(if $(BUDGET),--budget $(BUDGET))
 
 bench-replicas: $(STAMP)
-	$(PY) -m experiments.bench_replicas
+	$(PY) -m experiments.bench_replicas $(if $(BUDGET),--budget $(BUDGET))
 
 replicas-plan-table: $(STAMP)
 	$(PY) -m experiments.replicas_plan_table
 
 bench-schedules: $(STAMP)
-	$(PY) -m experiments.bench_schedules
+	$(PY) -m experiments.bench_schedules $(if $(BUDGET),--budget $(BUDGET))
 
 bench-latency: $(STAMP)
 	$(PY) -m experiments.bench_latency
@@ -139,8 +139,10 @@ gpu-check: $(STAMP)
 	$(VENV)/bin/gpipe-repro gpu-check --device $(GPU) $(GPU_CHECK_ARGS)
 
 RUNS ?=
+# BUDGET=s: a benchmark's time budget; rounds stop earlier once every interval is within tolerance
+BUDGET ?=
 check-speedups: $(STAMP)
-	$(PY) -m experiments.check_speedups $(if $(RUNS),--runs $(RUNS))
+	$(PY) -m experiments.check_speedups $(if $(RUNS),--runs $(RUNS)) $(if $(BUDGET),--budget $(BUDGET))
 
 check-regression-detector: $(STAMP)
 	$(PY) -m experiments.check_regression_detector $(if $(RUNS),--runs $(RUNS)) $(if $(RENDER_ONLY),--render-only)
