@@ -29,7 +29,7 @@ per-language permutations and the batch order; no global RNG is touched.
 
 End to end (after `gpipe-repro corpus build`):
 
-    corpus = default_data_dir() / "gettext"                      # gpipe_repro.data.translation
+    corpus = default_data_dir() / "gettext"                      # gpipe_repro.data.corpus_manifest
     tok = TranslationTokenizer.load(corpus / "spm8000")          # gpipe_repro.data.tokenizer
     train = encode_split(corpus, tok, "train", max_len=128)      # {lang: TokenizedLanguage}
     for batch in train_batches(train, max_tokens=4096, temperature=5.0, seed=0):

@@ -37,12 +37,13 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from gpipe_repro.data.corpus_manifest import Manifest
+from gpipe_repro.data.corpus_readers import read_split
 from gpipe_repro.data.language_sampling import (
     DEFAULT_TEMPERATURE,
     TokenizedLanguage,
     temperature_probabilities,
 )
-from gpipe_repro.data.translation import Manifest, read_split
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SPECIAL_PIECES = ("<pad>", "<unk>", "<s>", "</s>")

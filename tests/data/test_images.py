@@ -298,7 +298,7 @@ def test_default_augmentation_keeps_digits_unflipped() -> None:
 
 
 def test_every_name_the_images_module_had_is_still_importable_from_it() -> None:
-    """data/images.py was split by responsibility (issue 14); its public names stay where they were."""
+    """data/images.py re-exports the public names of its image_*.py modules."""
     from gpipe_repro.data import image_batches, image_dataset, image_hub, image_sources, images
     homes = {"BatchIterator": image_batches, "DatasetUnavailableError": image_dataset,
              "ImageDataset": image_dataset, "ImageSplits": image_dataset, "NORMALIZATION": image_dataset,

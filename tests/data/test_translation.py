@@ -18,8 +18,26 @@ import typer
 from typer.testing import CliRunner
 
 from gpipe_repro.commands import corpus as corpus_command
+from gpipe_repro.data import corpus_hub
 from gpipe_repro.data import gettext_corpus as gc
-from gpipe_repro.data import translation as tr
+from gpipe_repro.data.corpus_builders import (
+    OPUS100_DATASET,
+    build_gettext_corpus,
+    build_local_corpus,
+    build_opus100_corpus,
+    opus100_config,
+)
+from gpipe_repro.data.corpus_hub import HubUnavailableError
+from gpipe_repro.data.corpus_manifest import (
+    SPLITS,
+    BuildConfig,
+    Manifest,
+    corpus_dir_for,
+    default_data_dir,
+    split_of,
+)
+from gpipe_repro.data.corpus_readers import as_hf_dataset, iter_records, read_split
+from gpipe_repro.data.corpus_writer import BUILDING
 from gpipe_repro.data.language_sampling import (
     TokenizedLanguage,
     collate,
@@ -48,13 +66,13 @@ def all_files(directory: Path) -> dict[str, bytes]:
 
 
 def records(corpus_dir: Path, split: str) -> list[dict]:
-    return list(tr.iter_records(corpus_dir, split))
+    return list(iter_records(corpus_dir, split))
 
 
 @pytest.fixture(scope="module")
 def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("small") / "gettext"
-    tr.build_gettext_corpus(out, tr.BuildConfig(languages=SMALL_LANGUAGES))
+    build_gettext_corpus(out, BuildConfig(languages=SMALL_LANGUAGES))
     return out
 
 
@@ -125,21 +143,21 @@ def test_normalize_language(locale: str, language: str | None) -> None:
 
 def test_offline_corpus_builds_byte_identical_twice(small_corpus: Path, tmp_path: Path) -> None:
     again = tmp_path / "gettext"
-    tr.build_gettext_corpus(again, tr.BuildConfig(languages=SMALL_LANGUAGES))
+    build_gettext_corpus(again, BuildConfig(languages=SMALL_LANGUAGES))
     first, second = all_files(small_corpus), all_files(again)
     first = {k: v for k, v in first.items() if k.endswith((".jsonl", "manifest.json"))}
     assert set(first) == set(second)
     assert first == second
-    manifest = tr.Manifest.load(small_corpus)
+    manifest = Manifest.load(small_corpus)
     assert set(manifest.languages) == set(SMALL_LANGUAGES)
     for relative, digest in manifest.files.items():
         assert hashlib.sha256((small_corpus / relative).read_bytes()).hexdigest() == digest
 
 
 def test_offline_corpus_is_deduplicated_many_to_english_with_provenance(small_corpus: Path) -> None:
-    manifest = tr.Manifest.load(small_corpus)
+    manifest = Manifest.load(small_corpus)
     seen: set[tuple[str, str, str]] = set()
-    for split in tr.SPLITS:
+    for split in SPLITS:
         for record in records(small_corpus, split):
             key = (record["language"], record["source"], record["target"])
             assert key not in seen
@@ -153,7 +171,7 @@ def test_offline_corpus_is_deduplicated_many_to_english_with_provenance(small_co
     # Direction: the target is the English msgid, the source the translation.
     origin = next(o for o in manifest.origins if o["pairs"] > 0)
     english = {e for e, _ in gc.catalog_pairs(origin["path"])}
-    targets = {r["target"] for s in tr.SPLITS for r in records(small_corpus, s)
+    targets = {r["target"] for s in SPLITS for r in records(small_corpus, s)
                if origin["id"] in r["origins"]}
     assert targets and targets <= english
     assert sum(info["train"] for info in manifest.languages.values()) == sum(
@@ -162,11 +180,11 @@ def test_offline_corpus_is_deduplicated_many_to_english_with_provenance(small_co
 
 def test_split_is_a_fixed_function_of_the_english_sentence(small_corpus: Path,
                                                            tmp_path: Path) -> None:
-    config = tr.BuildConfig(languages=SMALL_LANGUAGES)
+    config = BuildConfig(languages=SMALL_LANGUAGES)
     split_of_target: dict[str, str] = {}
-    for split in tr.SPLITS:
+    for split in SPLITS:
         for record in records(small_corpus, split):
-            assert tr.split_of(record["target"], config.valid_fraction, config.test_fraction) == split
+            assert split_of(record["target"], config.valid_fraction, config.test_fraction) == split
             assert split_of_target.setdefault(record["target"], split) == split  # one split per English
     counts = Counter(split_of_target.values())
     total = sum(counts.values())
@@ -175,18 +193,18 @@ def test_split_is_a_fixed_function_of_the_english_sentence(small_corpus: Path,
         assert abs(counts[split] / total - fraction) < 4 * sigma
     # Building a different set of languages moves no pair of a shared language between splits.
     alone = tmp_path / "alone"
-    tr.build_gettext_corpus(alone, tr.BuildConfig(languages=("cy",)))
+    build_gettext_corpus(alone, BuildConfig(languages=("cy",)))
     def welsh(corpus_dir: Path, split: str) -> set[tuple[str, str]]:
         return {(r["source"], r["target"]) for r in records(corpus_dir, split) if r["language"] == "cy"}
 
-    for split in tr.SPLITS:
+    for split in SPLITS:
         assert welsh(alone, split) == welsh(small_corpus, split)
 
 
 @pytest.mark.host_data   # the whole offline build from every catalog installed here: minutes on 2 cores
 def test_full_offline_corpus_spans_high_and_low_resource_languages(tmp_path: Path) -> None:
     start = time.perf_counter()
-    manifest = tr.build_gettext_corpus(tmp_path / "gettext")
+    manifest = build_gettext_corpus(tmp_path / "gettext")
     elapsed = time.perf_counter() - start
     sizes = manifest.sizes("train")
     assert len(sizes) >= 20, f"only {len(sizes)} languages: {sorted(sizes)}"
@@ -211,26 +229,26 @@ def test_local_json_and_csv_files(tmp_path: Path) -> None:
         f"yy,yy phrase {i},english {i},{'test' if i < 20 else 'train'}\n" for i in range(120)),
         encoding="utf-8")
     corpus_dir = tmp_path / "local"
-    manifest = tr.build_local_corpus(corpus_dir, [jsonl, csv], tr.BuildConfig(),
+    manifest = build_local_corpus(corpus_dir, [jsonl, csv], BuildConfig(),
                                      cache_dir=tmp_path / "hf")
     assert set(manifest.languages) == {"xx", "yy"}
-    assert sum(manifest.languages["xx"][s] for s in tr.SPLITS) == 150   # deduplicated, copy dropped
-    # every row left out is counted, by reason (issue 16), and local files get no gettext max_chars
+    assert sum(manifest.languages["xx"][s] for s in SPLITS) == 150   # deduplicated, copy dropped
+    # every row left out is counted, by reason, and local files get no gettext max_chars
     assert manifest.config["dropped"] == {"duplicate (same language, source and target)": 1,
                                           "source identical to target (untranslated)": 1}
     assert "max_chars" not in manifest.config
     assert manifest.languages["yy"]["test"] == 20 and manifest.languages["yy"]["train"] == 100
     for record in records(corpus_dir, "train"):
         if record["language"] == "xx":
-            assert tr.split_of(record["target"], 0.05, 0.05) == "train"
+            assert split_of(record["target"], 0.05, 0.05) == "train"
     versions = {Path(o["path"]).name: o["version"] for o in manifest.origins}
     assert versions["more.csv"] == "sha256:" + hashlib.sha256(csv.read_bytes()).hexdigest()
-    dataset = tr.as_hf_dataset(corpus_dir, "test", ["yy"], cache_dir=tmp_path / "hf")
+    dataset = as_hf_dataset(corpus_dir, "test", ["yy"], cache_dir=tmp_path / "hf")
     assert dataset.num_rows == 20 and set(dataset["language"]) == {"yy"}
     bad = tmp_path / "bad.csv"
     bad.write_text("lang,src,tgt\nxx,a,b\n", encoding="utf-8")
     with pytest.raises(ValueError, match="lacks column"):
-        tr.build_local_corpus(tmp_path / "bad", [bad], cache_dir=tmp_path / "hf")
+        build_local_corpus(tmp_path / "bad", [bad], cache_dir=tmp_path / "hf")
 
 
 def test_hub_corpus_fails_fast_and_names_the_offline_alternative(
@@ -240,14 +258,14 @@ def test_hub_corpus_fails_fast_and_names_the_offline_alternative(
     def no_network(*args: object, **kwargs: object) -> bool:
         raise AssertionError("the offline check must not touch the network")
 
-    monkeypatch.setattr(tr, "_hub_reachable", no_network)
+    monkeypatch.setattr(corpus_hub, "_hub_reachable", no_network)
     # no_network above fails the test at any attempt to reach the hub: no wait is possible
-    with pytest.raises(tr.HubUnavailableError, match="corpus build --source gettext"):
-        tr.build_opus100_corpus(tmp_path / "opus", tr.BuildConfig(languages=("de", "fr")))
+    with pytest.raises(HubUnavailableError, match="corpus build --source gettext"):
+        build_opus100_corpus(tmp_path / "opus", BuildConfig(languages=("de", "fr")))
     assert not (tmp_path / "opus").exists()
-    assert tr.opus100_config("de") == "de-en" and tr.opus100_config("fr") == "en-fr"
+    assert opus100_config("de") == "de-en" and opus100_config("fr") == "en-fr"
     with pytest.raises(ValueError, match="OPUS-100 has no"):
-        tr.build_opus100_corpus(tmp_path / "opus", tr.BuildConfig(languages=("tlh",)))
+        build_opus100_corpus(tmp_path / "opus", BuildConfig(languages=("tlh",)))
 
 
 def test_opus100_rows_become_the_corpus_layout(monkeypatch: pytest.MonkeyPatch,
@@ -257,7 +275,7 @@ def test_opus100_rows_become_the_corpus_layout(monkeypatch: pytest.MonkeyPatch,
 
     for flag in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(flag, raising=False)
-    monkeypatch.setattr(tr, "_hub_reachable", lambda *args, **kwargs: True)
+    monkeypatch.setattr(corpus_hub, "_hub_reachable", lambda *args, **kwargs: True)
     calls = []
 
     def hub_stand_in(path: str, name: str, revision: str | None = None,
@@ -273,11 +291,11 @@ def test_opus100_rows_become_the_corpus_layout(monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setattr(datasets, "load_dataset", hub_stand_in)
     corpus_dir = tmp_path / "opus100"
-    manifest = tr.build_opus100_corpus(corpus_dir, tr.BuildConfig(languages=("fr", "de")),
+    manifest = build_opus100_corpus(corpus_dir, BuildConfig(languages=("fr", "de")),
                                        revision="v1")
-    assert calls == [(tr.OPUS100_DATASET, "de-en", "v1"), (tr.OPUS100_DATASET, "en-fr", "v1")]
+    assert calls == [(OPUS100_DATASET, "de-en", "v1"), (OPUS100_DATASET, "en-fr", "v1")]
     for lang in ("de", "fr"):
-        assert {s: manifest.languages[lang][s] for s in tr.SPLITS} == {"train": 120, "valid": 5,
+        assert {s: manifest.languages[lang][s] for s in SPLITS} == {"train": 120, "valid": 5,
                                                                        "test": 7}
     first = records(corpus_dir, "valid")[0]
     assert first["source"] == "de valid 0" and first["target"] == "valid 0"   # whitespace collapsed
@@ -313,7 +331,7 @@ def test_tokenizer_is_deterministic_with_fixed_ids_and_round_trips(
     assert [tok.sp.id_to_piece(i) for i in (PAD_ID, UNK_ID, BOS_ID, EOS_ID)] == [
         "<pad>", "<unk>", "<s>", "</s>"]
     assert [tok.language_id(lang) for lang in sorted(SMALL_LANGUAGES)] == [4, 5, 6]
-    pairs = tr.read_split(small_corpus, "test", ["ga"])["ga"]
+    pairs = read_split(small_corpus, "test", ["ga"])["ga"]
     stable = [(s, t) for s, t in pairs
               if unicodedata.normalize("NFKC", s) == s and unicodedata.normalize("NFKC", t) == t]
     assert len(stable) > 100
@@ -333,9 +351,9 @@ def test_tokenizer_is_deterministic_with_fixed_ids_and_round_trips(
 def test_default_data_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch,
                                                   tmp_path: Path) -> None:
     monkeypatch.setenv("GPIPE_REPRO_DATA_DIR", str(tmp_path))
-    assert tr.corpus_dir_for("gettext") == tmp_path / "gettext"
+    assert corpus_dir_for("gettext") == tmp_path / "gettext"
     monkeypatch.delenv("GPIPE_REPRO_DATA_DIR")
-    assert tr.default_data_dir().parts[-2:] == ("data", "translation")
+    assert default_data_dir().parts[-2:] == ("data", "translation")
 
 
 def test_encode_split_feeds_the_batcher(small_corpus: Path,
@@ -463,22 +481,22 @@ def test_a_build_deletes_only_what_builds_wrote(tmp_path: Path) -> None:
     makes the build refuse before reading anything, changing nothing."""
     corpus = tmp_path / "corpus"
     two = _pairs_file(tmp_path / "two.jsonl", ("xx", "yy"))
-    tr.build_local_corpus(corpus, [two], cache_dir=tmp_path / "hf")
+    build_local_corpus(corpus, [two], cache_dir=tmp_path / "hf")
     (corpus / "notes.txt").write_text("mine")
     assert (corpus / "train" / "yy.jsonl").exists()
-    tr.build_local_corpus(corpus, [_pairs_file(tmp_path / "one.jsonl", ("xx",))], cache_dir=tmp_path / "hf")
+    build_local_corpus(corpus, [_pairs_file(tmp_path / "one.jsonl", ("xx",))], cache_dir=tmp_path / "hf")
     assert not (corpus / "train" / "yy.jsonl").exists() and (corpus / "train" / "xx.jsonl").exists()
-    assert (corpus / "notes.txt").read_text() == "mine" and not (corpus / tr.BUILDING).exists()
+    assert (corpus / "notes.txt").read_text() == "mine" and not (corpus / BUILDING).exists()
     mine = corpus / "valid" / "my_dev_set.jsonl"
     mine.write_text('{"my": "held-out"}\n')
     before = sorted(p.relative_to(corpus).as_posix() for p in corpus.rglob("*"))
     with pytest.raises(FileExistsError, match="valid/my_dev_set.jsonl.*nothing was changed"):
-        tr.build_local_corpus(corpus, [two], cache_dir=tmp_path / "hf")
+        build_local_corpus(corpus, [two], cache_dir=tmp_path / "hf")
     assert sorted(p.relative_to(corpus).as_posix() for p in corpus.rglob("*")) == before
     mine.unlink()
     inside = _pairs_file(corpus / "train" / "pairs.jsonl", ("xx",))
     with pytest.raises(ValueError, match="inside the corpus folder"):
-        tr.build_local_corpus(corpus, [inside], cache_dir=tmp_path / "hf")
+        build_local_corpus(corpus, [inside], cache_dir=tmp_path / "hf")
     assert inside.exists()
 
 
@@ -486,9 +504,9 @@ def test_a_stopped_build_can_be_rebuilt(tmp_path: Path) -> None:
     """A build stopped after removing its manifest still owns its files (its .building list)."""
     corpus = tmp_path / "corpus"
     two = _pairs_file(tmp_path / "two.jsonl", ("xx", "yy"))
-    tr.build_local_corpus(corpus, [two], cache_dir=tmp_path / "hf")
+    build_local_corpus(corpus, [two], cache_dir=tmp_path / "hf")
     files = sorted(json.loads((corpus / "manifest.json").read_text())["files"])
-    (corpus / tr.BUILDING).write_text(json.dumps(files))
+    (corpus / BUILDING).write_text(json.dumps(files))
     (corpus / "manifest.json").unlink()
-    manifest = tr.build_local_corpus(corpus, [two], cache_dir=tmp_path / "hf")
+    manifest = build_local_corpus(corpus, [two], cache_dir=tmp_path / "hf")
     assert sorted(manifest.files) == files

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from gpipe_repro.engine import boundary
-from gpipe_repro.models.amoebanet import AmoebaCell, DropPath, amoebanet, amoebanet_loss, main_logits
+from gpipe_repro.models.amoebanet import amoebanet, amoebanet_loss, main_logits
+from gpipe_repro.models.amoebanet_cells import AmoebaCell
+from gpipe_repro.models.amoebanet_ops import DropPath
 from gpipe_repro.models.transformer_lm import transformer_lm
 from gpipe_repro.models.translation import (
     OutputProjection,

@@ -1,4 +1,4 @@
-"""What a run does to files (issue 16): nothing a user owns is deleted or overwritten, checkpoints that
+"""What a run does to files: nothing a user owns is deleted or overwritten, checkpoints that
 cannot be read are named and skipped, a full disk says so and leaves the previous checkpoint intact."""
 from __future__ import annotations
 

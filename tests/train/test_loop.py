@@ -97,7 +97,7 @@ def test_distributed_run_trains_like_the_local_one_and_its_checkpoints_resume_lo
 @pytest.mark.slow   # four stage processes
 @pytest.mark.usefixtures("undrawn_curves")     # curves.png not drawn (tests/curves.py)
 def test_replicas_train_like_one_pipeline_of_all_their_micro_batches(tmp_path: Path) -> None:
-    """Issue #13: K=2 x R=2 (4 processes, M=2 each) takes the same steps as one local pipeline with
+    """K=2 x R=2 (4 processes, M=2 each) takes the same steps as one local pipeline with
     the R x M = 4 micro-batches (replica r runs micro-batches r*M ..); rank 0 alone writes: one
     metrics row per step, one checkpoint in the local format with every cell."""
     local_run, task = tiny(tmp_path / "local", partitions=2, micro_batches=4, steps=2, eval_every=0)

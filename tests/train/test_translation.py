@@ -21,7 +21,8 @@ import torch
 from typer.testing import CliRunner
 
 from gpipe_repro import GPipe
-from gpipe_repro.data.translation import CorpusWriter, split_of
+from gpipe_repro.data.corpus_manifest import split_of
+from gpipe_repro.data.corpus_writer import CorpusWriter
 from gpipe_repro.models.translation import (
     count_non_embedding,
     decode_logits,
@@ -32,26 +33,22 @@ from gpipe_repro.models.translation import (
 from gpipe_repro.train.config import RunConfig
 from gpipe_repro.train.loop import train
 from gpipe_repro.train.ranks import launch
-from gpipe_repro.train.tasks.translation import (
-    TokenNormalizedLoss,
-    TranslationBatches,
-    TranslationConfig,
-    TranslationTask,
-    pipeline_batch,
-)
-from gpipe_repro.train.tasks.translation_eval import (
+from gpipe_repro.train.tasks.translation import TokenNormalizedLoss, TranslationConfig, TranslationTask
+from gpipe_repro.train.tasks.translation_batches import TranslationBatches, pipeline_batch
+from gpipe_repro.train.tasks.translation_decoders import (
     DistributedDecoder,
-    EvalLanguage,
     LayerDecoder,
     PipelineDecoder,
     StageDecoder,
-    beam_search,
+    decoder_for,
+)
+from gpipe_repro.train.tasks.translation_eval import (
+    EvalLanguage,
     bleu_by_language_and_group,
     corpus_bleu,
-    decoder_for,
     evenly_spaced,
-    greedy_search,
 )
+from gpipe_repro.train.tasks.translation_search import beam_search, greedy_search
 from tests.equivalence import assert_same_training
 
 WORDS = ("the cat dog bird sees likes eats finds a red small big old house tree fish man woman "
@@ -272,11 +269,47 @@ def test_cached_decoding_split_over_stages_equals_the_whole_model() -> None:
         LayerDecoder(layers[:3])
 
 
+DECODE_CUTS = [3, 5]    # three stages: the encoders; their norm, a decoder layer; a decoder layer, the output
+
+
+def decode_on_one_stage() -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank of a three-process job: greedy and beam translations with DistributedDecoder on its cell."""
+    from gpipe_repro.distributed.process_group import init_distributed
+    rank = init_distributed().rank
+    layers = [m.eval() for m in small_model(2, 32, 2, vocab=40)]
+    bounds = [0, *DECODE_CUTS, len(layers)]
+    decoder = DistributedDecoder(layers[bounds[rank]:bounds[rank + 1]], stage=rank, stages=3,
+                                 rank_offset=0, device=torch.device("cpu"))
+    src = decode_sources()
+    return (greedy_search(decoder, src, bos_id=2, eos_id=3, max_len=9),
+            beam_search(decoder, src, beam=3, bos_id=2, eos_id=3, max_len=9))
+
+
+def decode_sources() -> torch.Tensor:
+    src = torch.randint(4, 40, (3, 7), generator=torch.Generator().manual_seed(1))
+    src[2, 3:] = 0
+    return src
+
+
+@pytest.mark.slow   # three stage processes (their imports dominate)
+def test_distributed_decoder_translates_as_the_whole_model_across_stage_processes() -> None:
+    """Every rank decodes its own cell; the encoder state, each position's decoder state and the last
+    stage's logits travel between the processes, and every rank ends with the whole model's greedy
+    and beam translations."""
+    from gpipe_repro.distributed import launch_local
+    layers = [m.eval() for m in small_model(2, 32, 2, vocab=40)]
+    src = decode_sources()
+    greedy = greedy_search(LayerDecoder(layers), src, bos_id=2, eos_id=3, max_len=9)
+    beams = beam_search(LayerDecoder(layers), src, beam=3, bos_id=2, eos_id=3, max_len=9)
+    for rank_greedy, rank_beams in launch_local(decode_on_one_stage, 3, timeout=60):
+        assert torch.equal(rank_greedy, greedy) and torch.equal(rank_beams, beams)
+
+
 @pytest.mark.slow   # two stage processes (their imports dominate)
 @pytest.mark.usefixtures("undrawn_curves")     # curves.png not drawn (tests/curves.py)
 def test_distributed_evaluation_decodes_with_the_cache_and_scores_as_the_local_one(
         data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue #16: each stage process decodes its own cell with the key/value cache (DistributedDecoder,
+    """Each stage process decodes its own cell with the key/value cache (DistributedDecoder,
     checked above to equal the uncached reference split after split); BLEU per language and NLL equal
     the local runtime's, and the evaluation announces itself before it starts."""
     layers = small_model(1, 32, 2, vocab=40)

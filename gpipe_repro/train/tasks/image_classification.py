@@ -38,7 +38,8 @@ from gpipe_repro.data.augment import Augmentation, default_augmentation
 from gpipe_repro.data.images import BatchIterator, ImageDataset, load_image_dataset
 from gpipe_repro.engine.gpipe import GPipe
 from gpipe_repro.engine.stage import LossFn
-from gpipe_repro.models.amoebanet import DropPath, amoebanet, amoebanet_loss, main_logits
+from gpipe_repro.models.amoebanet import amoebanet, amoebanet_loss, main_logits
+from gpipe_repro.models.amoebanet_ops import DropPath
 from gpipe_repro.paper import AMOEBANET_RECIPE
 from gpipe_repro.train.config import RunConfig
 from gpipe_repro.train.loop import Task, pipelined_outputs

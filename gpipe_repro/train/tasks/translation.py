@@ -2,16 +2,14 @@
 
 What the loop gets from here:
 
-- **Data.** The many-to-English corpus of `gpipe_repro.data.translation` (the offline gettext corpus
-  by default, built on first use; any corpus built with `gpipe-repro corpus build --source ...`
-  otherwise) and a shared sentencepiece vocabulary (`data/tokenizer.py`); when the run uses a
+- **Data.** The many-to-English corpus of `gpipe_repro.data.corpus_manifest` (the offline gettext
+  corpus by default, built on first use; any corpus built with `gpipe-repro corpus build --source
+  ...` otherwise) and a shared sentencepiece vocabulary (`data/tokenizer.py`); when the run uses a
   subset of the languages, a vocabulary is trained on that subset (cached beside the corpus), so no
-  id is spent on scripts the model never reads.
+  id is spent on scripts the model never reads (`translation_corpus.py`).
 - **Batches.** Languages drawn by temperature (T=5), pairs bucketed by length
-  (`language_sampling.train_batches`), `batch_size` SENTENCES per mini-batch. Why sentences and not
-  a token budget: the engine cuts a mini-batch into M micro-batches along the sentence axis, so every
-  mini-batch must hold at least M sentences, and "raise M at a fixed micro-batch size" (the
-  large-batch study) is only well defined in sentences. Two runs with one seed see identical batches
+  (`language_sampling.train_batches`), `batch_size` SENTENCES per mini-batch
+  (`translation_batches.py`, which says why sentences). Two runs with one seed see identical batches
   (so identical tokens); the mean tokens per batch is reported.
 - **Loss.** Label-smoothed cross entropy summed over a micro-batch's target tokens and divided by
   the token count of the WHOLE mini-batch, which travels with the targets as a 0-dim tensor (the
@@ -25,51 +23,41 @@ What the loop gets from here:
   tied weights must live in one cell (tie them only with K=1). The paper's two trainability fixes
   are options: `scale_ff_init` (feed-forward init divided by L) and `logit_clip`.
 - **Evaluation.** Token NLL (no smoothing) of a pipelined teacher-forced forward, and BLEU of greedy
-  (or beam) translations, decoded with a key/value cache under either runtime: per language,
-  pooled per resource group (high / low: the median training-set size of the languages used splits
-  them, `language_sampling.resource_groups`), and pooled over everything (see
-  `gpipe_repro/train/tasks/translation_eval.py`).
+  (or beam) translations, decoded with a key/value cache under either runtime
+  (`translation_decoders.py`, `translation_search.py`): per language, pooled per resource group
+  (high / low: the median training-set size of the languages used splits them,
+  `language_sampling.resource_groups`), and pooled over everything (`translation_eval.py`).
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
-from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from gpipe_repro.data.language_sampling import (
-    DEFAULT_TEMPERATURE,
-    TokenizedLanguage,
-    TranslationBatch,
-    resource_groups,
-    train_batches,
-)
-from gpipe_repro.data.tokenizer import TranslationTokenizer, encode_split, manifest_digest, train_tokenizer
-from gpipe_repro.data.translation import Manifest, build_gettext_corpus, corpus_dir_for, read_split
+from gpipe_repro.data.corpus_manifest import Manifest
+from gpipe_repro.data.corpus_readers import read_split
+from gpipe_repro.data.language_sampling import DEFAULT_TEMPERATURE, resource_groups
+from gpipe_repro.data.tokenizer import encode_split
 from gpipe_repro.engine.gpipe import GPipe
 from gpipe_repro.engine.stage import LossFn
 from gpipe_repro.models.translation import translation_transformer
 from gpipe_repro.train.config import RunConfig
 from gpipe_repro.train.loop import Task, pipelined_outputs
 from gpipe_repro.train.optim import OptimizerConfig, smoothed_cross_entropy
+from gpipe_repro.train.tasks.translation_batches import TranslationBatches
+from gpipe_repro.train.tasks.translation_corpus import prepare_corpus, prepare_tokenizer
+from gpipe_repro.train.tasks.translation_decoders import decoder_for
 from gpipe_repro.train.tasks.translation_eval import (
     EvalLanguage,
     bleu_by_language_and_group,
-    decoder_for,
     evenly_spaced,
     subset,
     teacher_forced_batches,
     token_nll,
     translate,
 )
-
-POOL_SENTENCES = 16384    # pairs drawn per bucketing pool (rounded to a multiple of the batch)
 
 
 @dataclasses.dataclass
@@ -158,109 +146,6 @@ class TokenNormalizedLoss:
         total = smoothed_cross_entropy(logits.float(), labels, self.label_smoothing,
                                        ignore_index=self.pad_id, reduction="sum")
         return total, (labels != self.pad_id).sum()
-
-
-def pipeline_batch(batch: TranslationBatch) -> tuple[tuple[torch.Tensor, torch.Tensor],
-                                                     tuple[torch.Tensor, torch.Tensor]]:
-    """A TranslationBatch as the engine's (inputs, targets): ((src_ids, tgt_in), (tgt_out, tokens)),
-    `tokens` the mini-batch's target-token count as a 0-dim float tensor (computed before the
-    engine splits the batch, and given whole to every micro-batch)."""
-    tokens = torch.tensor(float(batch.num_target_tokens))
-    return (batch.src_ids, batch.tgt_in), (batch.tgt_out, tokens)
-
-
-# ----------------------------------------------------------------------------- the batches
-
-class TranslationBatches:
-    """Endless temperature-sampled, length-bucketed batches of exactly `batch_size` sentences.
-
-    The stream is a pure function of (data, batch size, seed), so its position is just the number
-    of batches drawn: `load_state_dict` regenerates the stream and skips that many (collating a
-    batch takes well under a millisecond, so replaying even 10^4 batches costs seconds).
-    """
-
-    def __init__(self, data: dict[str, TokenizedLanguage], batch_size: int, seed: int,
-                 temperature: float, pad_id: int, bos_id: int) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.data, self.batch_size, self.seed = data, batch_size, seed
-        self.temperature, self.pad_id, self.bos_id = temperature, pad_id, bos_id
-        total = sum(len(d) for d in data.values())
-        self.batches_per_epoch = max(1, total // batch_size)
-        self.drawn, self.tokens = 0, 0
-        self._stream = self._new_stream()
-
-    def _new_stream(self) -> Iterator[TranslationBatch]:
-        pool = self.batch_size * max(1, POOL_SENTENCES // self.batch_size)
-        return train_batches(self.data, max_tokens=None, max_sentences=self.batch_size,
-                             temperature=self.temperature, seed=self.seed, pool_size=pool,
-                             pad_id=self.pad_id, bos_id=self.bos_id)
-
-    def next_batch(self) -> TranslationBatch:
-        batch = next(self._stream)
-        self.drawn += 1
-        self.tokens += batch.num_target_tokens
-        return batch
-
-    def __iter__(self) -> TranslationBatches:
-        return self
-
-    def __next__(self) -> tuple[Any, Any]:
-        return pipeline_batch(self.next_batch())
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"drawn": self.drawn, "tokens": self.tokens}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._stream, self.drawn, self.tokens = self._new_stream(), 0, 0
-        for _ in range(int(state["drawn"])):
-            self.next_batch()
-        if self.tokens != int(state["tokens"]):
-            raise ValueError("the training data changed since the checkpoint was saved (the replayed "
-                             f"stream has {self.tokens} tokens where the run had {state['tokens']}): "
-                             "resume with the corpus and vocabulary the run started with")
-
-
-# ----------------------------------------------------------------------------- corpus + vocabulary
-
-def prepare_corpus(name: str, data_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The corpus directory; the offline gettext corpus is built here on first use."""
-    corpus_dir = corpus_dir_for(name, data_dir)
-    if (corpus_dir / "manifest.json").is_file():
-        return corpus_dir
-    if name != "gettext":
-        raise FileNotFoundError(f"no corpus {name!r} at {corpus_dir}: build it first with "
-                                f"`gpipe-repro corpus build --source opus100|local --name {name}` "
-                                "(or use --corpus gettext, built offline on first use)")
-    print(f"building the offline gettext corpus in {corpus_dir} (once, about a minute)")
-    build_gettext_corpus(corpus_dir)
-    return corpus_dir
-
-
-def tokenizer_dir(corpus_dir: Path, vocab_size: int, languages: Sequence[str] | None) -> Path:
-    """`spm<V>/` for the whole corpus (what `corpus build` trains), `spm<V>-<n>langs-<hash>/` for a
-    subset of its languages."""
-    if languages is None:
-        return corpus_dir / f"spm{vocab_size}"
-    digest = hashlib.sha256(",".join(languages).encode()).hexdigest()[:8]
-    return corpus_dir / f"spm{vocab_size}-{len(languages)}langs-{digest}"
-
-
-def prepare_tokenizer(corpus_dir: Path, vocab_size: int,
-                      languages: Sequence[str] | None) -> TranslationTokenizer:
-    """The shared vocabulary for these languages, trained (and cached) if absent or stale."""
-    all_languages = sorted(Manifest.load(corpus_dir).languages)
-    chosen = None if languages is None or list(languages) == all_languages else list(languages)
-    out = tokenizer_dir(corpus_dir, vocab_size, chosen)
-    meta_path = out / "tokenizer.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        if (meta.get("corpus_manifest_sha256") == manifest_digest(corpus_dir)
-                and meta.get("languages") == (chosen or all_languages)):
-            return TranslationTokenizer.load(out)
-    print(f"training a {vocab_size}-piece vocabulary for {len(chosen or all_languages)} languages "
-          f"in {out}")
-    return train_tokenizer(corpus_dir, vocab_size, languages=chosen, out_dir=out)
 
 
 # ----------------------------------------------------------------------------- the task
