@@ -135,8 +135,8 @@ def text_documents(path: str) -> tuple[list[str], list[str]]:
 def corpus_documents(corpus: str, data_dir: str | None) -> tuple[list[str], list[str]]:
     """(training, held-out) English sentences of a translation corpus (its train and valid splits'
     targets, each sentence once, in sorted order)."""
-    from gpipe_repro.data.translation import read_split
-    from gpipe_repro.train.tasks.translation import prepare_corpus
+    from gpipe_repro.data.corpus_readers import read_split
+    from gpipe_repro.train.tasks.translation_corpus import prepare_corpus
     directory = prepare_corpus(corpus, data_dir)
 
     def english(split: str) -> list[str]:
