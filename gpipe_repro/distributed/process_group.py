@@ -158,7 +158,7 @@ def watch_parent(interval_s: float = 1.0) -> None:
 
     A stage process started by torchrun would otherwise outlive a torchrun killed with SIGKILL (its
     agent cannot stop the workers then): reparented to init, the workers went on training, holding
-    the port and the memory (seen in an outside review). The launcher of this project has its own
+    the port and the memory. The launcher of this project has its own
     lifeline (:mod:`gpipe_repro.distributed.launcher`); this is torchrun's. A thread polls the
     parent pid: once it changes, the parent is gone, and the process kills its own group if it
     leads one (what it started: wandb-core), else itself."""
