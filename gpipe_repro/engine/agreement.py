@@ -1,34 +1,24 @@
 """What every stage must know the same way to take a step, and what the stages agree on at AGREE.
 
 - :class:`StepConfig`: precision, global clipping, the fp16 loss scale: the same on every stage;
-- :data:`AGREEMENT_FIELDS`: the small vector each stage contributes at AGREE (its loss and count on
-  the last stage, its squared gradient norm and non-finite flag); the transport returns its sum over
-  all stages (a sum in one process, one all-reduce between processes);
+- :class:`Contribution`: what one stage brings to AGREE (its loss and count on the last stage, its
+  squared gradient norm and non-finite flag, :func:`stage_contribution`); the transport returns
+  their sum over all stages (a sum in one process, one all-reduce of :meth:`Contribution.as_list`
+  between processes);
 - :class:`Agreement`: derived from that sum, the same on every stage: the reported loss, the global
   gradient norm, the factor every gradient is multiplied by (1/count, 1/loss scale, the clipping
-  coefficient) and whether to skip the update (fp16 overflow);
-- precision handling: :data:`PRECISIONS`, :func:`autocast` (a cell's forward),
-  :func:`cast_boundary` (floating boundary values cross in the low dtype) and :func:`upcast` (a
-  low-precision loss is summed in float32).
+  coefficient) and whether to skip the update (fp16 overflow).
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
-from gpipe_repro.engine import aliasing
-
-__all__ = ["PRECISIONS", "AGREEMENT_FIELDS", "StepConfig", "Agreement", "autocast", "cast_boundary",
-           "upcast"]
-
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-# The vector each stage contributes at AGREE; the transport returns its sum over stages.
-AGREEMENT_FIELDS = ("loss", "count", "weighted", "grad_sq_norm", "nonfinite")
+__all__ = ["AGREEMENT_FIELDS", "StepConfig", "Contribution", "Agreement", "stage_contribution"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +41,68 @@ class StepConfig:
 
 
 @dataclass(frozen=True)
+class Contribution:
+    """One stage's numbers at AGREE, or their sum over stages.
+
+    Attributes:
+        loss: the last stage's summed (weighted) micro-batch losses; 0 elsewhere.
+        count: the summed counts of a ``(sum, count)`` loss; weighted: 1 when the loss has counts.
+        grad_sq_norm: the squared L2 norm of the stage's gradients (when clipping or fp16 need it).
+        nonfinite: 1 when that norm is not finite.
+    """
+    loss: float = 0.0
+    count: float = 0.0
+    weighted: float = 0.0
+    grad_sq_norm: float = 0.0
+    nonfinite: float = 0.0
+
+    def __add__(self, other: Contribution) -> Contribution:
+        return Contribution(*(a + b for a, b in zip(self.as_list(), other.as_list())))
+
+    def as_list(self) -> list[float]:
+        """The numbers in :data:`AGREEMENT_FIELDS` order (what an all-reduce carries)."""
+        return [getattr(self, name) for name in AGREEMENT_FIELDS]
+
+    @staticmethod
+    def from_list(values: Sequence[float]) -> Contribution:
+        """The inverse of :meth:`as_list`."""
+        return Contribution(*(float(v) for v in values))
+
+    @staticmethod
+    def total(parts: Iterable[Contribution]) -> Contribution:
+        """The sum of `parts`, added in their order."""
+        out = Contribution()
+        for part in parts:
+            out = out + part
+        return out
+
+
+# The order of the numbers on the wire.
+AGREEMENT_FIELDS = tuple(f.name for f in fields(Contribution))
+
+
+def stage_contribution(loss_sum: torch.Tensor | None, count_sum: torch.Tensor | None,
+                       grads: Sequence[torch.Tensor] | None) -> Contribution:
+    """A stage's :class:`Contribution`: `loss_sum` and `count_sum` (the last stage's; None elsewhere,
+    or no count), and `grads` (None: the step needs no gradient norm)."""
+    loss = 0.0 if loss_sum is None else _value(loss_sum)
+    count, weighted = (0.0, 0.0) if count_sum is None else (_value(count_sum), 1.0)
+    sq_norm = nonfinite = 0.0
+    if grads:
+        norms = torch._foreach_norm(list(grads))
+        sq_norm = _value(torch.stack([n.double() for n in norms]).square().sum())
+        nonfinite = float(not math.isfinite(sq_norm))
+    return Contribution(loss, count, weighted, sq_norm, nonfinite)
+
+
+def _value(t: torch.Tensor) -> float:
+    """A 0-dim tensor's value; NaN without data (fake or meta tensors: the memory planner's)."""
+    if t.device.type == "meta" or is_fake(t):
+        return math.nan
+    return float(t)
+
+
+@dataclass(frozen=True)
 class Agreement:
     """What all stages agreed on at AGREE (the same on every stage).
 
@@ -67,11 +119,11 @@ class Agreement:
     skip: bool
 
     @staticmethod
-    def from_sum(total: Sequence[float], config: StepConfig) -> Agreement:
-        """Derive the agreement from the summed :data:`AGREEMENT_FIELDS` vector."""
-        loss, count, weighted, sq_norm, nonfinite = (float(v) for v in total)
+    def from_sum(total: Contribution, config: StepConfig) -> Agreement:
+        """Derive the agreement from the stages' summed contributions."""
+        loss, count, sq_norm = total.loss, total.count, total.grad_sq_norm
         factor = 1.0
-        if weighted:
+        if total.weighted:
             if count <= 0:
                 raise ValueError(f"the loss's counts add up to {count:g} over the mini-batch: a "
                                  "(sum, count) loss needs a positive total count (e.g. at least one "
@@ -82,32 +134,10 @@ class Agreement:
         norm = None
         if config.needs_norm:
             norm = math.sqrt(sq_norm) * factor if math.isfinite(sq_norm) else math.inf
-        skip = config.precision == "fp16" and (nonfinite > 0 or not math.isfinite(sq_norm))
+        skip = config.precision == "fp16" and (total.nonfinite > 0 or not math.isfinite(sq_norm))
         if not skip and config.clip_grad_norm is not None and norm is not None:
             # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1.
             coef = config.clip_grad_norm / (norm + 1e-6)
             if coef < 1.0:
                 factor *= coef
         return Agreement(loss, norm, factor, skip)
-
-
-def autocast(precision: str, device: torch.device) -> Any:
-    """The context a cell's forward (and loss) runs in: ``torch.autocast`` to the precision's dtype
-    on `device`'s type, or nothing for "fp32"."""
-    dtype = PRECISIONS[precision]
-    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
-
-
-def cast_boundary(value: Any, precision: str) -> Any:
-    """Under bf16/fp16, floating boundary values cross in that dtype (half the bytes); tensors
-    sharing memory are cast once and stay shared (:mod:`gpipe_repro.engine.aliasing`)."""
-    dtype = PRECISIONS[precision]
-    if dtype is None:
-        return value
-    return aliasing.map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
-
-
-def upcast(loss: torch.Tensor) -> torch.Tensor:
-    """A loss in float16 or bfloat16 as float32 (its sum over micro-batches and its backward seed);
-    a float32 or float64 loss as it is (a float64 model trains in float64)."""
-    return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss

@@ -1,4 +1,10 @@
-"""Losses whose mean is not a per-row mean, made exact under micro-batching.
+"""The last stage's loss: each micro-batch's loss weighted for the backward, and losses whose mean is
+not a per-row mean made exact under micro-batching.
+
+:func:`weighted_loss` is what the last stage computes per micro-batch: ``loss_fn(output, targets)``,
+a 0-dim tensor or ``(sum, count)``, checked, upcast to float32 (:func:`~.agreement.upcast`) and
+multiplied by the micro-batch's weight (n_m / N for a mean loss, 1 for a sum or a ``(sum, count)``
+loss, whose counts the stages agree on at AGREE).
 
 The pipeline combines micro-batch losses with weights n_m / N (a ``reduction="mean"`` loss) or 1
 (``"sum"``), which is the full-batch loss when the loss averages over rows. ``nn.CrossEntropyLoss``
@@ -18,13 +24,15 @@ target is ignored has a NaN loss, as PyTorch's.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["exact_mean", "denominator"]
+from gpipe_repro.engine.precision import upcast
+
+__all__ = ["exact_mean", "denominator", "weighted_loss", "loss_weights"]
 
 _MeanLoss = nn.CrossEntropyLoss | nn.NLLLoss
 
@@ -57,3 +65,33 @@ def exact_mean(loss_fn: Any) -> tuple[Any, Callable[[torch.Tensor], float] | Non
         summed.reduction = "sum"
         return summed, lambda target: denominator(loss_fn, target)
     return loss_fn, None
+
+
+def weighted_loss(result: Any, weight: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a micro-batch's ``loss_fn`` returned (`result`) as the backward's seed, weighted by
+    `weight` (ignored for ``(sum, count)``), and its count (None for a plain loss). Raises TypeError,
+    saying what to return, for anything but a 0-dim tensor or ``(sum, count)``."""
+    count = None
+    if isinstance(result, tuple):
+        if len(result) != 2:
+            raise TypeError(f"loss_fn returned a tuple of {len(result)}; return a scalar tensor or "
+                            "(sum, count): the micro-batch's summed loss and what it counts "
+                            "(e.g. its non-padding tokens)")
+        result, count = result
+    if not isinstance(result, torch.Tensor) or result.dim() != 0:
+        raise TypeError("loss_fn must return a scalar tensor (0-dim) or (sum, count); use a "
+                        "reducing loss")
+    loss = upcast(result) * (1.0 if count is not None else weight)
+    return loss, None if count is None else torch.as_tensor(count, dtype=torch.float64).detach()
+
+
+def loss_weights(sizes: Sequence[int], targets: Sequence[Any], reduction: str,
+                 denominator: Callable[[Any], float] | None) -> list[float]:
+    """Each micro-batch's loss weight: n_m / N for a ``"mean"`` loss, 1 for ``"sum"``, and 1 / the
+    mini-batch's denominator for a loss :func:`exact_mean` split (NaN when it is 0: every target
+    ignored, as PyTorch's mean)."""
+    n = sum(sizes)
+    if denominator is not None:   # summed losses over the mini-batch's denominator
+        total = sum(denominator(t) for t in targets)
+        return [1.0 / total if total else float("nan")] * len(sizes)
+    return [s / n for s in sizes] if reduction == "mean" else [1.0] * len(sizes)

@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gpipe_repro.engine import boundary
 from gpipe_repro.engine.gpipe import GPipe
-from gpipe_repro.engine.local_runtime import LocalTransport
+from gpipe_repro.engine.local_runtime import LocalRuntime, LocalTransport
 from gpipe_repro.engine.schedule import Action, ActionKind
 from gpipe_repro.engine.stage import StageExecutor
 from gpipe_repro.memory.compose import ACTIVATIONS, BUFFERS, GRADS, OPTIMIZER, PARAMS, STASH, StageMemory
@@ -170,9 +170,9 @@ def trace_step(layers: Sequence[nn.Module], sample: Any, target: Any,
                      schedule=schedule)
         tracker = MemoryTracker(round_to=round_to)
         transport = TrackingTransport(pipe.devices, tracker)
-        pipe._transport = transport          # instrumentation: see the module docstring
+        assert isinstance(pipe.runtime, LocalRuntime)
+        pipe.runtime.use_transport(transport)   # instrumentation: see the module docstring
         for s, (executor, cell, opt) in enumerate(zip(pipe.executors, pipe.cells, pipe.optimizers)):
-            executor.transport = transport
             prime_optimizer(opt)
             tracker.register(list(cell.parameters()), s, PARAMS)
             tracker.register(list(cell.buffers()), s, BUFFERS)
