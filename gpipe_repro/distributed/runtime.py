@@ -204,7 +204,7 @@ class DistributedRuntime:
 
     # -- steps --------------------------------------------------------------------------------------
     def train_step(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any],
-                   weights: list[float], config: StepConfig | None = None) -> Agreement:
+                   weights: list[float | torch.Tensor], config: StepConfig | None = None) -> Agreement:
         """Run this rank's actions for one mini-batch; return what the ranks agreed on (the same on
         every rank: the mini-batch loss, the global gradient norm, whether the update was skipped)."""
         start = self._run(schedule, step, microbatches, targets, weights, config)
@@ -248,7 +248,7 @@ class DistributedRuntime:
 
     # -- internals ----------------------------------------------------------------------------------
     def _run(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any] | None,
-             weights: list[float] | None, config: StepConfig | None = None) -> float:
+             weights: list[float | torch.Tensor] | None, config: StepConfig | None = None) -> float:
         self._check_usable()
         programs = schedule.programs()
         placed = schedule.process_of()

@@ -36,7 +36,6 @@ hanging it.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import pickle
 from collections.abc import Callable, Hashable, Iterable, Iterator
@@ -215,11 +214,13 @@ class ProcessGroupTransport:
             self._wait(work, f"sending to rank {dst}", dst)
         mine = Contribution.total(c() for c in (self.contributions or [contribution]))
         if not self.counts_norm:
-            mine = dataclasses.replace(mine, grad_sq_norm=0.0)
-        vec = torch.tensor(mine.as_list(), dtype=torch.float64)
+            mine = mine.without_norm()
+        # The control group is gloo, on the CPU: on a GPU this copy waits for the step's kernels,
+        # which the step's end waits for anyway (the runtime times the step).
+        vec = mine.vector.cpu()
         work = dist.all_reduce(vec, group=self.agree_group, async_op=True)
         self._wait(work, "agreeing on the step (the all-reduce before the update)", None)
-        self.agreed = Contribution.from_list(vec.tolist())
+        self.agreed = Contribution(vec)
         return self.agreed
 
     # -- internals ----------------------------------------------------------------------------------

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
 
 from gpipe_repro.engine import microbatch
-from gpipe_repro.engine.agreement import StepConfig
+from gpipe_repro.engine.agreement import Agreement, StepConfig, host_value
 from gpipe_repro.engine.arguments import (
     as_layers,
     batch_key,
@@ -203,8 +203,7 @@ class GPipe(nn.Module):
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.precision = precision
         self.loss_scaler = LossScaler(enabled=precision == "fp16")
-        self.last_grad_norm: float | None = None   # the global gradient norm of the last step
-        self.last_step_skipped = False             # fp16: the last step overflowed and was skipped
+        self._last_agreement: Agreement | None = None   # the last step's (last_grad_norm, ...)
         self._has_optimizer = optimizer is not _NOT_GIVEN
         factory = None if optimizer is _NOT_GIVEN else optimizer
         # One optimizer per cell; a cell with no parameters (e.g. only activations) has none.
@@ -264,10 +263,22 @@ class GPipe(nn.Module):
         return make_schedule(self.schedule_name, self.partitions, self.micro_batches, self.checkpoint,
                              self.recompute_ahead)
 
-    def train_step(self, inputs: Any, targets: Any) -> float:
+    @overload
+    def train_step(self, inputs: Any, targets: Any, *, sync: Literal[True] = ...) -> float: ...
+    @overload
+    def train_step(self, inputs: Any, targets: Any, *, sync: Literal[False]) -> torch.Tensor: ...
+
+    def train_step(self, inputs: Any, targets: Any, *, sync: bool = True) -> float | torch.Tensor:
         """Run one mini-batch: M micro-batches through the pipeline, one synchronous update per cell.
         Returns the mini-batch loss (mean or sum over examples as `loss_reduction` says, or sum of sums
-        / sum of counts for a ``(sum, count)`` loss). All-or-nothing: if it raises, nothing changed."""
+        / sum of counts for a ``(sum, count)`` loss). All-or-nothing: if it raises, nothing changed.
+
+        `sync`: True returns the loss as a Python float, which waits for the device to finish the
+        step; False returns it as a 0-dim float64 tensor on the device, and the step itself reads
+        nothing back from the device with fp32 or bf16 (fp16 reads its overflow verdict, a
+        ``(sum, count)`` loss its total count: :mod:`gpipe_repro.engine.agreement`), so the host can
+        queue the next step while this one runs. ``float(loss)``, :attr:`last_grad_norm` and
+        :attr:`last_step_skipped` read on demand."""
         if self.loss_fn is None:
             raise ValueError("train_step needs a loss_fn: GPipe(..., loss_fn=nn.CrossEntropyLoss())")
         if not self._has_optimizer:
@@ -286,9 +297,23 @@ class GPipe(nn.Module):
         agreement = self.runtime.train_step(schedule, self.step, mbs, tgts, weights, config)
         self.last_timeline = self.runtime.last_timeline
         self.step += 1
-        self.last_grad_norm, self.last_step_skipped = agreement.grad_norm, agreement.skip
-        self.loss_scaler.update(agreement.skip)
-        return agreement.loss
+        self._last_agreement = agreement
+        self.loss_scaler.update(agreement.skipped)   # read only under fp16
+        return host_value(agreement.loss) if sync else agreement.loss
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global gradient norm before clipping (with clipping or fp16; else None).
+        Reading it waits for the device (once)."""
+        agreement = self._last_agreement
+        if agreement is None or agreement.grad_norm is None:
+            return None
+        return host_value(agreement.grad_norm)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """fp16: whether the last step overflowed and was skipped (no cell updated)."""
+        return self._last_agreement is not None and self._last_agreement.skipped()
 
     @torch.no_grad()
     def forward(self, inputs: Any) -> Any:

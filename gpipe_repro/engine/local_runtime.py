@@ -118,7 +118,7 @@ class LocalRuntime:
         """One process: every stage has the batch."""
 
     def train_step(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any],
-                   weights: list[float], config: StepConfig) -> Agreement:
+                   weights: list[float | torch.Tensor], config: StepConfig) -> Agreement:
         self._run(schedule, step, microbatches, targets, weights, config)
         for e in self.executors:
             e.end_step()
@@ -141,7 +141,7 @@ class LocalRuntime:
             e.reseed(seed)
 
     def _run(self, schedule: Schedule, step: int, mbs: list[Any], tgts: list[Any] | None,
-             weights: list[float] | None, config: StepConfig) -> None:
+             weights: list[float | torch.Tensor] | None, config: StepConfig) -> None:
         clock = wall_clock() if self.record else None
         for e in self.executors:
             e.begin_step(step, schedule, mbs if e.stage == 0 else None, tgts if e.is_last else None,

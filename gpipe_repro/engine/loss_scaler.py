@@ -8,6 +8,7 @@ clean steps in a row; GradScaler's defaults. Without fp16 the scale stays 1 and 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["LossScaler"]
@@ -29,12 +30,13 @@ class LossScaler:
         self.scale = init_scale if enabled else 1.0
         self.growth_tracker = 0     # clean steps since the scale last changed
 
-    def update(self, skipped: bool) -> None:
-        """After a step: `skipped` (a gradient overflowed) halves the scale, `growth_interval` clean
-        steps in a row double it."""
+    def update(self, skipped: Callable[[], bool]) -> None:
+        """After a step: `skipped()` (a gradient overflowed; called only when enabled, as it may read
+        the verdict from the device) halves the scale, `growth_interval` clean steps in a row double
+        it."""
         if not self.enabled:
             return
-        if skipped:
+        if skipped():
             self.scale *= self.backoff_factor
             self.growth_tracker = 0
         else:

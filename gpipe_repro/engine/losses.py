@@ -2,7 +2,7 @@
 not a per-row mean made exact under micro-batching.
 
 :func:`weighted_loss` is what the last stage computes per micro-batch: ``loss_fn(output, targets)``,
-a 0-dim tensor or ``(sum, count)``, checked, upcast to float32 (:func:`~.agreement.upcast`) and
+a 0-dim tensor or ``(sum, count)``, checked, upcast to float32 (:func:`~.precision.upcast`) and
 multiplied by the micro-batch's weight (n_m / N for a mean loss, 1 for a sum or a ``(sum, count)``
 loss, whose counts the stages agree on at AGREE).
 
@@ -24,6 +24,7 @@ target is ignored has a NaN loss, as PyTorch's.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,21 +38,26 @@ __all__ = ["exact_mean", "denominator", "weighted_loss", "loss_weights"]
 _MeanLoss = nn.CrossEntropyLoss | nn.NLLLoss
 
 
-def denominator(loss: _MeanLoss, target: torch.Tensor) -> float:
-    """What `loss`'s ``reduction="mean"`` divides by for `target`: the summed class weight of the
-    targets other than ``ignore_index`` (their count without ``weight``); for class probabilities
-    (floating targets, N x C x ...), the number of positions N x ...."""
+def denominator(loss: _MeanLoss, target: torch.Tensor) -> torch.Tensor:
+    """What `loss`'s ``reduction="mean"`` divides by for `target`, as a 0-dim float64 tensor (no host
+    read): the summed class weight of the targets other than ``ignore_index`` (their count without
+    ``weight``); for class probabilities (floating targets, N x C x ...), the number of positions
+    N x ...."""
     if target.is_floating_point():
-        return float(target.numel() // target.shape[1]) if target.dim() > 1 else 1.0
+        return _number(target.numel() // target.shape[1] if target.dim() > 1 else 1, target)
     if target.device.type == "meta" or type(target).__name__ == "FakeTensor":
-        return float(target.numel())    # shapes only (the memory planner's trace): no values to read
+        return _number(target.numel(), target)   # shapes only (the memory planner's trace)
     kept = target != loss.ignore_index
     if loss.weight is None:
-        return float(kept.sum())
-    return float(loss.weight.to(target.device)[target.masked_select(kept)].sum())
+        return kept.sum().double()
+    return loss.weight.to(target.device)[target.masked_select(kept)].sum().double()
 
 
-def exact_mean(loss_fn: Any) -> tuple[Any, Callable[[torch.Tensor], float] | None]:
+def _number(n: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(float(n), dtype=torch.float64, device=like.device)
+
+
+def exact_mean(loss_fn: Any) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor] | None]:
     """`loss_fn` as the stages should call it, and the denominator function of the mini-batch's
     targets: ``(the loss with reduction="sum", denominator)`` for a ``reduction="mean"``
     ``nn.CrossEntropyLoss`` or ``nn.NLLLoss`` (see the module docstring); ``(loss_fn, None)`` for
@@ -67,7 +73,7 @@ def exact_mean(loss_fn: Any) -> tuple[Any, Callable[[torch.Tensor], float] | Non
     return loss_fn, None
 
 
-def weighted_loss(result: Any, weight: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def weighted_loss(result: Any, weight: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What a micro-batch's ``loss_fn`` returned (`result`) as the backward's seed, weighted by
     `weight` (ignored for ``(sum, count)``), and its count (None for a plain loss). Raises TypeError,
     saying what to return, for anything but a 0-dim tensor or ``(sum, count)``."""
@@ -86,12 +92,16 @@ def weighted_loss(result: Any, weight: float) -> tuple[torch.Tensor, torch.Tenso
 
 
 def loss_weights(sizes: Sequence[int], targets: Sequence[Any], reduction: str,
-                 denominator: Callable[[Any], float] | None) -> list[float]:
+                 denominator: Callable[[Any], torch.Tensor] | None) -> list[float | torch.Tensor]:
     """Each micro-batch's loss weight: n_m / N for a ``"mean"`` loss, 1 for ``"sum"``, and 1 / the
-    mini-batch's denominator for a loss :func:`exact_mean` split (NaN when it is 0: every target
-    ignored, as PyTorch's mean)."""
+    mini-batch's denominator for a loss :func:`exact_mean` split, a 0-dim tensor (NaN when the
+    denominator is 0: every target ignored, as PyTorch's mean)."""
     n = sum(sizes)
     if denominator is not None:   # summed losses over the mini-batch's denominator
-        total = sum(denominator(t) for t in targets)
-        return [1.0 / total if total else float("nan")] * len(sizes)
+        parts = [denominator(t) for t in targets]
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part.to(total.device)
+        weight = torch.where(total == 0, math.nan, 1.0 / total)
+        return [weight] * len(sizes)
     return [s / n for s in sizes] if reduction == "mean" else [1.0] * len(sizes)

@@ -45,7 +45,7 @@ class Runtime(Protocol):
         ...
 
     def train_step(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any],
-                   weights: list[float], config: StepConfig) -> Agreement:
+                   weights: list[float | torch.Tensor], config: StepConfig) -> Agreement:
         """Run one training step of `schedule` (this process's share of it); return what the stages
         agreed on. All-or-nothing: if it raises, no cell was updated."""
         ...

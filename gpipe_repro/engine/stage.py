@@ -143,7 +143,8 @@ class StageExecutor:
         self.agreement = None
 
     def begin_step(self, step: int, schedule: Schedule, microbatches: Sequence[Any] | None = None,
-                   targets: Sequence[Any] | None = None, weights: Sequence[float] | None = None,
+                   targets: Sequence[Any] | None = None,
+                   weights: Sequence[float | torch.Tensor] | None = None,
                    config: StepConfig | None = None, *, clock: Callable[[], float] | None = None,
                    microbatch_offset: int = 0) -> None:
         """Prepare for one mini-batch. Stage 0 gets the input micro-batches, the last stage the targets
@@ -176,14 +177,13 @@ class StageExecutor:
             for p in self.cell.parameters():
                 p.grad = None
 
-    def end_step(self) -> float | None:
-        """Check nothing is left behind; return the agreed mini-batch loss (training) or None."""
+    def end_step(self) -> None:
+        """Check nothing is left behind (the agreement stays in :attr:`agreement`)."""
         leftover = (list(self.inputs) + list(self.graphs) + [k for k in self.outbox]
                     + [(ActionKind.BACKWARD_WEIGHT, m) for m in self.weight_work])
         if self.training and leftover:
             raise RuntimeError(f"stage {self.stage}: state left after the step for {leftover}; "
                                "the schedule is missing actions")
-        return None if self.agreement is None else self.agreement.loss
 
     # -- actions ------------------------------------------------------------------------------------
     def execute(self, action: Action) -> None:
@@ -288,8 +288,7 @@ class StageExecutor:
 
     def _agree(self, m: int | None) -> None:
         """Every stage's gradients are final: contribute this stage's numbers, get everyone's sum."""
-        self.agreement = Agreement.from_sum(self.transport.agree(self.stage, self.contribution),
-                                            self.config)
+        self.agreement = self.transport.agree(self.stage, self.contribution).agreement(self.config)
 
     def contribution(self) -> Contribution:
         """This stage's share of AGREE: its loss and count (last stage), its squared gradient norm and
@@ -298,7 +297,7 @@ class StageExecutor:
         if self.config.needs_norm:
             grads = [p.grad for n, p in self.cell.named_parameters()
                      if p.grad is not None and n not in self.uncounted]
-        return stage_contribution(self.loss_sum if self.is_last else None,
+        return stage_contribution(self.device, self.loss_sum if self.is_last else None,
                                   self.count_sum if self.is_last else None, grads)
 
     def _optimizer_step(self, m: int | None) -> None:
@@ -306,11 +305,12 @@ class StageExecutor:
             raise ScheduleError(f"stage {self.stage}: optimizer step without an AGREE before it")
         for bn in self.batchnorms:
             bn.commit()
-        if self.agreement.skip:
+        if self.agreement.skipped():      # a host read, under fp16 only
             return
         grads = [p.grad for p in self.cell.parameters() if p.grad is not None]
-        if grads and self.agreement.factor != 1.0:
-            torch._foreach_mul_(grads, self.agreement.factor)
+        factor = self.agreement.factor_on(grads[0].device) if grads else None
+        if grads and factor is not None:   # a tensor: no host read
+            torch._foreach_mul_(grads, factor)
         if self.optimizer is not None:
             self.optimizer.step()
 
