@@ -86,8 +86,10 @@ class Contribution:
         named = {"loss": loss, "count": count,
                  "weighted": None if count is None else torch.ones((), dtype=torch.float64, device=device),
                  "grad_sq_norm": grad_sq_norm, "nonfinite": nonfinite}
-        values = [zero if named[name] is None else named[name].to(device, torch.float64)  # type: ignore[union-attr]
-                  for name in AGREEMENT_FIELDS]
+        values = []
+        for name in AGREEMENT_FIELDS:
+            value = named[name]
+            values.append(zero if value is None else value.to(device, torch.float64))
         return Contribution(torch.stack(values), counted=count is not None)
 
     def field(self, name: str) -> torch.Tensor:

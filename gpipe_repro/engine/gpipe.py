@@ -22,8 +22,7 @@ schedule, and returns the same loss. See :mod:`gpipe_repro.distributed.runtime`.
 """
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 import torch
@@ -36,16 +35,16 @@ from gpipe_repro.engine.arguments import (
     batch_key,
     check_arguments,
     check_running_statistics,
+    compile_options,
     declared_reduction,
 )
-from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_all
+from gpipe_repro.engine.batchnorm import BatchStatisticsInEval, DeferredBatchNorm, commit_all
 from gpipe_repro.engine.layer_costs import layer_costs
-from gpipe_repro.engine.local_runtime import LocalRuntime
-from gpipe_repro.engine.loss_scaler import LossScaler
+from gpipe_repro.engine.loss_scaler import LossScaler, restore_scaler, saved_scaler
 from gpipe_repro.engine.losses import exact_mean, loss_weights
 from gpipe_repro.engine.partition import check_balance, partition
 from gpipe_repro.engine.placement import RUNTIMES, move_cell, place_stages, split_cells
-from gpipe_repro.engine.runtime import Runtime
+from gpipe_repro.engine.runtime import Runtime, build_runtime
 from gpipe_repro.engine.schedule import Schedule, gpipe_schedule, make_schedule
 from gpipe_repro.engine.stage import LossFn, StageExecutor
 from gpipe_repro.engine.tied import refuse_diverging_copies, uncounted_names, untie
@@ -131,6 +130,13 @@ class GPipe(nn.Module):
             statistics before committing: running statistics of the whole global mini-batch).
         bucket_cap_mb: with replicas, the largest gradient bucket of one all-reduce, in MB (DDP's
             default, 25).
+        compile: ``torch.compile`` each layer: True (its defaults, inductor), a mode string, or a
+            dict of its arguments (``{"backend": "aot_eager"}``, ``{"mode": "max-autotune-no-cudagraphs"}``).
+            Per layer, not per cell: the engine seeds each layer's dropout masks and checks its
+            output between layers. The model's modules are not changed (``state_dict`` keys stay).
+            Refused: CUDA-graph modes ("reduce-overhead", "max-autotune": a replay overwrites the
+            activations the pipeline keeps alive) and zero-bubble schedules (a compiled layer's
+            backward cannot be split into its input and weight halves).
 
     Raises:
         TypeError: `layers` is not a sequence of modules.
@@ -147,16 +153,17 @@ class GPipe(nn.Module):
                  clip_grad_norm: float | None = None, precision: str = "fp32",
                  schedule: str = "gpipe", recompute_ahead: bool = False, seed: int = 0,
                  deferred_batchnorm: bool = True, runtime: str = "local", replicas: int = 1,
-                 batchnorm_stats: str = "per_replica", bucket_cap_mb: float = 25.0) -> None:
+                 batchnorm_stats: str = "per_replica", bucket_cap_mb: float = 25.0,
+                 compile: bool | str | Mapping[str, Any] = False) -> None:
         super().__init__()
         layer_list = as_layers(layers)
-        check_arguments(num_layers=len(layer_list), partitions=partitions, micro_batches=micro_batches,
-                        checkpoint=checkpoint, loss_fn=loss_fn, loss_reduction=loss_reduction,
-                        clip_grad_norm=clip_grad_norm, precision=precision, schedule=schedule,
-                        runtime=runtime, objective=objective, replicas=replicas,
-                        batchnorm_stats=batchnorm_stats, bucket_cap_mb=bucket_cap_mb, devices=devices)
-        if isinstance(seed, bool) or not hasattr(seed, "__index__"):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
+        training_schedule = check_arguments(
+            num_layers=len(layer_list), partitions=partitions, micro_batches=micro_batches,
+            checkpoint=checkpoint, loss_fn=loss_fn, loss_reduction=loss_reduction,
+            clip_grad_norm=clip_grad_norm, precision=precision, schedule=schedule,
+            recompute_ahead=recompute_ahead, seed=seed, runtime=runtime, objective=objective,
+            replicas=replicas, batchnorm_stats=batchnorm_stats, bucket_cap_mb=bucket_cap_mb, devices=devices)
+        compiled = compile_options(compile, training_schedule)
         placement = place_stages(runtime=runtime, schedule=schedule, partitions=partitions,
                                  checkpoint=checkpoint, replicas=replicas)
         if balance is None:   # measured costs differ between processes: rank 0's cut wins
@@ -174,11 +181,7 @@ class GPipe(nn.Module):
         cells = split_cells(layer_list, balance)
         self.ties = untie(cells)   # a parameter held by several cells: one copy per cell (engine.tied)
         check_running_statistics(layer_list, micro_batches, checkpoint)
-        self._batch_statistics_in_eval = next(
-            (f"layer {i} ({type(mod).__name__})" for i, layer in enumerate(layer_list)
-             for mod in layer.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)
-             and not mod.track_running_stats), None)
-        self._warned_eval_batch_stats = False
+        self._eval_batch_statistics = BatchStatisticsInEval(layer_list)
         # runtime="distributed": this process's index in its pipeline: its stage, or with
         # "interleaved" its first stage (it runs stages rank, rank + K, ...: `self.stages_here`).
         self.rank: int | None = placement.rank
@@ -217,17 +220,12 @@ class GPipe(nn.Module):
         executors = [
             StageExecutor(self._cell(s), s, partitions, sum(balance[:s]), self.devices[s], None,
                           stage_loss, self.optimizers[s], self.seed,
-                          uncounted=uncounted_names(self.ties, s))
+                          uncounted=uncounted_names(self.ties, s), compile_options=compiled)
             for s in self.stages_here]
         refuse_diverging_copies(self, self.ties)
-        self.runtime: Runtime
-        if placement.plugin is None:
-            self.runtime = LocalRuntime(executors, self.devices, self.ties)
-        else:
-            self.runtime = placement.plugin.DistributedRuntime(
-                executors, placement.context, layout=placement.plugin.Layout(placement.processes, replicas),
-                process_of=placement.process_of, bucket_cap_mb=float(bucket_cap_mb),
-                batchnorm_stats=batchnorm_stats, ties=self.ties)
+        self.runtime: Runtime = build_runtime(placement, executors, self.devices, self.ties,
+                                              replicas=replicas, bucket_cap_mb=bucket_cap_mb,
+                                              batchnorm_stats=batchnorm_stats)
         self.distributed = placement.plugin is not None
 
     # -- the runtime ------------------------------------------------------------------------------
@@ -273,12 +271,10 @@ class GPipe(nn.Module):
         Returns the mini-batch loss (mean or sum over examples as `loss_reduction` says, or sum of sums
         / sum of counts for a ``(sum, count)`` loss). All-or-nothing: if it raises, nothing changed.
 
-        `sync`: True returns the loss as a Python float, which waits for the device to finish the
-        step; False returns it as a 0-dim float64 tensor on the device, and the step itself reads
-        nothing back from the device with fp32 or bf16 (fp16 reads its overflow verdict, a
-        ``(sum, count)`` loss its total count: :mod:`gpipe_repro.engine.agreement`), so the host can
-        queue the next step while this one runs. ``float(loss)``, :attr:`last_grad_norm` and
-        :attr:`last_step_skipped` read on demand."""
+        `sync`: True returns a float (waiting for the device); False a 0-dim float64 tensor on the
+        device, and with fp32/bf16 the step reads nothing back from the device (fp16 reads its
+        overflow verdict, a ``(sum, count)`` loss its count: :mod:`gpipe_repro.engine.agreement`), so
+        the host queues the next step while this one runs; ``float(loss)`` reads on demand."""
         if self.loss_fn is None:
             raise ValueError("train_step needs a loss_fn: GPipe(..., loss_fn=nn.CrossEntropyLoss())")
         if not self._has_optimizer:
@@ -333,17 +329,8 @@ class GPipe(nn.Module):
                                  f"at least {self.replicas} examples")
             inputs = microbatch.split(inputs, self.replicas)[self.replica]
             n = microbatch.batch_size(inputs)
-        m = self.micro_batches if self.training else min(self.micro_batches, n)
-        if not self.training and m > 1 and self._batch_statistics_in_eval:
-            # a BatchNorm without running statistics normalizes by its batch even in eval mode:
-            # per micro-batch the output would depend on M, so the batch goes through whole
-            m = 1
-            if not self._warned_eval_batch_stats:
-                self._warned_eval_batch_stats = True
-                warnings.warn(f"{self._batch_statistics_in_eval} has no running statistics, so it "
-                              "normalizes by the batch in eval mode too: pipe(x) runs the batch as "
-                              "one micro-batch, as plain eval would (track_running_stats=True "
-                              "pipelines inference)", stacklevel=2)
+        m = (self.micro_batches if self.training else
+             self._eval_batch_statistics.microbatches(min(self.micro_batches, n)))
         if m > n:
             raise ValueError(f"micro_batches={m} is larger than the batch size {n} in training mode: "
                              f"use micro_batches <= {n}, a larger batch, or pipe.eval()")
@@ -367,7 +354,7 @@ class GPipe(nn.Module):
             t = next(iter([*cell.parameters(), *cell.buffers()]), None)
             if t is not None:
                 self.devices[s] = t.device
-        self._sync_devices()
+        self.runtime.move_to(self.devices)
         return self
 
     def to(self, *args: Any, **kwargs: Any) -> GPipe:
@@ -376,11 +363,8 @@ class GPipe(nn.Module):
         super().to(*args, **kwargs)
         if device is not None:
             self.devices[:] = [torch.device(device)] * len(self.devices)
-            self._sync_devices()
+            self.runtime.move_to(self.devices)
         return self
-
-    def _sync_devices(self) -> None:
-        self.runtime.move_to(self.devices)
 
     # -- state ------------------------------------------------------------------------------------
     def _cell(self, s: int) -> nn.Sequential:
@@ -394,12 +378,12 @@ class GPipe(nn.Module):
         return nn.Sequential(*[layer for s in range(len(self.cells)) for layer in self._cell(s)])
 
     def training_state(self) -> dict[str, Any]:
-        """Everything a resumed run needs: weights, buffers, optimizer states, step and seed."""
+        """Everything a resumed run needs: weights, buffers, optimizer states, step, seed, the fp16
+        loss scale."""
         return {"model": self.state_dict(),
                 "optimizers": [None if o is None else o.state_dict() for o in self.optimizers],
                 "step": self.step, "seed": self.seed, "balance": self.balance,
-                "loss_scale": self.loss_scaler.scale, "growth_tracker": self.loss_scaler.growth_tracker,
-                "forward_calls": self._forward_calls}
+                "forward_calls": self._forward_calls, **saved_scaler(self.loss_scaler)}
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`training_state` saved (the cut must be the same)."""
@@ -411,7 +395,6 @@ class GPipe(nn.Module):
             if o is not None:
                 o.load_state_dict(s)
         self.step, self.seed = int(state["step"]), int(state["seed"])
-        self.loss_scaler.load_state_dict({"scale": state.get("loss_scale", self.loss_scaler.scale),
-                                          "growth_tracker": state.get("growth_tracker", 0)})
+        restore_scaler(self.loss_scaler, state)
         self._forward_calls = int(state.get("forward_calls", 0))
         self.runtime.reseed(self.seed)

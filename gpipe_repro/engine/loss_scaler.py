@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LossScaler"]
+__all__ = ["LossScaler", "saved_scaler", "restore_scaler"]
 
 
 class LossScaler:
@@ -51,3 +51,14 @@ class LossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state.get("scale", self.scale))
         self.growth_tracker = int(state.get("growth_tracker", 0))
+
+
+def saved_scaler(scaler: LossScaler) -> dict[str, Any]:
+    """The scaler's state under ``GPipe.training_state``'s keys."""
+    return {"loss_scale": scaler.scale, "growth_tracker": scaler.growth_tracker}
+
+
+def restore_scaler(scaler: LossScaler, state: dict[str, Any]) -> None:
+    """Restore :func:`saved_scaler`'s keys of `state` (a state saved without them keeps the scale)."""
+    scaler.load_state_dict({"scale": state.get("loss_scale", scaler.scale),
+                            "growth_tracker": state.get("growth_tracker", 0)})

@@ -20,11 +20,14 @@ from typing import Any, Protocol
 import torch
 
 from gpipe_repro.engine.agreement import Agreement, StepConfig
+from gpipe_repro.engine.local_runtime import LocalRuntime
+from gpipe_repro.engine.placement import Placement
 from gpipe_repro.engine.schedule import Schedule
 from gpipe_repro.engine.stage import StageExecutor
+from gpipe_repro.engine.tied import Tie
 from gpipe_repro.engine.timeline import Timeline
 
-__all__ = ["Runtime"]
+__all__ = ["Runtime", "build_runtime"]
 
 
 class Runtime(Protocol):
@@ -61,3 +64,17 @@ class Runtime(Protocol):
     def reseed(self, seed: int) -> None:
         """Draw dropout masks from `seed` from now on (a resumed run's)."""
         ...
+
+
+def build_runtime(placement: Placement, executors: list[StageExecutor], devices: list[torch.device],
+                  ties: Sequence[Tie], *, replicas: int, bucket_cap_mb: float,
+                  batchnorm_stats: str) -> Runtime:
+    """The runtime `placement` asks for, running `executors` (this process's, by stage) on `devices`
+    (one per stage); `ties`, `replicas`, `bucket_cap_mb`, `batchnorm_stats`: GPipe's."""
+    if placement.plugin is None:
+        return LocalRuntime(executors, devices, ties)
+    runtime: Runtime = placement.plugin.DistributedRuntime(
+        executors, placement.context, layout=placement.plugin.Layout(placement.processes, replicas),
+        process_of=placement.process_of, bucket_cap_mb=float(bucket_cap_mb),
+        batchnorm_stats=batchnorm_stats, ties=ties)
+    return runtime

@@ -26,7 +26,7 @@ factor, skip); OPTIMIZER_STEP applies it. A tied parameter's copy that another c
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -36,6 +36,7 @@ from gpipe_repro.engine import boundary
 from gpipe_repro.engine.agreement import Agreement, Contribution, StepConfig, stage_contribution
 from gpipe_repro.engine.backward_split import LayerCuts, cuts_layers, split_by_layer
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm
+from gpipe_repro.engine.compiled import compiled_runner
 from gpipe_repro.engine.feeding import GuardedInput, InputGuard
 from gpipe_repro.engine.losses import weighted_loss
 from gpipe_repro.engine.precision import autocast, cast_boundary
@@ -74,17 +75,23 @@ class StageExecutor:
         seed: the pipeline's seed (dropout masks are a function of seed, step, layer, micro-batch).
         uncounted: names of the cell's parameters left out of its gradient norm (tied copies another
             cell counts).
+        compile_options: ``torch.compile``'s arguments: each layer runs compiled with them (the
+            cell's modules themselves are not changed); None: eager.
     """
 
     def __init__(self, cell: nn.Sequential, stage: int, num_stages: int, first_layer: int,
                  device: torch.device, transport: Transport | None, loss_fn: LossFn | None = None,
                  optimizer: torch.optim.Optimizer | None = None, seed: int = 0, *,
-                 uncounted: Collection[str] = ()) -> None:
+                 uncounted: Collection[str] = (), compile_options: Mapping[str, Any] | None = None) -> None:
         self.cell, self.stage, self.num_stages = cell, stage, num_stages
         self.first_layer, self.device, self._transport = first_layer, device, transport
         self.loss_fn, self.optimizer, self.seed = loss_fn, optimizer, seed
         self.clock: Callable[[], float] | None = None   # this step's, when it is recorded
         self.uncounted = frozenset(uncounted)
+        # what runs each layer: the layer, or its compiled runner (engine.compiled)
+        self.runners: list[Callable[[Any], Any]] = (
+            list(cell) if compile_options is None else [compiled_runner(layer, compile_options)
+                                                        for layer in cell])
         # Replicas: this replica's micro-batch m is micro-batch m + offset of the global mini-batch
         # (its dropout masks are that micro-batch's); given per step by the distributed runtime.
         self.microbatch_offset = 0
@@ -334,7 +341,7 @@ class StageExecutor:
                         h = cut.value
                     seed_layer(self.seed, self.step, self.first_layer + i, m + self.microbatch_offset,
                                self.device, self.step_key)
-                    h = layer(h)
+                    h = self.runners[i](h)
                     boundary.check(h, f"layer {self.first_layer + i} ({type(layer).__name__})")
                     if cut is not None:
                         guard.settle(cut, training, m)
