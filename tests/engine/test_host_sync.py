@@ -143,3 +143,13 @@ def test_silent_zero_count_still_refused_before_any_update() -> None:
         pipe.train_step(*batch(), sync=False)
     for k, v in pipe.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_inference_reads_nothing_from_the_device(reads: HostReads, training: bool) -> None:
+    pipe = pipe_for().train(training)
+    x, _ = batch()
+    with reads.counting():
+        out = pipe(x)
+    assert reads.count == 0, reads.where
+    assert out.shape == (8, 4)
