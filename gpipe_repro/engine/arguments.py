@@ -3,25 +3,34 @@
 Every check runs before any work starts (no partitioner, no process group, no optimizer), and every
 error says what to change. :func:`check_arguments` covers the scalar configuration (K, M, the
 re-materialization mode, the loss's reduction, clipping, precision, schedule, runtime, objective,
-replicas, devices); :func:`as_layers` the model; :func:`batch_key` what every rank's mini-batch
-must share when there are replicas.
+replicas, devices) and builds the schedule once, so that a schedule that cannot serve this K and M
+(interleaved 1F1B's M a multiple of K, DualPipeV's M >= 2K) is refused at construction;
+:func:`compile_options` the ``compile`` argument against that schedule; :func:`as_layers` the model;
+:func:`batch_key` what every rank's mini-batch must share when there are replicas.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from gpipe_repro.engine.agreement import PRECISIONS
 from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.partition import OBJECTIVES
 from gpipe_repro.engine.placement import RUNTIMES
-from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES, num_processes
+from gpipe_repro.engine.precision import PRECISIONS
+from gpipe_repro.engine.schedule import (
+    CHECKPOINT_MODES,
+    SCHEDULES,
+    ActionKind,
+    Schedule,
+    make_schedule,
+    num_processes,
+)
 
 __all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_running_statistics",
-           "declared_reduction"]
+           "compile_options", "declared_reduction"]
 
 BATCHNORM_STATS = ("per_replica", "synchronized")   # GPipe(batchnorm_stats=...), with replicas
 
@@ -65,11 +74,13 @@ def declared_reduction(loss_fn: Any) -> str | None:
 
 def check_arguments(*, num_layers: int, partitions: Any, micro_batches: Any, checkpoint: Any,
                     loss_fn: Any, loss_reduction: Any, clip_grad_norm: Any, precision: Any,
-                    schedule: Any, runtime: Any, objective: Any, replicas: Any, batchnorm_stats: Any,
-                    bucket_cap_mb: Any, devices: Sequence[Any] | None) -> None:
+                    schedule: Any, recompute_ahead: bool = False, seed: Any = 0, runtime: Any,
+                    objective: Any, replicas: Any, batchnorm_stats: Any, bucket_cap_mb: Any,
+                    devices: Sequence[Any] | None) -> Schedule:
     """Check GPipe's configuration (the arguments of the same names; `num_layers` is the model's
-    length). Raises ValueError naming the first argument out of range or inconsistent, and what to
-    change; checked in the order of GPipe's signature, so the message for a given call is stable."""
+    length) and return the training schedule it runs. Raises ValueError naming the first argument
+    out of range or inconsistent, and what to change; checked in the order of GPipe's signature, so
+    the message for a given call is stable."""
     if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
         raise ValueError(f"partitions must be an integer >= 1, got {partitions!r}")
     if partitions > num_layers:
@@ -97,8 +108,14 @@ def check_arguments(*, num_layers: int, partitions: Any, micro_batches: Any, che
         raise ValueError(f"clip_grad_norm must be a number > 0 (or None), got {clip_grad_norm!r}")
     require_one_of("precision", precision, PRECISIONS)
     require_one_of("schedule", schedule, SCHEDULES)
-    if isinstance(partitions, int) and partitions >= 1:
-        num_processes(schedule, partitions)   # interleaved / zb-v: cells per process must divide
+    num_processes(schedule, partitions)   # interleaved / zb-v: cells per process must divide
+    try:   # what the schedule needs of M (interleaved: a multiple of K; dualpipe-v: M >= 2K)
+        training_schedule = make_schedule(schedule, partitions, micro_batches, checkpoint, recompute_ahead)
+    except ValueError as e:
+        raise ValueError(f"schedule={schedule!r} with partitions={partitions} and micro_batches="
+                         f"{micro_batches}: {e}") from e
+    if isinstance(seed, bool) or not hasattr(seed, "__index__"):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
     require_one_of("runtime", runtime, RUNTIMES)
     require_one_of("objective", objective, OBJECTIVES)
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
@@ -113,6 +130,55 @@ def check_arguments(*, num_layers: int, partitions: Any, micro_batches: Any, che
     if devices is not None and len(devices) != partitions:
         raise ValueError(f"{len(devices)} devices given for partitions={partitions}: give one device "
                          "per partition")
+    return training_schedule
+
+
+# torch.compile's arguments that GPipe(compile={...}) passes on; modes that record CUDA graphs.
+COMPILE_ARGUMENTS = ("backend", "mode", "fullgraph", "dynamic", "options")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def compile_options(compile: Any, schedule: Schedule) -> dict[str, Any] | None:
+    """``GPipe(compile=...)`` as ``torch.compile``'s keyword arguments for each layer, or None (no
+    compilation): False or None: none; True: torch.compile's defaults; a string: its ``mode``; a
+    mapping: its arguments (:data:`COMPILE_ARGUMENTS`). Refused, saying what to use instead:
+
+    - modes that record CUDA graphs (:data:`CUDA_GRAPH_MODES`, or ``options={"triton.cudagraphs":
+      True}``): a replay overwrites the previous replay's outputs, and a pipeline keeps several
+      micro-batches' activations alive at once (every schedule, M > 1), to be read by their backward;
+    - a schedule that splits backwards in two (zero bubble, `schedule`'s BACKWARD_INPUT actions): a
+      compiled layer's backward is one autograd node computing its input and weight gradients
+      together, so its weight half could not be deferred (it would run the layer's backward twice).
+    """
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        options: dict[str, Any] = {}
+    elif isinstance(compile, str):
+        options = {"mode": compile}
+    elif isinstance(compile, Mapping):
+        options = dict(compile)
+    else:
+        raise ValueError(f"compile must be True, False, a torch.compile mode (e.g. 'default', "
+                         f"'max-autotune-no-cudagraphs') or a dict of torch.compile arguments, got "
+                         f"{compile!r}")
+    unknown = sorted(set(options) - set(COMPILE_ARGUMENTS))
+    if unknown:
+        raise ValueError(f"compile={compile!r}: {unknown} are not torch.compile arguments GPipe passes "
+                         f"on; use {list(COMPILE_ARGUMENTS)}")
+    graphs = options.get("mode") in CUDA_GRAPH_MODES or (options.get("options") or {}).get(
+        "triton.cudagraphs")
+    if graphs:
+        raise ValueError(f"compile={compile!r} records CUDA graphs, whose replays overwrite the previous "
+                         "replay's outputs, and a pipeline keeps several micro-batches' activations "
+                         "alive at once: use mode='default' or 'max-autotune-no-cudagraphs'")
+    if any(a.kind is ActionKind.BACKWARD_INPUT for actions in schedule.stages for a in actions):
+        raise ValueError(f"compile={compile!r} with schedule={schedule.name!r}: a compiled layer's "
+                         "backward is one autograd node computing its input and weight gradients "
+                         "together, so the zero-bubble split could not defer the weight half (it "
+                         "would run each layer's backward twice); use schedule='1f1b' or 'gpipe' "
+                         "with compile, or compile=False")
+    return options
 
 
 def check_running_statistics(layers: Sequence[nn.Module], micro_batches: int, checkpoint: str) -> None:

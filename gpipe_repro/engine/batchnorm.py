@@ -9,8 +9,14 @@ M more times during recomputation), each from a fraction of the batch. `Deferred
   cancel);
 - commits them once, when the stage takes its optimizer step, so the running mean/var equal those
   of a plain BatchNorm that saw the whole mini-batch in one forward.
+
+A BatchNorm without running statistics normalizes by its batch in eval mode too: inference runs
+such a model's batch as one micro-batch (:class:`BatchStatisticsInEval`).
 """
 from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -58,13 +64,19 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
             mean = torch.zeros(self.num_features, dtype=input.dtype, device=input.device)
             var = torch.zeros(self.num_features, dtype=input.dtype, device=input.device)
             out = F.batch_norm(input, mean, var, self.weight, self.bias, True, 1.0, self.eps)
-            self._pending.append((rows, mean, var))
+            self._record(rows, mean, var)
             return out
         x = input.detach()
         dims = [0, *range(2, x.dim())]
         var, mean = torch.var_mean(x.float(), dim=dims, correction=1 if rows > 1 else 0)
-        self._pending.append((rows, mean, var))
+        self._record(rows, mean, var)
         return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+    def _record(self, rows: int, mean: torch.Tensor, var: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():   # a compiled layer (GPipe(compile=...)): see _record_eagerly
+            _record_eagerly(self._pending, rows, mean, var)
+        else:
+            self._pending.append((rows, mean, var))
 
     def pending_statistics(self) -> tuple[int, torch.Tensor, torch.Tensor] | None:
         """This step's statistics so far, merged: (rows, mean, sum of squared deviations M2), in
@@ -78,7 +90,7 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
                             device=self._pending[0][1].device)
         means = torch.stack([m for _, m, _ in self._pending]).double()
         variances = torch.stack([v for _, _, v in self._pending]).double()
-        total = float(rows.sum())
+        total = float(sum(n for n, _, _ in self._pending))   # Python ints: no read from the device
         mean = (rows[:, None] * means).sum(0) / total
         m2 = ((rows[:, None] - 1).clamp(min=0) * variances).sum(0) \
             + (rows[:, None] * (means - mean) ** 2).sum(0)
@@ -129,6 +141,41 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         for name, child in module.named_children():
             setattr(module, name, cls.convert(child))
         return module
+
+
+@torch.compiler.disable
+def _record_eagerly(pending: list[tuple[int, torch.Tensor, torch.Tensor]], rows: int, mean: torch.Tensor,
+                    var: torch.Tensor) -> None:
+    """Keep a micro-batch's statistics outside the compiled graph: traced, the append would make
+    Dynamo guard on the list's length and compile the layer again for every micro-batch."""
+    pending.append((rows, mean, var))
+
+
+class BatchStatisticsInEval:
+    """Inference with a BatchNorm that has no running statistics: it normalizes by its batch even in
+    eval mode, so per micro-batch the output would depend on M; such a batch goes through whole, as
+    plain eval would (one warning).
+
+    Args:
+        layers: the model's layers.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        self.culprit = next((f"layer {i} ({type(mod).__name__})" for i, layer in enumerate(layers)
+                             for mod in layer.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)
+                             and not mod.track_running_stats), None)
+        self.warned = False
+
+    def microbatches(self, m: int) -> int:
+        """How many micro-batches an eval batch asked to run as `m` runs as."""
+        if m == 1 or self.culprit is None:
+            return m
+        if not self.warned:
+            self.warned = True
+            warnings.warn(f"{self.culprit} has no running statistics, so it normalizes by the batch in "
+                          "eval mode too: pipe(x) runs the batch as one micro-batch, as plain eval "
+                          "would (track_running_stats=True pipelines inference)", stacklevel=4)
+        return 1
 
 
 def commit_all(module: nn.Module) -> None:

@@ -123,12 +123,8 @@ def test_dualpipe_v_refuses_fewer_micro_batches_than_chunks_and_an_odd_partition
     with pytest.raises(ValueError, match=r"dualpipe-v needs at least as many micro-batches as chunks.*"
                                          r"M=3 for 4 chunks; use micro_batches=4 or more"):
         make_schedule("dualpipe-v", 4, 3, "never")
-    pipe = GPipe(build(), partitions=4, micro_batches=3, schedule="dualpipe-v", loss_fn=loss_fn,
-                 optimizer=sgd_momentum)
-    before = [p.detach().clone() for p in pipe.parameters()]
     with pytest.raises(ValueError, match="use micro_batches=4 or more, or schedule='zb-v'"):
-        pipe.train_step(*data("mlp"))
-    assert all(p.grad is None for p in pipe.parameters()), "nothing ran before the check"
-    assert all((p == q).all() for p, q in zip(pipe.parameters(), before))
+        GPipe(build(), partitions=4, micro_batches=3, schedule="dualpipe-v", loss_fn=loss_fn,
+              optimizer=sgd_momentum)   # at construction, not at the first step
     with pytest.raises(ValueError, match="dualpipe-v cuts the model into 2K chunks.*use partitions=4"):
         GPipe(build(), partitions=3, micro_batches=4, schedule="dualpipe-v", loss_fn=loss_fn)

@@ -43,6 +43,16 @@ def test_sizes_interleaving_cannot_serve_are_refused_with_what_to_use() -> None:
         make_schedule("interleaved", 4, 3, "never")
 
 
+def test_interleaved_m_not_a_multiple_of_k_is_refused_at_construction() -> None:
+    """Refused where the pipeline is built, before any step (and before a distributed job's
+    process group)."""
+    from torch import nn
+
+    from gpipe_repro import GPipe
+    with pytest.raises(ValueError, match=r"schedule='interleaved' with partitions=4 and micro_batches=3"):
+        GPipe([nn.Linear(2, 2) for _ in range(4)], partitions=4, micro_batches=3, schedule="interleaved")
+
+
 def test_process_programs_must_hold_each_stage_on_one_process_in_order() -> None:
     text = make_schedule("interleaved", 4, 2, "never").to_text()
     lines = text.splitlines()
