@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe_repro.engine.agreement import Contribution
 from gpipe_repro.repro.gpu_check import _deps
 from gpipe_repro.repro.gpu_check.settings import sync
 
@@ -99,7 +100,7 @@ class NeighbourTransport:
         outs = [t for t in _deps.boundary.tensors(self.outputs[microbatch]) if _deps.boundary.carries_grad(t)]
         return [_deps.materialize_value(t, self.device, seed=microbatch) for t in outs]
 
-    def agree(self, stage: int, contribution: Callable[[], list[float]]) -> list[float]:
+    def agree(self, stage: int, contribution: Callable[[], Contribution]) -> Contribution:
         """The schedule's AGREE: the measured cell alone stands for every stage."""
         return contribution()
 
