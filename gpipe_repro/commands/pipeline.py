@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import typer
 
-from gpipe_repro.commands._vocabulary import HELP, alias, check_out_files, positive, resolve
+from gpipe_repro.commands.options import HELP, check_out_files, positive
 
 LAUNCHERS = ("local", "torchrun")
 COMMAND = "pipeline"
@@ -113,13 +113,11 @@ def report(rank0: dict[str, Any], options: dict[str, Any]) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("pipeline")
     def pipeline(
-        k: Optional[int] = typer.Option(None, "--k", "-k", help=HELP["k"] + "; one stage process each "
-                                        "(default 2)"),
-        m: Optional[int] = typer.Option(None, "--m", "-m", help=HELP["m"] + " (default 8)"),
+        k: int = typer.Option(2, "--k", "-k", help=HELP["k"] + "; one stage process each"),
+        m: int = typer.Option(8, "--m", "-m", help=HELP["m"]),
         checkpoint: str = typer.Option("never", help="re-materialization: always | except_last | never"),
         recompute_ahead: bool = typer.Option(False, help="recompute before waiting for the gradient"),
-        batch_size: Optional[int] = typer.Option(None, "--batch-size",
-                                                 help=HELP["batch_size"] + " (default 512)"),
+        batch_size: int = typer.Option(512, "--batch-size", help=HELP["batch_size"]),
         width: int = typer.Option(512, help="width of each Linear layer"),
         blocks: int = typer.Option(8, help="number of Linear+ReLU layers"),
         steps: int = typer.Option(5, help="training steps"),
@@ -136,18 +134,13 @@ def register(app: typer.Typer) -> None:
         fail_mode: Optional[str] = typer.Option(None, help="inject a failure: raise | kill | exit | hang"),
         fail_rank: int = typer.Option(0, help="rank that fails (with --fail-mode)"),
         fail_call: int = typer.Option(1, help="fail at this call of the faulty layer (1-based)"),
-        partitions: Optional[int] = alias("--partitions"),
-        micro_batches: Optional[int] = alias("--micro-batches"),
-        batch: Optional[int] = alias("--batch"),
     ) -> None:
         """Train a synthetic MLP with one process per stage; print losses, step times, breakdown, and
         write the last step's timeline and Gantt chart."""
         from gpipe_repro.distributed.faults import FAULT_MODES
         from gpipe_repro.train.run_dir import fresh_run_dir
 
-        partitions = resolve("--k", k, partitions, "--partitions", 2)
-        micro_batches = resolve("--m", m, micro_batches, "--micro-batches", 8)
-        batch = resolve("--batch-size", batch_size, batch, "--batch", 512)
+        partitions, micro_batches, batch = k, m, batch_size
         positive("--k", partitions, "stage processes")
         positive("--m", micro_batches, "micro-batches")
         positive("--steps", steps, "training steps")

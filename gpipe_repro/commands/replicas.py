@@ -30,8 +30,8 @@ def register(app: typer.Typer) -> None:
             top: int = typer.Option(6, "--top", help="candidates to show")) -> None:
         """Choose K, R = N / K, M and the partition for the best simulated samples/s within --memory
         GiB per device (extra options, e.g. --L 48, go to the model builder)."""
-        from gpipe_repro.commands._vocabulary import int_list, one_of, positive, positive_number
         from gpipe_repro.commands.models import parse_options
+        from gpipe_repro.commands.options import int_list, one_of, positive, positive_number
         from gpipe_repro.memory.planner import GiB, MemoryPlanner
         from gpipe_repro.memory.profile import rmsprop_foreach
         from gpipe_repro.memory.replicas_plan import plan_replicas
