@@ -385,7 +385,7 @@ def test_validate_sim_takes_every_k_up_to_the_usable_cores() -> None:
 # ----------------------------------------------------------------------------- reproducible partitions
 
 def test_two_tables_are_compared_cell_by_cell_and_partition_by_partition() -> None:
-    from gpipe_repro.repro.compare_tables import compare, render
+    from experiments.compare_throughput import compare, render
 
     def table(x: float, balance: list[int]) -> dict[str, Any]:
         return {"table2": {"transformer": [
