@@ -297,3 +297,27 @@ def register(app: typer.Typer) -> None:
                                 "note": c.note} for c in cands]})
         if best is None:
             raise typer.Exit(1)
+
+    @app.command("memory-table")
+    def memory_table(
+            m: int = typer.Option(8, "--m", "-m", help=HELP["m"] + " of every pipeline row (the paper "
+                                  "does not state it)"),
+            amoebanet: bool = typer.Option(True, "--amoebanet/--no-amoebanet",
+                                           help="the AmoebaNet rows (the slowest)"),
+            out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: "
+                                               "results/memory, under $GPIPE_REPRO_RESULTS when set)"),
+            overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier table in --out"),
+            wandb: bool = typer.Option(True, "--wandb/--no-wandb", help="log to W&B"),
+            record: bool = typer.Option(False, "--record", help="may replace the results of record "
+                                        "(what `make memory-table` does)"),
+    ) -> None:
+        """The paper's Table 1 (maximum model size) from the memory planner, checked against real
+        steps on this CPU."""
+        from gpipe_repro.report.records import OutputRefused
+        from gpipe_repro.repro import memory_table as table
+        positive("--m", m, "micro-batches")
+        try:
+            table.main(micro_batches=m, amoebanet=amoebanet, out=out, overwrite=overwrite, record=record,
+                       wandb=wandb)
+        except OutputRefused as e:
+            raise typer.BadParameter(str(e), param_hint="--out") from None

@@ -1,34 +1,117 @@
-"""`gpipe-repro throughput-table` and `gpipe-repro validate-sim`: the paper's Tables 2/3 and the
-simulator's check against real stage processes.
+"""`gpipe-repro throughput-table`, `gpipe-repro validate-sim` and `gpipe-repro throughput`: the paper's
+Tables 2/3, the simulator's check against real stage processes, and the simulation of your own model.
 
-    gpipe-repro throughput-table                     # same as `make throughput-table`
-    gpipe-repro throughput-table --paper-size --device cuda
-    gpipe-repro validate-sim                         # same as `make validate-sim`
+    gpipe-repro throughput-table --record            # `make throughput-table`
+    gpipe-repro throughput-table --paper-size --device cuda --out /tmp/t
+    gpipe-repro validate-sim --record                # `make validate-sim`
     gpipe-repro throughput --model pkg.mod:factory --input-shape 784 --k 2 --m 8   # your own model
     gpipe-repro throughput --model hf:llama --option layers=4 --option hidden=128 --input-shape 64 \\
         --k 2 --m 4                                  # a Hugging Face causal LM (or a config.json)
 
-Both pass their options through to the experiment modules (`--help` there lists them), so the
-command line and the Makefile targets can never drift apart. One difference: these commands never
-replace the results of record (the checkout's results/; only `make throughput-table` / `make
-validate-sim` do): write elsewhere with --out DIR or GPIPE_REPRO_RESULTS=DIR. Their own earlier
-output elsewhere is replaced only with --overwrite, and a file they did not write, never.
+The make targets run these same commands (experiments/throughput_table.py, validate_simulator.py).
+The results of record (the checkout's results/) are replaced only with --record; write elsewhere
+with --out DIR or GPIPE_REPRO_RESULTS=DIR. Their own earlier output elsewhere is replaced only with
+--overwrite, and a file they did not write, never.
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any, Optional
+
 import typer
+
+from gpipe_repro.commands.options import HELP, int_list, one_of, positive
 
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("throughput-table", context_settings=_PASS_THROUGH, add_help_option=False)
-    def throughput_table(ctx: typer.Context) -> None:
-        """The paper's Tables 2 and 3: K x M normalized throughput, simulated and measured
-        (options: --paper-size, --device, --link, --policy, --objective, --no-measure; --help)."""
-        from gpipe_repro.repro.throughput_table import main
+    @app.command("throughput-table")
+    def throughput_table(
+            paper_size: bool = typer.Option(False, "--paper-size", help="the paper's exact models "
+                                            "(AmoebaNet-D (18, 256), Transformer-48 d 2048): use on a GPU "
+                                            "host with --device cuda"),
+            device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
+            link: Optional[str] = typer.Option(None, "--link", help="link model of the simulation "
+                                               "(default: gloo-loopback on cpu, nvlink on cuda)"),
+            policy: str = typer.Option("micro", "--policy", help="micro: fixed micro-batch, N = M x b; "
+                                       "mini: fixed mini-batch N (--minibatch)"),
+            minibatch: int = typer.Option(64, "--minibatch", help="N of the mini policy"),
+            objective: str = typer.Option("bottleneck", "--objective", help="partitioner objective"),
+            checkpoint: str = typer.Option("always", "--checkpoint",
+                                           help="re-materialization: always | except_last | never"),
+            recompute_ahead: bool = typer.Option(False, "--recompute-ahead",
+                                                 help="recompute before waiting for the gradient"),
+            method: str = typer.Option("time", "--method", help="costs: time (calibrated) | flops"),
+            measure: bool = typer.Option(True, "--measure/--no-measure",
+                                         help="also measure on real stage processes where K fits"),
+            wandb: bool = typer.Option(True, "--wandb/--no-wandb", help="log the sweep to W&B"),
+            out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: "
+                                               "results/throughput, under $GPIPE_REPRO_RESULTS when set)"),
+            overwrite: bool = typer.Option(False, "--overwrite",
+                                           help="replace an earlier throughput table in --out"),
+            record: bool = typer.Option(False, "--record", help="may replace the results of record "
+                                        "(what `make throughput-table` does)"),
+    ) -> None:
+        """The paper's Tables 2 and 3: K x M normalized throughput, simulated and measured."""
+        import sys
 
-        main(list(ctx.args), prog="gpipe-repro throughput-table")
+        from gpipe_repro.engine.partition import OBJECTIVES
+        from gpipe_repro.report.records import OutputRefused, results_root
+        from gpipe_repro.repro import throughput_table as table
+        from gpipe_repro.repro.throughput import POLICIES
+        from gpipe_repro.sim.links import LINK_NAMES
+        for flag, value, choices in (("--device", device, ("cpu", "cuda")), ("--policy", policy, POLICIES),
+                                     ("--objective", objective, OBJECTIVES), ("--method", method,
+                                                                              ("time", "flops")),
+                                     ("--checkpoint", checkpoint, ("always", "except_last", "never"))):
+            one_of(flag, value, choices)
+        if link is not None:
+            one_of("--link", link, LINK_NAMES)
+        positive("--minibatch", minibatch)
+        settings = table.sweep_settings(paper_size=paper_size, device=device, link=link, policy=policy,
+                                        minibatch=minibatch, objective=objective, checkpoint=checkpoint,
+                                        recompute_ahead=recompute_ahead, method=method, measure=measure)
+        try:
+            table.main(settings, out if out is not None else results_root() / "throughput",
+                       overwrite=overwrite, record=record, wandb=wandb,
+                       command={"prog": "gpipe-repro throughput-table", "argv": sys.argv[1:]})
+        except (OutputRefused, FileExistsError) as e:
+            raise typer.BadParameter(str(e), param_hint="--out") from None
+
+    @app.command("validate-sim")
+    def validate_sim(
+            models: Optional[str] = typer.Option(None, "--models", help="models to validate, "
+                                                 "comma-separated (default: both of the table)"),
+            ms: Optional[str] = typer.Option(None, "--ms", help=HELP["m"] + " to validate, e.g. 1,4 "
+                                             "(default: 1,2,4,8,16)"),
+            ks: Optional[str] = typer.Option(None, "--ks", help=HELP["k"] + " to validate (default: "
+                                             "every K in 2, 4, 8 up to the usable cores)"),
+            schedules: Optional[str] = typer.Option(None, "--schedules", help="schedules to validate, "
+                                                    "comma-separated (default: every one the runtime "
+                                                    "runs)"),
+            steps: Optional[int] = typer.Option(None, "--steps", help="measured steps per configuration"),
+            out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: "
+                                               "results/throughput, under $GPIPE_REPRO_RESULTS when set)"),
+            overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier validation (and "
+                                           "the throughput_table.md it refreshes)"),
+            render_only: bool = typer.Option(False, "--render-only", help="measure nothing: rewrite "
+                                             "validation.md and throughput_table.md from the JSON files "
+                                             "already in --out"),
+            record: bool = typer.Option(False, "--record", help="may replace the results of record "
+                                        "(what `make validate-sim` does)"),
+    ) -> None:
+        """Simulated vs measured throughput on real stage processes (K <= usable cores)."""
+        from gpipe_repro.report.records import OutputRefused
+        from gpipe_repro.repro import validate_simulator
+        try:
+            given: dict[str, Any] = {"models": _names(models), "ms": int_list("--ms", ms),
+                                     "schedules": _names(schedules), "steps": steps}
+            validate_simulator.main(**{k: v for k, v in given.items() if v is not None},
+                                    ks=int_list("--ks", ks), out=out, overwrite=overwrite, record=record,
+                                    render_only=render_only)
+        except (ValueError, OutputRefused) as e:
+            raise typer.BadParameter(str(e)) from None
 
     @app.command("throughput", context_settings=_PASS_THROUGH, add_help_option=False)
     def throughput(ctx: typer.Context) -> None:
@@ -53,9 +136,7 @@ def register(app: typer.Typer) -> None:
                 fail(str(e))
         main(args, prog="gpipe-repro throughput" + (" --replicas" if replicas else ""))
 
-    @app.command("validate-sim", context_settings=_PASS_THROUGH, add_help_option=False)
-    def validate_sim(ctx: typer.Context) -> None:
-        """Simulated vs measured throughput on real stage processes (K <= usable cores; --help)."""
-        from gpipe_repro.repro.validate_simulator import main
 
-        main(list(ctx.args), prog="gpipe-repro validate-sim")
+def _names(text: str | None) -> list[str] | None:
+    """"a,b" -> ["a", "b"] (None for None)."""
+    return None if text is None else [x.strip() for x in text.split(",") if x.strip()]
