@@ -95,8 +95,8 @@ CONDITIONS = (HEALTHY, *(m.name for m in MUTATIONS))
 
 
 def copy_tree(dest: Path, mutation: Mutation | None) -> Path:
-    """The package, the tests and the baseline copied to `dest`, with `mutation` applied."""
-    for part in ("gpipe_repro", "tests"):
+    """The package, the tests, the experiments and the baseline copied to `dest`, with `mutation` applied."""
+    for part in ("gpipe_repro", "tests", "experiments"):
         shutil.copytree(ROOT / part, dest / part,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for f in ("pyproject.toml",):

@@ -104,7 +104,7 @@ def test_gpu_check_default_and_probe_default_honour_the_environment(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from gpipe_repro.repro import probe_gpu_microbatches as probe
+    from experiments import probe_gpu_microbatches as probe
     from gpipe_repro.repro.gpu_check import default_out_dir
 
     monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path))
