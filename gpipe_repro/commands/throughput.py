@@ -113,6 +113,38 @@ def register(app: typer.Typer) -> None:
         except (ValueError, OutputRefused) as e:
             raise typer.BadParameter(str(e)) from None
 
+    @app.command("validate-unseen")
+    def validate_unseen(
+            ctx: typer.Context,
+            batch_size: int = typer.Option(256, "--batch-size", min=1, help="mini-batch of every "
+                                           "configuration"),
+            ms: str = typer.Option("1,2,4,8,16", "--ms", help=HELP["m"] + " to run, each dividing the "
+                                   "batch, e.g. 1,4"),
+            checkpoints: str = typer.Option("never,always", "--checkpoints",
+                                            help="re-materialization modes to run, comma-separated"),
+            models: Optional[str] = typer.Option(None, "--models", help="models to run, comma-separated "
+                                                 "(default: every one)"),
+            steps: int = typer.Option(8, "--steps", min=1, help="measured steps per configuration "
+                                      "(their median and its interval)"),
+            out: Optional[str] = typer.Option(None, "--out", help="output directory (default: "
+                                              "results/throughput/)"),
+    ) -> None:
+        """The simulator against real runs (K=2) of models it was never tuned on."""
+        import shlex
+
+        from gpipe_repro.repro import validate_unseen as unseen
+        given = [f"{p.opts[0]} {shlex.quote(str(ctx.params[p.name]))}" for p in ctx.command.params
+                 if p.name and getattr(ctx.get_parameter_source(p.name), "name", "") == "COMMANDLINE"]
+        options: dict[str, Any] = {"ms": int_list("--ms", ms), "checkpoints": _names(checkpoints)}
+        if models is not None:
+            options["models"] = _names(models)
+        try:
+            unseen.main(batch=batch_size, steps=steps, out=out, **options,
+                        command=" ".join(["gpipe-repro validate-unseen", *given]) if given
+                        else "make validate-unseen")
+        except SystemExit as e:
+            raise typer.BadParameter(str(e)) from None
+
     @app.command("throughput", context_settings=_PASS_THROUGH, add_help_option=False)
     def throughput(ctx: typer.Context) -> None:
         """Simulate your own model (--model module:factory --input-shape ... --k K --m M; or a Hugging
