@@ -20,9 +20,7 @@ from typing import Any, Optional
 
 import typer
 
-from gpipe_repro.commands.options import HELP, int_list, one_of, positive
-
-_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+from gpipe_repro.commands.options import HELP, check_out_files, int_list, one_of, positive
 
 
 def register(app: typer.Typer) -> None:
@@ -145,28 +143,156 @@ def register(app: typer.Typer) -> None:
         except SystemExit as e:
             raise typer.BadParameter(str(e)) from None
 
-    @app.command("throughput", context_settings=_PASS_THROUGH, add_help_option=False)
-    def throughput(ctx: typer.Context) -> None:
-        """Simulate your own model (--model module:factory --input-shape ... --k K --m M; or a Hugging
-        Face causal LM: --model hf:llama --option layers=4 ..., or --model path/to/config.json, with
-        --input-shape SEQ_LEN): step time, speedup, and a real run where K fits the host; with
-        --replicas R: R data-parallel replicas of a K-stage pipeline of a registry model (--model
-        transformer-lm --k 8 --replicas 128 --m 32): samples/s and the time breakdown, all-reduce
-        included (--help, --replicas 1 --help)."""
-        args = list(ctx.args)
-        # One command, two simulations, chosen by an explicit table on whether --replicas is given.
-        replicas = any(a == "--replicas" or a.startswith("--replicas=") for a in args)
-        if replicas:
-            from gpipe_repro.repro.replicas_throughput import main
-        else:
-            from gpipe_repro.commands._hf_models import throughput_args
-            from gpipe_repro.commands.run import fail
-            from gpipe_repro.repro.simulate_model import main
-            try:
-                args = throughput_args(args)     # --model hf:<family> or a config.json: its factory
-            except ValueError as e:
-                fail(str(e))
-        main(args, prog="gpipe-repro throughput" + (" --replicas" if replicas else ""))
+    @app.command("throughput")
+    def throughput(
+            model: Optional[str] = typer.Option(None, "--model", help="your model: module:factory (returns "
+                                                "the layers), hf:<family> or a Hugging Face config.json; "
+                                                "with --replicas: transformer | amoebanet (the paper's)"),
+            option: list[str] = typer.Option([], "--option", help="KEY=VALUE: a keyword argument of the "
+                                              "factory (repeat it for several)"),
+            kind: Optional[str] = typer.Option(None, "--kind", help="features: float inputs, class "
+                                               "targets (default); image; tokens (hf: tokens)"),
+            input_shape: Optional[str] = typer.Option(None, "--input-shape", help="one example's shape, "
+                                                      "e.g. 784 or 3,32,32 (tokens: sequence length)"),
+            classes: Optional[int] = typer.Option(None, "--classes", help="classes, or the vocabulary "
+                                                  "size for tokens (default 10; hf: the model's)"),
+            k: Optional[int] = typer.Option(None, "--k", "-k", help=HELP["k"] + " (with --replicas: "
+                                            "default 8)"),
+            m: Optional[int] = typer.Option(None, "--m", "-m", help=HELP["m"] + " (with --replicas: per "
+                                            "replica, default 32)"),
+            microbatch: Optional[int] = typer.Option(None, "--microbatch", help="examples per micro-batch "
+                                                     "(default 8; with --replicas 1)"),
+            checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="re-materialization: "
+                                                     "always | except_last | never (default except_last; "
+                                                     "with --replicas always)"),
+            recompute_ahead: bool = typer.Option(False, "--recompute-ahead",
+                                                 help="recompute before waiting for the gradient"),
+            objective: str = typer.Option("bottleneck", "--objective", help="partitioner objective"),
+            link: Optional[str] = typer.Option(None, "--link", help="link model (default gloo-loopback; "
+                                               "with --replicas nvlink, the pipeline's boundary link)"),
+            method: str = typer.Option("time", "--method", help="costs: time (calibrated) | flops"),
+            repeats: int = typer.Option(20, "--repeats", help="timings per layer action"),
+            validate: Optional[bool] = typer.Option(None, "--validate/--no-validate", help="also run on K "
+                                                    "stage processes (default: where K fits the host)"),
+            out: Optional[Path] = typer.Option(None, "--out", help="also write the result here (JSON)"),
+            overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier result of this "
+                                           "command at --out (any other existing file is refused)"),
+            replicas: Optional[int] = typer.Option(None, "--replicas", help="R: data-parallel replicas of "
+                                                   "a K-stage pipeline of the paper's models (simulated "
+                                                   "samples/s, the all-reduce included)"),
+            device: str = typer.Option("p100", "--device", help="with --replicas: the device model, p100 "
+                                       "| tpu-v3-core"),
+            devices_per_host: int = typer.Option(8, "--devices-per-host", help="with --replicas: devices "
+                                                 "per host (a pipeline stays inside one)"),
+            algorithm: str = typer.Option("ring", "--algorithm", help="with --replicas: all-reduce, ring | "
+                                          "tree"),
+    ) -> None:
+        """Simulate your own model (or a Hugging Face causal LM) as a K-stage pipeline: the cut, step
+        time and speedup, and a real run where K fits the host; with --replicas R, R data-parallel
+        replicas of the paper's models: samples/s and the time breakdown."""
+        for flag, value in (("--k", k), ("--m", m), ("--microbatch", microbatch), ("--repeats", repeats),
+                            ("--classes", classes), ("--replicas", replicas),
+                            ("--devices-per-host", devices_per_host)):
+            positive(flag, value)
+        if checkpoint is not None:
+            one_of("--checkpoint", checkpoint, ("always", "except_last", "never"))
+        if replicas is not None:
+            one_of("--algorithm", algorithm, ("ring", "tree"))
+            _replicas(model=model or "transformer", k=k or 8, replicas=replicas, m=m or 32,
+                      microbatch=microbatch or 1, device=device, link=link or "nvlink",
+                      devices_per_host=devices_per_host, algorithm=algorithm,
+                      checkpoint=checkpoint or "always", out=out, overwrite=overwrite,
+                      own=dict(option=option, kind=kind, input_shape=input_shape, classes=classes,
+                               validate=validate))
+            return
+        if model is None or input_shape is None or k is None or m is None:
+            raise typer.BadParameter("give --model, --input-shape, --k and --m (your model), or --replicas R "
+                                     "(the paper's models)")
+        from gpipe_repro.engine.partition import OBJECTIVES
+        from gpipe_repro.sim.links import LINK_NAMES
+        one_of("--objective", objective, OBJECTIVES)
+        one_of("--method", method, ("time", "flops"))
+        one_of("--link", link or "gloo-loopback", LINK_NAMES)
+        shape = int_list("--input-shape", input_shape, "784 or 3,32,32") or []
+        if min(shape, default=0) < 1:
+            raise typer.BadParameter(f"--input-shape takes sizes >= 1 (one example's shape, e.g. 784 or "
+                                     f"3,32,32), got {input_shape}")
+        workload = _own_workload(model, _key_values(option), kind, shape, classes)
+        from gpipe_repro.repro import simulate_model
+        if out is not None:
+            check_out_files("--out", [out], simulate_model.COMMAND, overwrite=overwrite)
+        problem = simulate_model.preflight(workload, microbatch or 8, options=dict(workload.options))
+        if problem is not None:
+            raise typer.BadParameter(problem)
+        try:
+            simulate_model.main(workload, out=out, k=k, m=m, microbatch=microbatch or 8,
+                                checkpoint=checkpoint or "except_last", recompute_ahead=recompute_ahead,
+                                objective=objective, link=link or "gloo-loopback", method=method,
+                                repeats=repeats, validate=validate)
+        except ValueError as e:
+            raise typer.Exit(_error(str(e))) from None
+
+
+
+def _key_values(items: list[str]) -> dict[str, Any]:
+    """``["width=1024", "name=x"]`` -> {"width": 1024, "name": "x"} (values as Python literals where
+    they are one); anything without a key and `=` is a usage error."""
+    import ast
+    values: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"--option takes KEY=VALUE, got {item!r}")
+        try:
+            values[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            values[key] = text
+    return values
+
+
+def _own_workload(model: str, options: dict[str, Any], kind: Optional[str], shape: list[int],
+                  classes: Optional[int]) -> Any:
+    """The workload `--model` names (a module:factory, or a Hugging Face model through its factory),
+    checked before any work."""
+    from gpipe_repro.commands._hf_models import is_hf_model, throughput_model
+    from gpipe_repro.models.workload import KINDS, Workload
+    if is_hf_model(model):
+        try:
+            model, options, vocabulary = throughput_model(model, options)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--model") from None
+        kind, classes = kind or "tokens", classes or vocabulary
+    one_of("--kind", kind or "features", KINDS)
+    try:
+        return Workload.create(model, model, kind or "features", shape, classes or 10, **options)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def _replicas(*, own: dict[str, Any], out: Optional[Path], overwrite: bool, **job: Any) -> None:
+    """`throughput --replicas R`: the K x R simulation of the paper's models, printed (and written)."""
+    given = [f"--{name.replace('_', '-')}" for name, value in own.items() if value not in (None, [])]
+    if given:
+        raise typer.BadParameter(f"{', '.join(given)}: your own model's options; with --replicas the "
+                                 "model is one of the paper's (--model transformer | amoebanet)")
+    from gpipe_repro.repro.replicas_throughput import COMMAND, format_job, simulate_job
+    if out is not None:
+        check_out_files("--out", [out], COMMAND, overwrite=overwrite)
+    try:
+        result = simulate_job(**job)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    print(format_job(result))
+    if out is not None:
+        from gpipe_repro.report.records import write_json
+        write_json(out, {**result, "written_by": COMMAND})
+        print(f"wrote {out}")
+
+
+def _error(message: str) -> int:
+    """Print `message` as the command's error; the exit code of a failed simulation (1)."""
+    typer.echo(f"error: {message}", err=True)
+    return 1
 
 
 def _names(text: str | None) -> list[str] | None:

@@ -183,22 +183,19 @@ def own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 ])
 def test_own_model_mistakes_are_usage_errors_before_the_timing(own_model: str, args: list[str], says: str,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from gpipe_repro.repro import simulate_model
     argv = [a.format(m=own_model) for a in args]
     if "--k" not in argv:
         argv += ["--k", "2"]
-    _refused(simulate_model.main, [*argv, "--m", "4", "--no-validate"], capsys, says)
+    _usage_error(["throughput", *argv, "--m", "4", "--no-validate"], says)
 
 
 def test_own_model_json_is_checked_before_the_timing(own_model: str, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    from gpipe_repro.repro import simulate_model
     mine = tmp_path / "r.json"
     mine.write_text("mine\n")
-    argv = ["--model", f"{own_model}:layers", "--input-shape", "32", "--k", "2", "--m", "4",
-            "--json", str(mine)]
-    _refused(simulate_model.main, [*argv, "--overwrite"], capsys, "not a previous `gpipe-repro throughput`")
+    argv = ["throughput", "--model", f"{own_model}:layers", "--input-shape", "32", "--k", "2", "--m", "4",
+            "--out", str(mine)]
+    _usage_error([*argv, "--overwrite"], "not a previous `gpipe-repro throughput`")
     write_json(mine, {"k": 2, "written_by": "throughput"})
-    _refused(simulate_model.main, argv, capsys, "pass --overwrite")
-    with pytest.raises(AssertionError, match="work started"):       # a shape that fits: on to the work
-        simulate_model.main([*argv, "--overwrite"])
+    _usage_error(argv, "pass --overwrite")
+    _starts_work([*argv, "--overwrite"])       # a shape that fits: on to the work
