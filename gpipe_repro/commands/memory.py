@@ -81,14 +81,15 @@ def _check_json_out(path: Optional[Path], command: str, overwrite: bool) -> None
     previous output, or its own without --overwrite."""
     if path is None:
         return
-    from gpipe_repro.report.records import owned_json
+    from gpipe_repro.report.output_guard import owned_json
     legacy = _is_fit_output if command == "fit" else _is_plan_output
     check_out_files("--out", [path], command, overwrite=overwrite,
                     own=lambda p: owned_json(p, command, legacy))
 
 
 def _write_json_out(path: Path, command: str, payload: dict[str, Any]) -> None:
-    from gpipe_repro.report.records import atomic_write, stamp
+    from gpipe_repro.report.output_guard import stamp
+    from gpipe_repro.report.records import atomic_write
     with atomic_write(path) as f:          # parents created; a failure leaves no half file
         f.write(json.dumps(stamp(payload, command), indent=2) + "\n")
 
@@ -313,7 +314,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """The paper's Table 1 (maximum model size) from the memory planner, checked against real
         steps on this CPU."""
-        from gpipe_repro.report.records import OutputRefused
+        from gpipe_repro.report.output_guard import OutputRefused
         from gpipe_repro.repro import memory_table as table
         positive("--m", m, "micro-batches")
         try:

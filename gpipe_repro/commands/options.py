@@ -68,8 +68,8 @@ def one_of(flag: str, value: str, choices: Sequence[str]) -> None:
 def check_out_files(flag: str, paths: Sequence[Path], command: str, *, overwrite: bool,
                     own: Callable[[Path], bool] | None = None) -> None:
     """The shared rule for files a command writes where the user said
-    (:func:`gpipe_repro.report.records.check_outputs`), as a usage error (exit code 2)."""
-    from gpipe_repro.report.records import OutputRefused, check_outputs
+    (:func:`gpipe_repro.report.output_guard.check_outputs`), as a usage error (exit code 2)."""
+    from gpipe_repro.report.output_guard import OutputRefused, check_outputs
     try:
         check_outputs(paths, command=command, option=flag, overwrite=overwrite, own=own)
     except OutputRefused as e:

@@ -34,7 +34,7 @@ def check_outputs(timeline: Optional[Path], gantt: Optional[Path], *, overwrite:
     """Refuse, before any stage process starts, to replace a file that is not this command's own
     output (a timeline JSON or a Gantt PNG it stamped; in an --out directory, a gantt.png beside the
     command's timeline.json), or its own without --overwrite."""
-    from gpipe_repro.report.records import owned_json, written_by
+    from gpipe_repro.report.output_guard import owned_json, written_by
 
     def own(path: Path) -> bool:
         if path == timeline:

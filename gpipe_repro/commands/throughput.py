@@ -55,7 +55,8 @@ def register(app: typer.Typer) -> None:
         import sys
 
         from gpipe_repro.engine.partition import OBJECTIVES
-        from gpipe_repro.report.records import OutputRefused, results_root
+        from gpipe_repro.report.output_guard import OutputRefused
+        from gpipe_repro.report.records import results_root
         from gpipe_repro.repro import throughput_table as table
         from gpipe_repro.repro.throughput import POLICIES
         from gpipe_repro.sim.links import LINK_NAMES
@@ -100,7 +101,7 @@ def register(app: typer.Typer) -> None:
                                         "(what `make validate-sim` does)"),
     ) -> None:
         """Simulated vs measured throughput on real stage processes (K <= usable cores)."""
-        from gpipe_repro.report.records import OutputRefused
+        from gpipe_repro.report.output_guard import OutputRefused
         from gpipe_repro.repro import validate_simulator
         try:
             given: dict[str, Any] = {"models": _names(models), "ms": int_list("--ms", ms),

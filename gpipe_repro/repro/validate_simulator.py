@@ -28,7 +28,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from gpipe_repro.report.host import usable_cores
-from gpipe_repro.report.records import OutputRefused, check_outputs, owned_json, results_root
+from gpipe_repro.report.output_guard import OutputRefused, check_outputs, owned_json
+from gpipe_repro.report.records import results_root
 from gpipe_repro.repro.throughput import (
     MODELS,
     VALIDATION_MS,
@@ -63,7 +64,7 @@ def check_out_dir(out: Path, *, overwrite: bool, record: bool = False,
     """Refuse, before any work, to replace a file in `out` that this command did not write (its
     validation.json says which are its own; throughput_table.md, which it refreshes, belongs to the
     throughput table beside it), or its own without --overwrite, or the results of record without
-    `make validate-sim` (`record=True`). See :func:`gpipe_repro.report.records.check_outputs`."""
+    `make validate-sim` (`record=True`). See :func:`gpipe_repro.report.output_guard.check_outputs`."""
     if out.exists() and not out.is_dir():
         raise OutputRefused(f"--out {out} is a file, not a directory: give a directory")
     files = [out / name for name in PAGES]

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpipe_repro.cli import app
-from gpipe_repro.report import records
+from gpipe_repro.report import output_guard
 from gpipe_repro.report.records import write_json
 
 
@@ -71,7 +71,7 @@ def test_throughput_table_replaces_its_own_only_with_overwrite(table: Any, tmp_p
 def test_results_of_record_only_through_the_make_target(table: Any, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(records, "checkout_results", lambda: tmp_path)
+    monkeypatch.setattr(output_guard, "checkout_results", lambda: tmp_path)
     monkeypatch.chdir(tmp_path.parent)
     monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path))      # the default: $GPIPE_REPRO_RESULTS
     write_json(tmp_path / "throughput" / "throughput_table.json",
