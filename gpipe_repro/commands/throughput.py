@@ -26,6 +26,7 @@ from gpipe_repro.commands.options import HELP, check_out_files, int_list, one_of
 def register(app: typer.Typer) -> None:
     @app.command("throughput-table")
     def throughput_table(
+            ctx: typer.Context,
             paper_size: bool = typer.Option(False, "--paper-size", help="the paper's exact models "
                                             "(AmoebaNet-D (18, 256), Transformer-48 d 2048): use on a GPU "
                                             "host with --device cuda"),
@@ -52,8 +53,6 @@ def register(app: typer.Typer) -> None:
                                         "(what `make throughput-table` does)"),
     ) -> None:
         """The paper's Tables 2 and 3: K x M normalized throughput, simulated and measured."""
-        import sys
-
         from gpipe_repro.engine.partition import OBJECTIVES
         from gpipe_repro.report.output_guard import OutputRefused
         from gpipe_repro.report.records import results_root
@@ -74,7 +73,8 @@ def register(app: typer.Typer) -> None:
         try:
             table.main(settings, out if out is not None else results_root() / "throughput",
                        overwrite=overwrite, record=record, wandb=wandb,
-                       command={"prog": "gpipe-repro throughput-table", "argv": sys.argv[1:]})
+                       command={"prog": "gpipe-repro throughput-table", "record": record,
+                                "argv": [a for a in _given(ctx) if a != "--record"]})
         except (OutputRefused, FileExistsError) as e:
             raise typer.BadParameter(str(e), param_hint="--out") from None
 
@@ -129,11 +129,8 @@ def register(app: typer.Typer) -> None:
                                               "results/throughput/)"),
     ) -> None:
         """The simulator against real runs (K=2) of models it was never tuned on."""
-        import shlex
-
         from gpipe_repro.repro import validate_unseen as unseen
-        given = [f"{p.opts[0]} {shlex.quote(str(ctx.params[p.name]))}" for p in ctx.command.params
-                 if p.name and getattr(ctx.get_parameter_source(p.name), "name", "") == "COMMANDLINE"]
+        given = _given(ctx)
         options: dict[str, Any] = {"ms": int_list("--ms", ms), "checkpoints": _names(checkpoints)}
         if models is not None:
             options["models"] = _names(models)
@@ -233,6 +230,18 @@ def register(app: typer.Typer) -> None:
         except ValueError as e:
             raise typer.Exit(_error(str(e))) from None
 
+
+
+def _given(ctx: typer.Context) -> list[str]:
+    """The options given on the command line, as they would be typed (a flag alone for a switch)."""
+    import shlex
+    given = []
+    for p in ctx.command.params:
+        if p.name and getattr(ctx.get_parameter_source(p.name), "name", "") == "COMMANDLINE":
+            value = ctx.params[p.name]
+            flag = p.opts[0] if value is not False else (p.secondary_opts or p.opts)[0]
+            given.append(flag if isinstance(value, bool) else f"{flag} {shlex.quote(str(value))}")
+    return given
 
 
 def _key_values(items: list[str]) -> dict[str, Any]:
