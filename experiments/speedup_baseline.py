@@ -89,7 +89,7 @@ def measured_configs(steps: int = 4) -> tuple[dict[str, Any], str]:
     """The two configurations of the measured K=2 speedup on two real stage processes, as the
     measurement kernel runs them (name -> one run returning seconds per sample): K=2, M=1 and
     K=2, M=MEASURED_M; their paired ratio per round is the speedup (wall clock: a benchmark number,
-    see :mod:`gpipe_repro.repro.check_speedups`; never a pytest threshold). And what was measured."""
+    see experiments/check_speedups.py; never a pytest threshold). And what was measured."""
     from gpipe_repro.engine.partition import partition
     from gpipe_repro.repro.throughput import SweepSettings, distributed_measure
     from gpipe_repro.sim.calibration import calibrate

@@ -64,7 +64,7 @@ def check_out_dir(out: Path, *, overwrite: bool, record: bool = False,
     """Refuse, before any work, to replace a file in `out` that this command did not write (its
     validation.json says which are its own; throughput_table.md, which it refreshes, belongs to the
     throughput table beside it), or its own without --overwrite, or the results of record without
-    `make validate-sim` (`record=True`). See :func:`gpipe_repro.report.output_guard.check_outputs`."""
+    --record (what `make validate-sim` gives). See :func:`gpipe_repro.report.output_guard.check_outputs`."""
     if out.exists() and not out.is_dir():
         raise OutputRefused(f"--out {out} is a file, not a directory: give a directory")
     files = [out / name for name in PAGES]

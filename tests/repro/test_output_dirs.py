@@ -1,5 +1,5 @@
 """throughput-table, validate-sim, memory-table and `throughput --model`: their output directory (or
---json file) is checked before any work: a user's file is never replaced, the command's own only with
+--out file) is checked before any work: a user's file is never replaced, the command's own only with
 --overwrite, the results of record only by the make target (the make targets give
 --record); the default honours $GPIPE_REPRO_RESULTS. And `throughput --model` mistakes are
 one-line usage errors before the timing work."""

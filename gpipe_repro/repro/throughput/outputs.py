@@ -44,7 +44,8 @@ def owns(out_dir: str | os.PathLike[str]) -> bool:
 def check_out_dir(out_dir: str | os.PathLike[str], *, overwrite: bool, record: bool = False) -> None:
     """Refuse, before any work, an --out whose files this command would replace without being its
     own previous table, or (its own) without --overwrite; in the results of record, without
-    `make throughput-table` (`record=True`). See :func:`gpipe_repro.report.output_guard.check_outputs`."""
+    --record (what `make throughput-table` gives). See
+    :func:`gpipe_repro.report.output_guard.check_outputs`."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file, not a directory: give a directory")
