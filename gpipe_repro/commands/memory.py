@@ -30,6 +30,7 @@ from typing import Any, Optional
 import typer
 
 from gpipe_repro.commands.options import (
+    EXPERIMENTS,
     HELP,
     check_out_files,
     int_list,
@@ -299,7 +300,7 @@ def register(app: typer.Typer) -> None:
         if best is None:
             raise typer.Exit(1)
 
-    @app.command("memory-table")
+    @app.command("memory-table", rich_help_panel=EXPERIMENTS)
     def memory_table(
             m: int = typer.Option(8, "--m", "-m", help=HELP["m"] + " of every pipeline row (the paper "
                                   "does not state it)"),

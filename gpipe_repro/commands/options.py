@@ -26,6 +26,9 @@ from typing import Any, Optional
 
 import typer
 
+# the --help panel of the commands that reproduce the paper (each is a make target)
+EXPERIMENTS = "The paper's experiments (make targets)"
+
 HELP = {
     "k": "K: partitions (cells, one per device)",
     "m": "M: micro-batches per mini-batch",

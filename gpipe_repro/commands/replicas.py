@@ -9,6 +9,8 @@ from typing import Optional
 
 import typer
 
+from gpipe_repro.commands.options import EXPERIMENTS
+
 
 def register(app: typer.Typer) -> None:
     """Add the command to the `gpipe-repro` app."""
@@ -76,7 +78,7 @@ def register(app: typer.Typer) -> None:
               f"checkpoint={best.pipeline.checkpoint}, balance={best.pipeline.balance}: "
               f"{best.throughput:.1f} samples/s; {best.why()}")
 
-    @app.command("replicas-plan-table")
+    @app.command("replicas-plan-table", rich_help_panel=EXPERIMENTS)
     def replicas_plan_table(
             memory: float = typer.Option(16.0, "--memory", help="memory per device, GiB"),
             tflops: float = typer.Option(100.0, "--tflops", help="device compute rate, TFLOP/s"),

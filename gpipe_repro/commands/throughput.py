@@ -20,11 +20,11 @@ from typing import Any, Optional
 
 import typer
 
-from gpipe_repro.commands.options import HELP, check_out_files, int_list, one_of, positive
+from gpipe_repro.commands.options import EXPERIMENTS, HELP, check_out_files, int_list, one_of, positive
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("throughput-table")
+    @app.command("throughput-table", rich_help_panel=EXPERIMENTS)
     def throughput_table(
             ctx: typer.Context,
             paper_size: bool = typer.Option(False, "--paper-size", help="the paper's exact models "
@@ -78,7 +78,7 @@ def register(app: typer.Typer) -> None:
         except (OutputRefused, FileExistsError) as e:
             raise typer.BadParameter(str(e), param_hint="--out") from None
 
-    @app.command("validate-sim")
+    @app.command("validate-sim", rich_help_panel=EXPERIMENTS)
     def validate_sim(
             models: Optional[str] = typer.Option(None, "--models", help="models to validate, "
                                                  "comma-separated (default: both of the table)"),
@@ -112,7 +112,7 @@ def register(app: typer.Typer) -> None:
         except (ValueError, OutputRefused) as e:
             raise typer.BadParameter(str(e)) from None
 
-    @app.command("validate-unseen")
+    @app.command("validate-unseen", rich_help_panel=EXPERIMENTS)
     def validate_unseen(
             ctx: typer.Context,
             batch_size: int = typer.Option(256, "--batch-size", min=1, help="mini-batch of every "
