@@ -3,13 +3,15 @@ step times, and writes the merged timeline (JSON) and its Gantt chart (PNG) of t
 fresh runs/pipeline-N (or --out DIR, or --timeline / --gantt files).
 
     gpipe-repro pipeline --k 2 --m 8                       # runs/pipeline/{timeline.json,gantt.png}
-    torchrun --nproc-per-node 2 .venv/bin/gpipe-repro pipeline --launcher torchrun
+    torchrun --nproc-per-node 2 -- .venv/bin/gpipe-repro pipeline --launcher torchrun --m 4
     gpipe-repro pipeline --fail-mode kill --fail-rank 1 --timeout 5    # watch a failure end the job
 
 It is the smallest end-to-end check of the distributed runtime on a machine: processes, transport,
-timeline and failure handling. Every rank builds the same model and data (seeded), which is how a
-torchrun script feeds a pipeline. Files are written by rank 0 only after every step succeeded, and
-atomically; a failed job exits non-zero with the failing rank and its cause on stderr.
+timeline and failure handling. Under torchrun, `--` ends torchrun's options: without it, torchrun's
+own parser reads `--m` as an abbreviation of one of its options and refuses it. Every rank builds the
+same model and data (seeded), which is how a torchrun script feeds a pipeline. Files are written by
+rank 0 only after every step succeeded, and atomically; a failed job exits non-zero with the failing
+rank and its cause on stderr.
 """
 from __future__ import annotations
 
