@@ -101,16 +101,6 @@ def link_control(model: str = "amoebanet", *, m: int = 32,
             for plat in (real, free)}
 
 
-def main() -> None:
-    """`python -m experiments.schedule_link_control`: print :func:`link_control`'s table."""
-    result = link_control()
-    names = sorted(next(iter(result.values())))
-    print("AmoebaNet-D, FLOP model, K=8, M=32, checkpoint never: simulated samples/s")
-    print(f"{'link':10s}" + "".join(f"{n:>13s}" for n in names))
-    for link, row in result.items():
-        print(f"{link:10s}" + "".join(f"{row[n]:13.0f}" for n in names))
-
-
 def render_schedule_ablation(ablation: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The schedule ablation's section (markdown lines; none if there is no ablation): per model,
     cost model and M, every schedule's simulated samples/s and bubble beside the largest device's
