@@ -1,9 +1,6 @@
-"""`make memory-table`: the GPipe paper's Table 1 (maximum model size), reproduced by the planner.
-
-A thin script: the experiment is :mod:`gpipe_repro.repro.memory_table`. This entry point is the make
-target's: it replaces its own previous table (the results of record) without --overwrite.
-"""
-from gpipe_repro.repro.memory_table import main
+"""`make memory-table`: `gpipe-repro memory-table --record`, the GPipe paper's Table 1 (maximum model
+size) from the memory planner (it may replace the results of record)."""
+from experiments.command import run
 
 if __name__ == "__main__":
-    main(record=True)
+    run("memory-table", "--record")

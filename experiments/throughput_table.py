@@ -1,9 +1,6 @@
-"""`make throughput-table`: the GPipe paper's Tables 2 and 3 (normalized throughput over K x M).
-
-A thin script: the experiment is :mod:`gpipe_repro.repro.throughput_table`. This entry point is the
-make target's: it replaces its own previous table (the results of record) without --overwrite.
-"""
-from gpipe_repro.repro.throughput_table import main
+"""`make throughput-table`: `gpipe-repro throughput-table --record`, the GPipe paper's Tables 2 and 3
+(it may replace the results of record)."""
+from experiments.command import run
 
 if __name__ == "__main__":
-    main(record=True)
+    run("throughput-table", "--record")

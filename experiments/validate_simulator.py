@@ -1,9 +1,6 @@
-"""`make validate-sim`: the pipeline simulator against real stage processes.
-
-A thin script: the experiment is :mod:`gpipe_repro.repro.validate_simulator`. This entry point is the
-make target's: it replaces its own previous validation (the results of record) without --overwrite.
-"""
-from gpipe_repro.repro.validate_simulator import main
+"""`make validate-sim`: `gpipe-repro validate-sim --record`, the pipeline simulator against real stage
+processes (it may replace the results of record)."""
+from experiments.command import run
 
 if __name__ == "__main__":
-    main(record=True)
+    run("validate-sim", "--record")

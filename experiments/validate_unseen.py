@@ -1,8 +1,6 @@
-"""`make validate-unseen`: the simulator on models it was never tuned on (K=2, real stage processes).
-
-A thin script: the experiment is :mod:`gpipe_repro.repro.validate_unseen`.
-"""
-from gpipe_repro.repro.validate_unseen import main
+"""`make validate-unseen`: `gpipe-repro validate-unseen`, the simulator against real runs (K=2) of
+models it was never tuned on."""
+from experiments.command import run
 
 if __name__ == "__main__":
-    main()
+    run("validate-unseen")

@@ -10,6 +10,8 @@ import pkgutil
 import sys
 from typing import Any
 
+# modules of gpipe_repro.commands that the commands share, not commands (so are those named `_*`)
+HELPERS = frozenset({"options"})
 MISSING_CLI = "gpipe-repro: the command line needs typer and rich: pip install 'gpipe-repro[cli]'"
 
 
@@ -27,7 +29,7 @@ def build_app() -> Any:
         """GPipe pipeline-parallel training and the GPipe paper's experiments."""
 
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
-        if info.name.startswith("_"):     # helpers shared by the commands (e.g. _vocabulary)
+        if info.name.startswith("_") or info.name in HELPERS:
             continue
         importlib.import_module(f"{commands.__name__}.{info.name}").register(app)
     return app

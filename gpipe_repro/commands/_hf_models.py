@@ -29,7 +29,7 @@ DEFAULT_SEQ_LEN = 2048
 DEFAULT_BATCH = 32
 FACTORY = f"{__name__}:causal_lm_layers_for"
 
-__all__ = ["HFWorkload", "causal_lm_layers_for", "hf_workload", "is_hf_model", "throughput_args"]
+__all__ = ["HFWorkload", "causal_lm_layers_for", "hf_workload", "is_hf_model", "throughput_model"]
 
 
 @dataclass(frozen=True)
@@ -79,44 +79,10 @@ def causal_lm_layers_for(spec: str, **options: Any) -> nn.Sequential:
     return causal_lm_layers_of(model_config(spec, **options))
 
 
-def _option_value(key: str, value: str) -> str:
-    """A factory keyword as ``--option key=value`` spells it (a Python literal)."""
-    return f"{key}={value!r}" if key == "spec" else f"{key}={value}"
-
-
-def throughput_args(args: list[str]) -> list[str]:
-    """`gpipe-repro throughput` arguments with ``--model hf:<family>`` or ``--model <config.json>``
-    turned into the factory that builds it (``--option`` values are its size options), fed token
-    ids (``--kind tokens``) of the model's vocabulary (``--classes``) unless those are given. Other
-    arguments are returned unchanged; a bad config is a :class:`ConfigError`."""
-    out, spec, i = [], None, 0
-    while i < len(args):
-        arg = args[i]
-        if arg == "--model" and i + 1 < len(args) and is_hf_model(args[i + 1]):
-            spec, i = args[i + 1], i + 2
-            continue
-        if arg.startswith("--model=") and is_hf_model(arg.partition("=")[2]):
-            spec, i = arg.partition("=")[2], i + 1
-            continue
-        out.append(arg)
-        i += 1
-    if spec is None:
-        return args
-    import ast
-    sizes: dict[str, Any] = {}
-    for j, arg in enumerate(out):
-        item = out[j + 1] if arg == "--option" and j + 1 < len(out) else \
-            arg.partition("=")[2] if arg.startswith("--option=") else None
-        if item is not None and "=" in item:
-            key, _, value = item.partition("=")
-            try:
-                sizes[key] = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                sizes[key] = value
-    config = model_config(spec, **sizes)              # checked now, before the calibration's work
-    extra = ["--model", FACTORY, "--option", _option_value("spec", spec)]
-    if not any(a == "--kind" or a.startswith("--kind=") for a in out):
-        extra += ["--kind", "tokens"]
-    if not any(a == "--classes" or a.startswith("--classes=") for a in out):
-        extra += ["--classes", str(config.vocab_size)]
-    return extra + out
+def throughput_model(spec: str, sizes: dict[str, Any]) -> tuple[str, dict[str, Any], int]:
+    """`gpipe-repro throughput --model hf:<family>` (or a config.json) with its size `sizes` (the
+    ``--option`` values): the factory that builds it, the factory's keyword arguments, and the
+    model's vocabulary size (the token ids it is fed). A bad config is a :class:`ConfigError`, raised
+    before the calibration's work."""
+    config = model_config(spec, **sizes)
+    return FACTORY, {"spec": spec, **sizes}, config.vocab_size

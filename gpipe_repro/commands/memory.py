@@ -29,15 +29,14 @@ from typing import Any, Optional
 
 import typer
 
-from gpipe_repro.commands._vocabulary import (
+from gpipe_repro.commands.options import (
+    EXPERIMENTS,
     HELP,
-    alias,
     check_out_files,
     int_list,
     one_of,
     positive,
     positive_number,
-    resolve,
 )
 
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -83,14 +82,15 @@ def _check_json_out(path: Optional[Path], command: str, overwrite: bool) -> None
     previous output, or its own without --overwrite."""
     if path is None:
         return
-    from gpipe_repro.report.records import owned_json
+    from gpipe_repro.report.output_guard import owned_json
     legacy = _is_fit_output if command == "fit" else _is_plan_output
     check_out_files("--out", [path], command, overwrite=overwrite,
                     own=lambda p: owned_json(p, command, legacy))
 
 
 def _write_json_out(path: Path, command: str, payload: dict[str, Any]) -> None:
-    from gpipe_repro.report.records import atomic_write, stamp
+    from gpipe_repro.report.output_guard import stamp
+    from gpipe_repro.report.records import atomic_write
     with atomic_write(path) as f:          # parents created; a failure leaves no half file
         f.write(json.dumps(stamp(payload, command), indent=2) + "\n")
 
@@ -128,8 +128,8 @@ def register(app: typer.Typer) -> None:
     @app.command(context_settings=_CONTEXT)
     def fit(ctx: typer.Context,
             family: str = typer.Argument(..., help=MODEL_HELP),
-            k: Optional[int] = typer.Option(None, "--k", "-k", help=HELP["k"] + " (default 1)"),
-            m: Optional[int] = typer.Option(None, "--m", "-m", help=HELP["m"] + " (default 8)"),
+            k: int = typer.Option(1, "--k", "-k", help=HELP["k"]),
+            m: int = typer.Option(8, "--m", "-m", help=HELP["m"]),
             memory: float = typer.Option(16.0, "--memory", help=HELP["memory"]),
             batch_size: Optional[int] = typer.Option(None, "--batch-size", help=HELP["batch_size"]
                                                      + " (default: the paper's for the family)"),
@@ -144,10 +144,6 @@ def register(app: typer.Typer) -> None:
             out: Optional[Path] = typer.Option(None, "--out", help="also write the plan here (JSON)"),
             overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier `fit` output "
                                            "at --out (any other existing file is refused)"),
-            partitions: Optional[int] = alias("--partitions", "-K"),
-            micro_batches: Optional[int] = alias("--micro-batches", "-M"),
-            batch: Optional[int] = alias("--batch"),
-            json_out: Optional[Path] = alias("--json"),
             ) -> None:
         """Does the model fit on K devices of --memory GiB with M micro-batches? Each device's peak.
         Exit code 0 if it fits, 1 if it does not."""
@@ -155,10 +151,7 @@ def register(app: typer.Typer) -> None:
 
         from gpipe_repro.memory.advice import what_would_fit, why
         from gpipe_repro.memory.planner import GiB
-        partitions = resolve("--k", k, partitions, "--partitions", 1)
-        micro_batches = resolve("--m", m, micro_batches, "--micro-batches", 8)
-        batch = resolve("--batch-size", batch_size, batch, "--batch")
-        json_out = resolve("--out", out, json_out, "--json")
+        partitions, micro_batches, batch, json_out = k, m, batch_size, out
         positive("--k", partitions, "devices")
         positive("--m", micro_batches, "micro-batches")
         positive("--batch-size", batch)
@@ -223,15 +216,10 @@ def register(app: typer.Typer) -> None:
              out: Optional[Path] = typer.Option(None, "--out", help="also write the choice here (JSON)"),
              overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier `plan` "
                                             "output at --out (any other existing file is refused)"),
-             micro_batches: Optional[str] = alias("--micro-batches", "-M"),
-             batch: Optional[int] = alias("--batch"),
-             json_out: Optional[Path] = alias("--json"),
              ) -> None:
         """Choose K, M, the schedule and the partition that maximize simulated throughput within
         --memory GiB. Exit code 0 if a configuration fits, 1 if none does."""
-        micro_batches = resolve("--m", m, micro_batches, "--micro-batches")
-        batch = resolve("--batch-size", batch_size, batch, "--batch")
-        json_out = resolve("--out", out, json_out, "--json")
+        micro_batches, batch, json_out = m, batch_size, out
         positive("--devices", devices, "devices available")
         positive("--batch-size", batch)
         positive("--top", top)
@@ -311,3 +299,27 @@ def register(app: typer.Typer) -> None:
                                 "note": c.note} for c in cands]})
         if best is None:
             raise typer.Exit(1)
+
+    @app.command("memory-table", rich_help_panel=EXPERIMENTS)
+    def memory_table(
+            m: int = typer.Option(8, "--m", "-m", help=HELP["m"] + " of every pipeline row (the paper "
+                                  "does not state it)"),
+            amoebanet: bool = typer.Option(True, "--amoebanet/--no-amoebanet",
+                                           help="the AmoebaNet rows (the slowest)"),
+            out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: "
+                                               "results/memory, under $GPIPE_REPRO_RESULTS when set)"),
+            overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier table in --out"),
+            wandb: bool = typer.Option(True, "--wandb/--no-wandb", help="log to W&B"),
+            record: bool = typer.Option(False, "--record", help="may replace the results of record "
+                                        "(what `make memory-table` does)"),
+    ) -> None:
+        """The paper's Table 1 (maximum model size) from the memory planner, checked against real
+        steps on this CPU."""
+        from gpipe_repro.report.output_guard import OutputRefused
+        from gpipe_repro.repro import memory_table as table
+        positive("--m", m, "micro-batches")
+        try:
+            table.main(micro_batches=m, amoebanet=amoebanet, out=out, overwrite=overwrite, record=record,
+                       wandb=wandb)
+        except OutputRefused as e:
+            raise typer.BadParameter(str(e), param_hint="--out") from None

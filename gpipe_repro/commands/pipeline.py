@@ -3,13 +3,15 @@ step times, and writes the merged timeline (JSON) and its Gantt chart (PNG) of t
 fresh runs/pipeline-N (or --out DIR, or --timeline / --gantt files).
 
     gpipe-repro pipeline --k 2 --m 8                       # runs/pipeline/{timeline.json,gantt.png}
-    torchrun --nproc-per-node 2 .venv/bin/gpipe-repro pipeline --launcher torchrun
+    torchrun --nproc-per-node 2 -- .venv/bin/gpipe-repro pipeline --launcher torchrun --m 4
     gpipe-repro pipeline --fail-mode kill --fail-rank 1 --timeout 5    # watch a failure end the job
 
 It is the smallest end-to-end check of the distributed runtime on a machine: processes, transport,
-timeline and failure handling. Every rank builds the same model and data (seeded), which is how a
-torchrun script feeds a pipeline. Files are written by rank 0 only after every step succeeded, and
-atomically; a failed job exits non-zero with the failing rank and its cause on stderr.
+timeline and failure handling. Under torchrun, `--` ends torchrun's options: without it, torchrun's
+own parser reads `--m` as an abbreviation of one of its options and refuses it. Every rank builds the
+same model and data (seeded), which is how a torchrun script feeds a pipeline. Files are written by
+rank 0 only after every step succeeded, and atomically; a failed job exits non-zero with the failing
+rank and its cause on stderr.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Any, Optional
 
 import typer
 
-from gpipe_repro.commands._vocabulary import HELP, alias, check_out_files, positive, resolve
+from gpipe_repro.commands.options import HELP, check_out_files, positive
 
 LAUNCHERS = ("local", "torchrun")
 COMMAND = "pipeline"
@@ -34,7 +36,7 @@ def check_outputs(timeline: Optional[Path], gantt: Optional[Path], *, overwrite:
     """Refuse, before any stage process starts, to replace a file that is not this command's own
     output (a timeline JSON or a Gantt PNG it stamped; in an --out directory, a gantt.png beside the
     command's timeline.json), or its own without --overwrite."""
-    from gpipe_repro.report.records import owned_json, written_by
+    from gpipe_repro.report.output_guard import owned_json, written_by
 
     def own(path: Path) -> bool:
         if path == timeline:
@@ -113,13 +115,11 @@ def report(rank0: dict[str, Any], options: dict[str, Any]) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("pipeline")
     def pipeline(
-        k: Optional[int] = typer.Option(None, "--k", "-k", help=HELP["k"] + "; one stage process each "
-                                        "(default 2)"),
-        m: Optional[int] = typer.Option(None, "--m", "-m", help=HELP["m"] + " (default 8)"),
+        k: int = typer.Option(2, "--k", "-k", help=HELP["k"] + "; one stage process each"),
+        m: int = typer.Option(8, "--m", "-m", help=HELP["m"]),
         checkpoint: str = typer.Option("never", help="re-materialization: always | except_last | never"),
         recompute_ahead: bool = typer.Option(False, help="recompute before waiting for the gradient"),
-        batch_size: Optional[int] = typer.Option(None, "--batch-size",
-                                                 help=HELP["batch_size"] + " (default 512)"),
+        batch_size: int = typer.Option(512, "--batch-size", help=HELP["batch_size"]),
         width: int = typer.Option(512, help="width of each Linear layer"),
         blocks: int = typer.Option(8, help="number of Linear+ReLU layers"),
         steps: int = typer.Option(5, help="training steps"),
@@ -136,18 +136,13 @@ def register(app: typer.Typer) -> None:
         fail_mode: Optional[str] = typer.Option(None, help="inject a failure: raise | kill | exit | hang"),
         fail_rank: int = typer.Option(0, help="rank that fails (with --fail-mode)"),
         fail_call: int = typer.Option(1, help="fail at this call of the faulty layer (1-based)"),
-        partitions: Optional[int] = alias("--partitions"),
-        micro_batches: Optional[int] = alias("--micro-batches"),
-        batch: Optional[int] = alias("--batch"),
     ) -> None:
         """Train a synthetic MLP with one process per stage; print losses, step times, breakdown, and
         write the last step's timeline and Gantt chart."""
         from gpipe_repro.distributed.faults import FAULT_MODES
         from gpipe_repro.train.run_dir import fresh_run_dir
 
-        partitions = resolve("--k", k, partitions, "--partitions", 2)
-        micro_batches = resolve("--m", m, micro_batches, "--micro-batches", 8)
-        batch = resolve("--batch-size", batch_size, batch, "--batch", 512)
+        partitions, micro_batches, batch = k, m, batch_size
         positive("--k", partitions, "stage processes")
         positive("--m", micro_batches, "micro-batches")
         positive("--steps", steps, "training steps")

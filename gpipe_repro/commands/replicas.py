@@ -1,5 +1,7 @@
-"""`gpipe-repro plan-replicas`: choose K, R and M for N devices. (`gpipe-repro throughput --replicas R`,
-the K x R simulation, is in commands/throughput.py, one command with the own-model simulation.)
+"""`gpipe-repro plan-replicas`: choose K, R and M for N devices; `gpipe-repro replicas-plan-table`
+(`make replicas-plan-table`): that choice for Transformer-L and AmoebaNet-D on 8 to 2048 devices.
+(`gpipe-repro throughput --replicas R`, the K x R simulation, is in commands/throughput.py, one
+command with the own-model simulation.)
 """
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import Optional
 
 import typer
 
-_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+from gpipe_repro.commands.options import EXPERIMENTS
 
 
 def register(app: typer.Typer) -> None:
@@ -30,8 +32,8 @@ def register(app: typer.Typer) -> None:
             top: int = typer.Option(6, "--top", help="candidates to show")) -> None:
         """Choose K, R = N / K, M and the partition for the best simulated samples/s within --memory
         GiB per device (extra options, e.g. --L 48, go to the model builder)."""
-        from gpipe_repro.commands._vocabulary import int_list, one_of, positive, positive_number
         from gpipe_repro.commands.models import parse_options
+        from gpipe_repro.commands.options import int_list, one_of, positive, positive_number
         from gpipe_repro.memory.planner import GiB, MemoryPlanner
         from gpipe_repro.memory.profile import rmsprop_foreach
         from gpipe_repro.memory.replicas_plan import plan_replicas
@@ -75,3 +77,21 @@ def register(app: typer.Typer) -> None:
         print(f"choose K={best.partitions} x R={best.replicas}, M={best.pipeline.micro_batches}, "
               f"checkpoint={best.pipeline.checkpoint}, balance={best.pipeline.balance}: "
               f"{best.throughput:.1f} samples/s; {best.why()}")
+
+    @app.command("replicas-plan-table", rich_help_panel=EXPERIMENTS)
+    def replicas_plan_table(
+            memory: float = typer.Option(16.0, "--memory", help="memory per device, GiB"),
+            tflops: float = typer.Option(100.0, "--tflops", help="device compute rate, TFLOP/s"),
+            m: str = typer.Option("4,8,16,32", "--m", help="M candidates, e.g. 4,8,32"),
+            devices: str = typer.Option("8,64,512,2048", "--devices", help="job sizes N, comma-separated"),
+    ) -> None:
+        """K x R x M for Transformer-L and AmoebaNet-D on 8 to 2048 devices (simulated), written to
+        results/replicas/plan.{json,md}."""
+        from gpipe_repro.commands.options import int_list, positive_number
+        from gpipe_repro.repro import replicas_plan_table as table
+        positive_number("--memory", memory, "GiB")
+        positive_number("--tflops", tflops, "TFLOP/s")
+        ms, ns = int_list("--m", m) or [], int_list("--devices", devices) or []
+        if min(ms, default=0) < 1 or min(ns, default=0) < 1:
+            raise typer.BadParameter(f"--m and --devices take counts >= 1, got {m} and {devices}")
+        table.main(memory=memory, tflops=tflops, ms=ms, devices=ns)

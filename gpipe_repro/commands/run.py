@@ -11,7 +11,7 @@ One subcommand per task; every one builds a `Task` factory and a `RunConfig` and
 `--runtime distributed`, in K stage processes (`gpipe_repro.train.ranks.launch`). To add a task (e.g.
 `transformer`), write its Task in `gpipe_repro/train/<task>.py` and add a function here decorated with
 `@group.command("<task>")` and `@pipeline_options()` (the shared options, declared once in
-`gpipe_repro/commands/_vocabulary.py`), taking a `pipeline` dict and calling `run_task`, as `amoebanet`
+`gpipe_repro/commands/options.py`), taking a `pipeline` dict and calling `run_task`, as `amoebanet`
 does. Options left out keep the preset's value.
 
     torchrun --nproc-per-node 4 $(which gpipe-repro) run amoebanet --k 4 --runtime distributed \
@@ -25,7 +25,7 @@ from typing import Any, NoReturn, Optional
 
 import typer
 
-from gpipe_repro.commands._vocabulary import PIPELINE_HELP, pipeline_options
+from gpipe_repro.commands.options import PIPELINE_HELP, pipeline_options
 
 # Fewer examples than this per micro-batch and per-micro-batch BatchNorm statistics are noise
 # (with 2 examples AmoebaNet stays at chance level).

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import typer
 
-from gpipe_repro.commands._vocabulary import pipeline_options
+from gpipe_repro.commands.options import pipeline_options
 from gpipe_repro.commands.run import apply_pipeline_options, run_task
 
 

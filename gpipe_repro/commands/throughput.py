@@ -1,61 +1,310 @@
-"""`gpipe-repro throughput-table` and `gpipe-repro validate-sim`: the paper's Tables 2/3 and the
-simulator's check against real stage processes.
+"""`gpipe-repro throughput-table`, `gpipe-repro validate-sim` and `gpipe-repro throughput`: the paper's
+Tables 2/3, the simulator's check against real stage processes, and the simulation of your own model.
 
-    gpipe-repro throughput-table                     # same as `make throughput-table`
-    gpipe-repro throughput-table --paper-size --device cuda
-    gpipe-repro validate-sim                         # same as `make validate-sim`
+    gpipe-repro throughput-table --record            # `make throughput-table`
+    gpipe-repro throughput-table --paper-size --device cuda --out /tmp/t
+    gpipe-repro validate-sim --record                # `make validate-sim`
     gpipe-repro throughput --model pkg.mod:factory --input-shape 784 --k 2 --m 8   # your own model
     gpipe-repro throughput --model hf:llama --option layers=4 --option hidden=128 --input-shape 64 \\
         --k 2 --m 4                                  # a Hugging Face causal LM (or a config.json)
 
-Both pass their options through to the experiment modules (`--help` there lists them), so the
-command line and the Makefile targets can never drift apart. One difference: these commands never
-replace the results of record (the checkout's results/; only `make throughput-table` / `make
-validate-sim` do): write elsewhere with --out DIR or GPIPE_REPRO_RESULTS=DIR. Their own earlier
-output elsewhere is replaced only with --overwrite, and a file they did not write, never.
+The make targets run these same commands (experiments/throughput_table.py, validate_simulator.py).
+The results of record (the checkout's results/) are replaced only with --record; write elsewhere
+with --out DIR or GPIPE_REPRO_RESULTS=DIR. Their own earlier output elsewhere is replaced only with
+--overwrite, and a file they did not write, never.
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any, Optional
+
 import typer
 
-_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+from gpipe_repro.commands.options import EXPERIMENTS, HELP, check_out_files, int_list, one_of, positive
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("throughput-table", context_settings=_PASS_THROUGH, add_help_option=False)
-    def throughput_table(ctx: typer.Context) -> None:
-        """The paper's Tables 2 and 3: K x M normalized throughput, simulated and measured
-        (options: --paper-size, --device, --link, --policy, --objective, --no-measure; --help)."""
-        from gpipe_repro.repro.throughput_table import main
+    @app.command("throughput-table", rich_help_panel=EXPERIMENTS)
+    def throughput_table(
+            ctx: typer.Context,
+            paper_size: bool = typer.Option(False, "--paper-size", help="the paper's exact models "
+                                            "(AmoebaNet-D (18, 256), Transformer-48 d 2048): use on a GPU "
+                                            "host with --device cuda"),
+            device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
+            link: Optional[str] = typer.Option(None, "--link", help="link model of the simulation "
+                                               "(default: gloo-loopback on cpu, nvlink on cuda)"),
+            policy: str = typer.Option("micro", "--policy", help="micro: fixed micro-batch, N = M x b; "
+                                       "mini: fixed mini-batch N (--minibatch)"),
+            minibatch: int = typer.Option(64, "--minibatch", help="N of the mini policy"),
+            objective: str = typer.Option("bottleneck", "--objective", help="partitioner objective"),
+            checkpoint: str = typer.Option("always", "--checkpoint",
+                                           help="re-materialization: always | except_last | never"),
+            recompute_ahead: bool = typer.Option(False, "--recompute-ahead",
+                                                 help="recompute before waiting for the gradient"),
+            method: str = typer.Option("time", "--method", help="costs: time (calibrated) | flops"),
+            measure: bool = typer.Option(True, "--measure/--no-measure",
+                                         help="also measure on real stage processes where K fits"),
+            wandb: bool = typer.Option(True, "--wandb/--no-wandb", help="log the sweep to W&B"),
+            out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: "
+                                               "results/throughput, under $GPIPE_REPRO_RESULTS when set)"),
+            overwrite: bool = typer.Option(False, "--overwrite",
+                                           help="replace an earlier throughput table in --out"),
+            record: bool = typer.Option(False, "--record", help="may replace the results of record "
+                                        "(what `make throughput-table` does)"),
+    ) -> None:
+        """The paper's Tables 2 and 3: K x M normalized throughput, simulated and measured."""
+        from gpipe_repro.engine.partition import OBJECTIVES
+        from gpipe_repro.report.output_guard import OutputRefused
+        from gpipe_repro.report.records import results_root
+        from gpipe_repro.repro import throughput_table as table
+        from gpipe_repro.repro.throughput import POLICIES
+        from gpipe_repro.sim.links import LINK_NAMES
+        for flag, value, choices in (("--device", device, ("cpu", "cuda")), ("--policy", policy, POLICIES),
+                                     ("--objective", objective, OBJECTIVES), ("--method", method,
+                                                                              ("time", "flops")),
+                                     ("--checkpoint", checkpoint, ("always", "except_last", "never"))):
+            one_of(flag, value, choices)
+        if link is not None:
+            one_of("--link", link, LINK_NAMES)
+        positive("--minibatch", minibatch)
+        settings = table.sweep_settings(paper_size=paper_size, device=device, link=link, policy=policy,
+                                        minibatch=minibatch, objective=objective, checkpoint=checkpoint,
+                                        recompute_ahead=recompute_ahead, method=method, measure=measure)
+        try:
+            table.main(settings, out if out is not None else results_root() / "throughput",
+                       overwrite=overwrite, record=record, wandb=wandb,
+                       command={"prog": "gpipe-repro throughput-table", "record": record,
+                                "argv": [a for a in _given(ctx) if a != "--record"]})
+        except (OutputRefused, FileExistsError) as e:
+            raise typer.BadParameter(str(e), param_hint="--out") from None
 
-        main(list(ctx.args), prog="gpipe-repro throughput-table")
+    @app.command("validate-sim", rich_help_panel=EXPERIMENTS)
+    def validate_sim(
+            models: Optional[str] = typer.Option(None, "--models", help="models to validate, "
+                                                 "comma-separated (default: both of the table)"),
+            ms: Optional[str] = typer.Option(None, "--ms", help=HELP["m"] + " to validate, e.g. 1,4 "
+                                             "(default: 1,2,4,8,16)"),
+            ks: Optional[str] = typer.Option(None, "--ks", help=HELP["k"] + " to validate (default: "
+                                             "every K in 2, 4, 8 up to the usable cores)"),
+            schedules: Optional[str] = typer.Option(None, "--schedules", help="schedules to validate, "
+                                                    "comma-separated (default: every one the runtime "
+                                                    "runs)"),
+            steps: Optional[int] = typer.Option(None, "--steps", help="measured steps per configuration"),
+            out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: "
+                                               "results/throughput, under $GPIPE_REPRO_RESULTS when set)"),
+            overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier validation (and "
+                                           "the throughput_table.md it refreshes)"),
+            render_only: bool = typer.Option(False, "--render-only", help="measure nothing: rewrite "
+                                             "validation.md and throughput_table.md from the JSON files "
+                                             "already in --out"),
+            record: bool = typer.Option(False, "--record", help="may replace the results of record "
+                                        "(what `make validate-sim` does)"),
+    ) -> None:
+        """Simulated vs measured throughput on real stage processes (K <= usable cores)."""
+        from gpipe_repro.report.output_guard import OutputRefused
+        from gpipe_repro.repro import validate_simulator
+        try:
+            given: dict[str, Any] = {"models": _names(models), "ms": int_list("--ms", ms),
+                                     "schedules": _names(schedules), "steps": steps}
+            validate_simulator.main(**{k: v for k, v in given.items() if v is not None},
+                                    ks=int_list("--ks", ks), out=out, overwrite=overwrite, record=record,
+                                    render_only=render_only)
+        except (ValueError, OutputRefused) as e:
+            raise typer.BadParameter(str(e)) from None
 
-    @app.command("throughput", context_settings=_PASS_THROUGH, add_help_option=False)
-    def throughput(ctx: typer.Context) -> None:
-        """Simulate your own model (--model module:factory --input-shape ... --k K --m M; or a Hugging
-        Face causal LM: --model hf:llama --option layers=4 ..., or --model path/to/config.json, with
-        --input-shape SEQ_LEN): step time, speedup, and a real run where K fits the host; with
-        --replicas R: R data-parallel replicas of a K-stage pipeline of a registry model (--model
-        transformer-lm --k 8 --replicas 128 --m 32): samples/s and the time breakdown, all-reduce
-        included (--help, --replicas 1 --help)."""
-        args = list(ctx.args)
-        # One command, two simulations, chosen by an explicit table on whether --replicas is given.
-        replicas = any(a == "--replicas" or a.startswith("--replicas=") for a in args)
-        if replicas:
-            from gpipe_repro.repro.replicas_throughput import main
-        else:
-            from gpipe_repro.commands._hf_models import throughput_args
-            from gpipe_repro.commands.run import fail
-            from gpipe_repro.repro.simulate_model import main
-            try:
-                args = throughput_args(args)     # --model hf:<family> or a config.json: its factory
-            except ValueError as e:
-                fail(str(e))
-        main(args, prog="gpipe-repro throughput" + (" --replicas" if replicas else ""))
+    @app.command("validate-unseen", rich_help_panel=EXPERIMENTS)
+    def validate_unseen(
+            ctx: typer.Context,
+            batch_size: int = typer.Option(256, "--batch-size", min=1, help="mini-batch of every "
+                                           "configuration"),
+            ms: str = typer.Option("1,2,4,8,16", "--ms", help=HELP["m"] + " to run, each dividing the "
+                                   "batch, e.g. 1,4"),
+            checkpoints: str = typer.Option("never,always", "--checkpoints",
+                                            help="re-materialization modes to run, comma-separated"),
+            models: Optional[str] = typer.Option(None, "--models", help="models to run, comma-separated "
+                                                 "(default: every one)"),
+            steps: int = typer.Option(8, "--steps", min=1, help="measured steps per configuration "
+                                      "(their median and its interval)"),
+            out: Optional[str] = typer.Option(None, "--out", help="output directory (default: "
+                                              "results/throughput/)"),
+    ) -> None:
+        """The simulator against real runs (K=2) of models it was never tuned on."""
+        from gpipe_repro.repro import validate_unseen as unseen
+        given = _given(ctx)
+        options: dict[str, Any] = {"ms": int_list("--ms", ms), "checkpoints": _names(checkpoints)}
+        if models is not None:
+            options["models"] = _names(models)
+        try:
+            unseen.main(batch=batch_size, steps=steps, out=out, **options,
+                        command=" ".join(["gpipe-repro validate-unseen", *given]) if given
+                        else "make validate-unseen")
+        except SystemExit as e:
+            raise typer.BadParameter(str(e)) from None
 
-    @app.command("validate-sim", context_settings=_PASS_THROUGH, add_help_option=False)
-    def validate_sim(ctx: typer.Context) -> None:
-        """Simulated vs measured throughput on real stage processes (K <= usable cores; --help)."""
-        from gpipe_repro.repro.validate_simulator import main
+    @app.command("throughput")
+    def throughput(
+            model: Optional[str] = typer.Option(None, "--model", help="your model: module:factory (returns "
+                                                "the layers), hf:<family> or a Hugging Face config.json; "
+                                                "with --replicas: transformer | amoebanet (the paper's)"),
+            option: list[str] = typer.Option([], "--option", help="KEY=VALUE: a keyword argument of the "
+                                              "factory (repeat it for several)"),
+            kind: Optional[str] = typer.Option(None, "--kind", help="features: float inputs, class "
+                                               "targets (default); image; tokens (hf: tokens)"),
+            input_shape: Optional[str] = typer.Option(None, "--input-shape", help="one example's shape, "
+                                                      "e.g. 784 or 3,32,32 (tokens: sequence length)"),
+            classes: Optional[int] = typer.Option(None, "--classes", help="classes, or the vocabulary "
+                                                  "size for tokens (default 10; hf: the model's)"),
+            k: Optional[int] = typer.Option(None, "--k", "-k", help=HELP["k"] + " (with --replicas: "
+                                            "default 8)"),
+            m: Optional[int] = typer.Option(None, "--m", "-m", help=HELP["m"] + " (with --replicas: per "
+                                            "replica, default 32)"),
+            microbatch: Optional[int] = typer.Option(None, "--microbatch", help="examples per micro-batch "
+                                                     "(default 8; with --replicas 1)"),
+            checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="re-materialization: "
+                                                     "always | except_last | never (default except_last; "
+                                                     "with --replicas always)"),
+            recompute_ahead: bool = typer.Option(False, "--recompute-ahead",
+                                                 help="recompute before waiting for the gradient"),
+            objective: str = typer.Option("bottleneck", "--objective", help="partitioner objective"),
+            link: Optional[str] = typer.Option(None, "--link", help="link model (default gloo-loopback; "
+                                               "with --replicas nvlink, the pipeline's boundary link)"),
+            method: str = typer.Option("time", "--method", help="costs: time (calibrated) | flops"),
+            repeats: int = typer.Option(20, "--repeats", help="timings per layer action"),
+            validate: Optional[bool] = typer.Option(None, "--validate/--no-validate", help="also run on K "
+                                                    "stage processes (default: where K fits the host)"),
+            out: Optional[Path] = typer.Option(None, "--out", help="also write the result here (JSON)"),
+            overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier result of this "
+                                           "command at --out (any other existing file is refused)"),
+            replicas: Optional[int] = typer.Option(None, "--replicas", help="R: data-parallel replicas of "
+                                                   "a K-stage pipeline of the paper's models (simulated "
+                                                   "samples/s, the all-reduce included)"),
+            device: str = typer.Option("p100", "--device", help="with --replicas: the device model, p100 "
+                                       "| tpu-v3-core"),
+            devices_per_host: int = typer.Option(8, "--devices-per-host", help="with --replicas: devices "
+                                                 "per host (a pipeline stays inside one)"),
+            algorithm: str = typer.Option("ring", "--algorithm", help="with --replicas: all-reduce, ring | "
+                                          "tree"),
+    ) -> None:
+        """Simulate your own model (or a Hugging Face causal LM) as a K-stage pipeline: the cut, step
+        time and speedup, and a real run where K fits the host; with --replicas R, R data-parallel
+        replicas of the paper's models: samples/s and the time breakdown."""
+        for flag, value in (("--k", k), ("--m", m), ("--microbatch", microbatch), ("--repeats", repeats),
+                            ("--classes", classes), ("--replicas", replicas),
+                            ("--devices-per-host", devices_per_host)):
+            positive(flag, value)
+        if checkpoint is not None:
+            one_of("--checkpoint", checkpoint, ("always", "except_last", "never"))
+        if replicas is not None:
+            one_of("--algorithm", algorithm, ("ring", "tree"))
+            _replicas(model=model or "transformer", k=k or 8, replicas=replicas, m=m or 32,
+                      microbatch=microbatch or 1, device=device, link=link or "nvlink",
+                      devices_per_host=devices_per_host, algorithm=algorithm,
+                      checkpoint=checkpoint or "always", out=out, overwrite=overwrite,
+                      own=dict(option=option, kind=kind, input_shape=input_shape, classes=classes,
+                               validate=validate))
+            return
+        if model is None or input_shape is None or k is None or m is None:
+            raise typer.BadParameter("give --model, --input-shape, --k and --m (your model), or --replicas R "
+                                     "(the paper's models)")
+        from gpipe_repro.engine.partition import OBJECTIVES
+        from gpipe_repro.sim.links import LINK_NAMES
+        one_of("--objective", objective, OBJECTIVES)
+        one_of("--method", method, ("time", "flops"))
+        one_of("--link", link or "gloo-loopback", LINK_NAMES)
+        shape = int_list("--input-shape", input_shape, "784 or 3,32,32") or []
+        if min(shape, default=0) < 1:
+            raise typer.BadParameter(f"--input-shape takes sizes >= 1 (one example's shape, e.g. 784 or "
+                                     f"3,32,32), got {input_shape}")
+        workload = _own_workload(model, _key_values(option), kind, shape, classes)
+        from gpipe_repro.repro import simulate_model
+        if out is not None:
+            check_out_files("--out", [out], simulate_model.COMMAND, overwrite=overwrite)
+        problem = simulate_model.preflight(workload, microbatch or 8, options=dict(workload.options))
+        if problem is not None:
+            raise typer.BadParameter(problem)
+        try:
+            simulate_model.main(workload, out=out, k=k, m=m, microbatch=microbatch or 8,
+                                checkpoint=checkpoint or "except_last", recompute_ahead=recompute_ahead,
+                                objective=objective, link=link or "gloo-loopback", method=method,
+                                repeats=repeats, validate=validate)
+        except ValueError as e:
+            raise typer.Exit(_error(str(e))) from None
 
-        main(list(ctx.args), prog="gpipe-repro validate-sim")
+
+
+def _given(ctx: typer.Context) -> list[str]:
+    """The options given on the command line, as they would be typed (a flag alone for a switch)."""
+    import shlex
+    given = []
+    for p in ctx.command.params:
+        if p.name and getattr(ctx.get_parameter_source(p.name), "name", "") == "COMMANDLINE":
+            value = ctx.params[p.name]
+            flag = p.opts[0] if value is not False else (p.secondary_opts or p.opts)[0]
+            given.append(flag if isinstance(value, bool) else f"{flag} {shlex.quote(str(value))}")
+    return given
+
+
+def _key_values(items: list[str]) -> dict[str, Any]:
+    """``["width=1024", "name=x"]`` -> {"width": 1024, "name": "x"} (values as Python literals where
+    they are one); anything without a key and `=` is a usage error."""
+    import ast
+    values: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"--option takes KEY=VALUE, got {item!r}")
+        try:
+            values[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            values[key] = text
+    return values
+
+
+def _own_workload(model: str, options: dict[str, Any], kind: Optional[str], shape: list[int],
+                  classes: Optional[int]) -> Any:
+    """The workload `--model` names (a module:factory, or a Hugging Face model through its factory),
+    checked before any work."""
+    from gpipe_repro.commands._hf_models import is_hf_model, throughput_model
+    from gpipe_repro.models.workload import KINDS, Workload
+    if is_hf_model(model):
+        try:
+            model, options, vocabulary = throughput_model(model, options)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--model") from None
+        kind, classes = kind or "tokens", classes or vocabulary
+    one_of("--kind", kind or "features", KINDS)
+    try:
+        return Workload.create(model, model, kind or "features", shape, classes or 10, **options)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def _replicas(*, own: dict[str, Any], out: Optional[Path], overwrite: bool, **job: Any) -> None:
+    """`throughput --replicas R`: the K x R simulation of the paper's models, printed (and written)."""
+    given = [f"--{name.replace('_', '-')}" for name, value in own.items() if value not in (None, [])]
+    if given:
+        raise typer.BadParameter(f"{', '.join(given)}: your own model's options; with --replicas the "
+                                 "model is one of the paper's (--model transformer | amoebanet)")
+    from gpipe_repro.repro.replicas_throughput import COMMAND, format_job, simulate_job
+    if out is not None:
+        check_out_files("--out", [out], COMMAND, overwrite=overwrite)
+    try:
+        result = simulate_job(**job)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    print(format_job(result))
+    if out is not None:
+        from gpipe_repro.report.records import write_json
+        write_json(out, {**result, "written_by": COMMAND})
+        print(f"wrote {out}")
+
+
+def _error(message: str) -> int:
+    """Print `message` as the command's error; the exit code of a failed simulation (1)."""
+    typer.echo(f"error: {message}", err=True)
+    return 1
+
+
+def _names(text: str | None) -> list[str] | None:
+    """"a,b" -> ["a", "b"] (None for None)."""
+    return None if text is None else [x.strip() for x in text.split(",") if x.strip()]

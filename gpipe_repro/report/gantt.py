@@ -46,12 +46,13 @@ def render_gantt(timeline: Timeline, path: str | Path, title: str | None = None,
     """Draw `timeline` and write it to `path` as a PNG (atomically). Returns the path.
 
     `written_by` (a command name) is stored in the PNG as a text chunk, so that the command can
-    later tell its own chart from a user's file (:func:`gpipe_repro.report.records.written_by`)."""
+    later tell its own chart from a user's file (:func:`gpipe_repro.report.output_guard.written_by`)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    from gpipe_repro.report.records import OWNER_KEY, atomic_write
+    from gpipe_repro.report.output_guard import OWNER_KEY
+    from gpipe_repro.report.records import atomic_write
 
     k = timeline.num_stages
     span = timeline.makespan or 1.0

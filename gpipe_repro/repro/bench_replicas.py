@@ -22,7 +22,6 @@ overlaps the drain of the stages before it. Results in results/replicas/ (measur
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from typing import Any
@@ -36,8 +35,8 @@ from gpipe_repro.engine.timeline import Timeline
 from gpipe_repro.report.host import usable_cores
 from gpipe_repro.report.measurement import Comparison, measure
 from gpipe_repro.report.records import markdown_table, results_dir
-from gpipe_repro.repro.harness import add_stop_rule, publish, relu_mlp, stop_rule, verdict_lines
 from gpipe_repro.repro.harness import batch as batch_of
+from gpipe_repro.repro.harness import publish, relu_mlp, stop_rule, verdict_lines
 
 
 def _step_times(pipe: GPipe, x: torch.Tensor, y: torch.Tensor, warmup: int, steps: int) -> list[float]:
@@ -170,35 +169,31 @@ def jobs(width: int, depth: int, n: int, m: int, steps: int, warmup: int) -> dic
             "lockstep": lambda: median_of(launch_local(train_lockstep, 2, *alone, timeout=120)[0])}
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse options, measure, print and record."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--depth", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=1024, help="global mini-batch")
-    ap.add_argument("--m", type=int, default=1, help="micro-batches per replica")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per job and round (median)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--no-write", action="store_true", help="print only; write nothing under results/")
-    add_stop_rule(ap, budget=600.0, tolerance=0.03, min_rounds=5, max_rounds=30)
-    args = ap.parse_args(argv)
+def main(*, width: int = 1024, depth: int = 4, batch: int = 1024, m: int = 1, steps: int = 4,
+         warmup: int = 2, write: bool = True, budget: float = 600.0, tolerance: float = 0.03,
+         min_rounds: int = 5, max_rounds: int = 30) -> None:
+    """Measure, print and (unless `write` is False) record under results/replicas/."""
     if usable_cores() < 2:
-        ap.error(f"bench-replicas runs 2 processes on one core each; this host has {usable_cores()}")
-    result = measure(jobs(args.width, args.depth, args.batch, args.m, args.steps, args.warmup),
-                     COMPARISONS, stop_rule(args), label="bench-replicas")
+        raise ValueError(f"bench-replicas runs 2 processes on one core each; this host has "
+                         f"{usable_cores()}")
+    config = {"width": width, "depth": depth, "batch": batch, "m": m, "steps": steps, "warmup": warmup,
+              "write": write, "budget": budget, "tolerance": tolerance, "min_rounds": min_rounds,
+              "max_rounds": max_rounds}
+    result = measure(jobs(width, depth, batch, m, steps, warmup), COMPARISONS,
+                     stop_rule(budget, tolerance, min_rounds, max_rounds), label="bench-replicas")
     t = {name: f.value for name, f in result.times.items()}
     table = markdown_table(["job", "median step ms [95% interval]", "samples/s"],
-                           [[JOBS[n], f.markdown(), args.batch / f.value] for n, f in result.times.items()])
-    text = (f"# Data-parallel replicas vs one process (measured)\n\nMLP {args.depth}x{args.width}, "
-            f"global batch {args.batch}, one thread per process; {result.rounds} rounds of the five "
+                           [[JOBS[n], f.markdown(), batch / f.value] for n, f in result.times.items()])
+    text = (f"# Data-parallel replicas vs one process (measured)\n\nMLP {depth}x{width}, "
+            f"global batch {batch}, one thread per process; {result.rounds} rounds of the five "
             f"jobs, alternating ({result.stopped}); each ratio is the median of per-round paired "
             "ratios with its 95% bootstrap interval. The target: K=1 x R=2 reaches >= 0.90 of what "
             "two independent processes at N/2 reach on this host in the same rounds (its ceiling: "
             "shared caches, memory bandwidth and a VM's cores that switch speed).\n\n"
             + verdict_lines(list(result.figures.values())) + "\n\n" + table)
-    k2r2 = launch_local(train_steps, 4, 2, 2, args.width, args.depth, args.batch, 2, 3, 1, True,
+    k2r2 = launch_local(train_steps, 4, 2, 2, width, depth, batch, 2, 3, 1, True,
                         timeout=120)
-    check = validate_simulator(k2r2, 2, 2, 2, args.batch, args.width)
+    check = validate_simulator(k2r2, 2, 2, 2, batch, width)
     text += (f"\n\nSimulator vs measured K=2 x R=2 step (replayed compute + all-reduce model on the "
              f"measured gloo loopback link): {check['simulated_step_s'] * 1e3:.1f} ms vs "
              f"{check['measured_step_s'] * 1e3:.1f} ms ({check['error']:+.0%}); all-reduce per stage "
@@ -207,11 +202,11 @@ def main(argv: list[str] | None = None) -> None:
              " ms. On this host the all-reduce shares the 2 cores with compute, which the model does "
              "not know.\n\n![K=2 x R=2 step](gantt_k2_r2.png)\n")
     publish("replicas", "bench", {
-        "experiment": "K=1 x R=2 data parallel vs one process", "config": vars(args),
+        "experiment": "K=1 x R=2 data parallel vs one process", "config": config,
         "measurement": result.to_json(), "median_step_s": t,
         "timeline_k2_r2": k2r2[0]["timeline"], "simulator_vs_measured_k2_r2": check},
-        text, write=not args.no_write)
-    if not args.no_write:
+        text, write=write)
+    if write:
         try:
             from gpipe_repro.report.gantt import render_gantt
             render_gantt(Timeline.from_json(k2r2[0]["timeline"]), results_dir("replicas") / "gantt_k2_r2.png",

@@ -19,7 +19,6 @@ imbalance) comes from timelines recorded after the rounds. Results: results/runt
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 from collections import defaultdict
@@ -32,7 +31,6 @@ from gpipe_repro.repro.harness import (
     PlainK1,
     SameMicrobatchesK1,
     TorchSchedule,
-    add_stop_rule,
     batch,
     publish,
     rounds_in_processes,
@@ -129,25 +127,22 @@ def group_figures(result: Measurement, m: int, on: str, makespan: float) -> dict
     return f
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--width", type=int, default=768)
-    ap.add_argument("--blocks", type=int, default=8, help="Linear+ReLU layers (even: 2 balanced cells)")
-    ap.add_argument("--batch", type=int, default=2048, help="M=16 still gets 128 rows")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--no-write", action="store_true", help="print only; write nothing under results/")
-    add_stop_rule(ap, budget=1200.0, tolerance=0.02, min_rounds=5, max_rounds=40)
-    args = ap.parse_args(argv)
-    if args.blocks % 2:
-        ap.error("--blocks must be even so the two cells are balanced")
+def main(*, width: int = 768, blocks: int = 8, batch: int = 2048, warmup: int = 1, threads: int = 1,
+         write: bool = True, budget: float = 1200.0, tolerance: float = 0.02, min_rounds: int = 5,
+         max_rounds: int = 40) -> None:
+    """Measure, print and (unless `write` is False) record under results/runtime/."""
+    if blocks % 2:
+        raise ValueError("--blocks must be even so the two cells are balanced")
+    config = {"width": width, "blocks": blocks, "batch": batch, "warmup": warmup, "threads": threads, "write":
+              write, "budget": budget, "tolerance": tolerance, "min_rounds": min_rounds, "max_rounds":
+              max_rounds}
     from gpipe_repro.distributed import launch_local
     from gpipe_repro.report.gantt import render_gantt
     from gpipe_repro.report.records import markdown_table, results_dir
 
-    rule = stop_rule(args, groups=len(MODES) * len(MS))
-    cfg = {**vars(args), "record_steps": 3, "rule": vars(rule)}
-    per_rank = launch_local(bench_processes, 2, cfg, timeout=300, threads=args.threads)
+    rule = stop_rule(budget, tolerance, min_rounds, max_rounds, groups=len(MODES) * len(MS))
+    cfg = {**config, "record_steps": 3, "rule": vars(rule)}
+    per_rank = launch_local(bench_processes, 2, cfg, timeout=300, threads=threads)
     measurements = {g: Measurement.from_json(r) for g, r in per_rank[0]["measurements"].items()}
     timelines, costs = per_rank[0]["timelines"], per_rank[0]["costs"]
     rows, ahead_rows, prepost_rows, records, checks = [], [], [], {}, []
@@ -163,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                               "action_costs_s": costs[group], "ideal_makespan_s_simulated": makespan,
                               "breakdown_last_recorded_step": recorded[-1].breakdown()}
             t = result.times
-            rows.append([mode, m, args.batch // m, t["k1_full"].cell(), t["ours"].cell(), f["speedup"].cell(),
+            rows.append([mode, m, batch // m, t["k1_full"].cell(), t["ours"].cell(), f["speedup"].cell(),
                          2 * m / (m + 1), f["speedup / 2M/(M+1)"].cell(), t["k1_full"].value / makespan,
                          f["speedup / ideal from costs"].cell(), f["same-M speedup / 2M/(M+1)"].cell(),
                          f["ours/torch throughput"].cell()])
@@ -178,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
                                    1 - idle[1] / idle[0]])
             if "posted at the action / at the step's start" in f:
                 prepost_rows.append([m, f["posted at the action / at the step's start"].cell()])
-    out = results_dir("runtime") if not args.no_write else None
+    out = results_dir("runtime") if write else None
     gantts = {}
     if out is not None:
         for key, name, label in (("ours/off/8", "gantt_k2_m8_never.png", "checkpoint never"),
@@ -188,9 +183,9 @@ def main(argv: list[str] | None = None) -> None:
             gantts[key] = str(render_gantt(timelines[key][-1], out / name,
                                            title=f"measured: 2 stage processes, M=8, {label}"))
     rounds = sorted(r.rounds for r in measurements.values())
-    text = (f"# Distributed runtime benchmark (measured)\n\nMLP of {args.blocks} x (Linear({args.width}, "
-            f"{args.width}) + ReLU), balanced 2 cells, batch {args.batch}, 2 stage processes x "
-            f"{args.threads} thread (gloo, CPU) vs ONE process (K=1). {rounds[0]}-{rounds[-1]} alternating "
+    text = (f"# Distributed runtime benchmark (measured)\n\nMLP of {blocks} x (Linear({width}, "
+            f"{width}) + ReLU), balanced 2 cells, batch {batch}, 2 stage processes x "
+            f"{threads} thread (gloo, CPU) vs ONE process (K=1). {rounds[0]}-{rounds[-1]} alternating "
             "rounds per group; each figure is the median of per-round paired ratios with its 95% "
             "bootstrap interval (a busy host widens it).\n\n"
             "## Speedup over K=1 and throughput against torch.distributed.pipelining\n\n"
@@ -210,8 +205,4 @@ def main(argv: list[str] | None = None) -> None:
     publish("runtime", "bench_runtime", {
         "experiment": "distributed runtime vs K=1 and torch.distributed.pipelining", "config": cfg,
         "groups": records, "timeline_k2_m8_always_ahead": timelines["ours_ahead/on/8"][-1].to_json(),
-        "gantt_png": gantts}, text, write=not args.no_write)
-
-
-if __name__ == "__main__":
-    main()
+        "gantt_png": gantts}, text, write=write)

@@ -22,7 +22,7 @@ memory condition, and the output says so. Results: results/schedules/ (JSON, mar
 """
 from __future__ import annotations
 
-import argparse
+from collections.abc import Sequence
 from typing import Any
 
 from gpipe_repro.report.measurement import Comparison, Figure, Measurement, StopRule
@@ -34,7 +34,6 @@ from gpipe_repro.repro.harness import (
     PlainK1,
     SameMicrobatchesK1,
     TorchSchedule,
-    add_stop_rule,
     batch,
     publish,
     rounds_in_processes,
@@ -95,29 +94,25 @@ def best_against_best(result: Measurement, tolerance: float) -> tuple[str, str, 
                                    host_fast=result.host_fast)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--blocks", type=int, default=8, help="Linear+ReLU layers (a multiple of 4)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[256, 1024])
-    ap.add_argument("--ms", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny sizes and rounds to check that everything runs; nothing is written")
-    add_stop_rule(ap, budget=1200.0, tolerance=0.02, min_rounds=5, max_rounds=40)
-    args = ap.parse_args(argv)
-    if args.blocks % 4:
-        ap.error("--blocks must be a multiple of 4 (2 cells for ours, 4 chunks for torch's looped "
-                 "and V schedules)")
-    if args.smoke:
-        args.width, args.batches, args.budget, args.min_rounds, args.max_rounds = 128, [64], 30.0, 3, 3
+def main(*, width: int = 1024, blocks: int = 8, batches: Sequence[int] = (256, 1024),
+         ms: Sequence[int] = (2, 4, 8), warmup: int = 1, threads: int = 1, smoke: bool = False,
+         budget: float = 1200.0, tolerance: float = 0.02, min_rounds: int = 5,
+         max_rounds: int = 40) -> None:
+    """Measure, print and (unless a smoke run) record under results/schedules/."""
+    if blocks % 4:
+        raise ValueError("--blocks must be a multiple of 4 (2 cells for ours, 4 chunks for torch's looped "
+                         "and V schedules)")
+    if smoke:
+        width, batches, budget, min_rounds, max_rounds = 128, [64], 30.0, 3, 3
+    config = {"width": width, "blocks": blocks, "batches": batches, "ms": ms, "warmup": warmup, "threads":
+              threads, "smoke": smoke, "budget": budget, "tolerance": tolerance, "min_rounds": min_rounds,
+              "max_rounds": max_rounds}
     from gpipe_repro.distributed import launch_local
     from gpipe_repro.report.records import markdown_table
 
-    rule = stop_rule(args, groups=len(args.batches) * len(args.ms))
-    cfg = {**vars(args), "rule": vars(rule)}
-    per_rank = launch_local(bench_processes, 2, cfg, timeout=300, threads=args.threads)
+    rule = stop_rule(budget, tolerance, min_rounds, max_rounds, groups=len(batches) * len(ms))
+    cfg = {**config, "rule": vars(rule)}
+    per_rank = launch_local(bench_processes, 2, cfg, timeout=300, threads=threads)
     rows, records, ratios, of_ideal_m4 = [], [], [], []
     for group, data in per_rank[0]["measurements"].items():
         rows_n, m = (int(v) for v in group.split("/"))
@@ -126,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         of_ideal = {n: Figure.of(f"{n} of ideal", [i / t for i, t in zip(ideal, f.samples)],
                                  host_fast=result.host_fast)
                     for n, f in result.times.items() if n.startswith(("ours:", "torch:"))}
-        ours, theirs, ratio = best_against_best(result, args.tolerance)
+        ours, theirs, ratio = best_against_best(result, tolerance)
         ratios.append(ratio)
         if m == 4:
             best = max((n for n in of_ideal if n.startswith("ours:")), key=lambda n: of_ideal[n].value)
@@ -150,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                for f in of_ideal_m4]
     refused = sorted({f"{n}: {why}" for r in records for n, why in r["not_applicable"].items()})
     text = "\n\n".join([
-        "# Schedules, K=2 stage processes (measured" + (", SMOKE RUN: not of record)" if args.smoke else ")"),
+        "# Schedules, K=2 stage processes (measured" + (", SMOKE RUN: not of record)" if smoke else ")"),
         "Each figure: the median over alternating rounds with its 95% bootstrap interval (a busy host "
         "widens it). Peak memory per stage: n/a on CPU (no allocator statistics); the best-vs-best "
         "comparison is made without the equal-or-lower-memory condition.",
@@ -160,8 +155,4 @@ def main(argv: list[str] | None = None) -> None:
         "Not applicable:\n" + ("\n".join(f"- {x}" for x in refused) or "- none")])
     publish("schedules", "bench_schedules", {
         "experiment": "schedules: ours vs torch.distributed.pipelining, K=2", "config": cfg,
-        "rows": records, "checks": [f.to_json() for f in checks]}, text, write=not args.smoke)
-
-
-if __name__ == "__main__":
-    main()
+        "rows": records, "checks": [f.to_json() for f in checks]}, text, write=not smoke)

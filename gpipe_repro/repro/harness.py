@@ -1,6 +1,6 @@
 """What the benchmarks share: the MLP and its data, the baselines a pipeline is measured against, the
-interleaved rounds inside stage processes (on :mod:`gpipe_repro.report.measurement`), and a
-benchmark's command line and output.
+interleaved rounds inside stage processes (on :mod:`gpipe_repro.report.measurement`), the stop rule
+and a benchmark's output.
 
 Baselines (each ``step(x, y)`` one training step):
 
@@ -13,7 +13,6 @@ Baselines (each ``step(x, y)`` one training step):
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import time
 from collections import defaultdict
@@ -207,23 +206,10 @@ def _run_rounds(items: Mapping[str, Any], names: list[str], rounds: Rounds | Non
         index += 1
 
 
-def add_stop_rule(ap: argparse.ArgumentParser, *, budget: float, tolerance: float = 0.02,
-                  min_rounds: int = 5, max_rounds: int = 60) -> None:
-    """The kernel's stop rule as options (--budget is the whole run's, shared by its groups)."""
-    ap.add_argument("--budget", type=float, default=budget,
-                    help="seconds of measuring for the whole run, shared by its groups (default "
-                         "%(default)s); a busy host reaches it with wider intervals")
-    ap.add_argument("--tolerance", type=float, default=tolerance,
-                    help="relative half-width of the 95%% interval at which rounds stop (default "
-                         "%(default)s)")
-    ap.add_argument("--min-rounds", type=int, default=min_rounds)
-    ap.add_argument("--max-rounds", type=int, default=max_rounds)
-
-
-def stop_rule(args: argparse.Namespace, groups: int = 1) -> StopRule:
-    """The stop rule of one of `groups` measured one after another."""
-    return StopRule(min_rounds=args.min_rounds, max_rounds=args.max_rounds,
-                    budget_s=args.budget / max(1, groups), tolerance=args.tolerance)
+def stop_rule(budget: float, tolerance: float, min_rounds: int, max_rounds: int, groups: int = 1) -> StopRule:
+    """The stop rule of one of `groups` measured one after another (`budget` seconds for all)."""
+    return StopRule(min_rounds=min_rounds, max_rounds=max_rounds, budget_s=budget / max(1, groups),
+                    tolerance=tolerance)
 
 
 def scaled(figure: Figure, name: str, factor: float, *, target: float | None = None,

@@ -3,11 +3,12 @@
 
 Each cell is :func:`gpipe_repro.memory.replicas_plan.plan_replicas` on devices of ``--memory`` GiB at
 ``--tflops`` TFLOP/s, 8 per host (NVLink inside, InfiniBand EDR between hosts:
-:mod:`gpipe_repro.sim.data_parallel`), with the replica mini-batch fixed (weak scaling).
+:mod:`gpipe_repro.sim.data_parallel`), with the replica mini-batch fixed (weak scaling). The command
+line is `gpipe-repro replicas-plan-table`.
 """
 from __future__ import annotations
 
-import argparse
+from collections.abc import Sequence
 from typing import Any
 
 from gpipe_repro.memory.planner import GiB, MemoryPlanner
@@ -24,23 +25,18 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 DEVICES = (8, 64, 512, 2048)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Plan every (model, N), print and record the table."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--memory", type=float, default=16.0, help="GiB per device")
-    ap.add_argument("--tflops", type=float, default=100.0, help="device compute rate")
-    ap.add_argument("--micro-batches", default="4,8,16,32", help="M candidates")
-    ap.add_argument("--devices", default=",".join(map(str, DEVICES)))
-    args = ap.parse_args(argv)
-    ms = [int(x) for x in args.micro_batches.split(",")]
+def main(*, memory: float = 16.0, tflops: float = 100.0, ms: Sequence[int] = (4, 8, 16, 32),
+         devices: Sequence[int] = DEVICES) -> None:
+    """Plan every (model, N), print and record the table (`memory` GiB, `tflops` TFLOP/s per device,
+    `ms` the M candidates)."""
     rows, records = [], []
     for label, (family, options) in MODELS.items():
         work = workload(family, None, **options)
         planner = MemoryPlanner(*work.planner_inputs(),
                                 optimizer=rmsprop_foreach, optimizer_foreach=True)
-        for n in (int(x) for x in args.devices.split(",")):
-            cands = plan_replicas(planner, n, args.memory * GiB, get_link("nvlink"), args.tflops * 1e12,
-                                  micro_batches=ms, checkpoints=("except_last",))
+        for n in devices:
+            cands = plan_replicas(planner, n, memory * GiB, get_link("nvlink"), tflops * 1e12,
+                                  micro_batches=list(ms), checkpoints=("except_last",))
             fit = [c for c in cands if c.fits]
             best, second = (fit + [None, None])[:2]
             cell = (lambda c: "-" if c is None else
@@ -56,9 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown_table(["model", "devices", "choice", "samples/s (simulated)", "runner-up", "why"],
                            rows)
     out = results_dir("replicas")
-    write_json(out / "plan.json", {"experiment": "K x R x M plans", "config": vars(args),
+    config = {"memory": memory, "tflops": tflops, "ms": list(ms), "devices": list(devices)}
+    write_json(out / "plan.json", {"experiment": "K x R x M plans", "config": config,
                                    "method": "simulated", "rows": records})
     write_markdown(out / "plan.md", "# K x R x M for N devices (simulated)\n\n"
-                   f"{args.memory:g} GiB and {args.tflops:g} TFLOP/s per device, 8 per host; replica "
+                   f"{memory:g} GiB and {tflops:g} TFLOP/s per device, 8 per host; replica "
                    "mini-batch fixed (the model family's default batch).\n\n" + table)
     print(table)

@@ -9,24 +9,23 @@ data-parallel all-reduce and its overlap with the drain are added by
 """
 from __future__ import annotations
 
-import argparse
-import json
 from typing import Any
 
 from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.partition import partition
 from gpipe_repro.sim.calibration import DEVICES, calibrate
-from gpipe_repro.sim.data_parallel import ALGORITHMS, replicate
+from gpipe_repro.sim.data_parallel import replicate
 from gpipe_repro.sim.links import get_link
 from gpipe_repro.sim.simulator import simulate_config
 
 MODELS = ("transformer", "amoebanet")
+COMMAND = "throughput --replicas"
 
 
 def simulate_job(*, model: str, k: int, replicas: int, m: int, microbatch: int, device: str = "p100",
                  link: str = "nvlink", devices_per_host: int = 8, algorithm: str = "ring",
                  checkpoint: str = "always") -> dict[str, Any]:
-    """One simulated step of K x R devices; returns the numbers :func:`main` prints."""
+    """One simulated step of K x R devices: the numbers :func:`format_job` prints."""
     from gpipe_repro.repro.throughput import PAPER_WORKLOADS
 
     require_one_of("model", model, MODELS)
@@ -65,28 +64,3 @@ def format_job(out: dict[str, Any]) -> str:
              "  time breakdown:"]
     lines += [f"    {k:<62} {v:7.1%}" for k, v in out["breakdown"].items()]
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    """Parse the options, simulate, print (``--json`` for the numbers)."""
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--model", choices=MODELS, default="transformer",
-                   help="the paper's Transformer-48 or AmoebaNet-D (18, 256)")
-    p.add_argument("--k", type=int, default=8, help="K: stages per pipeline")
-    p.add_argument("--replicas", type=int, default=1, help="R: pipeline replicas (data parallel)")
-    p.add_argument("--m", type=int, default=32, help="M: micro-batches per replica")
-    p.add_argument("--microbatch", type=int, default=1, help="examples per micro-batch")
-    p.add_argument("--device", default="p100", help=f"device model: {sorted(DEVICES)}")
-    p.add_argument("--link", default="nvlink", help="the pipeline's boundary link (sim/links.py)")
-    p.add_argument("--devices-per-host", type=int, default=8)
-    p.add_argument("--algorithm", choices=ALGORITHMS, default="ring")
-    p.add_argument("--checkpoint", default="always")
-    p.add_argument("--json", action="store_true", help="print the numbers as JSON")
-    a = p.parse_args(argv)
-    try:
-        out = simulate_job(model=a.model, k=a.k, replicas=a.replicas, m=a.m, microbatch=a.microbatch,
-                           device=a.device, link=a.link, devices_per_host=a.devices_per_host,
-                           algorithm=a.algorithm, checkpoint=a.checkpoint)
-    except ValueError as e:
-        p.error(str(e))
-    print(json.dumps(out, indent=1, default=str) if a.json else format_job(out))

@@ -17,18 +17,19 @@ Writes results/throughput/validation.{json,md} and a measured/simulated Gantt pa
 configuration, and refreshes results/throughput/throughput_table.md (which shows the error);
 results/ is $GPIPE_REPRO_RESULTS when set, or --out DIR. An earlier validation there is replaced
 only with --overwrite; a file the command did not write is never replaced; the results of record
-(the checkout's results/) are replaced only by `make validate-sim`, whose entry point
-(experiments/validate_simulator.py) passes ``record=True``.
+(the checkout's results/) are replaced only with --record (what `make validate-sim` gives). The command
+line is `gpipe-repro validate-sim` (gpipe_repro/commands/throughput.py).
 """
 from __future__ import annotations
 
-import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from gpipe_repro.report.host import usable_cores
-from gpipe_repro.report.records import OutputRefused, check_outputs, owned_json, results_root
+from gpipe_repro.report.output_guard import OutputRefused, check_outputs, owned_json
+from gpipe_repro.report.records import results_root
 from gpipe_repro.repro.throughput import (
     MODELS,
     VALIDATION_MS,
@@ -63,7 +64,7 @@ def check_out_dir(out: Path, *, overwrite: bool, record: bool = False,
     """Refuse, before any work, to replace a file in `out` that this command did not write (its
     validation.json says which are its own; throughput_table.md, which it refreshes, belongs to the
     throughput table beside it), or its own without --overwrite, or the results of record without
-    `make validate-sim` (`record=True`). See :func:`gpipe_repro.report.records.check_outputs`."""
+    --record (what `make validate-sim` gives). See :func:`gpipe_repro.report.output_guard.check_outputs`."""
     if out.exists() and not out.is_dir():
         raise OutputRefused(f"--out {out} is a file, not a directory: give a directory")
     files = [out / name for name in PAGES]
@@ -101,49 +102,37 @@ def render_pages(out: Path) -> None:
         write_markdown(out / "throughput_table.md", render_markdown(read_json(table), result))
 
 
-def main(argv: list[str] | None = None, prog: str | None = None, *, record: bool = False) -> None:
-    """Parse, check the output directory (before any work), validate, write.
+def main(*, models: Sequence[str] = MODELS, ms: Sequence[int] = VALIDATION_MS,
+         ks: Sequence[int] | None = None,
+         schedules: Sequence[str] = VALIDATION_SCHEDULES, steps: int = DEFAULTS.measure_steps,
+         out: Path | None = None, overwrite: bool = False, record: bool = False,
+         render_only: bool = False) -> None:
+    """Check the options and the output directory (before any work), validate, write.
 
-    `record=True` is `make validate-sim` (experiments/validate_simulator.py): it replaces its own
-    previous validation without --overwrite, the results of record included."""
-    ap = argparse.ArgumentParser(prog=prog or "python -m experiments.validate_simulator",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    ap.add_argument("--ms", nargs="+", type=int, default=list(VALIDATION_MS))
-    ap.add_argument("--ks", nargs="+", type=int, default=None,
-                    help="default: every K in 2, 4, 8 up to the usable cores")
-    ap.add_argument("--schedules", nargs="+", default=list(VALIDATION_SCHEDULES),
-                    help="schedules to validate (default: %(default)s; interleaved runs K processes "
-                         "of 2 cells each)")
-    ap.add_argument("--steps", type=int, default=DEFAULTS.measure_steps)
-    ap.add_argument("--out", default=None,
-                    help="output directory (default: results/throughput, under $GPIPE_REPRO_RESULTS "
-                         "when set)")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="replace an earlier validation (and the throughput_table.md it refreshes)")
-    ap.add_argument("--render-only", action="store_true",
-                    help="measure nothing: rewrite validation.md and throughput_table.md from the "
-                         "JSON files already in --out (after a change to how they are rendered)")
-    args = ap.parse_args(argv)
-    out = Path(args.out) if args.out is not None else results_root() / "throughput"
-    bad = [n for n in args.schedules if n not in VALIDATION_SCHEDULES]
+    `out` defaults to results/throughput (under $GPIPE_REPRO_RESULTS when set); `record` lets the run
+    replace the results of record (what `make validate-sim` gives).
+
+    Raises:
+        ValueError: an option this host or these models cannot take (the message names the fix).
+        OutputRefused: `out` holds what this run may not replace.
+    """
+    out = out if out is not None else results_root() / "throughput"
+    bad = [n for n in schedules if n not in VALIDATION_SCHEDULES] + [n for n in models if n not in MODELS]
     if bad:
-        ap.error(f"--schedules {' '.join(bad)}: the schedules are {', '.join(VALIDATION_SCHEDULES)}")
-    if args.steps < 1:
-        ap.error(f"--steps must be >= 1, got {args.steps}")
+        raise ValueError(f"unknown {', '.join(bad)}: the schedules are {', '.join(VALIDATION_SCHEDULES)}, "
+                         f"the models {', '.join(MODELS)}")
+    if steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps}")
     cores = usable_cores()
-    too_big = [k for k in (args.ks or []) if k > cores]
+    too_big = [k for k in (ks or []) if k > cores]
     if too_big:
-        ap.error(f"K={too_big} needs more stage processes than the {cores} usable cores; "
-                 f"use --ks with values <= {cores}")
-    if args.render_only and not (out / MANIFEST).exists():
-        ap.error(f"--render-only: no {out / MANIFEST}: run `make validate-sim` first (or give the "
-                 "--out that holds it)")
-    try:
-        check_out_dir(out, overwrite=args.overwrite, record=record, render_only=args.render_only)
-    except OutputRefused as e:
-        ap.error(str(e))
-    if args.render_only:
+        raise ValueError(f"K={too_big} needs more stage processes than the {cores} usable cores; "
+                         f"use --ks with values <= {cores}")
+    if render_only and not (out / MANIFEST).exists():
+        raise ValueError(f"--render-only: no {out / MANIFEST}: run `make validate-sim` first (or give "
+                         "the --out that holds it)")
+    check_out_dir(out, overwrite=overwrite, record=record, render_only=render_only)
+    if render_only:
         render_pages(out)
         return
 
@@ -152,12 +141,13 @@ def main(argv: list[str] | None = None, prog: str | None = None, *, record: bool
     from gpipe_repro.engine.timeline import Timeline
     from gpipe_repro.report.records import write_json
 
-    settings = replace(DEFAULTS, measure_steps=args.steps)
+    settings = replace(DEFAULTS, measure_steps=steps)
     measure = distributed_measure(settings)
     console = Console(stderr=True)
     with console.status("validating") as status:
         result = validate_simulator(
-            settings, measure, models=args.models, ks=args.ks, ms=args.ms, schedules=args.schedules,
+            settings, measure, models=list(models), ks=list(ks) if ks else None, ms=list(ms),
+            schedules=list(schedules),
             measure_schedule=lambda name: distributed_measure(replace(settings, schedule=name)),
             progress=lambda msg: status.update(msg))
     timelines = result.pop("timelines")
@@ -174,6 +164,3 @@ def main(argv: list[str] | None = None, prog: str | None = None, *, record: bool
     for name, p in result["summary"].get("per_schedule", {}).items():
         console.print(f"  {name}: {describe(p)}")
 
-
-if __name__ == "__main__":
-    main()

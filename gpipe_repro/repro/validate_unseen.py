@@ -16,9 +16,6 @@ Results: results/throughput/validation_unseen.{md,json}.
 """
 from __future__ import annotations
 
-import argparse
-import shlex
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -120,52 +117,47 @@ def render(payload: dict[str, Any]) -> str:
             f"Measured on {payload['usable_cores']} usable cores.\n\n" + table + "\n")
 
 
-def main(argv: list[str] | None = None,
+def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
+         checkpoints: Sequence[str] = ("never", "always"), models: Sequence[str] = tuple(MODELS),
+         steps: int = 8, out: str | None = None, command: str = "make validate-unseen",
          run: Callable[..., dict[str, Any]] = run_config) -> dict[str, Any]:
-    """Parse options, run every configuration, write the results."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--batch", type=int, default=256, help="mini-batch of every configuration")
-    ap.add_argument("--ms", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--checkpoints", nargs="+", default=["never", "always"])
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--steps", type=int, default=8,
-                    help="measured steps per configuration (their median and its interval)")
-    ap.add_argument("--out", default=None, help="output directory (default results/throughput/)")
-    args = ap.parse_args(argv)
+    """Run every configuration, write the results (`command`: how the page says it was made)."""
     k = 2
     if usable_cores() < k:
         raise SystemExit(f"validation runs K={k} stage processes on one core each; this host has "
                          f"{usable_cores()} usable core(s)")
-    bad = [m for m in args.ms if m < 1 or args.batch % m]
+    bad = [m for m in ms if m < 1 or batch % m]
     if bad:
-        raise SystemExit(f"--ms {bad}: every M must divide --batch {args.batch}")
+        raise SystemExit(f"--ms {bad}: every M must divide --batch-size {batch}")
+    unknown = [name for name in models if name not in MODELS]
+    if unknown:
+        raise SystemExit(f"--models {unknown}: the models are {', '.join(map(repr, MODELS))}")
     rows = []
-    for name in args.models:
+    for name in models:
         factory, shape = MODELS[name]
         workload = Workload.create(name, factory, "features", shape, 10)
-        for checkpoint in args.checkpoints:
-            for m in args.ms:
+        for checkpoint in checkpoints:
+            for m in ms:
                 print(f"{name}: K={k} M={m} checkpoint={checkpoint}", flush=True)
-                row = run(workload, k=k, m=m, microbatch=args.batch // m, checkpoint=checkpoint,
-                          steps=args.steps)
+                row = run(workload, k=k, m=m, microbatch=batch // m, checkpoint=checkpoint,
+                          steps=steps)
                 row["model"] = name
                 print(f"  simulated {row['step_time_s'] * 1e3:.1f} ms, measured "
                       f"{row['measured_step_time_s'] * 1e3:.1f} ms; error {row_error(row).cell()}",
                       flush=True)
                 rows.append(row)
-    given = sys.argv[1:] if argv is None else list(argv)
-    command = ("make validate-unseen" if not given
-               else "python -m experiments.validate_unseen " + " ".join(shlex.quote(a) for a in given))
+    config = {"batch": batch, "ms": list(ms), "checkpoints": list(checkpoints), "models": list(models),
+              "steps": steps, "out": out}
     payload = {"experiment": "simulator vs real runs on models it was never tuned on",
-               "command": command, "config": vars(args), "usable_cores": usable_cores(), "rows": rows,
+               "command": command, "config": config, "usable_cores": usable_cores(), "rows": rows,
                "summary": summarize(rows)}
-    out = results_dir("throughput") if args.out is None else _own_folder(args.out)
-    write_json(out / "validation_unseen.json", {
+    folder = results_dir("throughput") if out is None else _own_folder(out)
+    write_json(folder / "validation_unseen.json", {
         **payload, "step_time_s": {f"{r['model']}/{r['checkpoint']}/M{r['M']}": {
             "measured": measured(r["measured_step_time_s"], unit="s"),
             "simulated": simulated(r["step_time_s"], unit="s")} for r in rows}})
     text = render(payload)
-    write_markdown(out / "validation_unseen.md", text)
+    write_markdown(folder / "validation_unseen.md", text)
     print(text)
     return payload
 

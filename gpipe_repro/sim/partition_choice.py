@@ -2,8 +2,7 @@
 
 The exact partitioner (:func:`gpipe_repro.engine.partition.partition`) is deterministic given its
 input, but calibrated costs are not: two calibrations minutes apart differ by a few percent, and
-where two cuts are nearly tied that is enough to flip the choice (AmoebaNet K=8 was cut as
-[4,4,3,2,2,2,3,4] and as [4,3,3,3,3,2,2,4] in two runs).
+where two cuts are nearly tied that is enough to flip the choice.
 
 What keeps the choice stable is in the costs, not here: identical layers get one pooled cost (so the
 Transformer's 48 blocks are exact ties, broken the same way every time), and every distinct layer
@@ -15,23 +14,8 @@ that uncertainty of the optimum are all equally good as far as the measurement c
 choice among them is a documented deterministic tie-break (:func:`tie_break`): the most even cut in
 layer count (the least sum of squared cell sizes), then the lexicographically smallest balance.
 Layer counts do not move with timing noise, so two calibrations whose optima are near-ties agree
-unless one of them moves a cut out of the tied set. Measured on ``AMOEBANET_COSTS`` below with 2%
-log-normal noise per group (200 seeded pairs of draws): K=8 cuts flipped in 23 pairs exactly, 11
-with the tie-break at an uncertainty of 2% (the noise), 48 at 4%; K=4: 3, 0 and 8. So the
-uncertainty to give is the calibration's own (its intervals' half-width), not a safety margin.
-
-Decided against, with the evidence: rounding every cost to a 5% logarithmic grid before
-partitioning. It makes equal measurements give equal cuts,
-but real noise does not stay inside a grid cell: each layer near a grid boundary becomes a new
-discontinuity (and where the boundaries fall depends on the unit the costs are in). On this
-project's calibrated AmoebaNet costs (24 layers, ``AMOEBANET_COSTS`` in
-tests/sim/test_partition_choice.py) with 1% noise per group of identical layers, two draws chose
-different K=8 cuts 8-14% of the time on the grid and never exactly; with 2% noise, 24-33% against
-10-19% (100-200 seeded pairs of draws). A tolerance set with a deterministic tie-break (the
-FLOP-best cut among those within 3% or 5% of the measured optimum) flipped more still (26-68% at
-K=8): where FLOPs and time disagree, the tie-break's favourite lies on the set's edge. Keeping the
-previous run's cut while it stays within 1-3% of the new optimum flipped 3-9% of the time at 2%
-noise, against 12%: a small gain for a result that would depend on what ran before, so not taken.
+unless one of them moves a cut out of the tied set; the uncertainty to give is the calibration's own
+(its intervals' half-width), not a safety margin.
 """
 from __future__ import annotations
 
@@ -44,9 +28,8 @@ from gpipe_repro.engine.partition import cell_costs, partition
 def choose_partition(costs: Sequence[float], k: int, objective: str = "bottleneck",
                      uncertainty: float = 0.0) -> list[int]:
     """The balance of `costs` (timed or counted) into `k` cells under `objective`: the exact
-    :func:`gpipe_repro.engine.partition.partition` (see the module docstring for why measured costs
-    are not rounded first); with the bottleneck objective and a relative `uncertainty` > 0 (the
-    calibration's), :func:`tie_break` among the cuts within it of the optimum."""
+    :func:`gpipe_repro.engine.partition.partition`; with the bottleneck objective and a relative
+    `uncertainty` > 0 (the calibration's), :func:`tie_break` among the cuts within it of the optimum."""
     if uncertainty < 0:
         raise ValueError(f"uncertainty must be >= 0 (a relative half-width), got {uncertainty}")
     best = partition(costs, k, objective)

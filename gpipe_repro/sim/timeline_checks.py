@@ -17,7 +17,7 @@ not have that problem, because host load slows both sides of each comparison bel
 - :func:`parallel_cores`: how many distinct cores the stage processes were allowed to use.
 
 Each returns a number or a list of what went wrong; the thresholds live with the callers (the CI
-test and the detector, :mod:`gpipe_repro.repro.regression_detector`).
+test and the detector, `experiments/check_regression_detector.py`).
 """
 from __future__ import annotations
 

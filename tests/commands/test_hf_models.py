@@ -115,15 +115,13 @@ def test_a_family_the_layers_cannot_take_is_refused_with_the_reason() -> None:
 
 def test_throughput_takes_a_hugging_face_model(tmp_path: Path) -> None:
     config = _tiny_config_json(tmp_path)
-    args = _hf_models.throughput_args(["--model", str(config), "--option", "layers=2", "--k", "2"])
-    assert args[:2] == ["--model", "gpipe_repro.commands._hf_models:causal_lm_layers_for"]
-    assert "--kind" in args and "tokens" in args and args[args.index("--classes") + 1] == "300"
+    factory, options, vocabulary = _hf_models.throughput_model(str(config), {"layers": 2})
+    assert factory == "gpipe_repro.commands._hf_models:causal_lm_layers_for"
+    assert options == {"spec": str(config), "layers": 2} and vocabulary == 300
     layers = _hf_models.causal_lm_layers_for(str(config), layers=2)
     assert [name for name, _ in layers.named_children()] == ["embeddings", "block_0", "block_1", "head"]
     with pytest.raises(ValueError, match="has no attribute bogus"):
-        _hf_models.throughput_args(["--model", "hf:llama", "--option", "bogus=1"])
-    assert _hf_models.throughput_args(["--model", "pkg.mod:make", "--k", "2"]) == \
-        ["--model", "pkg.mod:make", "--k", "2"]
+        _hf_models.throughput_model("hf:llama", {"bogus": 1})
 
 
 def test_models_counts_a_hugging_face_config_without_building_it() -> None:

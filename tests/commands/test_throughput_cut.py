@@ -40,7 +40,7 @@ def test_throughput_names_its_cut_and_gpipes_default(tmp_path: Path, monkeypatch
     result = CliRunner().invoke(app, ["throughput", "--model", "cut_model_for_test:model", "--input-shape",
                                       "64", "--classes", "64", "--k", "2", "--m", "4", "--microbatch",
                                       "16", "--method", "flops", "--link", "ideal", "--no-validate",
-                                      "--json", str(out)])
+                                      "--out", str(out)])
     assert result.exit_code == 0, (result.output, result.exception)
     line = next(x for x in result.output.splitlines() if "cut:" in x)
     assert "cut: simulating [2, 2] (balanced by FLOP-estimated time); GPipe's default for this model " \

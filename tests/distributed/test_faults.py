@@ -145,7 +145,7 @@ def test_cli_exits_nonzero_names_the_rank_and_writes_no_results(tmp_path: Path) 
 
     from gpipe_repro.cli import app
     timeline = tmp_path / "timeline.json"
-    args = ["pipeline", "--partitions", "2", "--steps", "3", "--batch", "64", "--width", "32",
+    args = ["pipeline", "--k", "2", "--steps", "3", "--batch-size", "64", "--width", "32",
             "--blocks", "2", "--fail-mode", "exit", "--fail-rank", "1", "--fail-call", "12",
             "--timeout", str(TIMEOUT), "--timeline", str(timeline)]
     result = CliRunner().invoke(app, args)

@@ -15,9 +15,10 @@ def test_torchrun_trains_and_rank0_writes_the_timeline(tmp_path: Path) -> None:
     beside = Path(sys.executable).parent / "gpipe-repro"     # the venv's entry point, as a user has it
     cli = str(beside) if beside.exists() else shutil.which("gpipe-repro")
     assert cli, "the gpipe-repro command is not installed (pip install -e .)"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           cli, "pipeline", "--launcher", "torchrun", "--steps", "2", "--batch", "64",
-           "--width", "32", "--blocks", "2", "--micro-batches", "4", "--timeout", "20",
+    # "--": the rest is the script's (torchrun's own parser would take --m for an abbreviation of its options)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--",
+           cli, "pipeline", "--launcher", "torchrun", "--steps", "2", "--batch-size", "64",
+           "--width", "32", "--blocks", "2", "--m", "4", "--timeout", "20",
            "--timeline", str(timeline)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]

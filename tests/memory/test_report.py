@@ -43,13 +43,14 @@ def test_records_render_beside_the_paper(tmp_path: Path) -> None:
     assert png.stat().st_size > 1000
 
 
-def test_make_memory_table_entry_point_imports(capsys: pytest.CaptureFixture[str]) -> None:
-    """`make memory-table` runs experiments/memory_table.py, which imports the package's main (a
-    memory_table.py beside the memory_table/ package was shadowed by it and never importable)."""
-    import importlib
+def test_make_memory_table_runs_the_memory_table_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make memory-table` runs experiments/memory_table.py: `gpipe-repro memory-table --record`."""
+    import runpy
 
-    from gpipe_repro.repro.memory_table import main
-    assert importlib.import_module("experiments.memory_table").main is main
+    import gpipe_repro.repro.memory_table as table
+    seen: list[dict] = []
+    monkeypatch.setattr(table, "main", lambda **kw: seen.append(kw))
+    monkeypatch.setattr("sys.argv", ["memory_table", "--m", "4"])
     with pytest.raises(SystemExit) as exit_:
-        main(["--help"])
-    assert exit_.value.code == 0 and "--micro-batches" in capsys.readouterr().out
+        runpy.run_module("experiments.memory_table", run_name="__main__")
+    assert exit_.value.code == 0 and seen and seen[0]["record"] and seen[0]["micro_batches"] == 4

@@ -1,4 +1,4 @@
-"""The shared rule for files a command writes where it was told (records.check_outputs), the stamps
+"""The shared rule for files a command writes where it was told (output_guard.check_outputs), the stamps
 that tell a command's own files from a user's, and $GPIPE_REPRO_RESULTS for every results writer."""
 from __future__ import annotations
 
@@ -7,17 +7,9 @@ from typing import Any
 
 import pytest
 
-from gpipe_repro.report import records
-from gpipe_repro.report.records import (
-    OutputRefused,
-    check_outputs,
-    owned_json,
-    results_dir,
-    results_root,
-    stamp,
-    write_json,
-    written_by,
-)
+from gpipe_repro.report import output_guard
+from gpipe_repro.report.output_guard import OutputRefused, check_outputs, owned_json, stamp, written_by
+from gpipe_repro.report.records import results_dir, results_root, write_json
 
 
 def _check(paths: list[Path], **kw: Any) -> None:
@@ -60,7 +52,7 @@ def test_directories_and_files_in_the_way_are_refused(tmp_path: Path) -> None:
 
 def test_results_of_record_change_only_through_the_make_target(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(records, "checkout_results", lambda: tmp_path / "results")
+    monkeypatch.setattr(output_guard, "checkout_results", lambda: tmp_path / "results")
     own = write_json(tmp_path / "results" / "throughput" / "t.json", stamp({}, "throughput-table"))
     with pytest.raises(OutputRefused, match="of record.*`make throughput-table`"):
         check_outputs([own], command="throughput-table", option="--out", overwrite=True,
@@ -104,7 +96,7 @@ def test_gpu_check_default_and_probe_default_honour_the_environment(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from gpipe_repro.repro import probe_gpu_microbatches as probe
+    from experiments import probe_gpu_microbatches as probe
     from gpipe_repro.repro.gpu_check import default_out_dir
 
     monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
 from gpipe_repro.report.measurement import Comparison, Measurement, StopRule
 
@@ -44,10 +45,12 @@ def test_rounds_in_stage_processes_stop_together_on_rank_0s_rule() -> None:
 
 
 def test_bench_overhead_runs_in_a_tiny_mode(capsys: pytest.CaptureFixture[str]) -> None:
-    from gpipe_repro.repro import bench_overhead
+    from experiments import bench_overhead
 
-    bench_overhead.main(["--width", "16", "--depth", "1", "--batch", "8", "--warmup", "1",
-                         "--min-rounds", "3", "--max-rounds", "3", "--no-write"])
-    text = capsys.readouterr().out
+    result = CliRunner().invoke(bench_overhead.app, ["--width", "16", "--depth", "1", "--batch", "8",
+                                                     "--warmup", "1", "--min-rounds", "3", "--max-rounds",
+                                                     "3", "--no-write"])
+    assert result.exit_code == 0, result.output
+    text = result.output
     assert "(n=3 rounds" in text and "not comparable" not in text
     assert "(<= 1.03)" in text            # the verdict against the target, whatever it is

@@ -1,7 +1,7 @@
 """throughput-table, validate-sim, memory-table and `throughput --model`: their output directory (or
---json file) is checked before any work: a user's file is never replaced, the command's own only with
---overwrite, the results of record only by the make target (the experiments' entry points pass
-record=True); the default honours $GPIPE_REPRO_RESULTS. And `throughput --model` mistakes are
+--out file) is checked before any work: a user's file is never replaced, the command's own only with
+--overwrite, the results of record only by the make target (the make targets give
+--record); the default honours $GPIPE_REPRO_RESULTS. And `throughput --model` mistakes are
 one-line usage errors before the timing work."""
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
-from gpipe_repro.report import records
+from gpipe_repro.cli import app
+from gpipe_repro.report import output_guard
 from gpipe_repro.report.records import write_json
 
 
@@ -35,12 +37,26 @@ def _refused(main: Any, argv: list[str], capsys: pytest.CaptureFixture[str], say
     assert says in err, err
 
 
+def _usage_error(args: list[str], says: str) -> None:
+    """`gpipe-repro ARGS` stops with a usage error (exit code 2) that says `says`."""
+    result = CliRunner().invoke(app, args, terminal_width=400)
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert says in " ".join(result.output.replace("│", " ").split()), result.output
+
+
+def _starts_work(args: list[str]) -> None:
+    """`gpipe-repro ARGS` passes its checks and starts the (stubbed) work."""
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, AssertionError) and "work started" in str(result.exception), \
+        result.output
+
+
 def test_throughput_table_refuses_a_users_file(table: Any, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "speedup.png").write_text("my plot")
     for extra in ([], ["--overwrite"]):
-        _refused(table.main, ["--no-measure", "--out", str(tmp_path), *extra], capsys,
-                 "not a previous `gpipe-repro throughput-table` output")
+        _usage_error(["throughput-table", "--no-measure", "--out", str(tmp_path), *extra],
+                     "not a previous `gpipe-repro throughput-table` output")
     assert (tmp_path / "speedup.png").read_text() == "my plot"
 
 
@@ -48,34 +64,34 @@ def test_throughput_table_replaces_its_own_only_with_overwrite(table: Any, tmp_p
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     write_json(tmp_path / "throughput_table.json", {"table2": {}, "table3": {}, "settings": {}})
     (tmp_path / "speedup.png").write_text("its own plot")
-    _refused(table.main, ["--no-measure", "--out", str(tmp_path)], capsys, "pass --overwrite")
-    with pytest.raises(AssertionError, match="work started"):      # checks passed: the work is next
-        table.main(["--no-measure", "--out", str(tmp_path), "--overwrite"])
+    _usage_error(["throughput-table", "--no-measure", "--out", str(tmp_path)], "pass --overwrite")
+    _starts_work(["throughput-table", "--no-measure", "--out", str(tmp_path), "--overwrite"])
 
 
 def test_results_of_record_only_through_the_make_target(table: Any, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(records, "checkout_results", lambda: tmp_path)
+    monkeypatch.setattr(output_guard, "checkout_results", lambda: tmp_path)
     monkeypatch.chdir(tmp_path.parent)
     monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path))      # the default: $GPIPE_REPRO_RESULTS
     write_json(tmp_path / "throughput" / "throughput_table.json",
                {"table2": {}, "table3": {}, "settings": {}, "written_by": "throughput-table"})
-    _refused(table.main, ["--no-measure", "--overwrite"], capsys, "`make throughput-table`")
-    with pytest.raises(AssertionError, match="work started"):
-        table.main(["--no-measure"], record=True)
+    _usage_error(["throughput-table", "--no-measure", "--overwrite"], "`make throughput-table`")
+    _starts_work(["throughput-table", "--no-measure", "--record"])
 
 
 def test_the_make_targets_entry_points_pass_record(monkeypatch: pytest.MonkeyPatch) -> None:
     import runpy
 
+    monkeypatch.setattr("sys.argv", ["experiment"])
     for module, experiment in (("gpipe_repro.repro.throughput_table", "experiments.throughput_table"),
                                ("gpipe_repro.repro.validate_simulator", "experiments.validate_simulator"),
                                ("gpipe_repro.repro.memory_table", "experiments.memory_table")):
         seen: list[Any] = []
         monkeypatch.setattr(f"{module}.main", lambda *a, seen=seen, **kw: seen.append(kw))
-        runpy.run_module(experiment, run_name="__main__")
-        assert seen == [{"record": True}], experiment
+        with pytest.raises(SystemExit):
+            runpy.run_module(experiment, run_name="__main__")
+        assert len(seen) == 1 and seen[0]["record"] is True, experiment
 
 
 def test_validate_sim_refuses_a_users_page_before_measuring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -86,16 +102,15 @@ def test_validate_sim_refuses_a_users_page_before_measuring(tmp_path: Path, monk
     monkeypatch.setattr(vs, "usable_cores", lambda: 8)       # --ks 2 fits whatever this host has
     (tmp_path / "validation.md").write_text("my own page\n")
     for extra in ([], ["--overwrite"]):
-        _refused(vs.main, ["--ks", "2", "--out", str(tmp_path), *extra], capsys,
-                 "not a previous `gpipe-repro validate-sim` output")
+        _usage_error(["validate-sim", "--ks", "2", "--out", str(tmp_path), *extra],
+                     "not a previous `gpipe-repro validate-sim` output")
     assert (tmp_path / "validation.md").read_text() == "my own page\n"
     # its own earlier validation: only with --overwrite
     (tmp_path / "validation.md").unlink()
     write_json(tmp_path / "validation.json", {"rows": [], "summary": {}, "written_by": "validate-sim"})
     (tmp_path / "validation.md").write_text("its own page\n")
-    _refused(vs.main, ["--ks", "2", "--out", str(tmp_path)], capsys, "pass --overwrite")
-    with pytest.raises(AssertionError, match="work started"):
-        vs.main(["--ks", "2", "--out", str(tmp_path), "--overwrite"])
+    _usage_error(["validate-sim", "--ks", "2", "--out", str(tmp_path)], "pass --overwrite")
+    _starts_work(["validate-sim", "--ks", "2", "--out", str(tmp_path), "--overwrite"])
 
 
 def test_validate_sim_default_honours_the_environment(tmp_path: Path,
@@ -108,7 +123,7 @@ def test_validate_sim_default_honours_the_environment(tmp_path: Path,
         AssertionError(f"out={out}")))
     monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path))
     with pytest.raises(AssertionError, match=f"out={tmp_path / 'throughput'}"):
-        vs.main(["--ks", "2"])
+        vs.main(ks=[2])
 
 
 def test_memory_table_checks_its_directory_before_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -116,14 +131,13 @@ def test_memory_table_checks_its_directory_before_work(tmp_path: Path, monkeypat
     import gpipe_repro.repro.memory_table as mt
     monkeypatch.setattr(mt, "run", _no_work)
     (tmp_path / "memory_table.md").write_text("mine\n")
-    _refused(mt.main, ["--out", str(tmp_path), "--overwrite"], capsys,
-             "not a previous `gpipe-repro memory-table` output")
+    _usage_error(["memory-table", "--out", str(tmp_path), "--overwrite"],
+                 "not a previous `gpipe-repro memory-table` output")
     monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path / "r"))
     write_json(tmp_path / "r" / "memory" / "memory_table.json",
                {"transformer": {}, "scaling": {}, "validation": {}, "settings": {}})
-    _refused(mt.main, [], capsys, "pass --overwrite")                 # the default is under $…RESULTS
-    with pytest.raises(AssertionError, match="work started"):
-        mt.main(["--overwrite"])
+    _usage_error(["memory-table"], "pass --overwrite")                # the default is under $…RESULTS
+    _starts_work(["memory-table", "--overwrite"])
 
 
 # ----------------------------------------------------------------------------- throughput --model
@@ -169,22 +183,19 @@ def own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 ])
 def test_own_model_mistakes_are_usage_errors_before_the_timing(own_model: str, args: list[str], says: str,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from gpipe_repro.repro import simulate_model
     argv = [a.format(m=own_model) for a in args]
     if "--k" not in argv:
         argv += ["--k", "2"]
-    _refused(simulate_model.main, [*argv, "--m", "4", "--no-validate"], capsys, says)
+    _usage_error(["throughput", *argv, "--m", "4", "--no-validate"], says)
 
 
 def test_own_model_json_is_checked_before_the_timing(own_model: str, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    from gpipe_repro.repro import simulate_model
     mine = tmp_path / "r.json"
     mine.write_text("mine\n")
-    argv = ["--model", f"{own_model}:layers", "--input-shape", "32", "--k", "2", "--m", "4",
-            "--json", str(mine)]
-    _refused(simulate_model.main, [*argv, "--overwrite"], capsys, "not a previous `gpipe-repro throughput`")
+    argv = ["throughput", "--model", f"{own_model}:layers", "--input-shape", "32", "--k", "2", "--m", "4",
+            "--out", str(mine)]
+    _usage_error([*argv, "--overwrite"], "not a previous `gpipe-repro throughput`")
     write_json(mine, {"k": 2, "written_by": "throughput"})
-    _refused(simulate_model.main, argv, capsys, "pass --overwrite")
-    with pytest.raises(AssertionError, match="work started"):       # a shape that fits: on to the work
-        simulate_model.main([*argv, "--overwrite"])
+    _usage_error(argv, "pass --overwrite")
+    _starts_work([*argv, "--overwrite"])       # a shape that fits: on to the work

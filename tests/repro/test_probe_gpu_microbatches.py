@@ -6,10 +6,11 @@ from typing import Any
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from experiments import probe_gpu_microbatches as probe
 from gpipe_repro.report.provenance import git_state
 from gpipe_repro.report.records import read_json
-from gpipe_repro.repro import probe_gpu_microbatches as probe
 
 ROWS = {"plain, full batch": 0.010, "plain, 4 micro-batches accumulated": 0.040,
         "GPipe K=1 M=4 checkpoint=never": 0.050}
@@ -51,10 +52,11 @@ def test_main_prints_the_table_and_writes_the_record(tmp_path: Path, monkeypatch
     calls: list[Any] = []
     _stub_measure(monkeypatch, calls)
     out = tmp_path / "sub" / "probe.json"
-    probe.main(["--device", "cpu", "--batch", "4", "--m", "2", "--steps", "1", "--warmup", "0",
-                "--json", str(out)])
+    result = CliRunner().invoke(probe.app, ["--device", "cpu", "--batch-size", "4", "--m", "2", "--steps",
+                                            "1", "--warmup", "0", "--out", str(out)])
+    assert result.exit_code == 0, result.output
     assert calls == [{"batch": 4, "m": 2, "steps": 1, "warmup": 0}]
-    printed = capsys.readouterr().out
+    printed = result.output
     assert "vs plain M=2" in printed and f"wrote {out}" in printed
     rec = read_json(out)
     assert rec["method"] == "measured" and rec["config"]["device"] == "cpu"
@@ -67,10 +69,12 @@ def test_an_existing_file_is_refused_before_any_work(tmp_path: Path, monkeypatch
     _stub_measure(monkeypatch, calls)
     out = tmp_path / "probe.json"
     out.write_text("mine\n")
-    with pytest.raises(SystemExit, match="exists: pass --overwrite"):
-        probe.main(["--device", "cpu", "--json", str(out)])
+    result = CliRunner().invoke(probe.app, ["--device", "cpu", "--out", str(out)])
+    assert result.exit_code == 1 and "exists: pass --overwrite" in result.output
     assert calls == [] and out.read_text() == "mine\n"
-    with pytest.raises(SystemExit, match="is a directory"):
-        probe.main(["--device", "cpu", "--json", str(tmp_path)])
-    probe.main(["--device", "cpu", "--batch", "2", "--m", "2", "--json", str(out), "--overwrite"])
+    result = CliRunner().invoke(probe.app, ["--device", "cpu", "--out", str(tmp_path)])
+    assert result.exit_code == 1 and "is a directory" in result.output
+    result = CliRunner().invoke(probe.app, ["--device", "cpu", "--batch-size", "2", "--m", "2", "--out",
+                                            str(out), "--overwrite"])
+    assert result.exit_code == 0, result.output
     assert read_json(out)["method"] == "measured"

@@ -1,12 +1,14 @@
-"""The detector's results file (repro/regression_detector.py) carries its label and its host block.
-No detector run here (each takes minutes): a made-up run goes through the real writer."""
+"""The detector's results file (experiments/check_regression_detector.py) carries its label and its
+host block. No detector run here (each takes minutes): a made-up run goes through the real writer."""
 from __future__ import annotations
 
 from pathlib import Path
 
+from typer.testing import CliRunner
+
+from experiments import check_regression_detector as rd
 from gpipe_repro.report.provenance import host_block
 from gpipe_repro.report.records import read_json, write_json
-from gpipe_repro.repro import regression_detector as rd
 
 
 def _run(passed: bool) -> dict:
@@ -52,7 +54,8 @@ def test_render_only_writes_the_page_again_from_its_json(tmp_path: Path) -> None
     record = Path(__file__).resolve().parents[2] / "results" / "ci" / "regression_detector.json"
     shutil.copy(record, tmp_path / "regression_detector.json")
     before = (tmp_path / "regression_detector.json").read_bytes()
-    rd.main(["--render-only", "--out", str(tmp_path)])
+    result = CliRunner().invoke(rd.app, ["--render-only", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
     page = (tmp_path / "regression_detector.md").read_text()
     assert page.startswith("# Does the CI") and "Measured by `make check-regression-detector` on " in page
     assert (tmp_path / "regression_detector.json").read_bytes() == before

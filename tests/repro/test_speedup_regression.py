@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
+from experiments import speedup_baseline as sb
 from gpipe_repro.engine.schedule import Action, ActionKind, Schedule
 from gpipe_repro.report.records import read_json
-from gpipe_repro.repro import speedup_baseline as sb
 from gpipe_repro.sim import timeline_checks as tc
 
 K, M = sb.TIMELINE_K, sb.TIMELINE_M
@@ -236,8 +236,8 @@ def test_the_order_check_names_the_first_difference() -> None:
 def test_check_speedups_judges_the_interval_against_the_band() -> None:
     """Inside the band: pass; wholly outside: fail; straddling an edge (a busy host's wide
     interval): inconclusive, never "not comparable"."""
+    from experiments.check_speedups import verdict
     from gpipe_repro.report.measurement import Figure
-    from gpipe_repro.repro.check_speedups import verdict
 
     base = {"speedup": 1.56}                      # band [1.17, 1.95]
     assert verdict(Figure("s", 1.55, 1.50, 1.60, 12, "m"), base)[0] == "pass"

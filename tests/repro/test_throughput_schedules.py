@@ -10,8 +10,7 @@ import pytest
 
 from gpipe_repro.memory.planner import MemoryPlanner
 from gpipe_repro.models.workload import Workload
-from gpipe_repro.repro.throughput.report import render_schedule_ablation
-from gpipe_repro.repro.throughput.schedules import schedule_tradeoff
+from gpipe_repro.repro.throughput.schedules import render_schedule_ablation, schedule_tradeoff
 from gpipe_repro.repro.throughput.settings import SweepSettings
 from gpipe_repro.sim.calibration import Calibration, LayerCost
 from gpipe_repro.sim.links import PRESETS

@@ -27,8 +27,9 @@ def fake_run(errors: dict[tuple[int, str], tuple[float, float]]) -> Any:
 def test_every_row_counts_and_a_wide_interval_is_inconclusive(tmp_path: Path) -> None:
     errors = {(1, "never"): (0.04, 0.0), (2, "never"): (-0.08, 0.0),
               (4, "never"): (0.02, 0.09)}           # a busy row: a wide interval, still counted
-    payload = vu.main(["--models", "residual MLP 8x1024", "--ms", "1", "2", "4",
-                       "--checkpoints", "never", "--out", str(tmp_path)], run=fake_run(errors))
+    payload = vu.main(models=["residual MLP 8x1024"], ms=[1, 2, 4], checkpoints=["never"], out=str(tmp_path),
+                      command="gpipe-repro validate-unseen --models 'residual MLP 8x1024'",
+                      run=fake_run(errors))
     s = payload["summary"]
     assert s["configurations"] == 3
     assert s["median_abs_error"] == pytest.approx(0.04) and s["max_abs_error"] == pytest.approx(0.08)
@@ -37,7 +38,7 @@ def test_every_row_counts_and_a_wide_interval_is_inconclusive(tmp_path: Path) ->
     assert s["verdict"] == "inconclusive"
     page = (tmp_path / "validation_unseen.md").read_text()
     assert "inconclusive" in page and "+2.0% [-7.0%" in page
-    assert "python -m experiments.validate_unseen --models" in page      # not "make ..."
+    assert "gpipe-repro validate-unseen --models" in page      # not "make ..."
     assert (tmp_path / "validation_unseen.json").is_file()
 
 
@@ -50,8 +51,8 @@ def test_micro_batches_under_16_rows_are_outside_the_target() -> None:
 
 
 def test_bad_micro_batch_counts_are_refused_before_any_work(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="must divide --batch 256"):
-        vu.main(["--ms", "3", "--out", str(tmp_path)], run=fake_run({}))
+    with pytest.raises(SystemExit, match="must divide --batch-size 256"):
+        vu.main(ms=[3], out=str(tmp_path), run=fake_run({}))
     assert not list(tmp_path.iterdir())
 
 

@@ -349,17 +349,27 @@ def test_simulate_your_own_model_from_a_factory(tmp_path: Path, monkeypatch: pyt
 
 def test_the_own_model_command_line_checks_its_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    from gpipe_repro.repro.simulate_model import main, parse
+    from typer.testing import CliRunner
+
+    from gpipe_repro.cli import app
+    from gpipe_repro.repro import simulate_model
 
     spec = _own_module(tmp_path, monkeypatch)
-    work, kw, _ = parse(["--model", spec, "--input-shape", "16", "--classes", "5", "--k", "2",
-                         "--m", "4", "--option", "width=48"])
+    seen: list[Any] = []
+    monkeypatch.setattr(simulate_model, "main", lambda work, **kw: seen.append((work, kw)))
+    own = ["throughput", "--model", spec, "--input-shape", "16", "--k", "2", "--m", "4"]
+    result = CliRunner().invoke(app, [*own, "--classes", "5", "--option", "width=48"])
+    assert result.exit_code == 0, result.output
+    work, kw = seen[0]
     assert dict(work.options) == {"width": 48} and kw["checkpoint"] == "except_last"
-    with pytest.raises(SystemExit):
-        parse(["--model", spec, "--input-shape", "16", "--k", "2", "--m", "4", "--option", "width"])
-    main(["--model", spec, "--input-shape", "16", "--classes", "5", "--k", "2", "--m", "4",
-          "--method", "flops", "--link", "ideal", "--no-validate"])
-    assert "simulated step" in capsys.readouterr().out
+    result = CliRunner().invoke(app, [*own, "--option", "width"])
+    assert result.exit_code == 2 and "--option takes KEY=VALUE" in result.output
+    monkeypatch.undo()
+    spec = _own_module(tmp_path, monkeypatch)
+    result = CliRunner().invoke(app, ["throughput", "--model", spec, "--input-shape", "16", "--classes", "5",
+                                      "--k", "2", "--m", "4", "--method", "flops", "--link", "ideal",
+                                      "--no-validate"])
+    assert result.exit_code == 0 and "simulated step" in result.output, result.output
 
 
 def test_simulate_config_defaults_are_gpipes() -> None:
@@ -385,7 +395,7 @@ def test_validate_sim_takes_every_k_up_to_the_usable_cores() -> None:
 # ----------------------------------------------------------------------------- reproducible partitions
 
 def test_two_tables_are_compared_cell_by_cell_and_partition_by_partition() -> None:
-    from gpipe_repro.repro.compare_tables import compare, render
+    from experiments.compare_throughput import compare, render
 
     def table(x: float, balance: list[int]) -> dict[str, Any]:
         return {"table2": {"transformer": [

@@ -431,8 +431,8 @@ def test_run_transformer_command(data_dir: Path, tmp_path: Path) -> None:
 @pytest.mark.usefixtures("undrawn_curves")     # curves.png not drawn (tests/curves.py)
 def test_deep_vs_wide_and_large_batch_experiments_at_toy_size(data_dir: Path, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from experiments import deep_vs_wide as experiment
     from gpipe_repro.report.records import read_json
-    from gpipe_repro.repro import deep_vs_wide as experiment
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     config = toy_config(data_dir, eval_sentences=4)

@@ -34,7 +34,7 @@ def previous_output(out: Path) -> dict[str, Any] | None:
 
 
 # Other records of the same device that may share its results/gpu/<device>/ directory: gpu-check
-# writes beside them and never touches them (the microbatch probe's `--json` writes there).
+# writes beside them and never touches them (the microbatch probe's `--write` writes there).
 COMPANION_RECORDS = frozenset({"probe_gpu_microbatches.json"})
 
 

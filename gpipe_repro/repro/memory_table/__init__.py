@@ -6,22 +6,21 @@ The package: :mod:`~gpipe_repro.repro.memory_table.experiment` (the experiment),
 :mod:`~gpipe_repro.repro.memory_table.table1` (its domain rows), :mod:`~gpipe_repro.repro.memory_table.report`
 (its report); this file only declares the settings.
 
-    python -m experiments.memory_table                  # < 10 min on 2 CPU cores
-    python -m experiments.memory_table --micro-batches 32 --no-amoebanet
+    gpipe-repro memory-table --record                   # `make memory-table`: < 10 min on 2 CPU cores
+    gpipe-repro memory-table --m 32 --no-amoebanet --out /tmp/memory
 
 Writes results/memory/{memory_table.json, memory_table.md, max_params.png,
 activation_vs_microbatches.png} (results/ is $GPIPE_REPRO_RESULTS when set), or --out DIR. An earlier
 table there is replaced only with --overwrite; a file the command did not write is never replaced;
-the results of record (the checkout's results/) are replaced only by `make memory-table`, whose entry
-point (experiments/memory_table.py) passes ``record=True``.
+the results of record (the checkout's results/) are replaced only with --record (what `make
+memory-table` gives). The command line is `gpipe-repro memory-table` (gpipe_repro/commands/memory.py).
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from gpipe_repro.report.records import OutputRefused, results_root
+from gpipe_repro.report.records import results_root
 from gpipe_repro.repro.memory_table.experiment import Settings, check_out_dir, run, write
 from gpipe_repro.repro.memory_table.table1 import Table1Settings
 
@@ -33,33 +32,20 @@ DEFAULTS = Settings(
     validation_micro_batches=4)
 
 
-def main(argv: list[str] | None = None, *, record: bool = False) -> None:
-    """Parse, check the output directory (before any work), run, write.
+def main(*, micro_batches: int = DEFAULTS.table1.micro_batches, amoebanet: bool = True,
+         out: Path | None = None, overwrite: bool = False, record: bool = False, wandb: bool = True) -> None:
+    """Check the output directory (before any work), run, write.
 
-    `record=True` is `make memory-table` (experiments/memory_table.py): it replaces its own previous
-    table without --overwrite, the results of record included."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--micro-batches", type=int, default=DEFAULTS.table1.micro_batches,
-                    help="M of every pipeline row (the paper does not state it)")
-    ap.add_argument("--no-amoebanet", action="store_true", help="skip the AmoebaNet rows (slowest)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="output directory (default: results/memory, under $GPIPE_REPRO_RESULTS when set)")
-    ap.add_argument("--overwrite", action="store_true", help="replace an earlier table in --out")
-    ap.add_argument("--no-wandb", action="store_true", help="do not log to W&B (local files only)")
-    args = ap.parse_args(argv)
-    if args.micro_batches < 1:
-        ap.error(f"--micro-batches must be >= 1, got {args.micro_batches}")
-    out = args.out if args.out is not None else results_root() / "memory"
-    try:
-        check_out_dir(out, overwrite=args.overwrite, record=record)
-    except OutputRefused as e:
-        ap.error(str(e))
-    settings = replace(DEFAULTS, table1=replace(DEFAULTS.table1, micro_batches=args.micro_batches),
-                       amoebanet=not args.no_amoebanet)
-    paths = write(run(settings), out, wandb=not args.no_wandb)
+    `out` defaults to results/memory (under $GPIPE_REPRO_RESULTS when set); `record` lets the run
+    replace the results of record (what `make memory-table` gives).
+
+    Raises:
+        OutputRefused: `out` holds what this run may not replace.
+    """
+    out = out if out is not None else results_root() / "memory"
+    check_out_dir(out, overwrite=overwrite, record=record)
+    settings = replace(DEFAULTS, table1=replace(DEFAULTS.table1, micro_batches=micro_batches),
+                       amoebanet=amoebanet)
+    paths = write(run(settings), out, wandb=wandb)
     for name, path in paths.items():
         print(f"{name}: {path}")
-
-
-if __name__ == "__main__":
-    main()

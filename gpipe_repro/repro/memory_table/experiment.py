@@ -184,9 +184,9 @@ def is_memory_table(data: Any) -> bool:
 def check_out_dir(out: Path, *, overwrite: bool, record: bool = False) -> None:
     """Refuse, before any work, to replace a file in `out` that this command did not write (its
     memory_table.json says which are its own), or its own without --overwrite, or the results of
-    record without `make memory-table` (`record=True`); see
-    :func:`gpipe_repro.report.records.check_outputs`."""
-    from gpipe_repro.report.records import OutputRefused, check_outputs, owned_json
+    record without --record (what `make memory-table` gives); see
+    :func:`gpipe_repro.report.output_guard.check_outputs`."""
+    from gpipe_repro.report.output_guard import OutputRefused, check_outputs, owned_json
     if out.exists() and not out.is_dir():
         raise OutputRefused(f"--out {out} is a file, not a directory: give a directory")
     check_outputs([out / name for name in OWN_FILES], command=COMMAND, option="--out",

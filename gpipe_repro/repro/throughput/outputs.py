@@ -9,15 +9,9 @@ from typing import Any
 from gpipe_repro.engine.timeline import Timeline
 from gpipe_repro.report import gantt
 from gpipe_repro.report.host import BUSY_MARK
+from gpipe_repro.report.output_guard import check_outputs, owned_json
 from gpipe_repro.report.plots import plot_bubble, plot_speedups
-from gpipe_repro.report.records import (
-    check_outputs,
-    owned_json,
-    read_json,
-    results_root,
-    write_json,
-    write_markdown,
-)
+from gpipe_repro.report.records import read_json, results_root, write_json, write_markdown
 from gpipe_repro.report.wandb_log import RunLogger
 from gpipe_repro.repro.throughput.measure import distributed_measure
 from gpipe_repro.repro.throughput.report import measured_host, measured_note, render_markdown
@@ -50,7 +44,8 @@ def owns(out_dir: str | os.PathLike[str]) -> bool:
 def check_out_dir(out_dir: str | os.PathLike[str], *, overwrite: bool, record: bool = False) -> None:
     """Refuse, before any work, an --out whose files this command would replace without being its
     own previous table, or (its own) without --overwrite; in the results of record, without
-    `make throughput-table` (`record=True`). See :func:`gpipe_repro.report.records.check_outputs`."""
+    --record (what `make throughput-table` gives). See
+    :func:`gpipe_repro.report.output_guard.check_outputs`."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file, not a directory: give a directory")

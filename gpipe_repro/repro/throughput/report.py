@@ -6,6 +6,7 @@ from typing import Any
 
 from gpipe_repro.report.host import BUSY_MARK, IDLE_CLEAN, OTHERS_CLEAN, busy_note
 from gpipe_repro.report.records import markdown_table
+from gpipe_repro.repro.throughput.schedules import render_schedule_ablation
 
 
 def _num(x: float | None, digits: int = 2) -> str:
@@ -53,12 +54,12 @@ def calibration_uncertainty(calibrations: dict[str, Any]) -> str:
 
 def generated_by(payload: dict[str, Any]) -> str:
     """How the page was produced: the make target only when it ran with the make target's
-    arguments (none), otherwise the command as run."""
+    arguments (--record alone), otherwise the command as run."""
     command = payload.get("command")
-    if command is None or command.get("argv") == []:
+    if command is None or (command.get("argv") == [] and command.get("record", True)):
         return "`make throughput-table`"
-    return (f"`{command.get('prog', 'gpipe-repro throughput-table')} {' '.join(command['argv'])}` "
-            "(not `make throughput-table`)")
+    line = " ".join([command.get("prog", "gpipe-repro throughput-table"), *command["argv"]])
+    return f"`{line}` (not `make throughput-table`)"
 
 
 def any_busy(payload: dict[str, Any]) -> bool:
@@ -272,50 +273,6 @@ def render_markdown(payload: dict[str, Any], validation: dict[str, Any] | None =
                   "(the distributed runtime's own timeline):", "",
                   f"![measured gantt]({payload['gantt_measured']['file']})", ""]
     return "\n".join(lines)
-
-
-def render_schedule_ablation(ablation: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """The schedule ablation's section (markdown lines; none if there is no ablation): per model,
-    cost model and M, every schedule's simulated samples/s and bubble beside the largest device's
-    peak memory and peak activation memory."""
-    rows = [r for items in ablation.values() for r in items]
-    if not rows:
-        return []
-    gib = float(1 << 30)
-    body = []
-    for r in rows:
-        if "note" in r:
-            body.append([r["workload"], r["costs"], str(r["micro_batches"]), r["schedule"],
-                         "-", "-", "-", "-", r["note"]])
-            continue
-        body.append([r["workload"], r["costs"], str(r["micro_batches"]), r["schedule"],
-                     _num(r["throughput"], 1), _num(r["bubble"], 3),
-                     f"{r['max_peak_bytes'] / gib:.3g}", f"{r['max_activation_peak_bytes'] / gib:.3g}",
-                     "2 cells per device: sum of their peaks (upper bound)"
-                     if r["cells"] != r["devices"] else ""])
-    k = rows[0]["devices"]
-    return [f"## Which schedule: throughput beside memory at K={k} (simulated)", "",
-            markdown_table(["model", "costs", "M", "schedule", "samples/s", "bubble",
-                            "largest device peak GiB", "its activations GiB", "note"], body,
-                           align=["left", "left", "right", "left", "right", "right", "right",
-                                  "right", "left"]), "",
-            "Every number is simulated: the step by the simulator executing each schedule's own "
-            "actions, the memory by the memory planner replaying them, on the same cut. `flop model`: "
-            "the paper's model, FLOP costs on a TPUv3-core model and the TPU interconnect; "
-            "`calibrated`: the scaled model, per-layer costs measured on this host. `gpipe` keeps "
-            "every micro-batch's activations; `1f1b` at most K - s on stage s with the same bubble; "
-            "`interleaved` (v=2 cells per device, Narayanan et al., SC'21) divides the bubble by v; "
-            "`zb-h1` (Qi et al., ICLR 2024) fills it with weight gradients, keeping their graphs "
-            "until then. Compare samples/s at equal or lower memory.", "",
-            "Where `gpipe` beats `1f1b` or `zb-h1` at equal bubble (AmoebaNet-D at M=32 on the "
-            "FLOP model): the link, not the schedule. A 480x480 AmoebaNet sends large activations, "
-            "and the TPU link is modelled at 70 GB/s. GPipe's back-to-back forwards and backwards "
-            "hide each transfer behind the next micro-batch's compute; 1F1B's steady state "
-            "alternates a forward and a backward that each wait for a neighbour, so transfers sit "
-            "on its critical path once per micro-batch; interleaving doubles the transfers. "
-            "Control, same costs and cut, K=8, M=32, checkpoint never, with a free link (0 latency, "
-            "infinite bandwidth): gpipe 2028, 1f1b 2061, zb-h1 2239 samples/s, against 1934, "
-            "1770 and 1828 on the TPU link (simulated; `python -m experiments.schedule_link_control`).", ""]
 
 
 def differences(payload: dict[str, Any]) -> list[str]:

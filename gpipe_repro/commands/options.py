@@ -1,4 +1,4 @@
-"""One vocabulary for every command: the same flag for the same thing, everywhere.
+"""The options the `gpipe-repro` commands share: the same flag for the same thing, everywhere.
 
     --k / -k          K, partitions (cells, one per device)
     --m / -m          M, micro-batches per mini-batch
@@ -7,9 +7,6 @@
     --memory          memory per device, GiB
     --out             where a command writes (a run directory, or a JSON file for fit / plan)
 
-Spellings that earlier versions accepted (`--partitions` / `-K`, `--micro-batches` / `-M`, `--batch`,
-`--json`) still work as hidden aliases, so nothing a user typed breaks; `alias` declares one and
-`resolve` merges it with the documented flag (giving both with different values is an error).
 Each command module declares its options with these names; tests/commands/test_run.py checks that every
 command line in README.md and docs/*.md parses.
 
@@ -29,6 +26,9 @@ from typing import Any, Optional
 
 import typer
 
+# the --help panel of the commands that reproduce the paper (each is a make target)
+EXPERIMENTS = "The paper's experiments (make targets)"
+
 HELP = {
     "k": "K: partitions (cells, one per device)",
     "m": "M: micro-batches per mini-batch",
@@ -36,21 +36,6 @@ HELP = {
     "devices": "devices available (K is at most this)",
     "memory": "memory per device, GiB",
 }
-
-
-def alias(*names: str) -> Any:
-    """A hidden option accepting an older spelling (merged by `resolve`)."""
-    return typer.Option(None, *names, hidden=True)
-
-
-def resolve(flag: str, value: Any, old: Any, old_flag: str, default: Any = None) -> Any:
-    """The documented flag's value, else its hidden alias's, else `default`."""
-    if value is not None and old is not None and value != old:
-        raise typer.BadParameter(f"{flag} {value} and {old_flag} {old} disagree; {old_flag} is an older "
-                                 f"spelling of {flag}: give only {flag}")
-    if value is not None:
-        return value
-    return old if old is not None else default
 
 
 def positive(flag: str, value: int | float | None, what: str = "") -> None:
@@ -86,8 +71,8 @@ def one_of(flag: str, value: str, choices: Sequence[str]) -> None:
 def check_out_files(flag: str, paths: Sequence[Path], command: str, *, overwrite: bool,
                     own: Callable[[Path], bool] | None = None) -> None:
     """The shared rule for files a command writes where the user said
-    (:func:`gpipe_repro.report.records.check_outputs`), as a usage error (exit code 2)."""
-    from gpipe_repro.report.records import OutputRefused, check_outputs
+    (:func:`gpipe_repro.report.output_guard.check_outputs`), as a usage error (exit code 2)."""
+    from gpipe_repro.report.output_guard import OutputRefused, check_outputs
     try:
         check_outputs(paths, command=command, option=flag, overwrite=overwrite, own=own)
     except OutputRefused as e:
@@ -103,19 +88,17 @@ class SharedOption:
         annotation: its type as typer reads it (Optional[int], bool, ...).
         default: the value when the flag is not given (None: keep the preset's value).
         flags: the flag spellings; empty: typer derives `--<name>` from `name`.
-        help: the `--help` text (None for a hidden alias).
-        hidden: a hidden alias of an older spelling (merged by `resolve`).
+        help: the `--help` text.
     """
     name: str
     annotation: Any
     default: Any = None
     flags: tuple[str, ...] = ()
-    help: Optional[str] = None
-    hidden: bool = False
+    help: str = ""
 
     def parameter(self, *, help: Optional[str] = None) -> inspect.Parameter:
         """The keyword-only typer parameter declaring this option (`help` replaces the shared text)."""
-        option = typer.Option(self.default, *self.flags, help=help or self.help, hidden=self.hidden)
+        option = typer.Option(self.default, *self.flags, help=help or self.help)
         return inspect.Parameter(self.name, inspect.Parameter.KEYWORD_ONLY, default=option,
                                  annotation=self.annotation)
 
@@ -128,7 +111,6 @@ PIPELINE_OPTIONS: tuple[SharedOption, ...] = (
                  "(--runtime distributed: K x R processes)"),
     SharedOption("m", Optional[int], None, ("--m", "-m"), "micro-batches M per mini-batch"),
     SharedOption("batch_size", Optional[int], help="examples per mini-batch (one synchronous update)"),
-    SharedOption("batch", Optional[int], None, ("--batch",), hidden=True),
     SharedOption("steps", Optional[int], help="optimizer steps (overrides --epochs)"),
     SharedOption("epochs", Optional[float], help="epochs of the training set"),
     SharedOption("checkpoint", Optional[str], help="re-materialization: always | except_last | never"),
@@ -172,7 +154,7 @@ PIPELINE_OPTIONS: tuple[SharedOption, ...] = (
 )
 
 # name -> help of the shared options, for commands that declare one of them by hand (`run transfer`).
-PIPELINE_HELP: dict[str, str] = {o.name: o.help for o in PIPELINE_OPTIONS if o.help is not None}
+PIPELINE_HELP: dict[str, str] = {o.name: o.help for o in PIPELINE_OPTIONS}
 
 
 def pipeline_options(*, batch_size_help: Optional[str] = None) -> Callable[[Callable[..., Any]],
@@ -180,8 +162,8 @@ def pipeline_options(*, batch_size_help: Optional[str] = None) -> Callable[[Call
     """Give a `run <task>` command every option of `PIPELINE_OPTIONS`, declared once.
 
     The decorated function declares its own options and one parameter `pipeline` (placed where the
-    shared options go in `--help`); it is called with `pipeline=` a dict of the shared options' values
-    (`--batch`, the older spelling, already merged into `batch_size` by `resolve`). Typer reads the
+    shared options go in `--help`); it is called with `pipeline=` a dict of the shared options' values.
+    Typer reads the
     returned command's `__signature__`, so the flags, help and defaults are exactly those declared here.
     `batch_size_help` replaces the help of `--batch-size` (e.g. "sentences per mini-batch").
 
@@ -206,8 +188,6 @@ def pipeline_options(*, batch_size_help: Optional[str] = None) -> Callable[[Call
         @functools.wraps(command)
         def run_command(**values: Any) -> Any:
             pipeline = {name: values.pop(name) for name in names}
-            pipeline["batch_size"] = resolve("--batch-size", pipeline["batch_size"], pipeline.pop("batch"),
-                                             "--batch")
             return command(**values, pipeline=pipeline)
 
         run_command.__signature__ = own.replace(parameters=parameters)  # type: ignore[attr-defined]
