@@ -44,7 +44,8 @@ from gpipe_repro.train.checkpoints import latest_checkpoint
 from gpipe_repro.train.config import RunConfig
 from gpipe_repro.train.loop import train
 from gpipe_repro.train.run_dir import clear_run
-from gpipe_repro.train.tasks.translation import TranslationBatches, TranslationConfig, TranslationTask, preset
+from gpipe_repro.train.tasks.translation import TranslationConfig, TranslationTask, preset
+from gpipe_repro.train.tasks.translation_batches import TranslationBatches
 
 OUT = results_root() / "translation"     # $GPIPE_REPRO_RESULTS/translation when set
 

@@ -1,6 +1,6 @@
 """`gpipe-repro corpus build|info`: the many-to-English corpus and its shared vocabulary.
 
-`build` writes `<data-dir>/<name>/` (see `gpipe_repro.data.translation` for the layout) and, unless
+`build` writes `<data-dir>/<name>/` (see `gpipe_repro.data.corpus_manifest` for the layout) and, unless
 `--vocab-size 0`, trains the sentencepiece vocabulary into `<data-dir>/<name>/spm<vocab>/`; both
 print a table of languages, sizes, resource group and sampling probability.
 """
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
-    from gpipe_repro.data.translation import Manifest
+    from gpipe_repro.data.corpus_manifest import Manifest
 
 
 def _split_list(value: str | None) -> tuple[str, ...] | None:
@@ -82,27 +82,27 @@ def register(app: typer.Typer) -> None:
         temperature: float = typer.Option(5.0, help="language sampling temperature T"),
     ) -> None:
         """Build a corpus (deduplicated, hash split, manifest) and its shared vocabulary."""
-        from gpipe_repro.data import translation as tr
+        from gpipe_repro.data import corpus_builders, corpus_hub, corpus_manifest
 
-        config = tr.BuildConfig(valid_fraction=valid_fraction, test_fraction=test_fraction,
+        config = corpus_manifest.BuildConfig(valid_fraction=valid_fraction, test_fraction=test_fraction,
                                 min_pairs=min_pairs, max_chars=max_chars,
                                 languages=_split_list(languages))
-        corpus_dir = tr.corpus_dir_for(name or source, data_dir)
+        corpus_dir = corpus_manifest.corpus_dir_for(name or source, data_dir)
         try:
             if source == "gettext":
-                manifest = tr.build_gettext_corpus(
+                manifest = corpus_builders.build_gettext_corpus(
                     corpus_dir, config, sources=_split_list(gettext_sources) or (),
                     locale_dirs=[str(d) for d in locale_dir] if locale_dir else None)
             elif source == "opus100":
-                manifest = tr.build_opus100_corpus(corpus_dir, config, revision=revision,
+                manifest = corpus_builders.build_opus100_corpus(corpus_dir, config, revision=revision,
                                                    cache_dir=corpus_dir.parent / ".hf-cache")
             elif source == "local":
-                manifest = tr.build_local_corpus(corpus_dir, files or [], config,
+                manifest = corpus_builders.build_local_corpus(corpus_dir, files or [], config,
                                                  name=name or "local",
                                                  cache_dir=corpus_dir.parent / ".hf-cache")
             else:
                 raise ValueError(f"unknown --source {source!r}: use gettext, opus100 or local")
-        except (tr.HubUnavailableError, ValueError, FileNotFoundError, FileExistsError) as error:
+        except (corpus_hub.HubUnavailableError, ValueError, FileNotFoundError, FileExistsError) as error:
             typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2) from error
         print_summary(manifest, temperature, f"corpus {manifest.name} -> {corpus_dir}")
@@ -129,11 +129,11 @@ def register(app: typer.Typer) -> None:
         """Show a built corpus: languages, split sizes, resource groups, sampling probabilities."""
         import json
 
-        from gpipe_repro.data import translation as tr
+        from gpipe_repro.data import corpus_manifest
 
-        corpus_dir = tr.corpus_dir_for(name, data_dir)
+        corpus_dir = corpus_manifest.corpus_dir_for(name, data_dir)
         try:
-            manifest = tr.Manifest.load(corpus_dir)
+            manifest = corpus_manifest.Manifest.load(corpus_dir)
         except FileNotFoundError as error:
             typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2) from error

@@ -56,6 +56,7 @@ def train_rank(options: dict[str, Any]) -> dict[str, Any]:
 
     from gpipe_repro import GPipe
     from gpipe_repro.distributed.faults import InjectedFault
+    from gpipe_repro.distributed.runtime import DistributedRuntime
     from gpipe_repro.models.mlp import synthetic_mlp
 
     k, blocks = options["partitions"], options["blocks"]
@@ -69,7 +70,8 @@ def train_rank(options: dict[str, Any]) -> dict[str, Any]:
                  checkpoint=options["checkpoint"], recompute_ahead=options["recompute_ahead"],
                  loss_fn=nn.CrossEntropyLoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
                  runtime="distributed")
-    assert pipe.stage_process is not None
+    runtime = pipe.runtime
+    assert isinstance(runtime, DistributedRuntime)
     pipe.record_timeline = True
     g = torch.Generator().manual_seed(1)
     x = torch.randn(options["batch"], options["width"], generator=g)
@@ -77,7 +79,7 @@ def train_rank(options: dict[str, Any]) -> dict[str, Any]:
     losses, times = [], []
     for _ in range(options["steps"]):
         losses.append(pipe.train_step(x, y))
-        times.append(pipe.stage_process.last_step_time)
+        times.append(runtime.last_step_time)
     out = {"rank": pipe.rank, "losses": losses, "step_times": times,
            "timeline": pipe.last_timeline if pipe.rank == 0 else None}
     if options["launcher"] == "torchrun" and pipe.rank == 0:

@@ -36,7 +36,7 @@ def corpus_vocabulary(corpus: str, data_dir: str | None) -> int | None:
     one exists; None otherwise (the run then trains, and caches, the preset's size)."""
     import re
 
-    from gpipe_repro.data.translation import corpus_dir_for
+    from gpipe_repro.data.corpus_manifest import corpus_dir_for
     directory = corpus_dir_for(corpus, data_dir)
     sizes = [int(m.group(1)) for p in directory.glob("spm*") if (m := re.fullmatch(r"spm(\d+)", p.name))
              and p.is_dir()] if directory.is_dir() else []

@@ -26,7 +26,7 @@ import torch
 
 from gpipe_repro.engine import aliasing, boundary
 
-__all__ = ["InputGuard", "GuardedInput", "guard_input", "feed", "fresh_copy", "alias"]
+__all__ = ["InputGuard", "GuardedInput", "guard_input", "fresh_copy", "alias"]
 
 
 @dataclass
@@ -53,9 +53,6 @@ def guard_input(value: Any, copy: bool | None, layer: int = 0) -> GuardedInput:
     watched = boundary.tensors(fed)
     return GuardedInput(fed, layer, copy, watched, [t._version for t in watched])
 
-
-# The calibration's spelling (gpipe_repro.sim.calibration.timing); same function.
-feed = guard_input
 
 
 def fresh_copy(t: torch.Tensor) -> torch.Tensor:

@@ -244,13 +244,6 @@ class GPipe(nn.Module):
         self.runtime.record = record
 
     @property
-    def stage_process(self) -> Any:
-        """The distributed runtime (``runtime="distributed"``), else None: what
-        ``gpipe_repro.commands`` and ``gpipe_repro.repro`` read under this name; new code reads
-        :attr:`runtime`."""
-        return self.runtime if self.distributed else None
-
-    @property
     def loss_scale(self) -> float:
         """fp16's current loss scale (:class:`~gpipe_repro.engine.loss_scaler.LossScaler`); 1 otherwise."""
         return self.loss_scaler.scale

@@ -109,8 +109,11 @@ class Ours:
                           recompute_ahead=ahead, loss_fn=nn.CrossEntropyLoss(), optimizer=sgd,
                           runtime="distributed")
         self.pipe.make_schedule()
-        assert self.pipe.stage_process is not None
-        self.pipe.stage_process.transport.prepost = prepost
+        from gpipe_repro.distributed.runtime import DistributedRuntime
+
+        runtime = self.pipe.runtime
+        assert isinstance(runtime, DistributedRuntime)
+        runtime.transport.prepost = prepost
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.pipe.train_step(x, y)

@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from gpipe_repro.engine import boundary
 from gpipe_repro.engine.backward_split import split_backward_input
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_all
-from gpipe_repro.engine.feeding import feed
+from gpipe_repro.engine.feeding import guard_input
 from gpipe_repro.engine.recompute import recomputing
 from gpipe_repro.engine.rng import seed_layer
 
@@ -56,7 +56,7 @@ class _TimedLayer:
         cut: learned on the first run, as the executor learns it), else a view; the copy's time is
         part of the layer's."""
         seed_layer(0, 0, self.index, 0, self.device)
-        fed = feed(inp, self.copies)
+        fed = guard_input(inp, self.copies)
         y = self.layer(fed.value)
         if self.copies is None:
             self.copies = fed.modified()
