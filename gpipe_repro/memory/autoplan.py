@@ -25,11 +25,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpipe_repro.engine.partition import partition
-from gpipe_repro.engine.schedule import SCHEDULES, cells_per_process, make_schedule, owner_of_cells
+from gpipe_repro.engine.schedule import SCHEDULES, Schedule, cells_per_process, make_schedule, owner_of_cells
 from gpipe_repro.memory.compose import boundary_bytes, boundary_grad_bytes
 from gpipe_repro.memory.planner import MemoryPlan, MemoryPlanner
 from gpipe_repro.sim.links import LinkModel
-from gpipe_repro.sim.simulator import PipelineCosts, simulate
+from gpipe_repro.sim.simulator import PipelineCosts, Simulation, simulate
+from gpipe_repro.sim.tied import cell_ties, with_tied_allreduce
 
 
 @dataclass
@@ -54,6 +55,14 @@ def _powers(limit: int) -> list[int]:
         out.append(x)
         x *= 2
     return out
+
+
+def simulate_step(planner: MemoryPlanner, sched: Schedule, balance: Sequence[int], micro_batches: int,
+                  flops_per_second: float, link: LinkModel) -> Simulation:
+    """One simulated step of `sched` over the planner's FLOP costs, with the all-reduce of every
+    parameter tied across cells (tied embeddings) charged at AGREE."""
+    sim = simulate(sched, _costs(planner, balance, micro_batches, flops_per_second), link, planner.batch)
+    return with_tied_allreduce(sim, sched, cell_ties(planner.ties, balance), link)
 
 
 def _costs(planner: MemoryPlanner, balance: Sequence[int], micro_batches: int,
@@ -152,8 +161,7 @@ def evaluate(planner: MemoryPlanner, partitions: int, micro_batches: int, checkp
         cand.note = cand.note or "does not fit"
         return cand
     sched = make_schedule(schedule, cells, micro_batches, checkpoint)
-    sim = simulate(sched, _costs(planner, cand.balance, micro_batches, flops_per_second), link,
-                   planner.batch)
+    sim = simulate_step(planner, sched, cand.balance, micro_batches, flops_per_second, link)
     cand.fits, cand.throughput, cand.step_time = True, sim.throughput, sim.step_time
     cand.bubble = sim.bubble_fraction
     return cand

@@ -46,6 +46,7 @@ from gpipe_repro.memory.compose import (
 )
 from gpipe_repro.memory.profile import LayerProfile, LossLayer, OptimizerFactory, ProfileCache, rmsprop
 from gpipe_repro.models.signature import LayerRun, compress, layer_key, microbatch_sig
+from gpipe_repro.sim.tied import layer_ties
 
 GiB = 2 ** 30
 
@@ -146,6 +147,8 @@ class MemoryPlanner:
             seen.update(id(p) for p in own)
             total += r.count * sum(p.numel() for p in own)
         self.parameters = total
+        # parameters held by several layers (tied embeddings): the simulator charges their all-reduce
+        self.ties = layer_ties([r.layer for r in self.runs for _ in range(r.count)])
 
     # -- profiles -----------------------------------------------------------------------------------
     def profiles(self, size: int, flops: bool = False) -> list[LayerProfile]:

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpipe_repro.engine.schedule import make_schedule
-from gpipe_repro.memory.autoplan import Candidate, _costs, _powers, evaluate
+from gpipe_repro.memory.autoplan import Candidate, _powers, evaluate, simulate_step
 from gpipe_repro.memory.planner import MemoryPlanner
 from gpipe_repro.sim.data_parallel import ReplicatedSimulation, replicate
 from gpipe_repro.sim.links import LinkModel
-from gpipe_repro.sim.simulator import simulate
 
 __all__ = ["ReplicaCandidate", "plan_replicas"]
 
@@ -101,8 +100,7 @@ def _replicate(planner: MemoryPlanner, cand: Candidate, replicas: int, budget: f
     if peak > budget:
         return ReplicaCandidate(cand, replicas, False, peak)
     sched = make_schedule(schedule, cand.partitions, cand.micro_batches, cand.checkpoint)
-    sim = simulate(sched, _costs(planner, cand.balance, cand.micro_batches, flops_per_second), link,
-                   planner.batch)
+    sim = simulate_step(planner, sched, cand.balance, cand.micro_batches, flops_per_second, link)
     rep = replicate(sim, grad_bytes, replicas=replicas, devices_per_host=devices_per_host,
                     algorithm=algorithm)
     return ReplicaCandidate(cand, replicas, True, peak, rep.throughput, rep.exposed, rep)

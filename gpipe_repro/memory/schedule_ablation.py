@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpipe_repro.engine.schedule import SCHEDULES, Schedule, cells_per_process, make_schedule
-from gpipe_repro.memory.autoplan import _costs
+from gpipe_repro.memory.autoplan import simulate_step as planned_step
 from gpipe_repro.memory.planner import MemoryPlanner
 from gpipe_repro.sim.links import LinkModel
-from gpipe_repro.sim.simulator import Simulation, simulate
+from gpipe_repro.sim.simulator import Simulation
 
 #: ``cut(schedule, cells)``: layers per cell for that schedule.
 CutFn = Callable[[str, int], Sequence[int]]
@@ -68,8 +68,7 @@ def schedule_ablation(planner: MemoryPlanner, *, devices: int, micro_batches: in
             sim = simulate_step(sched, plan.balance)
         else:
             assert link is not None and flops_per_second is not None
-            sim = simulate(sched, _costs(planner, plan.balance, micro_batches, flops_per_second), link,
-                           planner.batch)
+            sim = planned_step(planner, sched, plan.balance, micro_batches, flops_per_second, link)
         owner = sched.process_of()
         peak = [0] * devices
         activation = [0] * devices

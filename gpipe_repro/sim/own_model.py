@@ -30,7 +30,7 @@ from typing import Any
 
 from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.partition import OBJECTIVES
-from gpipe_repro.engine.schedule import CHECKPOINT_MODES
+from gpipe_repro.engine.schedule import CHECKPOINT_MODES, make_schedule
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import HostWatch, is_clean, usable_cores
 from gpipe_repro.sim.calibration import calibrate
@@ -38,6 +38,7 @@ from gpipe_repro.sim.links import LINK_NAMES
 from gpipe_repro.sim.partition_choice import choose_partition
 from gpipe_repro.sim.platform import platform_for
 from gpipe_repro.sim.simulator import simulate_config
+from gpipe_repro.sim.tied import cell_ties, layer_ties, with_tied_allreduce
 
 
 @dataclass
@@ -124,6 +125,10 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
                           recompute_ahead=recompute_ahead, schedule=schedule,
                           setup=platform.setup if k > 1 else 0.0,
                           teardown=platform.teardown if k > 1 else 0.0)
+    ties = cell_ties(layer_ties(list(workload.build("meta"))), balance)
+    if ties:   # parameters tied across cells: their gradients' all-reduce at AGREE
+        sim = with_tied_allreduce(sim, make_schedule(schedule, k, m, checkpoint, recompute_ahead), ties,
+                                  platform.link)
     single = simulate_config(calib, [layers], 1, n, platform.link, checkpoint="never",
                              recompute_ahead=False, schedule=schedule)
     result = OwnModelResult(workload.name, k, m, microbatch, checkpoint, recompute_ahead, balance,

@@ -21,14 +21,38 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from torch import nn
+
 from gpipe_repro.engine.schedule import ActionKind, Schedule
 from gpipe_repro.sim.data_parallel import CollectiveLink, flat_allreduce
 from gpipe_repro.sim.links import LinkModel
 from gpipe_repro.sim.simulator import Simulation
 
-__all__ = ["TIED_EXPOSED", "tie_allreduce_time", "with_tied_allreduce"]
+__all__ = ["TIED_EXPOSED", "cell_ties", "layer_ties", "tie_allreduce_time", "with_tied_allreduce"]
 
 TIED_EXPOSED = "tied all-reduce (exposed)"   # the breakdown's category
+
+
+def layer_ties(layers: Sequence[nn.Module]) -> list[tuple[float, list[int]]]:
+    """Every parameter held by more than one layer of `layers` (a layer object may repeat, as a
+    memory planner's run of identical layers does): its gradient's bytes and the positions holding
+    it. Meta tensors do: only shapes and dtypes are read."""
+    holders: dict[int, tuple[float, list[int]]] = {}
+    for i, layer in enumerate(layers):
+        for p in {id(p): p for p in layer.parameters()}.values():
+            entry = holders.setdefault(id(p), (float(p.numel() * p.element_size()), []))
+            entry[1].append(i)
+    return [(nbytes, at) for nbytes, at in holders.values() if len(set(at)) > 1 and
+            len({id(layers[i]) for i in at}) > 1]
+
+
+def cell_ties(ties: Sequence[tuple[float, Sequence[int]]],
+              balance: Sequence[int]) -> list[tuple[float, list[int]]]:
+    """:func:`layer_ties` as the cut `balance` places them: each tie that spans several cells, with
+    those cells (what :func:`with_tied_allreduce` takes)."""
+    cell_of = [c for c, n in enumerate(balance) for _ in range(n)]
+    spans = [(nbytes, sorted({cell_of[i] for i in at})) for nbytes, at in ties]
+    return [(nbytes, cells) for nbytes, cells in spans if len(cells) > 1]
 
 
 def tie_allreduce_time(nbytes: float, processes: int, link: LinkModel, algorithm: str = "ring") -> float:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 from gpipe_repro.engine.schedule import make_schedule
 from gpipe_repro.sim.links import LinkModel, get_link
 from gpipe_repro.sim.simulator import PipelineCosts, Simulation, simulate
-from gpipe_repro.sim.tied import TIED_EXPOSED, tie_allreduce_time, with_tied_allreduce
+from gpipe_repro.sim.tied import TIED_EXPOSED, cell_ties, layer_ties, tie_allreduce_time, with_tied_allreduce
 
 SLOW = LinkModel("slow", 0.25, 1.0)   # 0.25 s per message, 1 byte/s
 
@@ -56,3 +58,35 @@ def test_a_tie_whose_processes_arrive_early_hides_behind_the_drain() -> None:
     assert hidden.step_time == sim.step_time
     out = with_tied_allreduce(sim, schedule, [(slack - 0.5 + 1.0, [1, 2])], SLOW)
     assert out.step_time == pytest.approx(sim.step_time + 1.0)
+
+
+def _tied_lm(vocab: int = 64, width: int = 16) -> list[nn.Module]:
+    embed = nn.Embedding(vocab, width)
+    head = nn.Linear(width, vocab, bias=False)
+    head.weight = embed.weight
+    return [embed, nn.Linear(width, width), nn.Linear(width, width), head]
+
+
+def test_layer_ties_finds_the_tied_embedding_with_its_bytes_and_positions() -> None:
+    layers = _tied_lm()
+    assert layer_ties(layers) == [(64 * 16 * 4.0, [0, 3])]
+    assert cell_ties(layer_ties(layers), [2, 2]) == [(64 * 16 * 4.0, [0, 1])]
+    assert cell_ties(layer_ties(layers), [4]) == []            # one cell: nothing to all-reduce
+    repeated = nn.Linear(4, 4)
+    assert layer_ties([repeated, repeated]) == []              # a planner's run of one layer object
+
+
+def test_the_planner_charges_the_tie_all_reduce_of_a_tied_model() -> None:
+    from gpipe_repro.memory.autoplan import simulate_step
+    from gpipe_repro.memory.planner import MemoryPlanner
+
+    def step(layers: list[nn.Module]) -> float:
+        planner = MemoryPlanner(layers, torch.zeros(8, 4, dtype=torch.long),
+                                torch.zeros(8, 4, dtype=torch.long),
+                                lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()))
+        sched = make_schedule("gpipe", 2, 2, "never")
+        return simulate_step(planner, sched, [2, 2], 2, 1e9, SLOW).step_time
+
+    tied, untied = _tied_lm(), _tied_lm()
+    untied[3].weight = nn.Parameter(untied[0].weight.detach().clone())
+    assert step(tied) > step(untied)
