@@ -38,18 +38,19 @@ def _python(module: str, *args: str) -> tuple[str, ...]:
 #: (name, entry point and options, wall-clock limit in seconds, folders under results/ it writes).
 #: The benchmarks' --budget is their measuring time; the limit leaves room for start-up and output.
 PARTS: tuple[Part, ...] = (
-    Part("throughput-table", _python("experiments.throughput_table"), 240, ("throughput",),
+    Part("throughput-table", _python("experiments.throughput_table"), 180, ("throughput",),
          "K x M normalized throughput, measured and simulated"),
-    Part("validate-sim", _python("experiments.validate_simulator"), 420, ("throughput",),
+    Part("validate-sim", _python("experiments.validate_simulator"), 600, ("throughput",),
          "simulator vs real stage processes; re-renders throughput_table.md"),
-    Part("validate-unseen", _python("experiments.validate_unseen"), 240, ("throughput",)),
-    Part("memory-table", _python("experiments.memory_table"), 240, ("memory",)),
-    Part("bench-overhead", _python("experiments.bench_overhead", "--budget", "110"), 180, ("overhead",)),
-    Part("bench-runtime", _python("experiments.bench_runtime", "--budget", "200"), 300, ("runtime",)),
-    Part("bench-schedules", _python("experiments.bench_schedules", "--budget", "180"), 270,
+    Part("validate-unseen", _python("experiments.validate_unseen"), 300, ("throughput",),
+         "20 configurations on two models, K=2"),
+    Part("memory-table", _python("experiments.memory_table"), 200, ("memory",)),
+    Part("bench-overhead", _python("experiments.bench_overhead", "--budget", "100"), 150, ("overhead",)),
+    Part("bench-runtime", _python("experiments.bench_runtime", "--budget", "180"), 270, ("runtime",)),
+    Part("bench-schedules", _python("experiments.bench_schedules", "--budget", "160"), 240,
          ("schedules",)),
-    Part("bench-replicas", _python("experiments.bench_replicas", "--budget", "130"), 210, ("replicas",)),
-    Part("replicas-plan-table", _python("experiments.replicas_plan_table"), 60, ("replicas",)),
+    Part("bench-replicas", _python("experiments.bench_replicas", "--budget", "110"), 180, ("replicas",)),
+    Part("replicas-plan-table", _python("experiments.replicas_plan_table"), 45, ("replicas",)),
     Part("check-regression-detector", _python("experiments.check_regression_detector", "--runs", "3"),
          360, ("ci",), "3 runs per condition (make check-regression-detector runs 10)"),
 )
