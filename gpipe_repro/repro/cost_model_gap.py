@@ -30,6 +30,11 @@ MODELS = {
 }
 
 
+#: The actions whose seconds come from the per-layer costs (the rest: waits, transfers, agreement).
+COMPUTE = ("forward", "recompute", "backward", "backward_input", "backward_weight",
+           "optimizer_step")
+
+
 def per_action(timeline: Timeline) -> dict[tuple[int, str], float]:
     """Seconds per (stage, action kind) in one step's timeline."""
     out: dict[tuple[int, str], float] = defaultdict(float)
@@ -42,15 +47,15 @@ def gap(model: str, *, k: int, m: int, microbatch: int, checkpoint: str, steps: 
         repeats: int) -> dict[str, Any]:
     from gpipe_repro.distributed.measure import measure_pipeline
     from gpipe_repro.models.workload import Workload
-    from gpipe_repro.report.host import usable_cores
+    from gpipe_repro.report.host import fast_share, usable_cores
     from gpipe_repro.sim.calibration import calibrate
     from gpipe_repro.sim.partition_choice import choose_partition
     from gpipe_repro.sim.platform import platform_for
     from gpipe_repro.sim.simulator import simulate_config
-
     factory, shape = MODELS[model]
     workload = Workload.create(model, factory, "image" if len(shape) == 3 else "features", shape, 10)
     n = m * microbatch
+    fast_before = statistics.fmean(fast_share() for _ in range(20))
     calib = calibrate(workload, sorted({microbatch, n}), method="time", device="cpu", threads=1,
                       repeats=repeats, neighbours=max(0, min(usable_cores(), k) - 1))
     platform = platform_for("gloo-loopback")
@@ -58,21 +63,28 @@ def gap(model: str, *, k: int, m: int, microbatch: int, checkpoint: str, steps: 
                                calib.uncertainty_at(microbatch))
     sim = simulate_config(calib, balance, m, n, platform.link, checkpoint=checkpoint,
                           setup=platform.setup, teardown=platform.teardown)
+    fast_after = statistics.fmean(fast_share() for _ in range(20))
     measured = measure_pipeline(functools.partial(workload.build, "cpu"), balance, m, workload.sample(n),
                                 checkpoint=checkpoint, loss_fn=workload.loss_fn(), steps=steps, warmup=2)
     simulated = per_action(sim.timeline)
     runs = [per_action(t) for t in measured.timelines]
     keys = sorted(set(simulated) | {key for r in runs for key in r})
-    rows = []
+    rows: list[dict[str, Any]] = []
+    compute: list[float] = []
     for key in keys:
         real = statistics.median(r.get(key, 0.0) for r in runs)
         model_s = simulated.get(key, 0.0)
         rows.append({"stage": key[0], "kind": key[1], "simulated_s": model_s, "measured_s": real,
                      "ratio": real / model_s if model_s > 0 else None})
+        if key[1] in COMPUTE and model_s > 0:
+            compute.append(real / model_s)
     return {"model": model, "K": k, "M": m, "microbatch": microbatch, "checkpoint": checkpoint,
             "balance": list(balance), "simulated_step_s": sim.step_time,
             "measured_step_s": measured.median_step_time, "measured_steps_s": list(measured.step_times),
-            "error": sim.step_time and measured.median_step_time / sim.step_time - 1.0, "rows": rows}
+            "error": sim.step_time and measured.median_step_time / sim.step_time - 1.0, "rows": rows,
+            "host_fast_share": {"calibration": fast_before, "measurement": fast_after},
+            "compute_ratio": {"median": statistics.median(compute), "low": min(compute),
+                              "high": max(compute)} if compute else None}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -81,12 +93,24 @@ def render(result: dict[str, Any]) -> str:
              f"simulated {result['simulated_step_s'] * 1e3:.1f} ms, "
              f"measured {result['measured_step_s'] * 1e3:.1f} ms, error (sim throughput / real - 1) "
              f"{result['error']:+.1%}",
+             _ratio_line(result),
              f"{'stage':>5} {'kind':<16} {'sim ms':>8} {'real ms':>8} {'real/sim':>8}"]
     for r in result["rows"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         lines.append(f"{r['stage']:>5} {r['kind']:<16} {r['simulated_s'] * 1e3:8.2f} "
                      f"{r['measured_s'] * 1e3:8.2f} {ratio:>8}")
     return "\n".join(lines)
+
+
+def _ratio_line(result: dict[str, Any]) -> str:
+    """A uniform real/sim ratio over the compute actions is a host-speed shift between calibration
+    and run; a spread between them is an effect the per-layer costs miss."""
+    c, fast = result.get("compute_ratio"), result.get("host_fast_share") or {}
+    if not c:
+        return "no compute actions"
+    return (f"compute actions real/sim: median {c['median']:.2f}, range {c['low']:.2f}-{c['high']:.2f}; "
+            f"host fast share before calibration {fast.get('calibration', 0):.2f}, before the run "
+            f"{fast.get('measurement', 0):.2f}")
 
 
 def main(argv: list[str] | None = None) -> None:
