@@ -44,7 +44,7 @@ def per_action(timeline: Timeline) -> dict[tuple[int, str], float]:
 
 
 def gap(model: str, *, k: int, m: int, microbatch: int, checkpoint: str, steps: int,
-        repeats: int) -> dict[str, Any]:
+        repeats: int, in_situ: bool = True) -> dict[str, Any]:
     from gpipe_repro.distributed.measure import measure_pipeline
     from gpipe_repro.models.workload import Workload
     from gpipe_repro.report.host import fast_share, usable_cores
@@ -64,6 +64,21 @@ def gap(model: str, *, k: int, m: int, microbatch: int, checkpoint: str, steps: 
     sim = simulate_config(calib, balance, m, n, platform.link, checkpoint=checkpoint,
                           setup=platform.setup, teardown=platform.teardown)
     fast_after = statistics.fmean(fast_share() for _ in range(20))
+    corrected_step = None
+    if in_situ:
+        from gpipe_repro.engine.schedule import make_schedule
+        from gpipe_repro.sim import in_situ as situ
+        from gpipe_repro.sim.simulator import simulate, split_sizes, stage_costs
+        build = functools.partial(workload.build, "cpu")
+        short = situ.in_situ_timelines(build, balance, workload.sample(microbatch), checkpoint=checkpoint,
+                                       schedule="gpipe", loss_fn=workload.loss_fn(), threads=1)
+        one = simulate_config(calib, balance, 1, microbatch, platform.link, checkpoint=checkpoint,
+                              setup=platform.setup, teardown=platform.teardown)
+        per_stage = situ.factors(short, one.timeline)
+        costs = situ.scaled(stage_costs(calib, balance, split_sizes(n, m), platform.setup, platform.teardown),
+                            per_stage)
+        corrected_step = simulate(make_schedule("gpipe", k, m, checkpoint, False), costs, platform.link,
+                                  n).step_time
     measured = measure_pipeline(functools.partial(workload.build, "cpu"), balance, m, workload.sample(n),
                                 checkpoint=checkpoint, loss_fn=workload.loss_fn(), steps=steps, warmup=2)
     simulated = per_action(sim.timeline)
@@ -82,6 +97,9 @@ def gap(model: str, *, k: int, m: int, microbatch: int, checkpoint: str, steps: 
             "balance": list(balance), "simulated_step_s": sim.step_time,
             "measured_step_s": measured.median_step_time, "measured_steps_s": list(measured.step_times),
             "error": sim.step_time and measured.median_step_time / sim.step_time - 1.0, "rows": rows,
+            "in_situ": None if corrected_step is None else {
+                "factors": per_stage, "simulated_step_s": corrected_step,
+                "error": measured.median_step_time / corrected_step - 1.0},
             "host_fast_share": {"calibration": fast_before, "measurement": fast_after},
             "compute_ratio": {"median": statistics.median(compute), "low": min(compute),
                               "high": max(compute)} if compute else None}
@@ -93,13 +111,22 @@ def render(result: dict[str, Any]) -> str:
              f"simulated {result['simulated_step_s'] * 1e3:.1f} ms, "
              f"measured {result['measured_step_s'] * 1e3:.1f} ms, error (sim throughput / real - 1) "
              f"{result['error']:+.1%}",
-             _ratio_line(result),
+             _ratio_line(result), _in_situ_line(result),
              f"{'stage':>5} {'kind':<16} {'sim ms':>8} {'real ms':>8} {'real/sim':>8}"]
     for r in result["rows"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         lines.append(f"{r['stage']:>5} {r['kind']:<16} {r['simulated_s'] * 1e3:8.2f} "
                      f"{r['measured_s'] * 1e3:8.2f} {ratio:>8}")
     return "\n".join(lines)
+
+
+def _in_situ_line(result: dict[str, Any]) -> str:
+    situ = result.get("in_situ")
+    if not situ:
+        return "no in-situ correction"
+    scales = "; ".join(", ".join(f"{k} {v:.2f}" for k, v in stage.items()) for stage in situ["factors"])
+    return (f"corrected from an in-situ M=1 run: simulated {situ['simulated_step_s'] * 1e3:.1f} ms, "
+            f"error {situ['error']:+.1%} (factors per stage: {scales})")
 
 
 def _ratio_line(result: dict[str, Any]) -> str:
