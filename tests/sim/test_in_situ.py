@@ -36,3 +36,15 @@ def test_scaled_multiplies_each_stage_s_costs_by_its_factors() -> None:
     assert out.backward[1] == [12.0, 12.0] and out.accumulate == [[0.5, 0.5], [1.5, 1.5]]
     assert out.optimizer == [0.1, 0.1] and out.boundary_bytes == costs.boundary_bytes
     assert out.backward_input is None
+
+
+def test_simulate_model_applies_the_correction_and_records_it() -> None:
+    from gpipe_repro.models.workload import Workload
+    from gpipe_repro.sim.own_model import simulate_model
+    work = Workload.create("tiny residual MLP", "gpipe_repro.repro.validate_unseen:residual_mlp", "features",
+                          (16,), 10, width=16, blocks=2)
+    result = simulate_model(work, k=2, m=2, microbatch=4, checkpoint="always", repeats=2, validate=False,
+                            in_situ=True)
+    assert result.in_situ is not None and len(result.in_situ["factors"]) == 2
+    assert all(f > 0 for stage in result.in_situ["factors"] for f in stage.values())
+    assert result.in_situ["uncorrected_step_time_s"] > 0 and result.step_time_s > 0
