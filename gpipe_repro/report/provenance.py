@@ -78,19 +78,29 @@ def cpu_model() -> str:
 def git_state() -> dict[str, Any]:
     """`{"git_commit": sha or None, "git_dirty": bool or None}` for the repository of this package.
 
-    Dirty means tracked files differ from the commit; untracked files (results, checkpoints) do not
-    count, otherwise every run that writes results would mark the next one dirty.
+    Dirty means tracked files outside results/ differ from the commit (see :func:`changed_files`).
     """
     commit = _git("rev-parse", "HEAD")
     if commit is None:
         return {"git_commit": None, "git_dirty": None}
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
+    changed = changed_files()
+    return {"git_commit": commit, "git_dirty": None if changed is None else bool(changed)}
 
 
-def _git(*args: str) -> str | None:
+def changed_files(repo: str | os.PathLike[str] | None = None) -> list[str] | None:
+    """Tracked files of `repo` (default: this package's) that differ from its commit, outside the
+    results of record (results/); None where git cannot say.
+
+    Untracked files (checkpoints, scratch) do not count, nor do results/ files: a run that writes
+    results would otherwise mark the next one dirty, and a regeneration of every result (`make
+    results`) would mark its own later parts dirty."""
+    names = _git("diff", "--name-only", "HEAD", "--", ".", ":(exclude)results", repo=repo)
+    return None if names is None else [line for line in names.splitlines() if line]
+
+
+def _git(*args: str, repo: str | os.PathLike[str] | None = None) -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(_REPO_ROOT), *args], capture_output=True, text=True,
+        out = subprocess.run(["git", "-C", str(repo or _REPO_ROOT), *args], capture_output=True, text=True,
                              timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
         return None

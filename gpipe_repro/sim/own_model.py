@@ -61,6 +61,7 @@ class OwnModelResult:
     relative_error: float | None = None        # simulated throughput / measured - 1
     measured_host: dict[str, Any] | None = None
     measured_step_times_s: list[float] | None = None
+    in_situ: dict[str, Any] | None = None      # the uncorrected step time and the factors applied
 
     def describe(self) -> str:
         """A few lines for a terminal."""
@@ -96,18 +97,21 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
                    schedule: str = "gpipe", objective: str = "bottleneck",
                    link: str = "gloo-loopback", device: str = "cpu", threads: int | None = 1,
                    repeats: int = 20, method: str = "time", validate: bool | None = None,
-                   steps: int = 4) -> OwnModelResult:
+                   steps: int = 4, in_situ: bool = False) -> OwnModelResult:
     """Calibrate `workload`, partition it into `k` cells and simulate one GPipe step of `m`
     micro-batches of `microbatch` examples (see the module docstring).
 
     `validate`: run the configuration on `k` real stage processes too (None: where `k` fits the
-    usable cores and the device is a CPU). All options are checked before any work starts."""
+    usable cores and the device is a CPU). `in_situ`: correct the stage costs from a short run of the
+    chosen partition at one micro-batch per step on the real stage processes
+    (:mod:`gpipe_repro.sim.in_situ`; a CPU host with `k` cores). All options are checked before any
+    work starts."""
     if k < 1 or m < 1 or microbatch < 1:
         raise ValueError(f"k, m and microbatch must be >= 1, got k={k}, m={m}, microbatch={microbatch}")
     require_one_of("checkpoint", checkpoint, CHECKPOINT_MODES)
     require_one_of("objective", objective, OBJECTIVES)
     require_one_of("link", link, LINK_NAMES)
-    if validate and (device != "cpu" or k > usable_cores()):
+    if (validate or in_situ) and (device != "cpu" or k > usable_cores()):
         raise ValueError(f"validation runs K={k} stage processes on one core each, but this host has "
                          f"{usable_cores()} usable core(s): use k <= {usable_cores()} or validate=False")
     layers = len(workload.build("meta"))
@@ -125,6 +129,10 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
                           recompute_ahead=recompute_ahead, schedule=schedule,
                           setup=platform.setup if k > 1 else 0.0,
                           teardown=platform.teardown if k > 1 else 0.0)
+    situ_record: dict[str, Any] = {}
+    if in_situ:
+        sim = _corrected(workload, calib, balance, m, microbatch, checkpoint, recompute_ahead, schedule,
+                         platform, threads or 1, situ_record)
     ties = cell_ties(layer_ties(list(workload.build("meta"))), balance)
     if ties:   # parameters tied across cells: their gradients' all-reduce at AGREE
         sim = with_tied_allreduce(sim, make_schedule(schedule, k, m, checkpoint, recompute_ahead), ties,
@@ -134,6 +142,8 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
     result = OwnModelResult(workload.name, k, m, microbatch, checkpoint, recompute_ahead, balance,
                             sim.step_time, sim.throughput, single.step_time,
                             sim.throughput / single.throughput, sim.bubble_fraction)
+    if in_situ:
+        result.in_situ = situ_record
     if validate is None:
         validate = device == "cpu" and 2 <= k <= usable_cores()
     if validate:
@@ -151,3 +161,31 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
         result.measured_host = host
         result.measured_step_times_s = [float(t) for t in measured.step_times]
     return result
+
+
+def _corrected(workload: Workload, calib: Any, balance: list[int], m: int, microbatch: int,
+               checkpoint: str, recompute_ahead: bool, schedule: str, platform: Any, threads: int,
+               record: dict[str, Any]) -> Any:
+    """The simulation with stage costs corrected from a short M=1 run (:mod:`gpipe_repro.sim.in_situ`);
+    `record` receives the uncorrected step time and the factors."""
+    from gpipe_repro.engine.microbatch import split_sizes
+    from gpipe_repro.engine.schedule import make_schedule
+    from gpipe_repro.sim import in_situ as situ
+    from gpipe_repro.sim.simulator import simulate, stage_costs
+
+    setup, teardown = (platform.setup, platform.teardown) if len(balance) > 1 else (0.0, 0.0)
+    n = m * microbatch
+    short = situ.in_situ_timelines(functools.partial(workload.build, "cpu"), balance,
+                                   workload.sample(microbatch), checkpoint=checkpoint, schedule=schedule,
+                                   loss_fn=workload.loss_fn(), threads=threads)
+    one = simulate_config(calib, balance, 1, microbatch, platform.link, checkpoint=checkpoint,
+                          schedule=schedule, setup=setup, teardown=teardown)
+    per_stage = situ.factors(short, one.timeline)
+    costs = situ.scaled(stage_costs(calib, balance, split_sizes(n, m), setup, teardown), per_stage)
+    uncorrected = simulate_config(calib, balance, m, n, platform.link, checkpoint=checkpoint,
+                                  recompute_ahead=recompute_ahead, schedule=schedule, setup=setup,
+                                  teardown=teardown)
+    record.update({"uncorrected_step_time_s": uncorrected.step_time, "factors": per_stage,
+                   "run": "M=1, one micro-batch per step, 3 steps after 1 warm-up"})
+    return simulate(make_schedule(schedule, len(balance), m, checkpoint, recompute_ahead), costs,
+                    platform.link, n)
