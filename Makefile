@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: help venv test test-core test-host-data lint throughput-table memory-table validate-sim validate-unseen bench-overhead bench-runtime \
         bench-replicas bench-schedules bench-latency replicas-plan-table deep-vs-wide train-amoebanet corpus baseline \
-        gpu-check check-speedups check-regression-detector clean
+        gpu-check check-speedups check-regression-detector results device-results bench-compile clean
 
 help:
 	@echo "make throughput-table  the paper's Table 2/3 (K x M speedups), results/throughput/"
@@ -30,6 +30,8 @@ help:
 	@echo "make baseline          regenerate the CI speedup baseline on purpose (prints the diff)"
 	@echo "make check-speedups    benchmark: K=2 speedups vs the committed baseline: pass / fail / inconclusive (RUNS=N rounds, BUDGET=s)"
 	@echo "make check-regression-detector  the CI regression vs 4 breakages (RUNS=10; RENDER_ONLY=1: the page again from its JSON), results/ci/"
+	@echo "make results           every table and validation page of record from a clean commit (<= 45 min; DRY_RUN=1: the plan)"
+	@echo "make device-results    a lent GPU host: host speed, gpu-check, validate-sim K=2/4/8, schedules K=4, replicas R=2/4 (<= 8 min) -> $$OUT or results/hosts/<host>/ (TINY=1: toy sizes on a CPU)"
 	@echo "make gpu-check         engine, memory planner and cost model on one GPU, results/gpu/<device>/"
 
 # The venv's packages come from uv (installed into the venv by its own pip): one resolve and parallel
@@ -146,6 +148,15 @@ check-speedups: $(STAMP)
 
 check-regression-detector: $(STAMP)
 	$(PY) -m experiments.check_regression_detector $(if $(RUNS),--runs $(RUNS)) $(if $(RENDER_ONLY),--render-only)
+
+# Every page of record, in one run from a clean commit (it refuses a dirty tree before any work).
+results: $(STAMP)
+	$(PY) -m experiments.results $(if $(DRY_RUN),--dry-run)
+
+# The lent machine's own python and torch; nothing installed (no $(STAMP)).
+DEVICE_PYTHON ?= python3
+device-results:
+	PYTHONPATH=. $(DEVICE_PYTHON) -m experiments.device_results $(if $(TINY),--tiny)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

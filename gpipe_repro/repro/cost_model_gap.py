@@ -12,11 +12,9 @@ idle share shows what the schedule's waits add. Printed, and written as JSON whe
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 from gpipe_repro.engine.timeline import Timeline
@@ -138,23 +136,3 @@ def _ratio_line(result: dict[str, Any]) -> str:
     return (f"compute actions real/sim: median {c['median']:.2f}, range {c['low']:.2f}-{c['high']:.2f}; "
             f"host fast share before calibration {fast.get('calibration', 0):.2f}, before the run "
             f"{fast.get('measurement', 0):.2f}")
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m experiments.cost_model_gap",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=list(MODELS), default="residual")
-    ap.add_argument("--k", type=int, default=2)
-    ap.add_argument("--m", type=int, default=8)
-    ap.add_argument("--microbatch", type=int, default=32)
-    ap.add_argument("--checkpoint", choices=("never", "always", "except_last"), default="always")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
-    args = ap.parse_args(argv)
-    result = gap(args.model, k=args.k, m=args.m, microbatch=args.microbatch, checkpoint=args.checkpoint,
-                 steps=args.steps, repeats=args.repeats)
-    print(render(result), flush=True)
-    if args.out is not None:
-        from gpipe_repro.report.records import write_json
-        write_json(args.out, result)

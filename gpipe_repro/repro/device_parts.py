@@ -18,13 +18,14 @@ seconds each (what the test suite runs); otherwise the lent GPU host's sizes.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import typer
 
 from gpipe_repro.report.records import write_json
 
@@ -73,8 +74,7 @@ def validate_sim(tiny: bool, work: Path, k: int) -> dict[str, Any]:
         return {"path": "simulate_model (tiny)", "rows": rows}
     from gpipe_repro.repro.validate_simulator import main as validate_main
     out = work / f"validate-sim-k{k}-pages"
-    validate_main(["--ks", str(k), "--models", "transformer", "--ms", "2", "8", "--schedules", "gpipe",
-                   "--steps", "3", "--out", str(out)])
+    validate_main(ks=[k], models=["transformer"], ms=[2, 8], schedules=["gpipe"], steps=3, out=out)
     from gpipe_repro.report.records import read_json
     manifest = read_json(out / "validation.json")
     return {"path": "validate_simulator", "summary": manifest.get("summary")}
@@ -172,25 +172,33 @@ def run(part: str, work: Path, tiny: bool) -> dict[str, Any]:
     raise ValueError(f"unknown part {part!r}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m gpipe_repro.repro.device_parts",
-                                 description="one part of make device-results")
-    ap.add_argument("part")
-    ap.add_argument("--work", type=Path, required=True, help="folder for this part's files")
-    ap.add_argument("--tiny", action="store_true")
-    args = ap.parse_args(argv)
-    out = args.work / args.part
+
+
+def run_part(part: str, work: Path, tiny: bool) -> None:
+    """Run `part` into `work`/`part`/ and write its result.json (what a child process does)."""
+    out = work / part
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    payload = run(args.part, out, args.tiny)
+    payload = run(part, out, tiny)
     import sys
     if "torch" in sys.modules:
         import torch
         payload["torch"] = torch.__version__
-    write_json(out / "result.json", {"part": args.part, "tiny": args.tiny,
+    write_json(out / "result.json", {"part": part, "tiny": tiny,
                                      "seconds": time.perf_counter() - t0, **payload})
-    print(f"{args.part}: done in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"{part}: done in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def _main(part: str = typer.Argument(..., help="the part to run"),
+          work: Path = typer.Option(..., help="folder for this part's files"),
+          tiny: bool = typer.Option(False, "--tiny")) -> None:
+    """One part of make device-results, in a child process of its own."""
+    run_part(part, work, tiny)
 
 
 if __name__ == "__main__":
-    main()
+    app()

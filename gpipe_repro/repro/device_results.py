@@ -13,7 +13,6 @@ test suite runs); ``--dry-run`` prints the plan.
 """
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import os
@@ -147,22 +146,17 @@ def device_results(out: Path, *, tiny: bool, progress_every: float = 30.0) -> di
     return summary
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m experiments.device_results",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU, K=2 and R=2 only, no GPU")
-    ap.add_argument("--out", type=Path, default=None, help="output folder (default: $OUT, else "
-                    "results/hosts/<host>/)")
-    ap.add_argument("--dry-run", action="store_true", help="print the plan; run nothing")
-    args = ap.parse_args(argv)
-    limit = TINY_LIMIT_S if args.tiny else PARTS_LIMIT_S
-    parts = plan(Path("<scratch>"), tiny=args.tiny)
+def main(*, tiny: bool = False, out: Path | None = None, dry_run: bool = False) -> None:
+    """The plan (`dry_run`), or every part run into `out` (default :func:`default_out`); exits with
+    status 1 if a part did not finish."""
+    limit = TINY_LIMIT_S if tiny else PARTS_LIMIT_S
+    parts = plan(Path("<scratch>"), tiny=tiny)
     try:
         check_parts(parts, limit)
-        if args.dry_run:
+        if dry_run:
             print("\n".join(plan_lines(parts, limit)))
             return
-        summary = device_results(args.out or default_out(), tiny=args.tiny)
+        summary = device_results(out or default_out(), tiny=tiny)
     except ValueError as e:
         sys.exit(f"{COMMAND}: {e}")
     failed = [p["name"] for p in summary["parts"] if p["status"] != "ok"]

@@ -16,7 +16,6 @@ when any part did not finish. ``--dry-run`` prints the plan: each part's limit a
 """
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import os
 import sys
@@ -132,16 +131,14 @@ def regenerate(parts: Sequence[Part], *, repo: Path, results: Path, out: TextIO 
     return manifest
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse; --dry-run prints the plan; otherwise regenerate (exit status 1 if a part did not finish)."""
-    ap = argparse.ArgumentParser(prog="python -m experiments.results", description=__doc__.splitlines()[0])
-    ap.add_argument("--dry-run", action="store_true", help="print each part's limit and command; run nothing")
-    args = ap.parse_args(argv)
+def main(*, dry_run: bool = False) -> None:
+    """The plan (`dry_run`), or every part regenerated; exits with a one-line reason on a dirty
+    checkout, and with status 1 if a part did not finish."""
     from gpipe_repro.report.provenance import _REPO_ROOT
     repo = _REPO_ROOT
     try:
         check_parts(PARTS, TOTAL_LIMIT_S)
-        if args.dry_run:
+        if dry_run:
             print("\n".join(plan_lines(PARTS, TOTAL_LIMIT_S)))
             return
         manifest = regenerate(PARTS, repo=repo, results=repo / "results")

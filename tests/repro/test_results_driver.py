@@ -73,7 +73,7 @@ def test_the_plan_fits_45_minutes_and_each_benchmark_budget_fits_its_limit() -> 
 
 
 def test_dry_run_prints_the_plan_and_runs_nothing(capsys: pytest.CaptureFixture[str]) -> None:
-    driver.main(["--dry-run"])
+    driver.main(dry_run=True)
     printed = capsys.readouterr().out
     assert all(p.name in printed for p in driver.PARTS) and "total" in printed
 
