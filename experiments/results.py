@@ -1,21 +1,167 @@
-"""`make results`: every table and validation page of record, regenerated from a clean commit.
+"""`make results`: every table and validation page of record regenerated from a clean commit, in one
+run of at most 45 minutes on the project's 2-core host.
 
-The driver is :mod:`gpipe_repro.repro.results`; this is its command line.
+The parts are the make targets' own entry points (``python -m experiments.X``, which pass
+``record=True`` and so replace their earlier results of record), run one after another in
+:data:`PARTS` order, each a child process with a wall-clock limit (:mod:`.timed_parts`). The
+benchmarks get a ``--budget`` (their measuring time, shared by their groups) well inside that limit;
+the limits add up to no more than :data:`TOTAL_LIMIT_S`. The training runs are not part of it.
+
+Before any work the checkout must be clean: a tracked file outside results/ that differs from the
+commit is refused, by name (the stamps would name a commit that did not produce the numbers). Then
+every file a part wrote under its output folders is stamped with the commit and the host
+(:mod:`.result_stamps`), and ``results/regenerated.json`` lists the parts (status, seconds) and the
+files. A part that fails or runs out of time is recorded and the run goes on; the exit status is 1
+when any part did not finish. ``--dry-run`` prints the plan: each part's limit and command.
 """
 from __future__ import annotations
 
+import datetime as _dt
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
 import typer
 
-from gpipe_repro.repro import results
+from experiments.timed_parts import Outcome, Part, check_parts, plan_lines, run_part
+
+COMMAND = "make results"
+TOTAL_LIMIT_S = 45 * 60.0
+MANIFEST = "regenerated.json"
+
+
+def _python(module: str, *args: str) -> tuple[str, ...]:
+    return (sys.executable, "-m", module, *args)
+
+
+#: (name, entry point and options, wall-clock limit in seconds, folders under results/ it writes).
+#: The benchmarks' --budget is their measuring time; the limit leaves room for start-up and output.
+PARTS: tuple[Part, ...] = (
+    Part("throughput-table", _python("experiments.throughput_table"), 180, ("throughput",),
+         "K x M normalized throughput, measured and simulated"),
+    Part("validate-sim", _python("experiments.validate_simulator"), 600, ("throughput",),
+         "simulator vs real stage processes; re-renders throughput_table.md"),
+    Part("validate-unseen", _python("experiments.validate_unseen"), 300, ("throughput",),
+         "20 configurations on two models, K=2"),
+    Part("memory-table", _python("experiments.memory_table"), 200, ("memory",)),
+    Part("bench-overhead", _python("experiments.bench_overhead", "--budget", "100"), 150, ("overhead",)),
+    Part("bench-runtime", _python("experiments.bench_runtime", "--budget", "180"), 270, ("runtime",)),
+    Part("bench-schedules", _python("experiments.bench_schedules", "--budget", "160"), 240,
+         ("schedules",)),
+    Part("bench-replicas", _python("experiments.bench_replicas", "--budget", "110"), 180, ("replicas",)),
+    Part("replicas-plan-table", _python("experiments.replicas_plan_table"), 45, ("replicas",)),
+    Part("check-regression-detector", _python("experiments.check_regression_detector", "--runs", "3"),
+         360, ("ci",), "3 runs per condition (make check-regression-detector runs 10)"),
+)
+
+
+class DirtyCheckout(RuntimeError):
+    """The checkout has changes the stamps could not name (the message lists them)."""
+
+
+def require_clean(repo: Path) -> str:
+    """The commit of `repo`, or :class:`DirtyCheckout` when tracked files outside results/ differ
+    from it (or git cannot say)."""
+    from gpipe_repro.report.provenance import _git, changed_files
+    commit = _git("rev-parse", "HEAD", repo=repo)
+    changed = changed_files(repo)
+    if commit is None or changed is None:
+        raise DirtyCheckout(f"{COMMAND}: {repo} is not a git checkout git can read; results of record are "
+                            "regenerated from a commit")
+    if changed:
+        shown = ", ".join(changed[:10]) + (f" and {len(changed) - 10} more" if len(changed) > 10 else "")
+        raise DirtyCheckout(f"{COMMAND} refuses a dirty tree: {len(changed)} tracked file(s) differ from "
+                            f"commit {commit[:12]} ({shown}); commit or stash them first, so that every "
+                            "stamp names the code that produced the numbers")
+    return commit
+
+
+def host_facts() -> dict[str, Any]:
+    import socket
+
+    from gpipe_repro.report.host import usable_cores
+    from gpipe_repro.report.provenance import cpu_model
+    return {"hostname": socket.gethostname(), "cpu": cpu_model(), "cores": usable_cores()}
+
+
+def _files_under(root: Path, folders: Sequence[str]) -> dict[Path, int]:
+    out = {}
+    for folder in folders:
+        base = root / folder
+        if base.is_dir():
+            for p in base.rglob("*"):
+                if p.is_file() and not p.name.startswith("."):
+                    out[p] = p.stat().st_mtime_ns
+    return out
+
+
+def regenerate(parts: Sequence[Part], *, repo: Path, results: Path, out: TextIO | None = None,
+               progress_every: float = 30.0, total_limit_s: float = TOTAL_LIMIT_S) -> dict[str, Any]:
+    """Check the checkout and the plan, run every part in order, stamp what each wrote; returns the
+    manifest (also written to `results`/regenerated.json)."""
+    from experiments.result_stamps import make_stamp, stamp_file
+
+    check_parts(parts, total_limit_s)
+    commit = require_clean(repo)
+    stream = out or sys.stdout
+    host = host_facts()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GPIPE_REPRO_RESULTS": str(results)}
+    manifest: dict[str, Any] = {"command": COMMAND, "commit": commit, "host": host,
+                                "total_limit_s": total_limit_s, "parts": [], "files": {}}
+    for i, part in enumerate(parts):
+        header = f"results {i + 1}/{len(parts)} "
+        stream.write(f"{header}{part.name}: start (limit {part.limit_s:.0f} s): {part.command_line()}\n")
+        stream.flush()
+        before = _files_under(results, part.outputs)
+        outcome: Outcome = run_part(part, cwd=repo, env=env, out=stream, progress_every=progress_every,
+                                    header=header)
+        written = sorted(p for p, m in _files_under(results, part.outputs).items() if before.get(p) != m)
+        stamp = make_stamp(command=COMMAND, part=part.name, commit=commit, host=host,
+                           time_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+        for path in written:
+            how = stamp_file(path, stamp)
+            manifest["files"][str(path.relative_to(results))] = {"part": part.name, "stamp": how}
+        manifest["parts"].append({**outcome.to_json(), "limit_s": part.limit_s,
+                                  "command": part.command_line(), "files_written": len(written)})
+        stream.write(f"{header}{part.name}: {outcome.status} in {outcome.seconds:.0f} s, "
+                     f"{len(written)} file(s) stamped\n")
+        stream.flush()
+    from gpipe_repro.report.records import write_json
+    write_json(results / MANIFEST, manifest)
+    return manifest
+
+
+def main(*, dry_run: bool = False) -> None:
+    """The plan (`dry_run`), or every part regenerated; exits with a one-line reason on a dirty
+    checkout, and with status 1 if a part did not finish."""
+    from gpipe_repro.report.provenance import _REPO_ROOT
+    repo = _REPO_ROOT
+    try:
+        check_parts(PARTS, TOTAL_LIMIT_S)
+        if dry_run:
+            print("\n".join(plan_lines(PARTS, TOTAL_LIMIT_S)))
+            return
+        manifest = regenerate(PARTS, repo=repo, results=repo / "results")
+    except (DirtyCheckout, ValueError) as e:
+        sys.exit(str(e))
+    failed = [p["name"] for p in manifest["parts"] if p["status"] != "ok"]
+    print(f"{COMMAND}: {len(manifest['parts']) - len(failed)} of {len(manifest['parts'])} parts finished, "
+          f"{len(manifest['files'])} files stamped at commit {manifest['commit'][:12]}"
+          + (f"; did not finish: {', '.join(failed)}" if failed else ""))
+    if failed:
+        sys.exit(1)
+
 
 app = typer.Typer(add_completion=False)
 
 
 @app.command()
-def main(dry_run: bool = typer.Option(False, "--dry-run", help="print each part's limit and command; "
+def cli(dry_run: bool = typer.Option(False, "--dry-run", help="print each part's limit and command; "
                                       "run nothing")) -> None:
     """Every table and validation page of record, regenerated from a clean commit (<= 45 minutes)."""
-    results.main(dry_run=dry_run)
+    main(dry_run=dry_run)
 
 
 if __name__ == "__main__":

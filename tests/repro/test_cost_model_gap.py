@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from experiments import unseen_models
+from experiments.cost_model_gap import MODELS, per_action, render
 from gpipe_repro.engine.timeline import Event, Timeline
-from gpipe_repro.repro.cost_model_gap import MODELS, per_action, render
 
 
 def test_the_unseen_models_map_their_inputs_to_class_scores() -> None:

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from gpipe_repro.repro import device_results as dr
-from gpipe_repro.repro.result_stamps import read_stamp
-from gpipe_repro.repro.timed_parts import check_parts
+from experiments import device_results as dr
+from experiments.result_stamps import read_stamp
+from experiments.timed_parts import check_parts
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
 """The parts of `make device-results`, each run as its own child process by
-:mod:`gpipe_repro.repro.device_results` (``python -m gpipe_repro.repro.device_parts PART --work DIR``).
+:mod:`experiments.device_results` (``python -m experiments.device_parts PART --work DIR``).
 
 Each part writes ``DIR/PART/result.json`` (its figures, settings and the environment) and whatever
 files its experiment writes beside it. ``--tiny``: toy sizes on the CPU, K = 2 and R = 2 only, a few
