@@ -6,14 +6,19 @@ is applied. Across hosts the clocks differ by an unknown offset, which we estima
 rank 0: rank r sends its time t1, rank 0 answers with its time t0, rank r reads t2 on arrival; then
 ``offset = t0 - (t1 + t2) / 2`` with an error below half the round trip, and the round with the
 shortest round trip wins. Rank r's corrected time is ``perf_counter() + offset``.
+:func:`merge_timelines` puts the ranks' events, so timed, on one axis.
 """
 from __future__ import annotations
 
 import socket
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from gpipe_repro.engine.schedule import ActionKind
+from gpipe_repro.engine.timeline import Event, Timeline
 
 
 def estimate_offset(group: dist.ProcessGroup | None = None, rounds: int = 8) -> float:
@@ -45,3 +50,21 @@ def clock_offset(group: dist.ProcessGroup | None = None) -> tuple[float, float]:
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
     estimate = estimate_offset(group)
     return (0.0 if len(set(hosts)) == 1 else estimate), estimate
+
+
+def merge_timelines(per_rank: list[tuple[float, list[tuple[str, int | None, float, float]]]],
+                    meta: dict[str, Any]) -> Timeline:
+    """One Timeline from each rank's (step start, [(kind, micro-batch, start, end)]), all on one
+    clock: times become seconds from the earliest step start, receives get ``ready``."""
+    origin = min(start for start, _ in per_rank)
+    events = [Event(stage, kind, mb, s - origin, e - origin)
+              for stage, (_, evs) in enumerate(per_rank) for kind, mb, s, e in evs]
+    send_start = {(e.stage, e.kind, e.microbatch): e.start for e in events
+                  if e.kind in (ActionKind.SEND_ACT.value, ActionKind.SEND_GRAD.value)}
+    for e in events:
+        if e.kind == ActionKind.RECV_ACT.value:
+            e.ready = send_start.get((e.stage - 1, ActionKind.SEND_ACT.value, e.microbatch))
+        elif e.kind == ActionKind.RECV_GRAD.value:
+            e.ready = send_start.get((e.stage + 1, ActionKind.SEND_GRAD.value, e.microbatch))
+    return Timeline(len(per_rank), events, meta)
+

@@ -121,10 +121,10 @@ def build_groups(layout: Layout) -> Groups:
     the same order) and return this rank's. With one replica no group is created (the pipeline is the
     whole job); with one stage the data-parallel group is the whole job.
 
-    Built once per layout and process group, then reused: every pipeline built with replicas
-    created its groups anew, and nothing frees a torch.distributed group before the job ends (about
-    10 file descriptors and 6 threads per pipeline, seen when building pipelines
-    in a loop). Every rank builds its pipelines in the same order, so every rank reuses alike."""
+    Built once per layout and process group, then reused: nothing frees a torch.distributed group
+    before the job ends, so building them per pipeline would leak about 10 file descriptors and 6
+    threads per pipeline built in a loop. Every rank builds its pipelines in the same order, so
+    every rank reuses alike."""
     rank = dist.get_rank()
     if dist.get_world_size() != layout.world_size:
         raise ValueError(f"layout {layout.stages} x {layout.replicas} on a job of "

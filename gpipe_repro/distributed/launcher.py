@@ -288,7 +288,7 @@ def _root_cause(failed: list[_Exit], killed: list[int], stopped: list[int] | Non
     4. where the waits name no peer (a collective: AGREE's all-reduce, joining the job), the rank
        that was still running when every other had failed (the lowest, if several).
 
-    Why not simply the peer named by the earliest timeout (what this did before): with
+    Why not simply the peer named by the earliest timeout: with
     three or more stages the frozen rank's neighbour waits on it, and the next rank waits on that
     neighbour; whichever began waiting first times out first, so the earliest timeout can name a
     rank that was only waiting itself, and the grace period can end before that rank's own timeout

@@ -93,6 +93,7 @@ def _measure_rank(layers: LayersArg, config: dict[str, Any], batch: tuple[Any, A
                   optimizer: Callable[[Any], torch.optim.Optimizer]
                   ) -> tuple[list[float], list[Timeline], list[float], list[int], list[float],
                              list[list[Event]]]:
+    from gpipe_repro.distributed.runtime import DistributedRuntime
     from gpipe_repro.engine.gpipe import GPipe
 
     built = layers() if callable(layers) else layers
@@ -100,8 +101,9 @@ def _measure_rank(layers: LayersArg, config: dict[str, Any], batch: tuple[Any, A
                  checkpoint=config["checkpoint"], balance=config["balance"], loss_fn=loss_fn,
                  optimizer=optimizer, schedule=config["schedule"],
                  recompute_ahead=config["recompute_ahead"], runtime="distributed")
-    assert pipe.stage_process is not None
-    pipe.stage_process.transport.prepost = config["prepost"] and pipe.stage_process.transport.prepost
+    runtime = pipe.runtime
+    assert isinstance(runtime, DistributedRuntime)
+    runtime.transport.prepost = config["prepost"] and runtime.transport.prepost
     pipe.record_timeline = True
     inputs, targets = batch
     times: list[float] = []
@@ -111,13 +113,14 @@ def _measure_rank(layers: LayersArg, config: dict[str, Any], batch: tuple[Any, A
     cpu_events: list[list[Event]] = []
     for i in range(config["warmup"] + config["steps"]):
         sink: list[Event] = []
-        for executor in pipe.stage_process.executors:      # several cells per process: interleaved
+        for executor in runtime.executors:      # several cells per process: interleaved
             record_cpu_times(executor, sink)
         cpu0 = time.process_time()
         losses.append(pipe.train_step(inputs, targets))
         if i >= config["warmup"]:
             cpu.append(time.process_time() - cpu0)
-            times.append(pipe.stage_process.last_step_time)
+            assert runtime.last_step_time is not None
+            times.append(runtime.last_step_time)
             assert pipe.last_timeline is not None
             timelines.append(pipe.last_timeline)
             cpu_events.append(sink)

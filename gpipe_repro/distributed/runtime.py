@@ -1,5 +1,8 @@
 """The distributed runtime: this process runs its program of the schedule, the others run theirs.
 
+:class:`DistributedRuntime` is the :class:`~gpipe_repro.engine.runtime.Runtime` that
+``GPipe(runtime="distributed")`` uses (``pipe.runtime``).
+
 Process p executes ``schedule.programs()[p]`` (``schedule.stages[p]``, or with interleaved 1F1B the
 actions of its several stages in their interleaved order) through the one driver loop
 (:func:`gpipe_repro.engine.driver.drive`) and the one
@@ -10,17 +13,16 @@ returns at once, a RECV blocks until its value has arrived. Nothing here decides
 and this runtime simply executes it there, so the recomputation overlaps the wait for the gradient.
 
 Each training step has one collective: the schedule's AGREE, right before the optimizer step, is a
-small all-reduce (five float64 numbers, :data:`~gpipe_repro.engine.agreement.AGREEMENT_FIELDS`: the
-loss, its count, whether the loss is a (sum, count) one, the squared gradient norm, a non-finite
-flag) on the control group, after this rank's sends have completed. It is the step's only
-synchronization point and its commit point: no rank updates before every rank has finished every
-action of the step, and every rank gets the same loss, global gradient norm and overflow verdict. A
-rank that fails before it leaves the others waiting there (their receives or the all-reduce time out,
-and the launcher ends the job), so a failed step updates no rank. Right before it come the
-replicas' gradient all-reduces and, for a parameter tied across cells, one all-reduce per tie over the
-ranks holding a copy (:mod:`gpipe_repro.distributed.tied`). With ``record`` every action is
-timestamped on one
-clock (:mod:`gpipe_repro.distributed.clock`) and the ranks' events are merged into one
+small all-reduce (the five float64 numbers of :class:`~gpipe_repro.engine.agreement.Contribution`:
+the loss, its count and whether it has one, the squared gradient norm, an overflow flag) on the
+control group, after this rank's sends have completed. It is the step's only synchronization point
+and its commit point: no rank updates before every rank has finished every action of the step, and
+every rank gets the same loss, global gradient norm and overflow verdict. A rank that fails before
+it leaves the others waiting there (their receives or the all-reduce time out, and the launcher ends
+the job), so a failed step updates no rank. Right before it come the replicas' gradient all-reduces
+and, for a parameter tied across cells, one all-reduce per tie over the ranks holding a copy
+(:mod:`gpipe_repro.distributed.tied`). With ``record`` every action is timestamped on one clock
+(:mod:`gpipe_repro.distributed.clock`) and the ranks' events are merged into one
 :class:`~gpipe_repro.engine.timeline.Timeline` on every rank, receives carrying ``ready`` (when the
 matching send started) so the breakdown can tell waiting for a producer from moving bytes.
 """
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpipe_repro.distributed.clock import clock_offset
+from gpipe_repro.distributed.clock import clock_offset, merge_timelines
 from gpipe_repro.distributed.data_parallel import (
     BATCHNORM_STATS,
     DEFAULT_BUCKET_CAP_MB,
@@ -55,23 +57,32 @@ from gpipe_repro.distributed.tied import TiedGradientReducer
 from gpipe_repro.distributed.transport import ProcessGroupTransport, signature
 from gpipe_repro.distributed.watchdog import PeerFailure
 from gpipe_repro.engine import boundary, microbatch
+from gpipe_repro.engine.agreement import Agreement, StepConfig
 from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.driver import drive
 from gpipe_repro.engine.rng import preserved_rng
-from gpipe_repro.engine.schedule import COMPUTE, RECVS, SENDS, Action, ActionKind, Schedule, ScheduleError
-from gpipe_repro.engine.stage import Agreement, StageExecutor, StepConfig
+from gpipe_repro.engine.schedule import (
+    COMPUTE,
+    RECVS,
+    SENDS,
+    Action,
+    Schedule,
+    ScheduleError,
+    forward_on_processes,
+)
+from gpipe_repro.engine.stage import StageExecutor
 from gpipe_repro.engine.tied import Tie
-from gpipe_repro.engine.timeline import Event, Timeline
+from gpipe_repro.engine.timeline import Timeline
 
 BATCH_CHECK_TAG = (1 << 30) + 1   # above every transport tag (transport._tag) on a shared group
 
 # what GPipe(runtime=...) loads
-__all__ = ["StageProcess", "init_distributed", "broadcast_object", "gather_object", "Layout"]
+__all__ = ["DistributedRuntime", "init_distributed", "broadcast_object", "gather_object", "Layout"]
 
 
-class StageProcess:
+class DistributedRuntime:
     """This rank's share of a pipeline: its stage, or its stages when it runs several (see the
-    module docstring).
+    module docstring); a :class:`~gpipe_repro.engine.runtime.Runtime`.
 
     Args:
         executor: this rank's stage executor, or the executors of all its stages.
@@ -114,7 +125,7 @@ class StageProcess:
                                                rank_offset=layout.rank(replica=self.replica, stage=0),
                                                counts_norm=self.replica == 0)
         for e in executors:
-            e.transport = self.transport
+            e.use_transport(self.transport)
         self.transport.contributions = [e.contribution for e in executors]
         self.reducer: GradientReducer | None = None
         self._failed: str | None = None     # what made a step fail: no step runs after it
@@ -193,7 +204,7 @@ class StageProcess:
 
     # -- steps --------------------------------------------------------------------------------------
     def train_step(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any],
-                   weights: list[float], config: StepConfig | None = None) -> Agreement:
+                   weights: list[float | torch.Tensor], config: StepConfig | None = None) -> Agreement:
         """Run this rank's actions for one mini-batch; return what the ranks agreed on (the same on
         every rank: the mini-batch loss, the global gradient norm, whether the update was skipped)."""
         start = self._run(schedule, step, microbatches, targets, weights, config)
@@ -205,7 +216,10 @@ class StageProcess:
 
     def forward(self, schedule: Schedule, step: int, microbatches: list[Any],
                 config: StepConfig | None = None) -> Any:
-        """Pipelined inference; the whole batch's output on every rank (on its device)."""
+        """Pipelined inference; the whole batch's output on every rank (on its device). A process
+        holding several stages runs them in their order (:func:`forward_on_processes`)."""
+        if len(self.executors) > 1:
+            schedule = forward_on_processes(schedule, self.process_of)
         start = self._run(schedule, step, microbatches, None, None, config)
         out = None
         tail = self.executors[-1]
@@ -224,9 +238,17 @@ class StageProcess:
         self._finish(start, schedule)
         return boundary.map_tensors(box[0], lambda t: t.to(self.context.device))
 
+    def move_to(self, devices: Sequence[torch.device]) -> None:
+        for e in self.executors:
+            e.move_to(devices[e.stage])
+
+    def reseed(self, seed: int) -> None:
+        for e in self.executors:
+            e.reseed(seed)
+
     # -- internals ----------------------------------------------------------------------------------
     def _run(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any] | None,
-             weights: list[float] | None, config: StepConfig | None = None) -> float:
+             weights: list[float | torch.Tensor] | None, config: StepConfig | None = None) -> float:
         self._check_usable()
         programs = schedule.programs()
         placed = schedule.process_of()
@@ -243,10 +265,10 @@ class StageProcess:
         clock = (self._device_clock if cuda else self._clock) if self.record else None
         start = self._clock()
         for ex in self.executors:
-            ex.clock = clock
             ex.begin_step(step, schedule, microbatches if ex.stage == 0 else None,
-                          targets if ex.is_last else None, weights if ex.is_last else None, config)
-            ex.microbatch_offset = self.replica * len(microbatches)   # global micro-batch numbers (RNG)
+                          targets if ex.is_last else None, weights if ex.is_last else None, config,
+                          clock=clock,   # global micro-batch numbers (RNG):
+                          microbatch_offset=self.replica * len(microbatches))
         actions = programs[self.rank]
         by_stage = {ex.stage: ex for ex in self.executors}
         self.transport.begin_step(signature(microbatches, schedule.training), actions,
@@ -316,11 +338,8 @@ class StageProcess:
         self.reducer.finish()
         if self.batchnorm_stats == "synchronized" and self.executor.batchnorms:
             sync_batchnorm_stats(self.executor.cell, self.groups.data_parallel, self.layout.replicas)
-        if self.executor.clock is not None:
-            launched = self.reducer.first_launch
-            self.executor.events.append(Event(self.rank, "allreduce", None,
-                                              reduce_start if launched is None else launched,
-                                              self.executor.clock()))
+        launched = self.reducer.first_launch
+        self.executor.record_event("allreduce", reduce_start if launched is None else launched)
 
     def _finish(self, start: float, schedule: Schedule) -> None:
         self.last_step_time = self._clock() - start
@@ -371,21 +390,3 @@ class StageProcess:
                                     f"{link[1]} in a different order than it receives; NCCL would "
                                     "mismatch the messages")
         self._checked.add((schedule.name, schedule.num_microbatches))
-
-
-def merge_timelines(per_rank: list[tuple[float, list[tuple[str, int | None, float, float]]]],
-                    meta: dict[str, Any]) -> Timeline:
-    """One Timeline from each rank's (step start, [(kind, micro-batch, start, end)]), all on one
-    clock: times become seconds from the earliest step start, receives get ``ready``."""
-    origin = min(start for start, _ in per_rank)
-    events = [Event(stage, kind, mb, s - origin, e - origin)
-              for stage, (_, evs) in enumerate(per_rank) for kind, mb, s, e in evs]
-    send_start = {(e.stage, e.kind, e.microbatch): e.start for e in events
-                  if e.kind in (ActionKind.SEND_ACT.value, ActionKind.SEND_GRAD.value)}
-    for e in events:
-        if e.kind == ActionKind.RECV_ACT.value:
-            e.ready = send_start.get((e.stage - 1, ActionKind.SEND_ACT.value, e.microbatch))
-        elif e.kind == ActionKind.RECV_GRAD.value:
-            e.ready = send_start.get((e.stage + 1, ActionKind.SEND_GRAD.value, e.microbatch))
-    return Timeline(len(per_rank), events, meta)
-

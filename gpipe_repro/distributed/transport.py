@@ -47,8 +47,8 @@ import torch.distributed as dist
 from gpipe_repro.distributed.process_group import StageContext
 from gpipe_repro.distributed.watchdog import PeerFailure
 from gpipe_repro.engine import aliasing, boundary
+from gpipe_repro.engine.agreement import Contribution
 from gpipe_repro.engine.schedule import Action, ActionKind
-from gpipe_repro.engine.stage import AGREEMENT_FIELDS
 
 Spec = tuple  # ("tensor", shape, dtype) | ("seq", "tuple" | "list", (Spec, ...)) | ("value", plain)
 Message = tuple[Spec, "aliasing.Layout | None"]   # a value's spec, and which of its tensors travel
@@ -144,8 +144,8 @@ class ProcessGroupTransport:
         self._processes, self._chunks = 1, 1
         # AGREE: the callables giving this process's stages' vectors (set by the runtime; several when
         # the process runs several stages), and the agreed sum, computed once per step.
-        self.contributions: list[Callable[[], list[float]]] | None = None
-        self.agreed: list[float] | None = None
+        self.contributions: list[Callable[[], Contribution]] | None = None
+        self.agreed: Contribution | None = None
 
     # -- step lifecycle -----------------------------------------------------------------------------
     def begin_step(self, key: Hashable, actions: Iterable[Action],
@@ -202,7 +202,7 @@ class ProcessGroupTransport:
     def recv_gradient(self, stage: int, microbatch: int) -> list[torch.Tensor | None]:
         return list(self._recv(GRADIENT, stage + 1, microbatch))
 
-    def agree(self, stage: int, contribution: Callable[[], list[float]]) -> list[float]:
+    def agree(self, stage: int, contribution: Callable[[], Contribution]) -> Contribution:
         """AGREE: wait for this rank's sends, then one all-reduce (sum) of the stages' small vectors
         on the CPU control group; a rank that never arrives makes this time out (PeerFailure).
         Once per step: a process running several stages adds their vectors (:attr:`contributions`)
@@ -212,14 +212,15 @@ class ProcessGroupTransport:
         sends, self._sends = self._sends, []
         for work, _, _, dst in sends:
             self._wait(work, f"sending to rank {dst}", dst)
-        parts = [c() for c in (self.contributions or [contribution])]
-        values = [sum(col) for col in zip(*parts)]
+        mine = Contribution.total(c() for c in (self.contributions or [contribution]))
         if not self.counts_norm:
-            values[AGREEMENT_FIELDS.index("grad_sq_norm")] = 0.0
-        vec = torch.tensor(values, dtype=torch.float64)
+            mine = mine.without_norm()
+        # The control group is gloo, on the CPU: on a GPU this copy waits for the step's kernels,
+        # which the step's end waits for anyway (the runtime times the step).
+        vec = mine.vector.cpu()
         work = dist.all_reduce(vec, group=self.agree_group, async_op=True)
         self._wait(work, "agreeing on the step (the all-reduce before the update)", None)
-        self.agreed = vec.tolist()
+        self.agreed = Contribution(vec)
         return self.agreed
 
     # -- internals ----------------------------------------------------------------------------------

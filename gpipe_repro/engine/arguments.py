@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_repro.engine.agreement import PRECISIONS
 from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.partition import OBJECTIVES
 from gpipe_repro.engine.placement import RUNTIMES
+from gpipe_repro.engine.precision import PRECISIONS
 from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES, num_processes
 
 __all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_running_statistics",

@@ -78,7 +78,7 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
                             device=self._pending[0][1].device)
         means = torch.stack([m for _, m, _ in self._pending]).double()
         variances = torch.stack([v for _, _, v in self._pending]).double()
-        total = float(rows.sum())
+        total = float(sum(n for n, _, _ in self._pending))   # Python ints: no read from the device
         mean = (rows[:, None] * means).sum(0) / total
         m2 = ((rows[:, None] - 1).clamp(min=0) * variances).sum(0) \
             + (rows[:, None] * (means - mean) ** 2).sum(0)

@@ -1,8 +1,22 @@
-"""Feeding a layer its input under the in-place rule: a copy while the layer is not known to leave
-its input alone, else a view; and the version counters that tell whether it modified what it was
-fed. The stage executor learns the rule per cell and per zero-bubble cut
-(:mod:`gpipe_repro.engine.stage`, "In-place layers"); the calibration times layers fed the same way
-(:mod:`gpipe_repro.sim.calibration.timing`)."""
+"""The in-place input guard: a layer that modifies its input in place must not corrupt what the stage
+keeps.
+
+A cell's input is kept for its recompute and backward, and on stage 0 it is the caller's own tensor.
+A cell that modifies its input in place (``ReLU(inplace=True)``, ``Dropout(inplace=True)``,
+``x.mul_(2)`` right after a cut) would corrupt both, or trip autograd's "leaf Variable ... in-place"
+check. So the :class:`InputGuard` learns, once per mode (training / eval) and per guarded layer (0:
+the cell; i > 0: the cut before layer i of a zero-bubble split, :mod:`~.engine.backward_split`),
+whether the layer modifies its input: the first run feeds it a copy and compares the copy's version
+counters before and after. A layer that did is always fed a copy; a layer that did not runs on its
+input directly, at no cost, and the version counters are still compared after every run, so a layer
+that starts modifying its input later fails the step (before any update) instead of training on
+corrupted data. Stage 0's input is the caller's batch, which must never change: stage 0 always
+copies it.
+
+:func:`guard_input` is the rule for one value (a copy or a view, and the counters to compare); the
+calibration times layers fed the same way (:mod:`gpipe_repro.sim.calibration.timing`, which imports
+it under its former name ``feed``).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,11 +26,11 @@ import torch
 
 from gpipe_repro.engine import aliasing, boundary
 
-__all__ = ["Feed", "feed", "fresh_copy", "alias"]
+__all__ = ["InputGuard", "GuardedInput", "guard_input", "feed", "fresh_copy", "alias"]
 
 
 @dataclass
-class Feed:
+class GuardedInput:
     """A value fed to a layer (`layer` 0: the cell), whether it is a copy (None: a copy, to learn
     whether the layer modifies its input), and the version counters that say whether it did."""
     value: Any
@@ -30,14 +44,18 @@ class Feed:
         return any(t._version != v for t, v in zip(self.watched, self.versions))
 
 
-def feed(value: Any, copy: bool | None, layer: int = 0) -> Feed:
+def guard_input(value: Any, copy: bool | None, layer: int = 0) -> GuardedInput:
     """`value` as a layer is fed it: a copy unless `copy` is False (the layer is known not to modify
     its input), then a view (:func:`alias`); with the version counters to check. Tensors of `value`
     sharing memory are copied once and stay shared (:mod:`gpipe_repro.engine.aliasing`): a layer
     writing into one item sees the write in the other, as in plain PyTorch."""
     fed = aliasing.map_tensors(value, alias if copy is False else fresh_copy)
     watched = boundary.tensors(fed)
-    return Feed(fed, layer, copy, watched, [t._version for t in watched])
+    return GuardedInput(fed, layer, copy, watched, [t._version for t in watched])
+
+
+# The calibration's spelling (gpipe_repro.sim.calibration.timing); same function.
+feed = guard_input
 
 
 def fresh_copy(t: torch.Tensor) -> torch.Tensor:
@@ -52,3 +70,63 @@ def alias(t: torch.Tensor) -> torch.Tensor:
     the two gradients summed in bf16/fp16, where plain training (whose activations are not leaves)
     sums them in fp32."""
     return t.view_as(t) if t.is_leaf and t.requires_grad else t
+
+
+class InputGuard:
+    """One stage's in-place rule (see the module docstring): per (mode, layer), whether the layer's
+    input is copied, learned on its first run.
+
+    Args:
+        stage: the stage's index (stage 0 always copies the cell's input: the caller's batch).
+        first_layer, num_layers: where the cell's layers are in the model (for the error message).
+    """
+
+    def __init__(self, stage: int, first_layer: int, num_layers: int) -> None:
+        self.stage, self.first_layer, self.num_layers = stage, first_layer, num_layers
+        self.learned: dict[tuple[bool, int], bool] = {}   # (training, layer) -> copies its input
+
+    def copies(self, training: bool, layer: int = 0) -> bool | None:
+        """Whether `layer`'s input is copied in this mode (0: the cell's input); None: not known."""
+        if layer == 0 and self.stage == 0:
+            # stage 0's input is the caller's batch: a cell that starts modifying it late would
+            # already have changed the caller's tensors when caught, so stage 0 always copies
+            # (one copy of the input per micro-batch, small next to the cell's activations)
+            return True
+        return self.learned.get((training, layer))
+
+    def feed(self, value: Any, training: bool, layer: int = 0) -> GuardedInput:
+        """What `layer` (0: the cell) is fed for `value`: a copy while it is not known not to modify
+        its input in place, else a view."""
+        return guard_input(value, self.copies(training, layer), layer)
+
+    def settle(self, fed: GuardedInput, training: bool, microbatch: int) -> None:
+        """After `fed` was used: learn whether its layer modifies its input in place (first run), or
+        fail the step if one fed without a copy just did."""
+        modified = fed.modified()
+        if fed.copy is None:
+            self.learned[(training, fed.layer)] = modified
+        elif fed.copy is False and modified:
+            self.caught(fed, training, microbatch, None)
+
+    def caught(self, fed: GuardedInput, training: bool, microbatch: int,
+               cause: Exception | None) -> None:
+        """`fed`'s layer, fed without a copy, modified its input: copy from now on and fail the step
+        (`cause`: autograd's in-place error, when that is how it showed)."""
+        self.learned[(training, fed.layer)] = True
+        last = self.first_layer + self.num_layers - 1
+        if fed.layer == 0:
+            what = f"stage {self.stage} (layers {self.first_layer}..{last}) modified its input"
+        else:
+            what = (f"stage {self.stage}: layer {self.first_layer + fed.layer} modified its input (a "
+                    "cut of the zero-bubble split's graph)")
+        raise RuntimeError(
+            f"{what} in place on micro-batch {microbatch}, which it had not done on its first run, "
+            "so the kept input is corrupted; no cell was updated. The engine copies this "
+            f"{'cell' if fed.layer == 0 else 'layer'}'s input from now on: run the step again") from cause
+
+    def caught_by_autograd(self, fed: GuardedInput, training: bool, microbatch: int,
+                           error: RuntimeError) -> None:
+        """A layer raised `error`: if it is autograd's in-place check on an uncopied input, that is
+        this guard's case (:meth:`caught`); otherwise nothing to do here."""
+        if "leaf Variable that requires grad" in str(error) and fed.copy is False:
+            self.caught(fed, training, microbatch, error)

@@ -11,6 +11,8 @@ costs), convert BatchNorm to :class:`~gpipe_repro.engine.batchnorm.DeferredBatch
 per cell, and for each mini-batch split it into M micro-batches, run the schedule's actions through
 one :class:`~gpipe_repro.engine.stage.StageExecutor` per cell, and return the mini-batch loss. Every input is
 checked up front, and errors say what to change; a failed step raises before any optimizer update.
+The executors run in a :class:`~gpipe_repro.engine.runtime.Runtime` (``pipe.runtime``): the local
+one, or the distributed one; this class does not depend on which.
 
 ``runtime="distributed"``: one process per cell (``torchrun --nproc-per-node K script.py``, or
 :func:`gpipe_repro.distributed.launch_local`). Every process builds the same model and calls
@@ -22,12 +24,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
 
 from gpipe_repro.engine import microbatch
+from gpipe_repro.engine.agreement import Agreement, StepConfig, host_value
 from gpipe_repro.engine.arguments import (
     as_layers,
     batch_key,
@@ -37,34 +40,20 @@ from gpipe_repro.engine.arguments import (
 )
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_all
 from gpipe_repro.engine.layer_costs import layer_costs
-from gpipe_repro.engine.local_runtime import LocalTransport, run_local
-from gpipe_repro.engine.losses import exact_mean
+from gpipe_repro.engine.local_runtime import LocalRuntime
+from gpipe_repro.engine.loss_scaler import LossScaler
+from gpipe_repro.engine.losses import exact_mean, loss_weights
 from gpipe_repro.engine.partition import check_balance, partition
-from gpipe_repro.engine.placement import RUNTIMES, place_stages
-from gpipe_repro.engine.rng import preserved_rng
-from gpipe_repro.engine.schedule import Schedule, forward_on_processes, gpipe_schedule, make_schedule
-from gpipe_repro.engine.stage import Agreement, LossFn, StageExecutor, StepConfig, wall_clock
-from gpipe_repro.engine.tied import bind_ties, untie
+from gpipe_repro.engine.placement import RUNTIMES, move_cell, place_stages, split_cells
+from gpipe_repro.engine.runtime import Runtime
+from gpipe_repro.engine.schedule import Schedule, gpipe_schedule, make_schedule
+from gpipe_repro.engine.stage import LossFn, StageExecutor
+from gpipe_repro.engine.tied import refuse_diverging_copies, uncounted_names, untie
 from gpipe_repro.engine.timeline import Timeline
 
-__all__ = ["GPipe", "OptimizerFactory", "RUNTIMES", "as_layers", "split_cells"]
+__all__ = ["GPipe", "OptimizerFactory", "RUNTIMES", "as_layers"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-
-def split_cells(layers: list[nn.Module], balance: Sequence[int]) -> list[nn.Sequential]:
-    """Cut `layers` into cells of `balance` layers each (the same module objects)."""
-    cells, i = [], 0
-    for n in balance:
-        cells.append(nn.Sequential(*layers[i:i + n]))
-        i += n
-    return cells
-
-
-def _to_device(cell: nn.Module, device: torch.device) -> nn.Module:
-    """Move a cell only if some tensor of it is elsewhere (fake tensors cannot swap storages)."""
-    tensors = [*cell.parameters(), *cell.buffers()]
-    return cell if all(t.device == device for t in tensors) else cell.to(device)
 
 
 class _Unset:
@@ -73,8 +62,6 @@ class _Unset:
 
 
 _NOT_GIVEN: Any = _Unset()
-LOSS_SCALER = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5,
-               "growth_interval": 2000}   # torch.amp.GradScaler's defaults
 
 
 class GPipe(nn.Module):
@@ -205,7 +192,7 @@ class GPipe(nn.Module):
         if devices is None:
             devices = [next(iter(c.parameters()), torch.empty(0)).device for c in cells]
         self.devices = [torch.device(d) for d in devices]
-        self.cells = nn.ModuleList(_to_device(c, d) for c, d in zip(cells, self.devices))
+        self.cells = nn.ModuleList(move_cell(c, d) for c, d in zip(cells, self.devices))
         self.balance = list(balance)
         self.partitions, self.micro_batches = partitions, micro_batches
         self.checkpoint, self.schedule_name, self.recompute_ahead = checkpoint, schedule, recompute_ahead
@@ -215,10 +202,8 @@ class GPipe(nn.Module):
         stage_loss, self._loss_denominator = exact_mean(loss_fn)
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.precision = precision
-        self.loss_scale = LOSS_SCALER["init_scale"] if precision == "fp16" else 1.0
-        self._growth_tracker = 0
-        self.last_grad_norm: float | None = None   # the global gradient norm of the last step
-        self.last_step_skipped = False             # fp16: the last step overflowed and was skipped
+        self.loss_scaler = LossScaler(enabled=precision == "fp16")
+        self._last_agreement: Agreement | None = None   # the last step's (last_grad_norm, ...)
         self._has_optimizer = optimizer is not _NOT_GIVEN
         factory = None if optimizer is _NOT_GIVEN else optimizer
         # One optimizer per cell; a cell with no parameters (e.g. only activations) has none.
@@ -227,23 +212,50 @@ class GPipe(nn.Module):
             for c in self.cells]
         self.seed, self.step = int(seed), 0
         self._forward_calls = 0
-        self.record_timeline = False
         self.last_timeline: Timeline | None = None
-        self._transport = LocalTransport(self.devices)
-        self.executors = [
-            StageExecutor(self._cell(s), s, partitions, sum(balance[:s]), self.devices[s], self._transport,
-                          stage_loss, self.optimizers[s], self.seed)
+        # the executors get their transport from the runtime that runs them
+        executors = [
+            StageExecutor(self._cell(s), s, partitions, sum(balance[:s]), self.devices[s], None,
+                          stage_loss, self.optimizers[s], self.seed,
+                          uncounted=uncounted_names(self.ties, s))
             for s in self.stages_here]
-        bind_ties(self, self.ties)
-        self._process_of = placement.process_of
-        self.stage_process = None  # runtime="distributed": this rank's StageProcess
-        if placement.plugin is not None:
-            shared = placement.processes != partitions   # a process runs several cells
-            self.stage_process = placement.plugin.StageProcess(
-                self.executors if shared else self.executors[0], placement.context,
-                layout=placement.plugin.Layout(placement.processes, replicas),
+        refuse_diverging_copies(self, self.ties)
+        self.runtime: Runtime
+        if placement.plugin is None:
+            self.runtime = LocalRuntime(executors, self.devices, self.ties)
+        else:
+            self.runtime = placement.plugin.DistributedRuntime(
+                executors, placement.context, layout=placement.plugin.Layout(placement.processes, replicas),
                 process_of=placement.process_of, bucket_cap_mb=float(bucket_cap_mb),
                 batchnorm_stats=batchnorm_stats, ties=self.ties)
+        self.distributed = placement.plugin is not None
+
+    # -- the runtime ------------------------------------------------------------------------------
+    @property
+    def executors(self) -> list[StageExecutor]:
+        """This process's stage executors (every stage's with the local runtime)."""
+        return self.runtime.executors
+
+    @property
+    def record_timeline(self) -> bool:
+        """Record the actions of the next steps and forwards: ``last_timeline`` (every stage's)."""
+        return self.runtime.record
+
+    @record_timeline.setter
+    def record_timeline(self, record: bool) -> None:
+        self.runtime.record = record
+
+    @property
+    def stage_process(self) -> Any:
+        """The distributed runtime (``runtime="distributed"``), else None: what
+        ``gpipe_repro.commands`` and ``gpipe_repro.repro`` read under this name; new code reads
+        :attr:`runtime`."""
+        return self.runtime if self.distributed else None
+
+    @property
+    def loss_scale(self) -> float:
+        """fp16's current loss scale (:class:`~gpipe_repro.engine.loss_scaler.LossScaler`); 1 otherwise."""
+        return self.loss_scaler.scale
 
     # -- training ---------------------------------------------------------------------------------
     def make_schedule(self) -> Schedule:
@@ -251,58 +263,57 @@ class GPipe(nn.Module):
         return make_schedule(self.schedule_name, self.partitions, self.micro_batches, self.checkpoint,
                              self.recompute_ahead)
 
-    def train_step(self, inputs: Any, targets: Any) -> float:
+    @overload
+    def train_step(self, inputs: Any, targets: Any, *, sync: Literal[True] = ...) -> float: ...
+    @overload
+    def train_step(self, inputs: Any, targets: Any, *, sync: Literal[False]) -> torch.Tensor: ...
+
+    def train_step(self, inputs: Any, targets: Any, *, sync: bool = True) -> float | torch.Tensor:
         """Run one mini-batch: M micro-batches through the pipeline, one synchronous update per cell.
         Returns the mini-batch loss (mean or sum over examples as `loss_reduction` says, or sum of sums
-        / sum of counts for a ``(sum, count)`` loss). All-or-nothing: if it raises, nothing changed."""
+        / sum of counts for a ``(sum, count)`` loss). All-or-nothing: if it raises, nothing changed.
+
+        `sync`: True returns the loss as a Python float, which waits for the device to finish the
+        step; False returns it as a 0-dim float64 tensor on the device, and the step itself reads
+        nothing back from the device with fp32 or bf16 (fp16 reads its overflow verdict, a
+        ``(sum, count)`` loss its total count: :mod:`gpipe_repro.engine.agreement`), so the host can
+        queue the next step while this one runs. ``float(loss)``, :attr:`last_grad_norm` and
+        :attr:`last_step_skipped` read on demand."""
         if self.loss_fn is None:
             raise ValueError("train_step needs a loss_fn: GPipe(..., loss_fn=nn.CrossEntropyLoss())")
         if not self._has_optimizer:
             raise ValueError("train_step needs an optimizer: GPipe(..., optimizer=lambda params: "
                              "torch.optim.SGD(params, lr=0.1)); pass optimizer=None to compute "
                              "gradients without updating")
-        if self.stage_process is not None:   # before any work: every rank has the same mini-batch
-            self.stage_process.check_same_batch((batch_key(inputs, targets), self.micro_batches,
-                                                 self.training))
-        mbs, tgts, sizes = self._split(inputs, targets)
-        n = sum(sizes)
-        weights = [s / n for s in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
-        if self._loss_denominator is not None:   # summed losses over the mini-batch's denominator
-            total = sum(self._loss_denominator(t) for t in tgts)
-            weights = [1.0 / total if total else float("nan")] * len(sizes)
+        # before any work: every rank of a distributed pipeline has the same mini-batch
+        self.runtime.check_same_batch((batch_key(inputs, targets), self.micro_batches, self.training))
+        mbs, tgts, sizes = microbatch.split_minibatch(inputs, targets, self.micro_batches, self.replicas)
+        weights = loss_weights(sizes, tgts, self.loss_reduction, self._loss_denominator)
         if self.replicas > 1:   # this replica's M of the R x M micro-batches; weights stay global
             mine = slice(self.replica * self.micro_batches, (self.replica + 1) * self.micro_batches)
             mbs, tgts, weights = mbs[mine], tgts[mine], weights[mine]
         schedule = self.make_schedule()
         config = StepConfig(self.precision, self.clip_grad_norm, self.loss_scale)
-        if self.stage_process is not None:
-            self.stage_process.record = self.record_timeline
-            agreement = self.stage_process.train_step(schedule, self.step, mbs, tgts, weights, config)
-            self.last_timeline = self.stage_process.last_timeline
-        else:
-            self._run(schedule, mbs, tgts, weights, config)
-            for e in self.executors:
-                e.end_step()
-            agreement = self.executors[-1].agreement
-        assert agreement is not None
+        agreement = self.runtime.train_step(schedule, self.step, mbs, tgts, weights, config)
+        self.last_timeline = self.runtime.last_timeline
         self.step += 1
-        self._after_step(agreement)
-        return agreement.loss
+        self._last_agreement = agreement
+        self.loss_scaler.update(agreement.skipped)   # read only under fp16
+        return host_value(agreement.loss) if sync else agreement.loss
 
-    def _after_step(self, agreement: Agreement) -> None:
-        """Record the agreed numbers; update the fp16 loss scale (torch.amp.GradScaler's rule:
-        halve on overflow, double after `growth_interval` clean steps)."""
-        self.last_grad_norm, self.last_step_skipped = agreement.grad_norm, agreement.skip
-        if self.precision != "fp16":
-            return
-        if agreement.skip:
-            self.loss_scale *= LOSS_SCALER["backoff_factor"]
-            self._growth_tracker = 0
-        else:
-            self._growth_tracker += 1
-            if self._growth_tracker == LOSS_SCALER["growth_interval"]:
-                self.loss_scale *= LOSS_SCALER["growth_factor"]
-                self._growth_tracker = 0
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global gradient norm before clipping (with clipping or fp16; else None).
+        Reading it waits for the device (once)."""
+        agreement = self._last_agreement
+        if agreement is None or agreement.grad_norm is None:
+            return None
+        return host_value(agreement.grad_norm)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """fp16: whether the last step overflowed and was skipped (no cell updated)."""
+        return self._last_agreement is not None and self._last_agreement.skipped()
 
     @torch.no_grad()
     def forward(self, inputs: Any) -> Any:
@@ -314,11 +325,9 @@ class GPipe(nn.Module):
         output depends on M (BatchNorm normalizes per micro-batch), so, as for ``train_step``, a batch
         smaller than M is an error; each call draws fresh dropout masks."""
         n = microbatch.batch_size(inputs)
-        if self.stage_process is not None:   # before any work: every rank has the same batch
-            self.stage_process.check_same_batch((batch_key(inputs, None), self.micro_batches,
-                                                 self.training))
+        # before any work: every rank of a distributed pipeline has the same batch
+        self.runtime.check_same_batch((batch_key(inputs, None), self.micro_batches, self.training))
         if self.replicas > 1:   # each replica infers on its slice; the outputs are joined in order
-            assert self.stage_process is not None
             if n < self.replicas:
                 raise ValueError(f"a batch of {n} cannot be shared by replicas={self.replicas}: give "
                                  f"at least {self.replicas} examples")
@@ -340,63 +349,16 @@ class GPipe(nn.Module):
                              f"use micro_batches <= {n}, a larger batch, or pipe.eval()")
         mbs = microbatch.split(inputs, m)
         schedule = gpipe_schedule(self.partitions, m, training=False)
-        if self.stage_process is not None and len(self.stages_here) > 1:   # processes hold several cells
-            schedule = forward_on_processes(schedule, self._process_of)
         # Masks of a forward() call must differ between calls and from every training step's:
         # negative step numbers are never used by train_step.
         step = -1 - self._forward_calls
         self._forward_calls += 1
-        config = StepConfig(self.precision)
-        if self.stage_process is not None:
-            self.stage_process.record = self.record_timeline
-            out = self.stage_process.forward(schedule, step, mbs, config)
-            self.last_timeline = self.stage_process.last_timeline
-        else:
-            self._run(schedule, mbs, None, None, config, step)
-            last = self.executors[-1]
-            out = microbatch.join([last.outputs[i] for i in range(m)])
+        out = self.runtime.forward(schedule, step, mbs, StepConfig(self.precision))
+        self.last_timeline = self.runtime.last_timeline
         if self.training:
             for cell in self.cells:
                 commit_all(cell)
         return out
-
-    def _split(self, inputs: Any, targets: Any) -> tuple[list[Any], list[Any], list[int]]:
-        """The mini-batch as micro-batches (R x M of them with replicas), and their sizes."""
-        n = microbatch.batch_size(inputs, "the inputs")
-        parts = self.micro_batches * self.replicas
-        if parts > n:
-            if self.replicas > 1:
-                raise ValueError(f"micro_batches={self.micro_batches} x replicas={self.replicas} = "
-                                 f"{parts} micro-batches is more than the global batch size {n}: use "
-                                 f"a global batch of at least {parts}, or fewer micro-batches")
-            raise ValueError(f"micro_batches={self.micro_batches} is larger than the batch size {n}: "
-                             f"use micro_batches <= {n} or a larger batch")
-        if targets is not None and microbatch.batch_size(targets, "the targets") != n:
-            raise ValueError(f"targets have batch size {microbatch.batch_size(targets)} but inputs {n}")
-        sizes = microbatch.split_sizes(n, parts)
-        # no targets (a loss that reads only the output): each micro-batch's loss gets None
-        return (microbatch.split(inputs, parts),
-                [None] * parts if targets is None else microbatch.split(targets, parts), sizes)
-
-    def _run(self, schedule: Schedule, mbs: list[Any], tgts: list[Any] | None,
-             weights: list[float] | None, config: StepConfig, step: int | None = None) -> None:
-        clock = wall_clock() if self.record_timeline else None
-        for e in self.executors:
-            e.clock = clock
-            e.begin_step(self.step if step is None else step, schedule, mbs if e.stage == 0 else None,
-                         tgts if e.is_last else None, weights if e.is_last else None, config)
-        self._transport.box.clear()
-        try:
-            with preserved_rng(self.devices):
-                run_local(schedule, self.executors, self._transport, self.ties)
-        except BaseException:
-            for e in self.executors:   # all-or-nothing: drop what the failed step accumulated
-                for bn in e.batchnorms:
-                    bn.discard()
-            raise
-        if clock is not None:
-            self.last_timeline = Timeline(self.partitions, [ev for e in self.executors for ev in e.events],
-                                          {"runtime": "local", "schedule": schedule.name})
 
     def _apply(self, fn: Any, recurse: bool = True) -> GPipe:
         """After ``.to()``/``.cuda()``/``.cpu()``, keep `devices` (and the executors) where the cells are."""
@@ -418,8 +380,7 @@ class GPipe(nn.Module):
         return self
 
     def _sync_devices(self) -> None:
-        for e in self.executors:
-            e.device = self.devices[e.stage]
+        self.runtime.move_to(self.devices)
 
     # -- state ------------------------------------------------------------------------------------
     def _cell(self, s: int) -> nn.Sequential:
@@ -437,7 +398,7 @@ class GPipe(nn.Module):
         return {"model": self.state_dict(),
                 "optimizers": [None if o is None else o.state_dict() for o in self.optimizers],
                 "step": self.step, "seed": self.seed, "balance": self.balance,
-                "loss_scale": self.loss_scale, "growth_tracker": self._growth_tracker,
+                "loss_scale": self.loss_scaler.scale, "growth_tracker": self.loss_scaler.growth_tracker,
                 "forward_calls": self._forward_calls}
 
     def load_training_state(self, state: dict[str, Any]) -> None:
@@ -450,8 +411,7 @@ class GPipe(nn.Module):
             if o is not None:
                 o.load_state_dict(s)
         self.step, self.seed = int(state["step"]), int(state["seed"])
-        self.loss_scale = float(state.get("loss_scale", self.loss_scale))
-        self._growth_tracker = int(state.get("growth_tracker", 0))
+        self.loss_scaler.load_state_dict({"scale": state.get("loss_scale", self.loss_scaler.scale),
+                                          "growth_tracker": state.get("growth_tracker", 0)})
         self._forward_calls = int(state.get("forward_calls", 0))
-        for e in self.executors:
-            e.seed = self.seed
+        self.runtime.reseed(self.seed)

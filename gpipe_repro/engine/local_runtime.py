@@ -24,13 +24,16 @@ from typing import Any
 
 import torch
 
-from gpipe_repro.engine import boundary
+from gpipe_repro.engine import boundary, microbatch
+from gpipe_repro.engine.agreement import Agreement, Contribution, StepConfig
 from gpipe_repro.engine.driver import drive
+from gpipe_repro.engine.rng import preserved_rng
 from gpipe_repro.engine.schedule import RECVS, Action, ActionKind, Schedule, ScheduleError
 from gpipe_repro.engine.stage import StageExecutor
 from gpipe_repro.engine.tied import Tie, sum_tied_gradients
+from gpipe_repro.engine.timeline import Timeline, wall_clock
 
-__all__ = ["LocalTransport", "run_local"]
+__all__ = ["LocalTransport", "LocalRuntime", "run_local"]
 
 
 class LocalTransport:
@@ -39,7 +42,7 @@ class LocalTransport:
     def __init__(self, devices: list[torch.device]) -> None:
         self.devices = devices
         self.box: dict[Action, Any] = {}
-        self.agreed: list[float] | None = None   # the summed AGREE vector, set by run_local
+        self.agreed: Contribution | None = None   # the stages' summed contributions, set by run_local
 
     def ready(self, action: Action) -> bool:
         return action in self.box
@@ -59,7 +62,7 @@ class LocalTransport:
         device = self.devices[stage]
         return [None if g is None else g.to(device, non_blocking=True) for g in grads]
 
-    def agree(self, stage: int, contribution: Callable[[], list[float]]) -> list[float]:
+    def agree(self, stage: int, contribution: Callable[[], Contribution]) -> Contribution:
         if self.agreed is None:
             raise RuntimeError(f"stage {stage} reached AGREE outside the local runtime's barrier")
         return self.agreed
@@ -72,9 +75,9 @@ def run_local(schedule: Schedule, executors: list[StageExecutor], transport: Loc
     transport.agreed = None
 
     def barrier(waiting: list[tuple[int, Action]]) -> None:
-        if transport.agreed is None:   # once per step: every stage's vector, summed
+        if transport.agreed is None:   # once per step: every stage's contribution, summed
             sum_tied_gradients(ties, {e.stage: e.cell for e in executors})
-            transport.agreed = [sum(col) for col in zip(*(e.contribution() for e in executors))]
+            transport.agreed = Contribution.total(e.contribution() for e in executors)
         for _, a in waiting:            # every process's AGREE before any update
             executors[a.stage].execute(a)
 
@@ -86,3 +89,73 @@ def run_local(schedule: Schedule, executors: list[StageExecutor], transport: Loc
     drive(schedule.programs(), run=lambda p, a: executors[a.stage].execute(a), barrier=barrier,
           stuck=stuck, ready=lambda p, a: a.kind not in RECVS or transport.ready(a),
           yield_after=lambda p, a: a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD))
+
+
+class LocalRuntime:
+    """Every stage of the pipeline in this process (see the module docstring); a
+    :class:`~gpipe_repro.engine.runtime.Runtime`.
+
+    Args:
+        executors: one per stage, in order; they are given this runtime's transport.
+        devices: each stage's device (a list this runtime keeps current, :meth:`move_to`).
+        ties: the parameters tied across cells (:mod:`gpipe_repro.engine.tied`).
+    """
+
+    def __init__(self, executors: list[StageExecutor], devices: list[torch.device],
+                 ties: Sequence[Tie] = ()) -> None:
+        self.executors, self.devices, self.ties = executors, list(devices), list(ties)
+        self.record = False
+        self.last_timeline: Timeline | None = None
+        self.use_transport(LocalTransport(self.devices))
+
+    def use_transport(self, transport: LocalTransport) -> None:
+        """Carry values between the stages through `transport` (an instrumented mailbox, say)."""
+        self.transport = transport
+        for e in self.executors:
+            e.use_transport(transport)
+
+    def check_same_batch(self, key: Any) -> None:
+        """One process: every stage has the batch."""
+
+    def train_step(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any],
+                   weights: list[float | torch.Tensor], config: StepConfig) -> Agreement:
+        self._run(schedule, step, microbatches, targets, weights, config)
+        for e in self.executors:
+            e.end_step()
+        agreement = self.executors[-1].agreement
+        assert agreement is not None
+        return agreement
+
+    def forward(self, schedule: Schedule, step: int, microbatches: list[Any], config: StepConfig) -> Any:
+        self._run(schedule, step, microbatches, None, None, config)
+        last = self.executors[-1]
+        return microbatch.join([last.outputs[i] for i in range(len(microbatches))])
+
+    def move_to(self, devices: Sequence[torch.device]) -> None:
+        self.devices[:] = devices
+        for e in self.executors:
+            e.move_to(self.devices[e.stage])
+
+    def reseed(self, seed: int) -> None:
+        for e in self.executors:
+            e.reseed(seed)
+
+    def _run(self, schedule: Schedule, step: int, mbs: list[Any], tgts: list[Any] | None,
+             weights: list[float | torch.Tensor] | None, config: StepConfig) -> None:
+        clock = wall_clock() if self.record else None
+        for e in self.executors:
+            e.begin_step(step, schedule, mbs if e.stage == 0 else None, tgts if e.is_last else None,
+                         weights if e.is_last else None, config, clock=clock)
+        self.transport.box.clear()
+        try:
+            with preserved_rng(self.devices):
+                run_local(schedule, self.executors, self.transport, self.ties)
+        except BaseException:
+            for e in self.executors:   # all-or-nothing: drop what the failed step accumulated
+                for bn in e.batchnorms:
+                    bn.discard()
+            raise
+        if clock is not None:
+            events = [ev for e in self.executors for ev in e.events]
+            self.last_timeline = Timeline(len(self.executors), events,
+                                          {"runtime": "local", "schedule": schedule.name})

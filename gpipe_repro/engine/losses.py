@@ -1,4 +1,10 @@
-"""Losses whose mean is not a per-row mean, made exact under micro-batching.
+"""The last stage's loss: each micro-batch's loss weighted for the backward, and losses whose mean is
+not a per-row mean made exact under micro-batching.
+
+:func:`weighted_loss` is what the last stage computes per micro-batch: ``loss_fn(output, targets)``,
+a 0-dim tensor or ``(sum, count)``, checked, upcast to float32 (:func:`~.precision.upcast`) and
+multiplied by the micro-batch's weight (n_m / N for a mean loss, 1 for a sum or a ``(sum, count)``
+loss, whose counts the stages agree on at AGREE).
 
 The pipeline combines micro-batch losses with weights n_m / N (a ``reduction="mean"`` loss) or 1
 (``"sum"``), which is the full-batch loss when the loss averages over rows. ``nn.CrossEntropyLoss``
@@ -18,32 +24,40 @@ target is ignored has a NaN loss, as PyTorch's.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["exact_mean", "denominator"]
+from gpipe_repro.engine.precision import upcast
+
+__all__ = ["exact_mean", "denominator", "weighted_loss", "loss_weights"]
 
 _MeanLoss = nn.CrossEntropyLoss | nn.NLLLoss
 
 
-def denominator(loss: _MeanLoss, target: torch.Tensor) -> float:
-    """What `loss`'s ``reduction="mean"`` divides by for `target`: the summed class weight of the
-    targets other than ``ignore_index`` (their count without ``weight``); for class probabilities
-    (floating targets, N x C x ...), the number of positions N x ...."""
+def denominator(loss: _MeanLoss, target: torch.Tensor) -> torch.Tensor:
+    """What `loss`'s ``reduction="mean"`` divides by for `target`, as a 0-dim float64 tensor (no host
+    read): the summed class weight of the targets other than ``ignore_index`` (their count without
+    ``weight``); for class probabilities (floating targets, N x C x ...), the number of positions
+    N x ...."""
     if target.is_floating_point():
-        return float(target.numel() // target.shape[1]) if target.dim() > 1 else 1.0
+        return _number(target.numel() // target.shape[1] if target.dim() > 1 else 1, target)
     if target.device.type == "meta" or type(target).__name__ == "FakeTensor":
-        return float(target.numel())    # shapes only (the memory planner's trace): no values to read
+        return _number(target.numel(), target)   # shapes only (the memory planner's trace)
     kept = target != loss.ignore_index
     if loss.weight is None:
-        return float(kept.sum())
-    return float(loss.weight.to(target.device)[target.masked_select(kept)].sum())
+        return kept.sum().double()
+    return loss.weight.to(target.device)[target.masked_select(kept)].sum().double()
 
 
-def exact_mean(loss_fn: Any) -> tuple[Any, Callable[[torch.Tensor], float] | None]:
+def _number(n: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(float(n), dtype=torch.float64, device=like.device)
+
+
+def exact_mean(loss_fn: Any) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor] | None]:
     """`loss_fn` as the stages should call it, and the denominator function of the mini-batch's
     targets: ``(the loss with reduction="sum", denominator)`` for a ``reduction="mean"``
     ``nn.CrossEntropyLoss`` or ``nn.NLLLoss`` (see the module docstring); ``(loss_fn, None)`` for
@@ -57,3 +71,37 @@ def exact_mean(loss_fn: Any) -> tuple[Any, Callable[[torch.Tensor], float] | Non
         summed.reduction = "sum"
         return summed, lambda target: denominator(loss_fn, target)
     return loss_fn, None
+
+
+def weighted_loss(result: Any, weight: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a micro-batch's ``loss_fn`` returned (`result`) as the backward's seed, weighted by
+    `weight` (ignored for ``(sum, count)``), and its count (None for a plain loss). Raises TypeError,
+    saying what to return, for anything but a 0-dim tensor or ``(sum, count)``."""
+    count = None
+    if isinstance(result, tuple):
+        if len(result) != 2:
+            raise TypeError(f"loss_fn returned a tuple of {len(result)}; return a scalar tensor or "
+                            "(sum, count): the micro-batch's summed loss and what it counts "
+                            "(e.g. its non-padding tokens)")
+        result, count = result
+    if not isinstance(result, torch.Tensor) or result.dim() != 0:
+        raise TypeError("loss_fn must return a scalar tensor (0-dim) or (sum, count); use a "
+                        "reducing loss")
+    loss = upcast(result) * (1.0 if count is not None else weight)
+    return loss, None if count is None else torch.as_tensor(count, dtype=torch.float64).detach()
+
+
+def loss_weights(sizes: Sequence[int], targets: Sequence[Any], reduction: str,
+                 denominator: Callable[[Any], torch.Tensor] | None) -> list[float | torch.Tensor]:
+    """Each micro-batch's loss weight: n_m / N for a ``"mean"`` loss, 1 for ``"sum"``, and 1 / the
+    mini-batch's denominator for a loss :func:`exact_mean` split, a 0-dim tensor (NaN when the
+    denominator is 0: every target ignored, as PyTorch's mean)."""
+    n = sum(sizes)
+    if denominator is not None:   # summed losses over the mini-batch's denominator
+        parts = [denominator(t) for t in targets]
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part.to(total.device)
+        weight = torch.where(total == 0, math.nan, 1.0 / total)
+        return [weight] * len(sizes)
+    return [s / n for s in sizes] if reduction == "mean" else [1.0] * len(sizes)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["batch_size", "split_sizes", "split", "join"]
+__all__ = ["batch_size", "split_sizes", "split", "join", "split_minibatch"]
 
 
 def rebuild(like: tuple[Any, ...] | list[Any], items: list[Any]) -> Any:
@@ -90,3 +90,23 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in _tensors(v)]
     return []
+
+
+def split_minibatch(inputs: Any, targets: Any, micro_batches: int,
+                    replicas: int = 1) -> tuple[list[Any], list[Any], list[int]]:
+    """A training mini-batch as R x M micro-batches of inputs and of targets (None for each when
+    `targets` is None: a loss that reads only the output), and their sizes. Raises ValueError,
+    saying what to change, when the batch is smaller than R x M or the targets' batch differs."""
+    n = batch_size(inputs, "the inputs")
+    parts = micro_batches * replicas
+    if parts > n:
+        if replicas > 1:
+            raise ValueError(f"micro_batches={micro_batches} x replicas={replicas} = {parts} "
+                             f"micro-batches is more than the global batch size {n}: use a global "
+                             f"batch of at least {parts}, or fewer micro-batches")
+        raise ValueError(f"micro_batches={micro_batches} is larger than the batch size {n}: "
+                         f"use micro_batches <= {n} or a larger batch")
+    if targets is not None and batch_size(targets, "the targets") != n:
+        raise ValueError(f"targets have batch size {batch_size(targets)} but inputs {n}")
+    return (split(inputs, parts), [None] * parts if targets is None else split(targets, parts),
+            split_sizes(n, parts))

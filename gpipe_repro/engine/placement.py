@@ -1,4 +1,5 @@
-"""Which process runs which stage: the runtime, the processes of one pipeline, the replicas.
+"""Where the cells go: which layers form each cell, which process runs which stage (the runtime,
+the processes of one pipeline, the replicas), and on which device each cell lives.
 
 With ``runtime="local"`` one process runs every stage. With ``runtime="distributed"`` each pipeline
 has one process per stage, or K = partitions / v processes with ``schedule="interleaved"`` (each
@@ -9,18 +10,22 @@ which stages this process keeps.
 
 The distributed runtime lives in a later layer (``gpipe_repro.distributed``, which imports the
 engine); the engine names it here and loads it only when a user asks for it, as torch loads its
-backends. The module provides ``init_distributed()``, ``broadcast_object()``, ``Layout`` and
-``StageProcess``.
+backends. The module provides ``init_distributed()``, ``broadcast_object()``, ``gather_object()``,
+``Layout`` and ``DistributedRuntime``.
 """
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import nn
+
 from gpipe_repro.engine.schedule import num_processes, owner_of_cells
 
-__all__ = ["RUNTIMES", "Placement", "place_stages", "runtime_plugin"]
+__all__ = ["RUNTIMES", "Placement", "place_stages", "runtime_plugin", "split_cells", "move_cell"]
 
 RUNTIMES = ("local", "distributed")
 _RUNTIME_PLUGINS = {"distributed": "gpipe_repro.distributed.runtime"}
@@ -109,3 +114,19 @@ def place_stages(*, runtime: str, schedule: str, partitions: int, checkpoint: st
     rank, replica = context.rank % procs, context.rank // procs
     return Placement(procs, owner, [s for s in range(partitions) if owner[s] == rank], rank, replica,
                      plugin, context)
+
+
+def split_cells(layers: list[nn.Module], balance: Sequence[int]) -> list[nn.Sequential]:
+    """Cut `layers` into cells of `balance` layers each (the same module objects)."""
+    cells, i = [], 0
+    for n in balance:
+        cells.append(nn.Sequential(*layers[i:i + n]))
+        i += n
+    return cells
+
+
+def move_cell(cell: nn.Module, device: torch.device) -> nn.Module:
+    """`cell` on `device`, moved only if some tensor of it is elsewhere (fake tensors cannot swap
+    storages)."""
+    tensors = [*cell.parameters(), *cell.buffers()]
+    return cell if all(t.device == device for t in tensors) else cell.to(device)

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 __all__ = ["Tie", "find_ties", "untie", "tied_copies", "copies_sum", "set_gradients",
-           "sum_tied_gradients", "uncounted_names", "refuse_diverging_copies", "bind_ties"]
+           "sum_tied_gradients", "uncounted_names", "refuse_diverging_copies"]
 
 
 @dataclass(frozen=True)
@@ -158,11 +158,3 @@ def refuse_diverging_copies(pipe: nn.Module, ties: Sequence[Tie]) -> None:
                                  "its copies must stay one parameter; give the same value under every "
                                  "name")
     pipe.register_load_state_dict_pre_hook(check)
-
-
-def bind_ties(pipe: Any, ties: Sequence[Tie]) -> None:
-    """Make a built pipeline treat each tie's copies as one parameter: its executors leave the copies
-    another cell counts out of the gradient norm, and ``load_state_dict`` keeps the copies equal."""
-    for e in pipe.executors:
-        e.uncounted = uncounted_names(ties, e.stage)
-    refuse_diverging_copies(pipe, ties)

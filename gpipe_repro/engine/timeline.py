@@ -20,11 +20,13 @@ Fractions are of K * T, the total stage-time of the step, so they add up to 1.
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CATEGORIES", "Event", "Timeline"]
+__all__ = ["CATEGORIES", "Event", "Timeline", "wall_clock"]
 
 CATEGORIES = ("computation", "re-computation", "bubble", "load imbalance", "communication",
               "optimizer update", "setup")
@@ -110,3 +112,9 @@ class Timeline:
     @classmethod
     def load(cls, path: str | Path) -> Timeline:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def wall_clock(t0: float | None = None) -> Callable[[], float]:
+    """A clock for recording a step's actions: seconds since `t0` (default: now)."""
+    origin = time.perf_counter() if t0 is None else t0
+    return lambda: time.perf_counter() - origin

@@ -12,8 +12,6 @@ module adds, without editing the engine, is instance-level instrumentation:
   between devices does: the receiver owns a new copy, and the sender's storage is freed when nothing
   on the sender still needs it. (The local runtime on one device would otherwise share one storage
   between two stages and charge it to one of them.)
-- with fake tensors, the loss is a fake scalar, so the last executor's ``end_step`` returns NaN
-  instead of calling ``float`` on it;
 - with fake tensors, ``GPipe.__init__``'s ``cell.to(device)`` is skipped when the cell is already
   there (``Module.to`` swaps fake parameters, which fails once anything holds a weak reference).
 
@@ -35,11 +33,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gpipe_repro.engine import boundary
 from gpipe_repro.engine.gpipe import GPipe
-from gpipe_repro.engine.local_runtime import LocalTransport
+from gpipe_repro.engine.local_runtime import LocalRuntime, LocalTransport
 from gpipe_repro.engine.schedule import Action, ActionKind
 from gpipe_repro.engine.stage import StageExecutor
 from gpipe_repro.memory.compose import ACTIVATIONS, BUFFERS, GRADS, OPTIMIZER, PARAMS, STASH, StageMemory
-from gpipe_repro.memory.fake import fake_layers, fake_value, is_fake
+from gpipe_repro.memory.fake import fake_layers, fake_value
 from gpipe_repro.memory.profile import OptimizerFactory, rmsprop
 from gpipe_repro.memory.tracker import MemoryTracker
 
@@ -96,17 +94,6 @@ def _instrument(executor: StageExecutor, tracker: MemoryTracker) -> None:
         tracker.mark(stage)
 
     executor.execute = execute  # type: ignore[method-assign]  # instrumenting this one executor
-    if executor.is_last:
-        end = executor.end_step
-
-        def end_step() -> float | None:
-            if is_fake(executor.loss_sum):
-                executor.loss_sum = None
-                end()
-                return float("nan")
-            return end()
-
-        executor.end_step = end_step  # type: ignore[method-assign]  # instrumenting this one executor
 
 
 @contextlib.contextmanager
@@ -170,9 +157,9 @@ def trace_step(layers: Sequence[nn.Module], sample: Any, target: Any,
                      schedule=schedule)
         tracker = MemoryTracker(round_to=round_to)
         transport = TrackingTransport(pipe.devices, tracker)
-        pipe._transport = transport          # instrumentation: see the module docstring
+        assert isinstance(pipe.runtime, LocalRuntime)
+        pipe.runtime.use_transport(transport)   # instrumentation: see the module docstring
         for s, (executor, cell, opt) in enumerate(zip(pipe.executors, pipe.cells, pipe.optimizers)):
-            executor.transport = transport
             prime_optimizer(opt)
             tracker.register(list(cell.parameters()), s, PARAMS)
             tracker.register(list(cell.buffers()), s, BUFFERS)

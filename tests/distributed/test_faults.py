@@ -111,7 +111,7 @@ def train_until_stopped(rank_to_stop: int, k: int, stamp: str) -> float:
 
 
 def test_a_frozen_rank_is_blamed_not_the_neighbour_that_waited_for_it() -> None:
-    """Issue #16: the last of three stages is SIGSTOPped mid-step; rank 1 waits on it and rank 0 on
+    """The last of three stages is SIGSTOPped mid-step; rank 1 waits on it and rank 0 on
     rank 1, and either may time out first. The launcher finds rank 2 stopped and names it."""
     with tempfile.TemporaryDirectory() as tmp:
         stamp = os.path.join(tmp, "failed_at")

@@ -74,7 +74,7 @@ def check_replicas(k: int, r: int) -> list[str]:
             for (name, b), rb in zip(nn.Sequential(*mine).named_buffers(), theirs.buffers()):
                 _close(b.float(), rb.float(), f"{where}: buffer {name} vs reference")
         if "bucket_cap_mb" in extra:   # one bucket per parameter: some leave during the backward
-            reducer = pipe.stage_process.reducer if pipe.stage_process is not None else None
+            reducer = pipe.runtime.reducer
             assert reducer is not None and len(reducer.buckets) > 1 and reducer.launched_early > 0, \
                 f"{where}: no bucket was launched during the last backward"
         if "clip_grad_norm" in extra:
@@ -84,8 +84,7 @@ def check_replicas(k: int, r: int) -> list[str]:
         out = pipe.forward(x)
         assert microbatch_rows(out) == 11, f"{where}: inference returns the whole batch"
         checked.append(where)
-        assert pipe.stage_process is not None
-        groups.add(id(pipe.stage_process.groups))
+        groups.add(id(pipe.runtime.groups))
     assert len(groups) == 1, f"{len(groups)} sets of process groups for one layout"
     if k > 1:
         checked.append(check_allreduce_overlaps_the_drain(k, r))

@@ -16,7 +16,7 @@ from torch import nn
 
 from gpipe_repro import GPipe
 from gpipe_repro.engine import aliasing, boundary
-from gpipe_repro.engine.agreement import cast_boundary
+from gpipe_repro.engine.precision import cast_boundary
 from tests.equivalence import assert_same_training
 
 

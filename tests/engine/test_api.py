@@ -1,4 +1,4 @@
-"""Loss semantics you cannot get wrong, and the smaller API findings of issue 11 (4 and 6)."""
+"""Loss semantics you cannot get wrong, and the smaller API guarantees."""
 from __future__ import annotations
 
 import copy

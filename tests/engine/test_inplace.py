@@ -1,5 +1,5 @@
 """In-place layers anywhere: every cut, every checkpoint mode, every cost measurement, and the
-caller's tensors are never modified by the engine (issue 11, findings 1 and 2).
+caller's tensors are never modified by the engine.
 
 Models are torchvision-style stacks flattened to layers (written here: torchvision is not a
 dependency): a ResNet (stem, BasicBlocks, head) and a VGG stack, with ``ReLU(inplace=True)`` and
@@ -134,8 +134,8 @@ def test_inplace_probe_costs_nothing_when_no_cell_modifies_its_input() -> None:
     for pipe in (plain, inplace):
         pipe.train_step(torch.randn(4, 4), torch.randn(4, 4))
     # stage 0 always copies the caller's batch (nothing to learn there); later cells learn
-    assert [e.copies_input for e in plain.executors] == [{}, {True: False}]
-    assert [e.copies_input for e in inplace.executors] == [{}, {True: True}]
+    assert [e.input_guard.learned for e in plain.executors] == [{}, {(True, 0): False}]
+    assert [e.input_guard.learned for e in inplace.executors] == [{}, {(True, 0): True}]
 
 
 def test_a_first_layer_that_starts_working_in_place_late_never_changes_the_callers_batch() -> None:

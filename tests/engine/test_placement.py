@@ -18,7 +18,7 @@ def test_the_local_runtime_runs_every_stage_in_one_process(schedule: str) -> Non
 def test_only_the_distributed_runtime_has_a_plugin() -> None:
     assert RUNTIMES == ("local", "distributed")
     assert runtime_plugin("local") is None
-    assert hasattr(runtime_plugin("distributed"), "StageProcess")
+    assert hasattr(runtime_plugin("distributed"), "DistributedRuntime")
 
 
 def test_interleaved_stages_share_processes_as_the_schedule_says() -> None:

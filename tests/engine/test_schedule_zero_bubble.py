@@ -231,7 +231,7 @@ def test_zb_h1_global_clipping_reads_every_w() -> None:
                          batches=batches, schedule="zb-h1", clip_grad_norm=0.05, atol=1e-5)
 
 
-# The split runs layer by layer on a graph cut at every layer boundary (StageExecutor._run / _cut):
+# The split runs layer by layer on a graph cut at every layer boundary (backward_split.LayerCuts):
 # every layer boundary inside a cell is then a cut, with the cell input's in-place rules.
 @pytest.mark.parametrize("mode", ["always", "except_last", "never"])
 @pytest.mark.parametrize("k", [2, 3])
@@ -278,15 +278,15 @@ def _graph_size(outs: list[torch.Tensor]) -> int:
 def test_zb_h1_splits_one_layer_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each split call sees one layer's graph, not the cell's: the weight half's autograd calls
     each walk the graph below their start, so a whole-cell split costs the square of the cell's
-    size (see StageExecutor._backward_input)."""
-    import gpipe_repro.engine.stage as stage_module
+    size (see gpipe_repro.engine.backward_split)."""
+    import gpipe_repro.engine.backward_split as split_module
     from gpipe_repro import GPipe
-    real, seen = stage_module.split_backward_input, []
+    real, seen = split_module.split_backward_input, []
 
     def recording(outs, grads, leaves, params):  # type: ignore[no-untyped-def]
         seen.append((_graph_size(outs), len(params)))
         return real(outs, grads, leaves, params)
-    monkeypatch.setattr(stage_module, "split_backward_input", recording)
+    monkeypatch.setattr(split_module, "split_backward_input", recording)
     torch.manual_seed(0)
     layers = [nn.Linear(4, 4) for _ in range(6)]
     whole = _graph_size([nn.Sequential(*layers[3:])(torch.randn(2, 4, requires_grad=True))])
@@ -398,7 +398,7 @@ class _Fp32Norm(nn.Module):
 def test_bf16_split_sums_a_cut_values_gradients_in_fp32_as_plain_autocast() -> None:
     """A cut's value is an autograd leaf; autocast caches the cast of leaves that require grad (as
     it does a weight's), so an fp32 value read by two Linears would be cast once and its two
-    gradients summed in bf16. The executor feeds layers a view of the leaf (StageExecutor._cut),
+    gradients summed in bf16. The executor feeds layers a view of the leaf (backward_split.LayerCuts),
     and the result equals plain autocast training within the bf16 tolerance of
     tests/engine/test_steps.py."""
     from tests.engine.test_steps import batch

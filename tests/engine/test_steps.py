@@ -1,7 +1,7 @@
 """What a step commits, and when: all-or-nothing steps, global gradient clipping, mixed precision.
 
 All three rest on the schedule's AGREE action (every stage's gradients final, the stages agree,
-then they update): issue 11, findings 3 and 5.
+then they update).
 """
 from __future__ import annotations
 
@@ -170,8 +170,8 @@ def test_bf16_boundary_activations_cross_in_bf16() -> None:
     pipe = GPipe(layers, partitions=3, micro_batches=2, balance=balance, loss_fn=nn.CrossEntropyLoss(),
                  precision="bf16", optimizer=None)
     sent: list[torch.dtype] = []
-    real = pipe._transport.send_activation
-    pipe._transport.send_activation = lambda s, m, v: (sent.append(v.dtype), real(s, m, v))[1]  # type: ignore
+    real = pipe.runtime.transport.send_activation
+    pipe.runtime.transport.send_activation = lambda s, m, v: (sent.append(v.dtype), real(s, m, v))[1]  # type: ignore
     pipe.train_step(*batch(0))
     assert sent and set(sent) == {torch.bfloat16}
 
