@@ -16,8 +16,9 @@ Every schedule of each side runs in every round (those the side refuses for a co
 listed, with the reason); ours-best and torch-best are the fastest by median, and their figure is
 the median of the per-round paired ratios (torch time / ours time) with its 95% interval. Writes
 results/schedules/versus_torch.{json,md} (rows ``model, heterogeneous, K, M, batch, ours_best,
-torch_best, ratio, ci_low, ci_high``); the entry point refuses to write them from a tree whose
-tracked files differ from its commit. ``--tiny`` runs tiny sizes in seconds and writes nothing.
+torch_best, ratio, ci_low, ci_high``); it refuses to write the results of record (the checkout's
+results/, not $GPIPE_REPRO_RESULTS) from a tree whose tracked files differ from its commit.
+``--tiny`` runs tiny sizes in seconds and writes nothing.
 """
 from __future__ import annotations
 
@@ -157,6 +158,11 @@ def bench_processes(cfg: dict[str, Any]) -> dict[str, Any]:
         measurement = rounds_in_processes(items, [], rule, x, y, warmup=cfg["warmup"],
                                           label=f"versus-torch {name} {rows}/{m}")
         out[f"{name}/{rows}/{m}"] = {"measurement": measurement, "refused": refused, "cuts": cuts}
+        if measurement is not None:     # rank 0: the group's row now, in case a later group fails
+            row = rows_of({f"{name}/{rows}/{m}": out[f"{name}/{rows}/{m}"]})[0]
+            print(f"{COMMAND} {name} batch {rows} M={m}: {row['ours_best']} / {row['torch_best']} "
+                  f"{row['ratio']:.3f} [{row['ci_low']}, {row['ci_high']}] ({row['rounds']} rounds); "
+                  f"times ms {row['times_ms']}", flush=True)
         del items
     return out
 
@@ -234,12 +240,13 @@ def main(argv: list[str] | None = None, *, record: bool = False) -> None:
         args.budget, args.min_rounds, args.max_rounds, args.ms = 10.0, 3, 3, [2]
     from gpipe_repro.report.host import usable_cores
     from gpipe_repro.report.provenance import git_state
-    from gpipe_repro.report.records import check_outputs, results_dir, stamp
+    from gpipe_repro.report.records import check_outputs, is_of_record, results_dir, stamp
 
     host = {**git_state(), "cores": usable_cores(), "load": round(_load(), 2)}
     write = not args.tiny
     if write:
-        if host["git_dirty"] is not False:
+        out = results_dir("schedules")
+        if host["git_dirty"] is not False and is_of_record(out):
             sys.exit(f"{COMMAND}: the tracked files differ from commit {host['git_commit']}: commit "
                      "(or stash) first, so that the results name the code that made them (nothing was run)")
         out = results_dir("schedules")

@@ -71,6 +71,7 @@ def test_the_entry_point_refuses_a_dirty_tree_before_any_work(monkeypatch: pytes
     from gpipe_repro.repro import versus_torch
     monkeypatch.setattr("gpipe_repro.report.provenance.git_state",
                         lambda: {"git_commit": "abc", "git_dirty": True})
+    monkeypatch.setattr("gpipe_repro.report.records.is_of_record", lambda path: True)
     monkeypatch.setattr("gpipe_repro.distributed.launch_local",
                         lambda *a, **k: pytest.fail("measured from a dirty tree"))
     with pytest.raises(SystemExit, match="differ from commit"):
