@@ -7,7 +7,8 @@ Why: the weight half runs one autograd call per group of parameters (PyTorch pip
 the graph below the starting node, the Python around it) that is about as large as a small kernel:
 on a convolutional net with BatchNorm, whose every convolution and every norm is a group of its own,
 the weight half cost as much as a whole backward. Most groups are one convolution, one BatchNorm or
-one linear layer whose parameters hang directly off the node (:data:`KERNELS`); for those, the
+LayerNorm, or one linear layer (addmm or mm, the weight behind a transpose), whose parameters hang
+off the node (:data:`KERNELS`); for those, the
 kernel is called with a mask that asks for the parameters' gradients only, and the gradients are
 accumulated into ``p.grad`` as AccumulateGrad does. Any other group goes through autograd as before
 (:func:`run_direct` leaves it in place), and so does a parameter with a hook (the kernel would not
@@ -36,9 +37,37 @@ def _batch_norm(node: Any, grad: torch.Tensor, mask: list[bool]) -> Sequence[tor
         node._saved_result1, node._saved_result2, node._saved_training, node._saved_eps, mask)
 
 
+def _layer_norm(node: Any, grad: torch.Tensor, mask: list[bool]) -> Sequence[torch.Tensor | None]:
+    return torch.ops.aten.native_layer_norm_backward(
+        grad, node._saved_input, node._saved_normalized_shape, node._saved_result1, node._saved_result2,
+        node._saved_weight, node._saved_bias, mask)
+
+
+def _scaled(t: torch.Tensor, factor: Any) -> torch.Tensor:
+    return t if factor == 1 else t * factor
+
+
+def _addmm(node: Any, grad: torch.Tensor, mask: list[bool]) -> Sequence[torch.Tensor | None]:
+    """beta * self + alpha * mat1 @ mat2 (a linear layer with a bias: self the bias, mat2 its weight
+    transposed)."""
+    mat1, mat2, alpha = node._saved_mat1, node._saved_mat2, node._saved_alpha
+    return (_scaled(grad, node._saved_beta) if mask[0] else None,
+            _scaled(grad @ mat2.t(), alpha) if mask[1] else None,
+            _scaled(mat1.t() @ grad, alpha) if mask[2] else None)
+
+
+def _mm(node: Any, grad: torch.Tensor, mask: list[bool]) -> Sequence[torch.Tensor | None]:
+    """self @ mat2 (a linear layer without a bias: mat2 its weight transposed)."""
+    return (grad @ node._saved_mat2.t() if mask[0] else None,
+            node._saved_self.t() @ grad if mask[1] else None)
+
+
 KERNELS: dict[str, Callable[[Any, torch.Tensor, list[bool]], Sequence[torch.Tensor | None]]] = {
     "ConvolutionBackward0": _convolution,
     "NativeBatchNormBackward0": _batch_norm,
+    "NativeLayerNormBackward0": _layer_norm,
+    "AddmmBackward0": _addmm,
+    "MmBackward0": _mm,
 }
 """Node kind -> its kernel (node, incoming gradient, output mask over the node's next edges)."""
 
@@ -57,23 +86,37 @@ def _direct(group: dict[str, Any]) -> bool:
     kernel = KERNELS.get(type(node).__name__)
     if kernel is None or kept is None or len(kept) != 1 or kept[0] is None:
         return False
-    edges = [fn for fn, _ in node.next_functions]
     params = group["params"]
-    wanted = [fn is not None and fn in params for fn in edges]
-    if sum(wanted) != len(params) or wanted[0]:
+    found = [_parameter_behind(fn, params) for fn, _ in node.next_functions]
+    wanted = [f is not None for f in found]
+    if sum(wanted) != len(params):
         return False
-    leaves = [fn.variable if w else None for fn, w in zip(edges, wanted)]
-    if any(p is not None and _hooked(p) for p in leaves):
+    if any(f is not None and _hooked(f[0]) for f in found):
         return False
     grads = kernel(node, kept[0], wanted)
-    for p, g in zip(leaves, grads):
-        if p is None or g is None:
+    for f, g in zip(found, grads):
+        if f is None or g is None:
             continue
+        p, transposed = f
+        g = g.t() if transposed else g
+        g = g if g.shape == p.shape else g.sum_to_size(p.shape)
         if p.grad is None:
             p.grad = g
         else:
             p.grad += g
     return True
+
+
+def _parameter_behind(fn: Any, params: Any) -> tuple[torch.Tensor, bool] | None:
+    """The group's parameter an edge reaches, and whether through a transpose (a linear layer's
+    weight), or None."""
+    if fn is None:
+        return None
+    if fn in params:
+        return fn.variable, False
+    if type(fn).__name__ == "TBackward0" and fn.next_functions[0][0] in params:
+        return fn.next_functions[0][0].variable, True
+    return None
 
 
 def run_direct(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

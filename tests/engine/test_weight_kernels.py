@@ -1,6 +1,6 @@
-"""The weight half's direct kernels: a convolution's or a BatchNorm's parameter gradients from the
-node's own kernel equal one whole backward's; groups they cannot take (a linear layer, a hooked
-parameter) still go through autograd."""
+"""The weight half's direct kernels: a convolution's, a norm's or a linear layer's parameter
+gradients from the node's own kernel equal one whole backward's; groups they cannot take (a
+parameter used elsewhere too, a hooked parameter) still go through autograd."""
 from __future__ import annotations
 
 import copy
@@ -54,10 +54,27 @@ def test_batchnorm_in_eval_mode_uses_the_running_statistics() -> None:
     assert _split_against_whole(model, torch.randn(2, 3, 4, 4)) == 3
 
 
-def test_a_linear_layer_goes_through_autograd() -> None:
+@pytest.mark.parametrize("shape", [(3, 4), (2, 3, 4)])
+def test_linear_and_layernorm_gradients_equal_a_whole_backwards(shape: tuple[int, ...]) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-    assert _split_against_whole(model, torch.randn(3, 4)) == 0
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Tanh(), nn.Linear(4, 2, bias=False))
+    assert _split_against_whole(model, torch.randn(*shape)) == 3
+
+
+class _SharedWeight(nn.Module):
+    """One weight used by two products: its gradient path meets the input's at two nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w) @ self.w
+
+
+def test_a_weight_used_at_two_nodes_goes_through_autograd() -> None:
+    torch.manual_seed(0)
+    assert _split_against_whole(_SharedWeight(), torch.randn(3, 4)) == 0
 
 
 def test_a_hooked_parameter_goes_through_autograd_and_its_hook_runs() -> None:
