@@ -8,7 +8,8 @@ Two parts:
   :class:`~gpipe_repro.repro.harness.TorchSchedule`); target: ours-best / torch-best >= 0.98;
 - heterogeneous: AmoebaNet-D, a Transformer LM and a LLaMA-family model
   (:mod:`gpipe_repro.repro.versus_models`), each tool used its documented default way: ours,
-  ``GPipe(..., sample=micro_batch)`` (cut automatically by measured time); PyTorch's, equal blocks
+  ``GPipe(..., sample=micro_batch)`` (cut automatically by measured time; checkpoint "never", as
+  PyTorch's schedules do not re-materialize); PyTorch's, equal blocks
   per stage with the embedding and the head on the end stages (torchtitan's cut). M = 4, 8; target:
   ours-best / torch-best >= 1.10.
 
@@ -53,15 +54,16 @@ HETEROGENEOUS_MS = [4, 8]
 
 class OursAuto:
     """``GPipe(layers, partitions, micro_batches=m, schedule=S, sample=one micro-batch,
-    runtime="distributed")``: cut by measured time (the default with a sample; rank 0's cut on every
-    rank), two cells per process for the interleaved and V schedules."""
+    checkpoint="never", runtime="distributed")``: cut by measured time (the default with a sample;
+    rank 0's cut on every rank), two cells per process for the interleaved and V schedules; no
+    re-materialization, as PyTorch's schedules run."""
 
     def __init__(self, spec: Any, m: int, schedule: str, x: torch.Tensor, tiny: bool) -> None:
         from gpipe_repro import GPipe
         from gpipe_repro.engine.schedule import cells_per_process
         self.pipe = GPipe(spec.build(tiny), partitions=2 * cells_per_process(schedule), micro_batches=m,
-                          schedule=schedule, sample=x[:max(1, x.shape[0] // m)], loss_fn=spec.loss_fn,
-                          optimizer=sgd, runtime="distributed")
+                          schedule=schedule, sample=x[:max(1, x.shape[0] // m)], checkpoint="never",
+                          loss_fn=spec.loss_fn, optimizer=sgd, runtime="distributed")
         self.pipe.make_schedule()
         self.balance = list(self.pipe.balance)
 
@@ -162,7 +164,7 @@ def bench_processes(cfg: dict[str, Any]) -> dict[str, Any]:
             row = rows_of({f"{name}/{rows}/{m}": out[f"{name}/{rows}/{m}"]})[0]
             print(f"{COMMAND} {name} batch {rows} M={m}: {row['ours_best']} / {row['torch_best']} "
                   f"{row['ratio']:.3f} [{row['ci_low']}, {row['ci_high']}] ({row['rounds']} rounds); "
-                  f"times ms {row['times_ms']}", flush=True)
+                  f"times ms {row['times_ms']}; our cuts {cuts}", flush=True)
         del items
     return out
 
