@@ -49,17 +49,18 @@ def _scaled(t: torch.Tensor, factor: Any) -> torch.Tensor:
 
 def _addmm(node: Any, grad: torch.Tensor, mask: list[bool]) -> Sequence[torch.Tensor | None]:
     """beta * self + alpha * mat1 @ mat2 (a linear layer with a bias: self the bias, mat2 its weight
-    transposed)."""
+    transposed). mat2's gradient is made as the transpose of a contiguous product, so that the weight's,
+    its transpose, is contiguous like the weight."""
     mat1, mat2, alpha = node._saved_mat1, node._saved_mat2, node._saved_alpha
     return (_scaled(grad, node._saved_beta) if mask[0] else None,
             _scaled(grad @ mat2.t(), alpha) if mask[1] else None,
-            _scaled(mat1.t() @ grad, alpha) if mask[2] else None)
+            _scaled((grad.t() @ mat1).t(), alpha) if mask[2] else None)
 
 
 def _mm(node: Any, grad: torch.Tensor, mask: list[bool]) -> Sequence[torch.Tensor | None]:
     """self @ mat2 (a linear layer without a bias: mat2 its weight transposed)."""
     return (grad @ node._saved_mat2.t() if mask[0] else None,
-            node._saved_self.t() @ grad if mask[1] else None)
+            (grad.t() @ node._saved_self).t() if mask[1] else None)
 
 
 KERNELS: dict[str, Callable[[Any, torch.Tensor, list[bool]], Sequence[torch.Tensor | None]]] = {

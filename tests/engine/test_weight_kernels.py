@@ -59,6 +59,7 @@ def test_linear_and_layernorm_gradients_equal_a_whole_backwards(shape: tuple[int
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Tanh(), nn.Linear(4, 2, bias=False))
     assert _split_against_whole(model, torch.randn(*shape)) == 3
+    assert all(p.grad is not None and p.grad.is_contiguous() for p in model.parameters())
 
 
 class _SharedWeight(nn.Module):
