@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from gpipe_repro.engine import boundary
+from gpipe_repro.engine.weight_kernels import run_direct
 
 __all__ = ["split_backward_input", "full_backward", "backward_now", "reached_params", "LayerCuts",
            "cuts_layers", "split_by_layer"]
@@ -75,7 +76,9 @@ def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], le
         return weights_again
 
     def weights() -> None:
-        stage_backward_weight(iter(params), groups)  # type: ignore[arg-type]  # any leaf works
+        left = run_direct(groups)   # one kernel call per convolution or norm, not an autograd call
+        if left:
+            stage_backward_weight(iter(params), left)  # type: ignore[arg-type]  # any leaf works
     return weights
 
 
