@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_repro.repro.versus_models import MODELS, StageChunk, chunk_layers, untied
+from experiments.versus_models import MODELS, StageChunk, chunk_layers, untied
 
 
 def test_chunk_layers_puts_the_ends_on_the_end_chunks_and_the_blocks_in_equal_runs() -> None:
@@ -58,8 +58,12 @@ def test_every_heterogeneous_model_runs_the_same_in_torchtitans_chunks(name: str
 
 @pytest.mark.slow
 def test_tiny_run_gives_a_row_per_group_with_both_sides_best(capsys: pytest.CaptureFixture[str]) -> None:
-    from gpipe_repro.repro.versus_torch import main
-    main(["--tiny", "--models", "transformer", "llama"])
+    from typer.testing import CliRunner
+
+    from experiments.versus_torch import app
+    result = CliRunner().invoke(app, ["--tiny", "--models", "transformer,llama"])
+    assert result.exit_code == 0, result.output
+    print(result.output)
     text = capsys.readouterr().out
     assert "TINY RUN: not of record" in text
     for name in ("mlp", "transformer", "llama"):
@@ -68,11 +72,12 @@ def test_tiny_run_gives_a_row_per_group_with_both_sides_best(capsys: pytest.Capt
 
 
 def test_the_entry_point_refuses_a_dirty_tree_before_any_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpipe_repro.repro import versus_torch
+    from experiments import versus_torch
     monkeypatch.setattr("gpipe_repro.report.provenance.git_state",
                         lambda: {"git_commit": "abc", "git_dirty": True})
-    monkeypatch.setattr("gpipe_repro.report.records.is_of_record", lambda path: True)
+    monkeypatch.setattr("gpipe_repro.report.output_guard.is_of_record", lambda path: True)
     monkeypatch.setattr("gpipe_repro.distributed.launch_local",
                         lambda *a, **k: pytest.fail("measured from a dirty tree"))
     with pytest.raises(SystemExit, match="differ from commit"):
-        versus_torch.main([], record=True)
+        versus_torch.main(models="transformer", uniform=True, ms="4,8", warmup=1, tiny=False, budget=1.0,
+                          tolerance=0.02, min_rounds=1, max_rounds=1)
