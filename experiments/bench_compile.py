@@ -129,10 +129,10 @@ def plain_step(layers: list[nn.Module], x: torch.Tensor, y: torch.Tensor,
 
 def pipe_step(layers: list[nn.Module], x: torch.Tensor, y: torch.Tensor, options: dict[str, Any] | None,
               partitions: int = 1, micro_batches: int = 1, sync: bool = True) -> Step:
-    """One ``GPipe.train_step`` (each layer under ``torch.compile(**options)`` with `options`);
-    ``sync=False`` returns the loss as a tensor, unread."""
+    """One ``GPipe.train_step``, every cell on the batch's device (each layer under
+    ``torch.compile(**options)`` with `options`); ``sync=False`` returns the loss as a tensor, unread."""
     pipe = GPipe(layers, partitions=partitions, micro_batches=micro_batches, checkpoint="never",
-                 loss_fn=nn.CrossEntropyLoss(), optimizer=sgd,
+                 devices=[x.device] * partitions, loss_fn=nn.CrossEntropyLoss(), optimizer=sgd,
                  compile=options if options is not None else False)
     if sync:
         return lambda: pipe.train_step(x, y)
