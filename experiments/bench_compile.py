@@ -3,10 +3,12 @@ reads of the loss cost a step.
 
 Every comparison runs in alternating rounds of the measurement kernel
 (:mod:`gpipe_repro.report.measurement`: a paired ratio per round, the median with a 95% bootstrap
-interval, a verdict against the target). A timed run is a block of ``steps`` training steps that
-ends waiting for the device (``torch.cuda.synchronize`` on a GPU; the loss of the block's last step
-read once where the step does not read it itself), so a step that only queues work is not timed as
-free. Four groups, measured one after another, share the budget:
+interval, a verdict against the target). A timed run is a block of training steps (per group, as
+many as make its slowest configuration's block last ``--block-seconds``: a block far shorter than the
+host's switches between its fast and slow state measures the switching) that ends waiting for the
+device (``torch.cuda.synchronize`` on a GPU; the loss of the block's last step read once where the
+step does not read it itself), so a step that only queues work is not timed as free. Four groups,
+measured one after another, share the budget:
 
 - **compile speedup** (a small ReLU MLP, and a small stack of ``nn.TransformerEncoderLayer`` blocks
   under a mean over the sequence and a Linear head): ``GPipe(..., compile=True)`` (inductor, each
@@ -31,6 +33,7 @@ code generation), the smallest models, 2 rounds per group. Results in results/co
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -162,15 +165,23 @@ def graphs() -> int:
 def warm_up(step: Step, device: torch.device, at_least: int) -> dict[str, Any]:
     """Run `step` until one (after `at_least`) compiles no new graph: the seconds that took and the
     steps it ran, compilation included."""
-    t0, count = time.perf_counter(), 0
+    t0, count, last = time.perf_counter(), 0, 0.0
     while count < UNTIL_NO_NEW_GRAPH:
-        before = graphs()
+        before, began = graphs(), time.perf_counter()
         step()
         wait(device)
-        count += 1
+        count, last = count + 1, time.perf_counter() - began
         if count >= at_least and graphs() == before:
             break
-    return {"seconds": time.perf_counter() - t0, "steps": count, "limit_reached": count >= UNTIL_NO_NEW_GRAPH}
+    return {"seconds": time.perf_counter() - t0, "steps": count, "limit_reached": count >= UNTIL_NO_NEW_GRAPH,
+            "last_step_seconds": last}
+
+
+def steps_per_block(warm: dict[str, dict[str, Any]], block_seconds: float) -> int:
+    """Steps that make the slowest configuration's block last about `block_seconds` (at least 1),
+    from each configuration's last warm-up step."""
+    slowest = max(w["last_step_seconds"] for w in warm.values())
+    return max(1, math.ceil(block_seconds / slowest)) if slowest > 0 else 1
 
 
 @dataclass(frozen=True)
@@ -278,8 +289,9 @@ def groups(device: torch.device, sizes: Sizes, options: dict[str, Any], toleranc
     return [mlp, blocks, launch, sync]
 
 
-def render(device: torch.device, backend: str, steps: int, results: list[tuple[Group, Measurement]],
-           warm: dict[str, dict[str, dict[str, Any]]], host: dict[str, Any]) -> str:
+def render(device: torch.device, backend: str, steps: dict[str, int],
+           results: list[tuple[Group, Measurement]], warm: dict[str, dict[str, dict[str, Any]]],
+           host: dict[str, Any]) -> str:
     """The page: per group the verdicts, then every configuration's time and warm-up."""
     commit = host.get("git_commit") or "unknown"
     dirty = " (dirty tree)" if host.get("git_dirty") else ""
@@ -287,29 +299,31 @@ def render(device: torch.device, backend: str, steps: int, results: list[tuple[G
              f"Device {device.type} ({host['device']}), {host['cores']} usable core(s), "
              f"{torch.get_num_threads()} torch thread(s), load average {host['load_start']:.1f} at the "
              f"start and {host['load_end']:.1f} at the end; commit {commit[:10]}{dirty}; torch "
-             f"{torch.__version__}, backend {backend}. A timed run is a block of {steps} step(s) "
+             f"{torch.__version__}, backend {backend}. A timed run is a block of steps (per group) "
              "ending with the device waited for. Each ratio is the median of per-round paired ratios "
              "with its 95% bootstrap interval; a busy host widens the interval. Compilation is outside "
              "the rounds: its warm-up seconds (until a step compiles no new graph) are in the tables."]
     for group, result in results:
-        lines += [f"\n## {group.title}\n", f"{group.what}; {result.rounds} alternating rounds "
+        lines += [f"\n## {group.title}\n", f"{group.what}; blocks of {steps[group.name]} step(s), "
+                  f"{result.rounds} alternating rounds "
                   f"({result.stopped}).\n", verdict_lines(list(result.figures.values())), ""]
         rows = []
         for name, figure in result.times.items():
             w = warm[group.name][name]
             rows.append([group.labels[name], figure.markdown(),
                          f"{w['seconds']:.1f} ({w['steps']} steps{', limit' if w['limit_reached'] else ''})"])
-        lines.append(markdown_table(["configuration", f"median s per {steps} step(s) [95% interval]",
-                                     "warm-up s (compilation included)"], rows))
+        per = f"median s per {steps[group.name]} step(s) [95% interval]"
+        lines.append(markdown_table(["configuration", per, "warm-up s (compilation included)"], rows))
     return "\n".join(lines)
 
 
 def run(device: str = "cpu", budget: float = 240.0, out_dir: str | Path | None = None, tiny: bool = False,
-        *, write: bool = True, tolerance: float = 0.02, min_rounds: int = 6, max_rounds: int = 60,
-        steps: int | None = None, mode: str | None = None) -> dict[str, Any]:
+        *, write: bool = True, tolerance: float = 0.02, min_rounds: int = 6, max_rounds: int = 200,
+        steps: int | None = None, block_seconds: float = 0.05, mode: str | None = None) -> dict[str, Any]:
     """The whole benchmark on `device` ("cpu" or "cuda"): its payload (the page is printed; with
     `write`, written to `out_dir`/bench_compile.{json,md}, by default results/compile/).
-    `tiny`: the aot_eager backend, the smallest models, 2 rounds per group, 1 step per block."""
+    `steps`: steps per timed block in every group (None: from `block_seconds`). `tiny`: the
+    aot_eager backend, the smallest models, 2 rounds per group, 1 step per block."""
     import os
 
     from gpipe_repro.report.provenance import environment
@@ -325,23 +339,26 @@ def run(device: str = "cpu", budget: float = 240.0, out_dir: str | Path | None =
     sizes = TINY if tiny else Sizes()
     if tiny:
         min_rounds = max_rounds = 2
-    block = steps if steps is not None else 1 if tiny else 10 if where.type == "cuda" else 2
     env = environment()
     host = {"device": env["device"], "cores": env["cores"], "load_start": os.getloadavg()[0],
             "git_commit": env.get("git_commit"), "git_dirty": env.get("git_dirty")}
     all_groups = groups(where, sizes, options, tolerance)
     warm: dict[str, dict[str, dict[str, Any]]] = {}
     results: list[tuple[Group, Measurement]] = []
+    block: dict[str, int] = {}
     for group in all_groups:
         warm[group.name] = {name: warm_up(step, where, 1 if tiny else 3)
                             for name, step in group.steps.items()}
+        block[group.name] = (steps if steps is not None else 1 if tiny
+                             else steps_per_block(warm[group.name], block_seconds))
         rule: StopRule = stop_rule(budget, tolerance, min_rounds, max_rounds, len(all_groups))
-        result = measure({n: timed_block(s, block, where) for n, s in group.steps.items()},
+        result = measure({n: timed_block(s, block[group.name], where) for n, s in group.steps.items()},
                          group.comparisons, rule, label=f"bench-compile {group.name}")
         results.append((group, result))
     host["load_end"] = os.getloadavg()[0]
     text = render(where, backend, block, results, warm, host)
     config = {"device": device, "tiny": tiny, "backend": backend, "mode": mode, "steps_per_block": block,
+              "block_seconds": block_seconds,
               "sizes": sizes.__dict__, "threads": torch.get_num_threads(), "budget": budget,
               "tolerance": tolerance, "min_rounds": min_rounds, "max_rounds": max_rounds}
     payload = {"experiment": "torch.compile speedup, launch-bound accumulation, host sync",
@@ -367,19 +384,22 @@ app = typer.Typer(add_completion=False)
 def main(device: str = typer.Option("cpu", help="cpu or cuda (a lent GPU host runs the same script)"),
          tiny: bool = typer.Option(False, "--tiny", help="seconds: aot_eager backend, smallest models, "
                                    "2 rounds per group (checks the script, measures nothing of note)"),
-         steps: int = typer.Option(0, min=0, help="training steps per timed run (0: 10 on cuda, 2 on "
-                                   "cpu, 1 with --tiny)"),
+         steps: int = typer.Option(0, min=0, help="training steps per timed run in every group (0: "
+                                   "from --block-seconds; 1 with --tiny)"),
+         block_seconds: float = typer.Option(0.05, min=0.0, help="seconds a timed block of the "
+                                             "slowest configuration of a group lasts (sets its steps)"),
          mode: str = typer.Option("", help="torch.compile mode (empty: its default)"),
          threads: int = typer.Option(1, min=1, help="torch CPU threads"),
          out_dir: Path = typer.Option(None, help="where to write (default results/compile/)"),
          write: Write = True, budget: Budget = 150.0, tolerance: Tolerance = 0.02,
-         min_rounds: MinRounds = 6, max_rounds: MaxRounds = 60) -> None:
+         min_rounds: MinRounds = 6, max_rounds: MaxRounds = 200) -> None:
     """torch.compile against eager (GPipe and plain PyTorch), launch-bound accumulation, host sync."""
     if device not in ("cpu", "cuda"):
         raise typer.BadParameter(f"--device {device!r}: use cpu or cuda")
     torch.set_num_threads(threads)
     run(device, budget, out_dir, tiny, write=write, tolerance=tolerance, min_rounds=min_rounds,
-        max_rounds=max_rounds, steps=steps or None, mode=mode or None)
+        max_rounds=max_rounds, steps=steps or None, block_seconds=block_seconds,
+        mode=mode or None)
 
 
 if __name__ == "__main__":
