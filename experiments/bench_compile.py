@@ -25,17 +25,24 @@ measured one after another, share the budget:
 
 Compilation is kept out of the rounds: every configuration is warmed up until a step compiles no
 new graph (dynamo's count of unique graphs stops growing), and those warm-up seconds, compilation
-included, are reported beside the rounds for every configuration, eager ones too.
+included, are reported beside the rounds for every configuration, eager ones too. Inductor keeps
+what it compiled on disk and reuses it in later processes; the run compiles into a fresh cache
+directory of its own (what a first compile costs) unless ``--shared-cache`` (the user's cache: what
+a repeated run costs). Within a run a configuration may still reuse what an earlier one compiled
+(the same graph at the same shapes), as it would in a user's process.
 
 ``--tiny`` checks the script end to end in seconds: the ``aot_eager`` backend (no C compiler, no
 code generation), the smallest models, 2 rounds per group. Results in results/compile/ (measured).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import os
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,6 +191,25 @@ def steps_per_block(warm: dict[str, dict[str, Any]], block_seconds: float) -> in
     return max(1, math.ceil(block_seconds / slowest)) if slowest > 0 else 1
 
 
+@contextlib.contextmanager
+def compile_cache(fresh: bool) -> Iterator[str | None]:
+    """With `fresh`, inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, Triton's under it) in a
+    temporary directory for the duration, removed after; yields it (None: the cache as configured)."""
+    if not fresh:
+        yield None
+        return
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="bench-compile-inductor-") as where:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = where
+        try:
+            yield where
+        finally:
+            if before is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+
 @dataclass(frozen=True)
 class Group:
     """Configurations measured together in alternating rounds, their labels and comparisons."""
@@ -299,7 +325,8 @@ def render(device: torch.device, backend: str, steps: dict[str, int],
              f"Device {device.type} ({host['device']}), {host['cores']} usable core(s), "
              f"{torch.get_num_threads()} torch thread(s), load average {host['load_start']:.1f} at the "
              f"start and {host['load_end']:.1f} at the end; commit {commit[:10]}{dirty}; torch "
-             f"{torch.__version__}, backend {backend}. A timed run is a block of steps (per group) "
+             f"{torch.__version__}, backend {backend}, {host['compile_cache']} compile cache. "
+             "A timed run is a block of steps (per group) "
              "ending with the device waited for. Each ratio is the median of per-round paired ratios "
              "with its 95% bootstrap interval; a busy host widens the interval. Compilation is outside "
              "the rounds: its warm-up seconds (until a step compiles no new graph) are in the tables."]
@@ -319,13 +346,13 @@ def render(device: torch.device, backend: str, steps: dict[str, int],
 
 def run(device: str = "cpu", budget: float = 240.0, out_dir: str | Path | None = None, tiny: bool = False,
         *, write: bool = True, tolerance: float = 0.02, min_rounds: int = 6, max_rounds: int = 200,
-        steps: int | None = None, block_seconds: float = 0.05, mode: str | None = None) -> dict[str, Any]:
+        steps: int | None = None, block_seconds: float = 0.05, mode: str | None = None,
+        shared_cache: bool = False) -> dict[str, Any]:
     """The whole benchmark on `device` ("cpu" or "cuda"): its payload (the page is printed; with
     `write`, written to `out_dir`/bench_compile.{json,md}, by default results/compile/).
-    `steps`: steps per timed block in every group (None: from `block_seconds`). `tiny`: the
+    `steps`: steps per timed block in every group (None: from `block_seconds`); `shared_cache`:
+    compile into inductor's cache as configured, not a fresh one (:func:`compile_cache`). `tiny`: the
     aot_eager backend, the smallest models, 2 rounds per group, 1 step per block."""
-    import os
-
     from gpipe_repro.report.provenance import environment
     from gpipe_repro.report.records import write_json, write_markdown
 
@@ -341,24 +368,26 @@ def run(device: str = "cpu", budget: float = 240.0, out_dir: str | Path | None =
         min_rounds = max_rounds = 2
     env = environment()
     host = {"device": env["device"], "cores": env["cores"], "load_start": os.getloadavg()[0],
-            "git_commit": env.get("git_commit"), "git_dirty": env.get("git_dirty")}
+            "git_commit": env.get("git_commit"), "git_dirty": env.get("git_dirty"),
+            "compile_cache": "shared" if shared_cache or tiny else "fresh"}
     all_groups = groups(where, sizes, options, tolerance)
     warm: dict[str, dict[str, dict[str, Any]]] = {}
     results: list[tuple[Group, Measurement]] = []
     block: dict[str, int] = {}
-    for group in all_groups:
-        warm[group.name] = {name: warm_up(step, where, 1 if tiny else 3)
-                            for name, step in group.steps.items()}
-        block[group.name] = (steps if steps is not None else 1 if tiny
-                             else steps_per_block(warm[group.name], block_seconds))
-        rule: StopRule = stop_rule(budget, tolerance, min_rounds, max_rounds, len(all_groups))
-        result = measure({n: timed_block(s, block[group.name], where) for n, s in group.steps.items()},
-                         group.comparisons, rule, label=f"bench-compile {group.name}")
-        results.append((group, result))
+    with compile_cache(not shared_cache and not tiny):
+        for group in all_groups:
+            warm[group.name] = {name: warm_up(step, where, 1 if tiny else 3)
+                                for name, step in group.steps.items()}
+            block[group.name] = (steps if steps is not None else 1 if tiny
+                                 else steps_per_block(warm[group.name], block_seconds))
+            rule: StopRule = stop_rule(budget, tolerance, min_rounds, max_rounds, len(all_groups))
+            result = measure({n: timed_block(s, block[group.name], where) for n, s in group.steps.items()},
+                             group.comparisons, rule, label=f"bench-compile {group.name}")
+            results.append((group, result))
     host["load_end"] = os.getloadavg()[0]
     text = render(where, backend, block, results, warm, host)
     config = {"device": device, "tiny": tiny, "backend": backend, "mode": mode, "steps_per_block": block,
-              "block_seconds": block_seconds,
+              "block_seconds": block_seconds, "compile_cache": host["compile_cache"],
               "sizes": sizes.__dict__, "threads": torch.get_num_threads(), "budget": budget,
               "tolerance": tolerance, "min_rounds": min_rounds, "max_rounds": max_rounds}
     payload = {"experiment": "torch.compile speedup, launch-bound accumulation, host sync",
@@ -391,6 +420,9 @@ def main(device: str = typer.Option("cpu", help="cpu or cuda (a lent GPU host ru
          mode: str = typer.Option("", help="torch.compile mode (empty: its default)"),
          threads: int = typer.Option(1, min=1, help="torch CPU threads"),
          out_dir: Path = typer.Option(None, help="where to write (default results/compile/)"),
+         shared_cache: bool = typer.Option(False, "--shared-cache", help="compile into inductor's "
+                                           "cache as configured (what a repeated run pays), not a "
+                                           "fresh one (what a first compile pays)"),
          write: Write = True, budget: Budget = 150.0, tolerance: Tolerance = 0.02,
          min_rounds: MinRounds = 6, max_rounds: MaxRounds = 200) -> None:
     """torch.compile against eager (GPipe and plain PyTorch), launch-bound accumulation, host sync."""
@@ -399,7 +431,7 @@ def main(device: str = typer.Option("cpu", help="cpu or cuda (a lent GPU host ru
     torch.set_num_threads(threads)
     run(device, budget, out_dir, tiny, write=write, tolerance=tolerance, min_rounds=min_rounds,
         max_rounds=max_rounds, steps=steps or None, block_seconds=block_seconds,
-        mode=mode or None)
+        mode=mode or None, shared_cache=shared_cache)
 
 
 if __name__ == "__main__":

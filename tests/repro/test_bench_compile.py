@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 
@@ -35,3 +36,18 @@ def test_bench_compile_refuses_an_unknown_device() -> None:
 
     result = CliRunner().invoke(bench_compile.app, ["--tiny", "--no-write", "--device", "tpu"])
     assert result.exit_code != 0 and "cpu or cuda" in result.output
+
+
+def test_a_fresh_compile_cache_is_a_directory_of_its_own_for_the_run_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from experiments.bench_compile import compile_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
+    with compile_cache(True) as where:
+        assert where is not None and os.path.isdir(where)
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == where
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/else" and not os.path.exists(where)
+    with compile_cache(False) as where:
+        assert where is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/else"
