@@ -24,6 +24,7 @@ help:
 	@echo "make bench-replicas    K=1 x R=2 data parallel vs one process; K=2 x R=2 Gantt, results/replicas/"
 	@echo "make replicas-plan-table  K x R x M for Transformer-L / AmoebaNet-D on 8-2048 devices (simulated)"
 	@echo "make bench-schedules   every schedule of ours vs every torch.distributed.pipelining schedule, K=2"
+	@echo "make bench-compile     torch.compile vs eager (GPipe and plain), launch-bound M=32, host sync, results/compile/ (DEVICE=cuda on a GPU)"
 	@echo "make bench-latency     seconds of fit (80B Transformer) and of an offline W&B run vs targets, host load"
 	@echo "make train-amoebanet   AmoebaNet-B on the offline MNIST sample (CPU preset)"
 	@echo "make deep-vs-wide      deep vs wide multilingual translation, results/translation/"
@@ -119,6 +120,10 @@ replicas-plan-table: $(STAMP)
 
 bench-schedules: $(STAMP)
 	$(PY) -m experiments.bench_schedules $(if $(BUDGET),--budget $(BUDGET))
+
+DEVICE ?=
+bench-compile: $(STAMP)
+	$(PY) -m experiments.bench_compile $(if $(BUDGET),--budget $(BUDGET)) $(if $(DEVICE),--device $(DEVICE))
 
 bench-latency: $(STAMP)
 	$(PY) -m experiments.bench_latency

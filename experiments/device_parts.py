@@ -14,7 +14,9 @@ seconds each (what the test suite runs); otherwise the lent GPU host's sizes.
   through the public path (:func:`gpipe_repro.sim.own_model.simulate_model`);
 - ``bench-schedules-kK``: every single-cell schedule of ours at K stage processes against plain
   PyTorch on one, in alternating rounds (:func:`gpipe_repro.repro.harness.rounds_in_processes`);
-- ``bench-replicas``: K=1 x R data parallel against one process, R = 2 and 4 (``--tiny``: 2).
+- ``bench-replicas``: K=1 x R data parallel against one process, R = 2 and 4 (``--tiny``: 2);
+- ``bench-compile``: torch.compile against eager, the launch-bound M=32 case and ``sync=False``
+  (:mod:`experiments.bench_compile`) on the GPU.
 """
 from __future__ import annotations
 
@@ -158,6 +160,17 @@ def bench_replicas(tiny: bool) -> dict[str, Any]:
     return {"settings": {"width": width, "depth": depth, "global_batch": n, "steps": steps}, "results": out}
 
 
+def bench_compile(tiny: bool, work: Path) -> dict[str, Any]:
+    """torch.compile against eager, the launch-bound M=32 case and sync=False on the GPU
+    (experiments/bench_compile.py; its own page in this part's folder)."""
+    import torch
+
+    from experiments.bench_compile import run as run_bench_compile
+    device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
+    payload = run_bench_compile(device, 5.0 if tiny else 25.0, work, tiny, max_rounds=3 if tiny else 40)
+    return {"device": device, "groups": sorted(payload.get("groups", {}))}
+
+
 def run(part: str, work: Path, tiny: bool) -> dict[str, Any]:
     if part == "host-speed":
         return host_speed(tiny)
@@ -169,6 +182,8 @@ def run(part: str, work: Path, tiny: bool) -> dict[str, Any]:
         return bench_schedules(tiny, int(part.removeprefix("bench-schedules-k")))
     if part == "bench-replicas":
         return bench_replicas(tiny)
+    if part == "bench-compile":
+        return bench_compile(tiny, work)
     raise ValueError(f"unknown part {part!r}")
 
 
