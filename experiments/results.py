@@ -38,23 +38,24 @@ def _python(module: str, *args: str) -> tuple[str, ...]:
 
 #: (name, entry point and options, wall-clock limit in seconds, folders under results/ it writes).
 #: The benchmarks' --budget is their measuring time; the limit leaves room for start-up and output.
-#: throughput-table's two calibrations and its measured cells take most of the 45 minutes.
+#: throughput-table's two calibrations and its measured cells (300 s of rounds per model) take most
+#: of the 45 minutes.
 PARTS: tuple[Part, ...] = (
-    Part("throughput-table", _python("experiments.throughput_table"), 1080, ("throughput",),
+    Part("throughput-table", _python("experiments.throughput_table"), 1200, ("throughput",),
          "K x M normalized throughput, measured and simulated"),
-    Part("validate-sim", _python("experiments.validate_simulator"), 420, ("throughput",),
+    Part("validate-sim", _python("experiments.validate_simulator"), 360, ("throughput",),
          "simulator vs real stage processes; re-renders throughput_table.md"),
-    Part("validate-unseen", _python("experiments.validate_unseen"), 225, ("throughput",),
+    Part("validate-unseen", _python("experiments.validate_unseen"), 200, ("throughput",),
          "20 configurations on two models, K=2"),
     Part("memory-table", _python("experiments.memory_table"), 150, ("memory",)),
-    Part("bench-overhead", _python("experiments.bench_overhead", "--budget", "80"), 120, ("overhead",)),
-    Part("bench-runtime", _python("experiments.bench_runtime", "--budget", "100"), 150, ("runtime",)),
-    Part("bench-schedules", _python("experiments.bench_schedules", "--budget", "100"), 150,
+    Part("bench-overhead", _python("experiments.bench_overhead", "--budget", "60"), 100, ("overhead",)),
+    Part("bench-runtime", _python("experiments.bench_runtime", "--budget", "80"), 130, ("runtime",)),
+    Part("bench-schedules", _python("experiments.bench_schedules", "--budget", "80"), 130,
          ("schedules",)),
-    Part("bench-replicas", _python("experiments.bench_replicas", "--budget", "80"), 120, ("replicas",)),
+    Part("bench-replicas", _python("experiments.bench_replicas", "--budget", "70"), 110, ("replicas",)),
     Part("replicas-plan-table", _python("experiments.replicas_plan_table"), 45, ("replicas",)),
-    Part("check-regression-detector", _python("experiments.check_regression_detector", "--runs", "2"),
-         240, ("ci",), "2 runs per condition (make check-regression-detector runs 10)"),
+    Part("check-regression-detector", _python("experiments.check_regression_detector", "--runs", "1"),
+         175, ("ci",), "1 run per condition (make check-regression-detector runs 10)"),
 )
 
 

@@ -16,7 +16,7 @@ from gpipe_repro.repro.throughput.settings import SweepSettings
 MeasureFn = Callable[[Workload, list[int], int, int, str], dict[str, Any]]
 """(workload, balance, M, batch, checkpoint) -> {"step_time_s", "step_times", "timeline"}."""
 
-CELL_RULE = StopRule(min_rounds=5, max_rounds=12, budget_s=600.0, tolerance=0.03)
+CELL_RULE = StopRule(min_rounds=5, max_rounds=10, budget_s=300.0, tolerance=0.03)
 """The rounds of a table's measured cells (each round launches every cell's stage processes)."""
 
 
