@@ -33,7 +33,8 @@ def test_the_full_plan_fits_8_minutes_in_the_order_asked() -> None:
     check_parts(parts, dr.PARTS_LIMIT_S)
     assert dr.PARTS_LIMIT_S < dr.TOTAL_LIMIT_S
     assert [p.name for p in parts] == ["host-speed", "gpu-check", "validate-sim-k2", "validate-sim-k4",
-                                       "validate-sim-k8", "bench-schedules-k4", "bench-replicas"]
+                                       "validate-sim-k8", "bench-schedules-k4", "bench-replicas",
+                                       "bench-compile"]
     assert all("--tiny" not in p.argv for p in parts)
 
 
