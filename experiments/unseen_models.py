@@ -9,20 +9,12 @@ from typing import Any
 
 from torch import nn
 
-
-class _PreNormResidual(nn.Module):
-    def __init__(self, width: int, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.body = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
-
-    def forward(self, x: Any) -> Any:
-        return x + self.body(self.norm(x))
+from gpipe_repro.repro.validate_unseen import PreNormResidual
 
 
 def residual_mlp(width: int = 768, blocks: int = 8, classes: int = 10) -> nn.Sequential:
     """Residual GELU blocks on (batch, width) features, hidden 4 x width and 1 x width in turn."""
-    return nn.Sequential(*[_PreNormResidual(width, width * (4 if i % 2 == 0 else 1)) for i in range(blocks)],
+    return nn.Sequential(*[PreNormResidual(width, width * (4 if i % 2 == 0 else 1)) for i in range(blocks)],
                          nn.LayerNorm(width), nn.Linear(width, classes))
 
 

@@ -71,7 +71,7 @@ class OursAuto:
         self.pipe.train_step(x, y)
 
 
-class TorchEqualBlocks:
+class TorchEqualBlocks(TorchSchedule):
     """A torch.distributed.pipelining schedule over this rank's chunk(s) of torchtitan's cut
     (:func:`~experiments.versus_models.chunk_layers`): 2 chunks, one per process
     (TORCH_SINGLE), or 4, chunk c on process c mod 2 (TORCH_LOOPED) or in a V (TORCH_V). Weights tied
@@ -92,13 +92,6 @@ class TorchEqualBlocks:
         self.schedule = getattr(pipelining, name)(target, n_microbatches=m, loss_fn=spec.loss_fn)
         self.first, self.last = 0 in mine, chunks - 1 in mine
         self.optimizer = sgd([p for mod in self.modules for p in mod.parameters()])
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        args = (x,) if self.first else ()
-        kwargs = {"target": y, "return_outputs": False} if self.last else {}
-        self.schedule.step(*args, **kwargs)
-        self.optimizer.step()
 
 
 def _first_line(e: Exception) -> str:

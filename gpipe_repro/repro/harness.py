@@ -142,7 +142,7 @@ class TorchSchedule:
         per = blocks // chunks
         mine = ([rank] if name in TORCH_SINGLE else [rank, rank + ranks] if name in TORCH_LOOPED
                 else [rank, chunks - 1 - rank])
-        self.modules = [nn.Sequential(*layers[c * per:(c + 1) * per]) for c in mine]
+        self.modules: list[nn.Module] = [nn.Sequential(*layers[c * per:(c + 1) * per]) for c in mine]
         wrapped = [Checkpointed(mod) if checkpoint == "always" else mod for mod in self.modules]
         stages = [PipelineStage(mod, c, chunks, torch.device("cpu")) for mod, c in zip(wrapped, mine)]
         target = stages[0] if name in TORCH_SINGLE else stages

@@ -36,7 +36,7 @@ from gpipe_repro.report.records import (
 from gpipe_repro.repro.throughput.simulator_error import describe, error_figure, summarize_errors
 
 
-class _Residual(nn.Module):
+class PreNormResidual(nn.Module):
     """x + f(LayerNorm(x)): a pre-norm residual block."""
 
     def __init__(self, width: int, hidden: int) -> None:
@@ -50,7 +50,7 @@ class _Residual(nn.Module):
 
 def residual_mlp(width: int = 1024, blocks: int = 8, classes: int = 10) -> nn.Sequential:
     """An unseen model: `blocks` residual MLP blocks (hidden 2 x width), a norm and a classifier."""
-    return nn.Sequential(*[_Residual(width, 2 * width) for _ in range(blocks)],
+    return nn.Sequential(*[PreNormResidual(width, 2 * width) for _ in range(blocks)],
                          nn.LayerNorm(width), nn.Linear(width, classes))
 
 
