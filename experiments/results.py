@@ -110,7 +110,8 @@ def regenerate(parts: Sequence[Part], *, repo: Path, results: Path, out: TextIO 
     stream = out or sys.stdout
     host = host_facts()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "GPIPE_REPRO_RESULTS": str(results)}
-    manifest: dict[str, Any] = {"command": COMMAND, "commit": commit, "host": host,
+    # its numbers are the parts' wall-clock seconds on this host: measured
+    manifest: dict[str, Any] = {"command": COMMAND, "method": "measured", "commit": commit, "host": host,
                                 "total_limit_s": total_limit_s, "parts": [], "files": {}}
     for i, part in enumerate(parts):
         header = f"results {i + 1}/{len(parts)} "

@@ -114,7 +114,8 @@ PIPELINE_OPTIONS: tuple[SharedOption, ...] = (
     SharedOption("steps", Optional[int], help="optimizer steps (overrides --epochs)"),
     SharedOption("epochs", Optional[float], help="epochs of the training set"),
     SharedOption("checkpoint", Optional[str], help="re-materialization: always | except_last | never"),
-    SharedOption("schedule", Optional[str], help="pipeline schedule: gpipe | 1f1b"),
+    SharedOption("schedule", Optional[str], help="pipeline schedule: gpipe | 1f1b | interleaved | zb-h1 | "
+                 "zb-v | dualpipe-v"),
     SharedOption("objective", Optional[str], help="partitioner objective: bottleneck | variance | greedy | "
                  "equal"),
     SharedOption("partition_cost", Optional[str], help="what the partitioner balances: params | time | "

@@ -229,10 +229,13 @@ def verdict_lines(figures: Sequence[Figure]) -> str:
 
 def publish(experiment: str, stem: str, payload: Mapping[str, Any], text: str, *,
             write: bool = True) -> None:
-    """Print the page; write results/<experiment>/<stem>.{json,md} unless `write` is False."""
+    """Print the page; write results/<experiment>/<stem>.{json,md} unless `write` is False. Every
+    figure a benchmark publishes is measured: the JSON says so, with the environment it was taken in
+    (device, host, torch, commit), unless the payload already does."""
+    from gpipe_repro.report.provenance import environment
     from gpipe_repro.report.records import results_dir, write_json, write_markdown
     print(text, flush=True)
     if write:
         out = results_dir(experiment)
-        write_json(out / f"{stem}.json", payload)
+        write_json(out / f"{stem}.json", {"method": "measured", "environment": environment(), **payload})
         write_markdown(out / f"{stem}.md", text)
