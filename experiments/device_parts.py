@@ -34,7 +34,7 @@ from gpipe_repro.report.records import write_json
 
 def host_speed(tiny: bool) -> dict[str, Any]:
     from gpipe_repro.report.host import fast_share, host_idle_fraction, speed_probe, usable_cores
-    seconds = 1.0 if tiny else 12.0
+    seconds = 1.0 if tiny else 8.0
     readings, t0 = [], time.monotonic()
     while time.monotonic() - t0 < seconds:
         readings.append(fast_share())
