@@ -32,7 +32,7 @@ help:
 	@echo "make check-speedups    benchmark: K=2 speedups vs the committed baseline: pass / fail / inconclusive (RUNS=N rounds, BUDGET=s)"
 	@echo "make check-regression-detector  the CI regression vs 4 breakages (RUNS=10; RENDER_ONLY=1: the page again from its JSON), results/ci/"
 	@echo "make results           every table and validation page of record from a clean commit (<= 45 min; DRY_RUN=1: the plan)"
-	@echo "make device-results    a lent GPU host: host speed, gpu-check, validate-sim K=4/8, schedules K=4, replicas R=2/4, compile (<= 9 min; ONLY=part,...) -> \$$OUT or results/hosts/<host>/ (TINY=1: toy sizes on a CPU)"
+	@echo "make device-results    a lent GPU host: host speed, gpu-check, validate-sim K=2/4/8, schedules K=4, replicas R=2/4, compile (<= 8 min; ONLY=part,... reruns some) -> \$$OUT or results/hosts/<host>/ (TINY=1: toy sizes on a CPU)"
 	@echo "make gpu-check         engine, memory planner and cost model on one GPU, results/gpu/<device>/"
 
 # The venv's packages come from uv (installed into the venv by its own pip): one resolve and parallel

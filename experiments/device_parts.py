@@ -34,7 +34,7 @@ from gpipe_repro.report.records import write_json
 
 def host_speed(tiny: bool) -> dict[str, Any]:
     from gpipe_repro.report.host import fast_share, host_idle_fraction, speed_probe, usable_cores
-    seconds = 1.0 if tiny else 8.0
+    seconds = 1.0 if tiny else 6.0
     readings, t0 = [], time.monotonic()
     while time.monotonic() - t0 < seconds:
         readings.append(fast_share())
@@ -128,7 +128,7 @@ def _schedules_in_process(cfg: dict[str, Any]) -> dict[str, Any]:
 def bench_schedules(tiny: bool, k: int) -> dict[str, Any]:
     from gpipe_repro.distributed import launch_local
     rule = ({"min_rounds": 2, "max_rounds": 2, "budget_s": 5.0, "tolerance": 0.05} if tiny
-            else {"min_rounds": 3, "max_rounds": 20, "budget_s": 12.0, "tolerance": 0.03})
+            else {"min_rounds": 3, "max_rounds": 20, "budget_s": 9.0, "tolerance": 0.03})
     cfg = {"k": k, "width": 64 if tiny else 1024, "blocks": 2 * k if tiny else 4 * k,
            "rows": 64 if tiny else 1024, "ms": [4] if tiny else [4, 8], "rule": rule}
     result = launch_local(_schedules_in_process, k, cfg, timeout=120)[0]
@@ -145,7 +145,7 @@ def bench_replicas(tiny: bool) -> dict[str, Any]:
     width, depth, n = (64, 2, 64) if tiny else (1024, 4, 1024)
     steps, warmup = (2, 1) if tiny else (4, 2)
     rule = (StopRule(min_rounds=2, max_rounds=2, budget_s=5.0, tolerance=0.05) if tiny
-            else StopRule(min_rounds=3, max_rounds=15, budget_s=15.0, tolerance=0.03))
+            else StopRule(min_rounds=3, max_rounds=15, budget_s=12.0, tolerance=0.03))
 
     def job(r: int) -> float:
         runs = launch_local(train_steps, r, 1, r, width, depth, n, 1, steps, warmup, timeout=120)
@@ -167,7 +167,7 @@ def bench_compile(tiny: bool, work: Path) -> dict[str, Any]:
 
     from experiments.bench_compile import run as run_bench_compile
     device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
-    payload = run_bench_compile(device, 5.0 if tiny else 25.0, work, tiny, max_rounds=3 if tiny else 40)
+    payload = run_bench_compile(device, 5.0 if tiny else 15.0, work, tiny, max_rounds=3 if tiny else 40)
     return {"device": device, "groups": sorted(payload.get("groups", {}))}
 
 

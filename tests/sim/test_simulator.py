@@ -392,6 +392,17 @@ def test_validate_sim_takes_every_k_up_to_the_usable_cores() -> None:
     assert unvalidated_note([2, 4, 8], 8) == ""
 
 
+def test_silent_unvalidated_note_blamed_cores_for_k_not_asked() -> None:
+    """A K=4-only validation on 16 cores said K = 2, 8 could not run for want of cores."""
+    from gpipe_repro.repro.throughput.validation import unvalidated_note
+
+    note = unvalidated_note([4], 16)
+    assert "not validated here" not in note and "usable core(s), so" not in note
+    assert "K = 2, 8 not run in this validation" in note
+    mixed = unvalidated_note([2], 4)
+    assert "K = 8 not validated here" in mixed and "K = 4 not run" in mixed
+
+
 # ----------------------------------------------------------------------------- reproducible partitions
 
 def test_two_tables_are_compared_cell_by_cell_and_partition_by_partition() -> None:
