@@ -139,17 +139,18 @@ def main(*, models: Sequence[str] = MODELS, ms: Sequence[int] = VALIDATION_MS,
     from rich.console import Console
 
     from gpipe_repro.engine.timeline import Timeline
+    from gpipe_repro.report.measurement import Progress
     from gpipe_repro.report.records import write_json
 
     settings = replace(DEFAULTS, measure_steps=steps)
     measure = distributed_measure(settings)
     console = Console(stderr=True)
-    with console.status("validating") as status:
+    with Progress(COMMAND) as shown:
         result = validate_simulator(
             settings, measure, models=list(models), ks=list(ks) if ks else None, ms=list(ms),
             schedules=list(schedules),
             measure_schedule=lambda name: distributed_measure(replace(settings, schedule=name)),
-            progress=lambda msg: status.update(msg))
+            progress=shown.update)
     timelines = result.pop("timelines")
     if timelines:
         key = next((k for k in timelines if "_M4_always" in k), next(iter(timelines)))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -146,10 +147,13 @@ def _host_label(meas: dict[str, Any] | None) -> str | None:
 
 def run_with_progress(settings: SweepSettings, out_dir: str | os.PathLike[str],
                       log_wandb: bool = True, *, command: dict[str, Any] | None = None) -> dict[str, Any]:
-    """:func:`run_throughput_table` under a rich progress bar, then :func:`write_outputs`.
+    """:func:`run_throughput_table` under a rich progress bar on a terminal (elsewhere a plain line at
+    least every 30 s), then :func:`write_outputs`.
 
     `command` ({"prog", "argv"}) is recorded in the payload, so the page says how it was made."""
     check_overwrite(out_dir, measuring=settings.measure)
+    import contextlib
+
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -167,13 +171,17 @@ def run_with_progress(settings: SweepSettings, out_dir: str | os.PathLike[str],
                       "every number will be simulated[/yellow]")
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
-    with Progress(*columns, console=console) as bar:
+    from gpipe_repro.report.measurement import Progress as PlainProgress
+    plain = None if console.is_terminal else PlainProgress("throughput table", stream=sys.stderr)
+    with Progress(*columns, console=console) as bar, plain or contextlib.nullcontext():
         task = bar.add_task("throughput table", total=plan_steps(settings, measure is not None))
         started = False
 
         def step(message: str) -> None:
             nonlocal started
             bar.update(task, advance=1 if started else 0, description=message)
+            if plain is not None:
+                plain.update(message)
             started = True
 
         payload = run_throughput_table(settings, step, measure)
