@@ -56,12 +56,14 @@ from experiments.command import Budget, MaxRounds, MinRounds, Tolerance, Write
 from gpipe_repro import GPipe
 from gpipe_repro.report.measurement import Comparison, Measurement, StopRule, measure
 from gpipe_repro.report.records import markdown_table
-from gpipe_repro.repro.harness import publish, relu_mlp, sgd, stop_rule, verdict_lines
+from gpipe_repro.repro.harness import check_publish, publish, relu_mlp, sgd, stop_rule, verdict_lines
 
 GPU_SYNC_TARGET = 1.05
 UNTIL_NO_NEW_GRAPH = 20
 """Warm-up steps at most: a configuration still compiling after this many is measured anyway (its
 warm-up is reported as having reached the limit)."""
+
+COMMAND = "bench-compile"
 
 
 def wait(device: torch.device) -> None:
@@ -310,6 +312,8 @@ def run(device: str = "cpu", budget: float = 240.0, out_dir: str | Path | None =
     where = torch.device(device)
     if where.type == "cuda" and not torch.cuda.is_available():
         raise typer.BadParameter("--device cuda: no CUDA device here")
+    if out_dir is None:
+        check_publish("compile", "bench_compile", COMMAND, write=write)
     backend = "aot_eager" if tiny else "inductor"
     options: dict[str, Any] = {"backend": backend}
     if mode is not None:
@@ -346,7 +350,7 @@ def run(device: str = "cpu", budget: float = 240.0, out_dir: str | Path | None =
                "groups": {g.name: {"what": g.what, "labels": g.labels, "warm_up": warm[g.name],
                                    "measurement": r.to_json()} for g, r in results}}
     if out_dir is None:
-        publish("compile", "bench_compile", payload, text, write=write)
+        publish("compile", "bench_compile", payload, text, command=COMMAND, write=write)
     else:
         print(text, flush=True)
         if write:

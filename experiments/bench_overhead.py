@@ -31,7 +31,7 @@ from experiments.command import Budget, MaxRounds, MinRounds, Tolerance, Write
 from gpipe_repro import GPipe
 from gpipe_repro.report.measurement import Comparison, measure
 from gpipe_repro.report.records import markdown_table
-from gpipe_repro.repro.harness import publish, relu_mlp, sgd, stop_rule, verdict_lines
+from gpipe_repro.repro.harness import check_publish, publish, relu_mlp, sgd, stop_rule, verdict_lines
 
 LABELS = {"plain": "plain PyTorch step", "plain clip": "plain step + clip_grad_norm_",
           "never": "GPipe K=1 M=1 checkpoint=never", "always": "GPipe K=1 M=1 checkpoint=always",
@@ -46,6 +46,8 @@ COMPARISONS = [
     Comparison("GPipe clip_grad_norm=1 (norm at AGREE) / plain step + clip_grad_norm_", "clip",
                "plain clip", 1.03, "<="),
 ]
+
+COMMAND = "bench-overhead"
 
 
 def timed(step: Callable[[], Any]) -> Callable[[], float]:
@@ -99,6 +101,7 @@ def main(width: int = typer.Option(1024, min=1, help="width of each Linear layer
          write: Write = True, budget: Budget = 120.0, tolerance: Tolerance = 0.01,
          min_rounds: MinRounds = 8, max_rounds: MaxRounds = 200) -> None:
     """The engine (K=1, M=1) against a plain PyTorch step, and the price of its guarantees."""
+    check_publish("overhead", "overhead", COMMAND, write=write)
     torch.set_num_threads(threads)
     configs = steps(width, depth, batch)
     for _ in range(warmup):
@@ -117,7 +120,7 @@ def main(width: int = typer.Option(1024, min=1, help="width of each Linear layer
               "budget": budget, "tolerance": tolerance, "min_rounds": min_rounds, "max_rounds": max_rounds}
     publish("overhead", "overhead", {"experiment": "engine overhead vs plain PyTorch",
                                      "config": config, "measurement": result.to_json()},
-            text, write=write)
+            text, command=COMMAND, write=write)
 
 
 if __name__ == "__main__":

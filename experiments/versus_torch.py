@@ -23,7 +23,6 @@ results/, not $GPIPE_REPRO_RESULTS) from a tree whose tracked files differ from 
 """
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from gpipe_repro.repro.harness import (
     Ours,
     TorchSchedule,
     batch,
+    check_publish,
     publish,
     rounds_in_processes,
     sgd,
@@ -246,19 +246,11 @@ def main(models: str = typer.Option(",".join(MODELS), help=f"comma-separated, of
     if tiny:
         budget, min_rounds, max_rounds, micro = 10.0, 3, 3, [2]
     from gpipe_repro.report.host import usable_cores
-    from gpipe_repro.report.output_guard import check_outputs, is_of_record, stamp
     from gpipe_repro.report.provenance import git_state
-    from gpipe_repro.report.records import results_dir
 
     host = {**git_state(), "cores": usable_cores(), "load": round(_load(), 2)}
     write = not tiny
-    if write:
-        out = results_dir("schedules")
-        if host["git_dirty"] is not False and is_of_record(out):
-            sys.exit(f"{COMMAND}: the tracked files differ from commit {host['git_commit']}: commit "
-                     "(or stash) first, so that the results name the code that made them (nothing was run)")
-        check_outputs([out / "versus_torch.json", out / "versus_torch.md"], command=COMMAND,
-                      option="results", overwrite=False, record=True)
+    check_publish("schedules", "versus_torch", COMMAND, write=write)
     cfg: dict[str, Any] = {"models": chosen, "uniform_part": uniform, "ms": micro, "tiny": tiny,
                            "warmup": warmup, "uniform": TINY_UNIFORM if tiny else UNIFORM}
     rule = stop_rule(budget, tolerance, min_rounds, max_rounds, groups=len(groups(cfg)))
@@ -269,7 +261,7 @@ def main(models: str = typer.Option(",".join(MODELS), help=f"comma-separated, of
     text = page(rows, tiny, host)
     payload = {"experiment": "ours vs torch.distributed.pipelining, best vs best, K=2", "config": cfg,
                "host": host, "rows": rows}
-    publish("schedules", "versus_torch", stamp(payload, COMMAND), text, write=write)
+    publish("schedules", "versus_torch", payload, text, command=COMMAND, write=write)
 
 
 def _load() -> float:

@@ -36,7 +36,9 @@ from gpipe_repro.report.host import usable_cores
 from gpipe_repro.report.measurement import Comparison, measure
 from gpipe_repro.report.records import markdown_table, results_dir
 from gpipe_repro.repro.harness import batch as batch_of
-from gpipe_repro.repro.harness import publish, relu_mlp, stop_rule, verdict_lines
+from gpipe_repro.repro.harness import check_publish, publish, relu_mlp, stop_rule, verdict_lines
+
+COMMAND = "bench-replicas"
 
 
 def _step_times(pipe: GPipe, x: torch.Tensor, y: torch.Tensor, warmup: int, steps: int) -> list[float]:
@@ -176,6 +178,7 @@ def main(*, width: int = 1024, depth: int = 4, batch: int = 1024, m: int = 1, st
     if usable_cores() < 2:
         raise ValueError(f"bench-replicas runs 2 processes on one core each; this host has "
                          f"{usable_cores()}")
+    check_publish("replicas", "bench", COMMAND, extra=("gantt_k2_r2.png",), write=write)
     config = {"width": width, "depth": depth, "batch": batch, "m": m, "steps": steps, "warmup": warmup,
               "write": write, "budget": budget, "tolerance": tolerance, "min_rounds": min_rounds,
               "max_rounds": max_rounds}
@@ -205,7 +208,7 @@ def main(*, width: int = 1024, depth: int = 4, batch: int = 1024, m: int = 1, st
         "experiment": "K=1 x R=2 data parallel vs one process", "config": config,
         "measurement": result.to_json(), "median_step_s": t,
         "timeline_k2_r2": k2r2[0]["timeline"], "simulator_vs_measured_k2_r2": check},
-        text, write=write)
+        text, command=COMMAND, write=write)
     if write:
         try:
             from gpipe_repro.report.gantt import render_gantt

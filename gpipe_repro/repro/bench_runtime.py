@@ -32,6 +32,7 @@ from gpipe_repro.repro.harness import (
     SameMicrobatchesK1,
     TorchSchedule,
     batch,
+    check_publish,
     publish,
     rounds_in_processes,
     scaled,
@@ -43,6 +44,8 @@ MS = (1, 2, 4, 8, 16)
 MODES = {"off": "never", "on": "always"}
 PREPOST_MS = (4, 8, 16)
 TARGET = 0.90           # of the ideal, at M=8 checkpoint off
+
+COMMAND = "bench-runtime"
 
 
 def group_items(cfg: dict[str, Any], rank: int, m: int, on: str) -> dict[str, Any]:
@@ -131,6 +134,8 @@ def main(*, width: int = 768, blocks: int = 8, batch: int = 2048, warmup: int = 
          write: bool = True, budget: float = 1200.0, tolerance: float = 0.02, min_rounds: int = 5,
          max_rounds: int = 40) -> None:
     """Measure, print and (unless `write` is False) record under results/runtime/."""
+    check_publish("runtime", "bench_runtime", COMMAND, write=write,
+                  extra=("gantt_k2_m8_never.png", "gantt_k2_m8_always.png", "gantt_k2_m8_always_ahead.png"))
     if blocks % 2:
         raise ValueError("--blocks must be even so the two cells are balanced")
     config = {"width": width, "blocks": blocks, "batch": batch, "warmup": warmup, "threads": threads, "write":
@@ -205,4 +210,4 @@ def main(*, width: int = 768, blocks: int = 8, batch: int = 2048, warmup: int = 
     publish("runtime", "bench_runtime", {
         "experiment": "distributed runtime vs K=1 and torch.distributed.pipelining", "config": cfg,
         "groups": records, "timeline_k2_m8_always_ahead": timelines["ours_ahead/on/8"][-1].to_json(),
-        "gantt_png": gantts}, text, write=write)
+        "gantt_png": gantts}, text, command=COMMAND, write=write)

@@ -35,6 +35,7 @@ from gpipe_repro.repro.harness import (
     SameMicrobatchesK1,
     TorchSchedule,
     batch,
+    check_publish,
     publish,
     rounds_in_processes,
     stop_rule,
@@ -42,6 +43,8 @@ from gpipe_repro.repro.harness import (
 )
 
 TARGETS = {"median ours-best / torch-best": 1.10, "min ours-best / torch-best": 1.0, "M=4 of ideal": 0.95}
+
+COMMAND = "bench-schedules"
 
 
 def group_items(cfg: dict[str, Any], rank: int, m: int) -> tuple[dict[str, Any], dict[str, str]]:
@@ -104,6 +107,7 @@ def main(*, width: int = 1024, blocks: int = 8, batches: Sequence[int] = (256, 1
                          "and V schedules)")
     if smoke:
         width, batches, budget, min_rounds, max_rounds = 128, [64], 30.0, 3, 3
+    check_publish("schedules", "bench_schedules", COMMAND, write=not smoke)
     config = {"width": width, "blocks": blocks, "batches": batches, "ms": ms, "warmup": warmup, "threads":
               threads, "smoke": smoke, "budget": budget, "tolerance": tolerance, "min_rounds": min_rounds,
               "max_rounds": max_rounds}
@@ -155,4 +159,4 @@ def main(*, width: int = 1024, blocks: int = 8, batches: Sequence[int] = (256, 1
         "Not applicable:\n" + ("\n".join(f"- {x}" for x in refused) or "- none")])
     publish("schedules", "bench_schedules", {
         "experiment": "schedules: ours vs torch.distributed.pipelining, K=2", "config": cfg,
-        "rows": records, "checks": [f.to_json() for f in checks]}, text, write=not smoke)
+        "rows": records, "checks": [f.to_json() for f in checks]}, text, command=COMMAND, write=not smoke)

@@ -17,6 +17,7 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -227,15 +228,61 @@ def verdict_lines(figures: Sequence[Figure]) -> str:
     return "\n".join(f"- {f.name}: {f.markdown()}" for f in figures)
 
 
+def _published_by(path: Path, manifest: Path, command: str) -> bool:
+    """Whether `path` is `command`'s earlier output: its JSON `manifest` (or `path` itself) stamped
+    by it, or a benchmark JSON from before the stamps (a dict with "experiment" and no stamp); a
+    page or chart is its if the manifest beside it is."""
+    from gpipe_repro.report.output_guard import OWNER_KEY, owned_json, written_by
+    if written_by(path) == command:
+        return True
+    return owned_json(manifest, command, lambda d: "experiment" in d and OWNER_KEY not in d)
+
+
+def check_publish(experiment: str, stem: str, command: str, *, extra: Sequence[str] = (),
+                  write: bool = True) -> None:
+    """Before any work, where :func:`publish` will write (results/<experiment>/<stem>.{json,md} and
+    the `extra` file names): refuse a file that is not `command`'s earlier output, and the results of
+    record from a checkout whose tracked files differ from its commit (the stamps would name code
+    that did not produce the figures). Exits with a message saying what to do (nothing has run)."""
+    if not write:
+        return
+    try:
+        _check_publish(experiment, stem, command, extra)
+    except ValueError as e:
+        raise SystemExit(f"{command}: {e}") from None
+
+
+def _check_publish(experiment: str, stem: str, command: str, extra: Sequence[str]) -> None:
+    from gpipe_repro.report.output_guard import OutputRefused, check_outputs, is_of_record
+    from gpipe_repro.report.provenance import changed_files
+    from gpipe_repro.report.records import RESULTS_ENV, results_root
+    out = results_root() / experiment
+    if is_of_record(out):
+        changed = changed_files()
+        if changed:
+            raise OutputRefused(
+                f"{command} writes results of record ({out}) only from a clean commit: "
+                f"{len(changed)} tracked file(s) differ ({', '.join(changed[:5])}); commit or stash "
+                f"them, or write elsewhere with {RESULTS_ENV}=DIR (nothing was run)")
+    paths = [out / f"{stem}.json", out / f"{stem}.md", *(out / name for name in extra)]
+    check_outputs(paths, command=command, option="results", overwrite=True, record=True,
+                  own=lambda path: _published_by(path, paths[0], command))
+
+
 def publish(experiment: str, stem: str, payload: Mapping[str, Any], text: str, *,
-            write: bool = True) -> None:
-    """Print the page; write results/<experiment>/<stem>.{json,md} unless `write` is False. Every
-    figure a benchmark publishes is measured: the JSON says so, with the environment it was taken in
-    (device, host, torch, commit), unless the payload already does."""
+            command: str, write: bool = True) -> None:
+    """Print the page; write results/<experiment>/<stem>.{json,md} unless `write` is False (the
+    command should have called :func:`check_publish` before its work; it is checked again here).
+    Every figure a benchmark publishes is measured: the JSON says so, with the environment it was
+    taken in (device, host, torch, commit), unless the payload already does, and names `command`
+    as its writer."""
+    from gpipe_repro.report.output_guard import stamp
     from gpipe_repro.report.provenance import environment
     from gpipe_repro.report.records import results_dir, write_json, write_markdown
     print(text, flush=True)
     if write:
+        check_publish(experiment, stem, command)
         out = results_dir(experiment)
-        write_json(out / f"{stem}.json", {"method": "measured", "environment": environment(), **payload})
+        write_json(out / f"{stem}.json",
+                   stamp({"method": "measured", "environment": environment(), **payload}, command))
         write_markdown(out / f"{stem}.md", text)

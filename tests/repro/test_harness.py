@@ -54,3 +54,44 @@ def test_bench_overhead_runs_in_a_tiny_mode(capsys: pytest.CaptureFixture[str]) 
     text = result.output
     assert "(n=3 rounds" in text and "not comparable" not in text
     assert "(<= 1.03)" in text            # the verdict against the target, whatever it is
+
+
+# ----------------------------------------------------------------------------- publishing pages
+
+
+def test_publish_refuses_a_file_it_did_not_write_before_any_work(tmp_path, monkeypatch) -> None:
+    import json
+
+    from gpipe_repro.repro.harness import check_publish, publish
+    monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path))
+    mine = tmp_path / "overhead" / "overhead.json"
+    mine.parent.mkdir()
+    mine.write_text('{"my": "notes"}')
+    with pytest.raises(SystemExit, match="not a previous"):
+        check_publish("overhead", "overhead", "bench-overhead")
+    with pytest.raises(SystemExit):
+        publish("overhead", "overhead", {"experiment": "x"}, "page", command="bench-overhead")
+    assert json.loads(mine.read_text()) == {"my": "notes"}
+    mine.unlink()
+    publish("overhead", "overhead", {"experiment": "x"}, "page", command="bench-overhead")
+    assert json.loads(mine.read_text())["written_by"] == "bench-overhead"
+    check_publish("overhead", "overhead", "bench-overhead")          # its own: replaced
+    with pytest.raises(SystemExit, match="not a previous"):
+        check_publish("overhead", "overhead", "bench-compile")       # another command's
+
+
+def test_publish_takes_its_unstamped_earlier_output_and_refuses_a_dirty_tree_of_record(
+        tmp_path, monkeypatch) -> None:
+    from gpipe_repro.report import output_guard, provenance
+    from gpipe_repro.repro import harness
+    monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path))
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / "bench_runtime.json").write_text('{"experiment": "old", "method": "measured"}')
+    (tmp_path / "runtime" / "bench_runtime.md").write_text("# old page")
+    (tmp_path / "runtime" / "gantt_k2_m8_never.png").write_bytes(b"old chart")
+    harness.check_publish("runtime", "bench_runtime", "bench-runtime", extra=("gantt_k2_m8_never.png",))
+    monkeypatch.setattr(output_guard, "is_of_record", lambda path: True)
+    monkeypatch.setattr(provenance, "changed_files", lambda repo=None: ["gpipe_repro/engine/gpipe.py"])
+    with pytest.raises(SystemExit, match="only from a clean commit.*engine/gpipe.py"):
+        harness.check_publish("runtime", "bench_runtime", "bench-runtime")
+    harness.check_publish("runtime", "bench_runtime", "bench-runtime", write=False)

@@ -73,11 +73,11 @@ def test_tiny_run_gives_a_row_per_group_with_both_sides_best(capsys: pytest.Capt
 
 def test_the_entry_point_refuses_a_dirty_tree_before_any_work(monkeypatch: pytest.MonkeyPatch) -> None:
     from experiments import versus_torch
-    monkeypatch.setattr("gpipe_repro.report.provenance.git_state",
-                        lambda: {"git_commit": "abc", "git_dirty": True})
+    monkeypatch.setattr("gpipe_repro.report.provenance.changed_files",
+                        lambda repo=None: ["gpipe_repro/engine/gpipe.py"])
     monkeypatch.setattr("gpipe_repro.report.output_guard.is_of_record", lambda path: True)
     monkeypatch.setattr("gpipe_repro.distributed.launch_local",
                         lambda *a, **k: pytest.fail("measured from a dirty tree"))
-    with pytest.raises(SystemExit, match="differ from commit"):
+    with pytest.raises(SystemExit, match="only from a clean commit"):
         versus_torch.main(models="transformer", uniform=True, ms="4,8", warmup=1, tiny=False, budget=1.0,
                           tolerance=0.02, min_rounds=1, max_rounds=1)
