@@ -37,25 +37,27 @@ def _python(module: str, *args: str) -> tuple[str, ...]:
 
 
 #: (name, entry point and options, wall-clock limit in seconds, folders under results/ it writes).
-#: The benchmarks' --budget is their measuring time; the limit leaves room for start-up and output.
-#: throughput-table's two calibrations and its measured cells (300 s of rounds per model) take most
-#: of the 45 minutes.
+#: The benchmarks' --budget is their measuring time; the limit leaves room for start-up, the rounds
+#: the stop rule needs at least, and output. Sized from runs on this host (2026-11-26, seconds):
+#: throughput-table 666, memory-table 95, bench-overhead 36, bench-replicas 83, replicas-plan 24,
+#: regression detector 75; with other work beside them, validate-sim (M = 2, 8; 5 steps) 618,
+#: validate-unseen (M = 2, 8; 5 steps) 303, bench-runtime 183 and bench-schedules 143 at --budget 80.
 PARTS: tuple[Part, ...] = (
-    Part("throughput-table", _python("experiments.throughput_table"), 1200, ("throughput",),
+    Part("throughput-table", _python("experiments.throughput_table"), 800, ("throughput",),
          "K x M normalized throughput, measured and simulated"),
-    Part("validate-sim", _python("experiments.validate_simulator"), 360, ("throughput",),
-         "simulator vs real stage processes; re-renders throughput_table.md"),
-    Part("validate-unseen", _python("experiments.validate_unseen"), 200, ("throughput",),
-         "20 configurations on two models, K=2"),
-    Part("memory-table", _python("experiments.memory_table"), 150, ("memory",)),
-    Part("bench-overhead", _python("experiments.bench_overhead", "--budget", "60"), 100, ("overhead",)),
-    Part("bench-runtime", _python("experiments.bench_runtime", "--budget", "80"), 130, ("runtime",)),
-    Part("bench-schedules", _python("experiments.bench_schedules", "--budget", "80"), 130,
+    Part("validate-sim", _python("experiments.validate_simulator", "--ms", "2,8", "--steps", "5"), 620,
+         ("throughput",), "simulator vs real stage processes, M = 2 and 8; re-renders throughput_table.md"),
+    Part("validate-unseen", _python("experiments.validate_unseen", "--ms", "2,8", "--steps", "5"), 420,
+         ("throughput",), "three models the simulator was never tuned on, K=2, M = 2 and 8"),
+    Part("memory-table", _python("experiments.memory_table"), 130, ("memory",)),
+    Part("bench-overhead", _python("experiments.bench_overhead", "--budget", "50"), 80, ("overhead",)),
+    Part("bench-runtime", _python("experiments.bench_runtime", "--budget", "60"), 200, ("runtime",)),
+    Part("bench-schedules", _python("experiments.bench_schedules", "--budget", "60"), 170,
          ("schedules",)),
     Part("bench-replicas", _python("experiments.bench_replicas", "--budget", "70"), 110, ("replicas",)),
     Part("replicas-plan-table", _python("experiments.replicas_plan_table"), 45, ("replicas",)),
     Part("check-regression-detector", _python("experiments.check_regression_detector", "--runs", "1"),
-         175, ("ci",), "1 run per condition (make check-regression-detector runs 10)"),
+         120, ("ci",), "1 run per condition (make check-regression-detector runs 10)"),
 )
 
 
