@@ -8,7 +8,7 @@ export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help venv test test-core test-host-data lint throughput-table memory-table validate-sim validate-unseen bench-overhead bench-runtime \
-        bench-replicas bench-schedules bench-latency replicas-plan-table deep-vs-wide train-amoebanet corpus baseline \
+        bench-replicas bench-schedules versus-torch bench-latency replicas-plan-table deep-vs-wide train-amoebanet corpus baseline \
         gpu-check check-speedups check-regression-detector results device-results bench-compile clean
 
 help:
@@ -24,6 +24,7 @@ help:
 	@echo "make bench-replicas    K=1 x R=2 data parallel vs one process; K=2 x R=2 Gantt, results/replicas/"
 	@echo "make replicas-plan-table  K x R x M for Transformer-L / AmoebaNet-D on 8-2048 devices (simulated)"
 	@echo "make bench-schedules   every schedule of ours vs every torch.distributed.pipelining schedule, K=2"
+	@echo "make versus-torch      ours vs torch.distributed.pipelining, each used its default way, K=2, results/schedules/versus_torch.*"
 	@echo "make bench-compile     torch.compile vs eager (GPipe and plain), launch-bound M=32, host sync, results/compile/ (DEVICE=cuda on a GPU)"
 	@echo "make bench-latency     seconds of fit (80B Transformer) and of an offline W&B run vs targets, host load"
 	@echo "make train-amoebanet   AmoebaNet-B on the offline MNIST sample (CPU preset)"
@@ -120,6 +121,9 @@ replicas-plan-table: $(STAMP)
 
 bench-schedules: $(STAMP)
 	$(PY) -m experiments.bench_schedules $(if $(BUDGET),--budget $(BUDGET))
+
+versus-torch: $(STAMP)
+	$(PY) -m experiments.versus_torch $(if $(BUDGET),--budget $(BUDGET))
 
 DEVICE ?=
 bench-compile: $(STAMP)
