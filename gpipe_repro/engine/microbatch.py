@@ -63,6 +63,13 @@ def split_sizes(n: int, m: int) -> list[int]:
 def split(value: Any, m: int) -> list[Any]:
     """Cut `value` into `m` micro-batches along dim 0."""
     split_sizes(batch_size(value), m)  # validates
+    return _split(value, m)
+
+
+def _split(value: Any, m: int) -> list[Any]:
+    """:func:`split` of a value already checked to have a batch of at least `m`."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return list(value.tensor_split(m))
     return [_select(value, m, i) for i in range(m)]
 
 
@@ -106,7 +113,7 @@ def split_minibatch(inputs: Any, targets: Any, micro_batches: int,
                              f"batch of at least {parts}, or fewer micro-batches")
         raise ValueError(f"micro_batches={micro_batches} is larger than the batch size {n}: "
                          f"use micro_batches <= {n} or a larger batch")
-    if targets is not None and batch_size(targets, "the targets") != n:
-        raise ValueError(f"targets have batch size {batch_size(targets)} but inputs {n}")
-    return (split(inputs, parts), [None] * parts if targets is None else split(targets, parts),
+    if targets is not None and (t := batch_size(targets, "the targets")) != n:
+        raise ValueError(f"targets have batch size {t} but inputs {n}")
+    return (_split(inputs, parts), [None] * parts if targets is None else _split(targets, parts),
             split_sizes(n, parts))
