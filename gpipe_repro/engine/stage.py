@@ -260,9 +260,14 @@ class StageExecutor:
             self._backward_input(m)
             self._backward_weight(m)
             return
-        outs, grads = self._seeds(m)
-        if outs:
-            torch.autograd.backward(outs, grads)
+        if self.is_last:     # the loss: autograd seeds it with 1 itself, as loss.backward() does
+            loss = self.graphs.pop(m)
+            if loss.requires_grad:
+                loss.backward()
+        else:
+            outs, grads = self._seeds(m)
+            if outs:
+                torch.autograd.backward(outs, grads)
         x = self.inputs.pop(m)
         if self.stage > 0:
             self.outbox[(ActionKind.SEND_GRAD, m)] = boundary.input_grads(x)
