@@ -39,6 +39,8 @@ def _check_no_mapping(value: Any, what: str) -> None:
 
 def batch_size(value: Any, what: str = "the batch") -> int:
     """The size of dim 0 shared by every batched tensor in `value` (`what` names it in errors)."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0:   # one batched tensor: its dim 0
+        return value.shape[0]
     _check_no_mapping(value, what)
     sizes = {t.shape[0] for t in _tensors(value) if t.dim() > 0}
     if not sizes:
