@@ -342,6 +342,8 @@ class StageExecutor:
         cut: GuardedInput | None = None          # the cut fed to the layer running now, if any
         cuts = (LayerCuts(x) if training and torch.is_grad_enabled() and m in self.split_microbatches
                 and cuts_layers(x, len(self.cell), self.stage) else None)
+        seed, step, key, device, first = self.seed, self.step, self.step_key, self.device, self.first_layer
+        mb = m + self.microbatch_offset
         try:
             with self._autocast():
                 h = entry.value
@@ -349,10 +351,10 @@ class StageExecutor:
                     if cuts is not None and i > 0:
                         cut = guard.feed(cuts.cut(h), training, i)
                         h = cut.value
-                    seed_layer(self.seed, self.step, self.first_layer + i, m + self.microbatch_offset,
-                               self.device, self.step_key)
+                    seed_layer(seed, step, first + i, mb, device, key)
                     h = self.runners[i](h)
-                    boundary.check(h, f"layer {self.first_layer + i} ({type(layer).__name__})")
+                    if not isinstance(h, torch.Tensor):   # a tensor always may cross
+                        boundary.check(h, f"layer {first + i} ({type(layer).__name__})")
                     if cut is not None:
                         guard.settle(cut, training, m)
                         cut = None
