@@ -289,6 +289,8 @@ class GPipe(nn.Module):
             mbs, tgts, weights = mbs[mine], tgts[mine], weights[mine]
         schedule = self.make_schedule()
         config = StepConfig(self.precision, self.clip_grad_norm, self.loss_scale)
+        for e in self.runtime.executors:   # the optimizers as they are now (one may have been replaced)
+            e.optimizer = self.optimizers[e.stage]
         agreement = self.runtime.train_step(schedule, self.step, mbs, tgts, weights, config)
         self.last_timeline = self.runtime.last_timeline
         self.step += 1

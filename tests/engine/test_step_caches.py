@@ -165,3 +165,17 @@ def test_an_agreement_from_named_numbers_equals_the_one_from_their_vector(config
         assert (a is None) == (b is None), field
         if a is not None:
             assert torch.equal(a, b), field
+
+
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_silent_stale_optimizer_a_replaced_optimizer_is_the_one_that_steps(partitions: int) -> None:
+    """``pipe.optimizers[s] = ...`` between steps: the new optimizer updates cell s (the executors
+    used to keep stepping the one they were built with, silently)."""
+    pipe, _ = pipe_for(partitions=partitions, micro_batches=2, checkpoint="never")
+    x, y = batch()
+    pipe.train_step(x, y)
+    frozen = [torch.optim.SGD(cell.parameters(), lr=0.0) for cell in pipe.cells]
+    pipe.optimizers[:] = frozen
+    before = [p.detach().clone() for p in pipe.parameters()]
+    pipe.train_step(x, y)
+    assert all(torch.equal(a, b) for a, b in zip(before, pipe.parameters()))
