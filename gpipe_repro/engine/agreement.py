@@ -68,6 +68,10 @@ class Contribution:
     - ``grad_sq_norm``: the squared L2 norm of the stage's gradients (when clipping or fp16 need it);
     - ``nonfinite``: 1 when that norm is not finite.
 
+    A contribution made by :meth:`of` keeps its numbers by name and builds :attr:`vector` only when
+    asked (an all-reduce carries it); one process adds such contributions name by name, so a step
+    that needs only the loss launches no kernel for the numbers it does not have.
+
     Args:
         vector: the numbers, in :data:`AGREEMENT_FIELDS` order.
         counted: whether the loss has counts, when the host knows it (the stage that ran the loss,
@@ -75,26 +79,49 @@ class Contribution:
     """
 
     def __init__(self, vector: torch.Tensor, counted: bool | None = None) -> None:
-        self.vector, self.counted = vector, counted
+        self._vector: torch.Tensor | None = vector
+        self.device = vector.device
+        self.counted = counted
+        # by name: 0-dim float64 tensors on `device`; a name that is missing is 0 (kept by `of`)
+        self._fields: dict[str, torch.Tensor] | None = None
         self._agreements: dict[StepConfig, Agreement] = {}
+
+    @classmethod
+    def _named(cls, device: torch.device, fields: dict[str, torch.Tensor],
+               counted: bool | None) -> Contribution:
+        out = cls.__new__(cls)
+        out._vector, out.device, out.counted, out._fields = None, device, counted, fields
+        out._agreements = {}
+        return out
 
     @staticmethod
     def of(device: torch.device, *, loss: torch.Tensor | None = None, count: torch.Tensor | None = None,
            grad_sq_norm: torch.Tensor | None = None, nonfinite: torch.Tensor | None = None) -> Contribution:
         """A contribution on `device` from named 0-dim tensors (missing ones are 0)."""
-        zero = torch.zeros((), dtype=torch.float64, device=device)
         named = {"loss": loss, "count": count,
                  "weighted": None if count is None else torch.ones((), dtype=torch.float64, device=device),
                  "grad_sq_norm": grad_sq_norm, "nonfinite": nonfinite}
-        values = []
-        for name in AGREEMENT_FIELDS:
-            value = named[name]
-            values.append(zero if value is None else value.to(device, torch.float64))
-        return Contribution(torch.stack(values), counted=count is not None)
+        fields = {name: value.to(device, torch.float64) for name, value in named.items()
+                  if value is not None}
+        return Contribution._named(device, fields, counted=count is not None)
+
+    @property
+    def vector(self) -> torch.Tensor:
+        """The numbers in :data:`AGREEMENT_FIELDS` order, one float64 vector on :attr:`device`."""
+        if self._vector is None:
+            self._vector = torch.stack([self.field(name) for name in AGREEMENT_FIELDS])
+        return self._vector
 
     def field(self, name: str) -> torch.Tensor:
-        """The number called `name` (one of :data:`AGREEMENT_FIELDS`), a 0-dim view."""
-        return self.vector[AGREEMENT_FIELDS.index(name)]
+        """The number called `name` (one of :data:`AGREEMENT_FIELDS`), a 0-dim tensor."""
+        if self._fields is None:
+            return self.vector[AGREEMENT_FIELDS.index(name)]
+        value = self._fields.get(name)
+        if value is None:
+            if name not in AGREEMENT_FIELDS:
+                raise ValueError(f"{name!r} is not one of {AGREEMENT_FIELDS}")
+            value = self._fields[name] = torch.zeros((), dtype=torch.float64, device=self.device)
+        return value
 
     @property
     def loss(self) -> torch.Tensor:
@@ -118,12 +145,18 @@ class Contribution:
 
     def __add__(self, other: Contribution) -> Contribution:
         counted = None if self.counted is None or other.counted is None else self.counted or other.counted
-        return Contribution(self.vector + other.vector.to(self.vector.device), counted)
+        if self._fields is None or other._fields is None:
+            return Contribution(self.vector + other.vector.to(self.device), counted)
+        fields = dict(self._fields)
+        for name, value in other._fields.items():
+            value = value.to(self.device)
+            fields[name] = fields[name] + value if name in fields else value
+        return Contribution._named(self.device, fields, counted)
 
     def without_norm(self) -> Contribution:
         """The same numbers with ``grad_sq_norm`` 0 (a replica whose norm another one counts)."""
         keep = torch.tensor([name != "grad_sq_norm" for name in AGREEMENT_FIELDS], dtype=torch.float64,
-                            device=self.vector.device)
+                            device=self.device)
         return Contribution(self.vector * keep, self.counted)
 
     @staticmethod
@@ -201,16 +234,19 @@ class Agreement:
     @staticmethod
     def from_sum(total: Contribution, config: StepConfig) -> Agreement:
         """Derive the agreement from the stages' summed contributions (see the module docstring)."""
-        loss, count, sq_norm = total.loss, total.count, total.grad_sq_norm
+        loss = total.loss
         fp16 = config.precision == "fp16"
         counted = total.counted
         if counted is None:
             counted = host_value(total.weighted) > 0
         factor: torch.Tensor | None = None
         skip = skipped = None
+        sq_norm = total.grad_sq_norm if fp16 or config.needs_norm else None
         if fp16:
+            assert sq_norm is not None
             skip = ((total.nonfinite > 0) | ~torch.isfinite(sq_norm)).double()
         if counted:
+            count = total.count
             if skip is not None and _has_data(count):   # fp16: one read for both
                 count_value, skip_value = torch.stack([count, skip]).tolist()
                 skipped = skip_value > 0
@@ -225,6 +261,7 @@ class Agreement:
             factor = (torch.ones_like(loss) if factor is None else factor) / config.loss_scale
         norm = None
         if config.needs_norm:
+            assert sq_norm is not None
             scale = 1.0 if factor is None else factor
             norm = torch.where(torch.isfinite(sq_norm), sq_norm.sqrt() * scale, math.inf)
         if config.clip_grad_norm is not None:

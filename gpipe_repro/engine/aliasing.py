@@ -200,6 +200,8 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], where: s
     (same structure). `fn` must keep shapes and strides (detach, ``to``, clone, ``view_as``). Sharing
     that cannot be rebuilt is refused naming the value `where`, or left unshared where it is None
     (:func:`layout`)."""
+    if isinstance(value, torch.Tensor):   # one tensor: nothing can alias it
+        return fn(value)
     tensors = leaves(value)
     if len(tensors) < 2:
         return _put(value, iter([fn(t) for t in tensors]))

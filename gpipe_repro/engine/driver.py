@@ -53,22 +53,27 @@ def drive(programs: Sequence[Sequence[Action]], *, run: Callable[[int, Action], 
             running this action (default: never; each process runs as far as it can).
     """
     pcs = [0] * len(programs)
-    remaining = sum(len(p) for p in programs)
+    ends = [len(p) for p in programs]
+    remaining = sum(ends)
     while remaining:
         progressed = False
+        waiting = 0          # processes whose next action is a barrier, after their turn this round
         for p, actions in enumerate(programs):
-            while pcs[p] < len(actions):
-                a = actions[pcs[p]]
+            pc, end = pcs[p], ends[p]
+            while pc < end:
+                a = actions[pc]
                 if a.kind in BARRIERS or not ready(p, a):
                     break
                 run(p, a)
-                pcs[p] += 1
+                pc += 1
                 remaining -= 1
                 progressed = True
                 if yield_after(p, a):
                     break
-        if all(pcs[p] < len(actions) and actions[pcs[p]].kind in BARRIERS
-               for p, actions in enumerate(programs)):
+            pcs[p] = pc
+            if pc < end and actions[pc].kind in BARRIERS:
+                waiting += 1
+        if waiting == len(programs):
             barrier([(p, actions[pcs[p]]) for p, actions in enumerate(programs)])
             for p in range(len(programs)):
                 pcs[p] += 1

@@ -198,6 +198,8 @@ class GPipe(nn.Module):
         self.cells = nn.ModuleList(move_cell(c, d) for c, d in zip(cells, self.devices))
         self.balance = list(balance)
         self.partitions, self.micro_batches = partitions, micro_batches
+        # make_schedule's last schedule and what it was built from (rebuilt when any of it changes)
+        self._schedule: tuple[tuple[Any, ...], Schedule] | None = None
         self.checkpoint, self.schedule_name, self.recompute_ahead = checkpoint, schedule, recompute_ahead
         self.loss_fn = loss_fn
         self.loss_reduction = declared_reduction(loss_fn) or loss_reduction or "mean"
@@ -250,9 +252,13 @@ class GPipe(nn.Module):
 
     # -- training ---------------------------------------------------------------------------------
     def make_schedule(self) -> Schedule:
-        """The training schedule this pipeline runs (validated by the tests, drawn by ``render()``)."""
-        return make_schedule(self.schedule_name, self.partitions, self.micro_batches, self.checkpoint,
-                             self.recompute_ahead)
+        """The training schedule this pipeline runs (validated by the tests, drawn by ``render()``);
+        built once per configuration (a schedule is immutable data)."""
+        key = (self.schedule_name, self.partitions, self.micro_batches, self.checkpoint,
+               self.recompute_ahead)
+        if self._schedule is None or self._schedule[0] != key:
+            self._schedule = (key, make_schedule(*key))
+        return self._schedule[1]
 
     @overload
     def train_step(self, inputs: Any, targets: Any, *, sync: Literal[True] = ...) -> float: ...
@@ -283,6 +289,8 @@ class GPipe(nn.Module):
             mbs, tgts, weights = mbs[mine], tgts[mine], weights[mine]
         schedule = self.make_schedule()
         config = StepConfig(self.precision, self.clip_grad_norm, self.loss_scale)
+        for e in self.runtime.executors:   # the optimizers as they are now (one may have been replaced)
+            e.optimizer = self.optimizers[e.stage]
         agreement = self.runtime.train_step(schedule, self.step, mbs, tgts, weights, config)
         self.last_timeline = self.runtime.last_timeline
         self.step += 1

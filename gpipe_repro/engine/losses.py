@@ -24,7 +24,6 @@ target is ignored has a NaN loss, as PyTorch's.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,7 +48,7 @@ def denominator(loss: _MeanLoss, target: torch.Tensor) -> torch.Tensor:
         return _number(target.numel(), target)   # shapes only (the memory planner's trace)
     kept = target != loss.ignore_index
     if loss.weight is None:
-        return kept.sum().double()
+        return kept.sum(dtype=torch.float64)   # a count: exact in float64
     return loss.weight.to(target.device)[target.masked_select(kept)].sum().double()
 
 
@@ -87,7 +86,9 @@ def weighted_loss(result: Any, weight: float | torch.Tensor) -> tuple[torch.Tens
     if not isinstance(result, torch.Tensor) or result.dim() != 0:
         raise TypeError("loss_fn must return a scalar tensor (0-dim) or (sum, count); use a "
                         "reducing loss")
-    loss = upcast(result) * (1.0 if count is not None else weight)
+    loss = upcast(result)
+    if count is None and not (isinstance(weight, float) and weight == 1.0):   # x * 1.0 is x
+        loss = loss * weight
     return loss, None if count is None else torch.as_tensor(count, dtype=torch.float64).detach()
 
 
@@ -102,6 +103,7 @@ def loss_weights(sizes: Sequence[int], targets: Sequence[Any], reduction: str,
         total = parts[0]
         for part in parts[1:]:
             total = total + part.to(total.device)
-        weight = torch.where(total == 0, math.nan, 1.0 / total)
+        # 1 / total, NaN for 0 (0/0); a positive count c gives c/c = 1 exactly, then 1/c
+        weight = total.div(total).div_(total)
         return [weight] * len(sizes)
     return [s / n for s in sizes] if reduction == "mean" else [1.0] * len(sizes)

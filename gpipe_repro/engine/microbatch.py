@@ -39,6 +39,8 @@ def _check_no_mapping(value: Any, what: str) -> None:
 
 def batch_size(value: Any, what: str = "the batch") -> int:
     """The size of dim 0 shared by every batched tensor in `value` (`what` names it in errors)."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0:   # one batched tensor: its dim 0
+        return value.shape[0]
     _check_no_mapping(value, what)
     sizes = {t.shape[0] for t in _tensors(value) if t.dim() > 0}
     if not sizes:
@@ -63,6 +65,13 @@ def split_sizes(n: int, m: int) -> list[int]:
 def split(value: Any, m: int) -> list[Any]:
     """Cut `value` into `m` micro-batches along dim 0."""
     split_sizes(batch_size(value), m)  # validates
+    return _split(value, m)
+
+
+def _split(value: Any, m: int) -> list[Any]:
+    """:func:`split` of a value already checked to have a batch of at least `m`."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return list(value.tensor_split(m))
     return [_select(value, m, i) for i in range(m)]
 
 
@@ -106,7 +115,7 @@ def split_minibatch(inputs: Any, targets: Any, micro_batches: int,
                              f"batch of at least {parts}, or fewer micro-batches")
         raise ValueError(f"micro_batches={micro_batches} is larger than the batch size {n}: "
                          f"use micro_batches <= {n} or a larger batch")
-    if targets is not None and batch_size(targets, "the targets") != n:
-        raise ValueError(f"targets have batch size {batch_size(targets)} but inputs {n}")
-    return (split(inputs, parts), [None] * parts if targets is None else split(targets, parts),
+    if targets is not None and (t := batch_size(targets, "the targets")) != n:
+        raise ValueError(f"targets have batch size {t} but inputs {n}")
+    return (_split(inputs, parts), [None] * parts if targets is None else _split(targets, parts),
             split_sizes(n, parts))

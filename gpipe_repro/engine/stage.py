@@ -103,6 +103,8 @@ class StageExecutor:
         self.input_guard = InputGuard(stage, first_layer, len(cell))
         # Micro-batches whose backward is split (BACKWARD_INPUT / BACKWARD_WEIGHT) this step.
         self.split_microbatches: frozenset[int] = frozenset()
+        self.checkpointed: frozenset[int] = frozenset()
+        self._schedule: Schedule | None = None   # the schedule the two sets above were read from
         self.param_order: dict[int, int] = {}
         # One handler per action kind (DeepSpeed's _INSTRUCTION_MAP style).
         self.handlers: dict[ActionKind, Callable[[int | None], None]] = {
@@ -164,10 +166,12 @@ class StageExecutor:
         self.step_key = step_key(self.seed, step)
         self.clock = clock
         self.microbatch_offset = microbatch_offset
-        self.checkpointed = schedule.checkpointed(self.stage)
-        self.split_microbatches = frozenset(a.microbatch for a in schedule.stages[self.stage]
-                                            if a.kind is ActionKind.BACKWARD_INPUT
-                                            and a.microbatch is not None)
+        if schedule is not self._schedule:   # what this stage reads from the schedule, once per schedule
+            self.checkpointed = schedule.checkpointed(self.stage)
+            self.split_microbatches = frozenset(a.microbatch for a in schedule.stages[self.stage]
+                                                if a.kind is ActionKind.BACKWARD_INPUT
+                                                and a.microbatch is not None)
+            self._schedule = schedule
         # The trainable parameters' positions, for the split's per-layer parameter lists (taken once
         # per step: walking the modules per layer and micro-batch cost more than the split saved).
         self.param_order = ({id(p): i for i, p in enumerate(self.cell.parameters()) if p.requires_grad}
@@ -256,9 +260,14 @@ class StageExecutor:
             self._backward_input(m)
             self._backward_weight(m)
             return
-        outs, grads = self._seeds(m)
-        if outs:
-            torch.autograd.backward(outs, grads)
+        if self.is_last:     # the loss: autograd seeds it with 1 itself, as loss.backward() does
+            loss = self.graphs.pop(m)
+            if loss.requires_grad:
+                loss.backward()
+        else:
+            outs, grads = self._seeds(m)
+            if outs:
+                torch.autograd.backward(outs, grads)
         x = self.inputs.pop(m)
         if self.stage > 0:
             self.outbox[(ActionKind.SEND_GRAD, m)] = boundary.input_grads(x)
@@ -314,10 +323,11 @@ class StageExecutor:
             bn.commit()
         if self.agreement.skipped():      # a host read, under fp16 only
             return
-        grads = [p.grad for p in self.cell.parameters() if p.grad is not None]
-        factor = self.agreement.factor_on(grads[0].device) if grads else None
-        if grads and factor is not None:   # a tensor: no host read
-            torch._foreach_mul_(grads, factor)
+        if self.agreement.factor is not None:   # a tensor: no host read
+            grads = [p.grad for p in self.cell.parameters() if p.grad is not None]
+            factor = self.agreement.factor_on(grads[0].device) if grads else None
+            if factor is not None:
+                torch._foreach_mul_(grads, factor)
         if self.optimizer is not None:
             self.optimizer.step()
 
@@ -332,6 +342,8 @@ class StageExecutor:
         cut: GuardedInput | None = None          # the cut fed to the layer running now, if any
         cuts = (LayerCuts(x) if training and torch.is_grad_enabled() and m in self.split_microbatches
                 and cuts_layers(x, len(self.cell), self.stage) else None)
+        seed, step, key, device, first = self.seed, self.step, self.step_key, self.device, self.first_layer
+        mb = m + self.microbatch_offset
         try:
             with self._autocast():
                 h = entry.value
@@ -339,10 +351,10 @@ class StageExecutor:
                     if cuts is not None and i > 0:
                         cut = guard.feed(cuts.cut(h), training, i)
                         h = cut.value
-                    seed_layer(self.seed, self.step, self.first_layer + i, m + self.microbatch_offset,
-                               self.device, self.step_key)
+                    seed_layer(seed, step, first + i, mb, device, key)
                     h = self.runners[i](h)
-                    boundary.check(h, f"layer {self.first_layer + i} ({type(layer).__name__})")
+                    if not isinstance(h, torch.Tensor):   # a tensor always may cross
+                        boundary.check(h, f"layer {first + i} ({type(layer).__name__})")
                     if cut is not None:
                         guard.settle(cut, training, m)
                         cut = None

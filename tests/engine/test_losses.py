@@ -4,6 +4,7 @@ train exactly like full-batch training. The reference is plain PyTorch on the wh
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import pytest
@@ -123,3 +124,14 @@ def test_a_cross_entropy_subclass_with_its_own_forward_is_the_users_loss() -> No
     assert pipe.train_step(x, y) == pytest.approx(expected[0], rel=1e-5)
     for p, q in zip(pipe.unpartitioned().parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_mini_batch_whose_every_target_is_ignored_has_a_nan_loss_as_pytorchs() -> None:
+    """Cross-entropy's mean over no counted target is 0/0 in PyTorch: the engine's weight 1/0 must
+    be NaN too, not inf (or 0, which would train on nothing silently)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 5), torch.full((4,), -100)
+    assert torch.isnan(nn.functional.cross_entropy(torch.randn(4, 3), y))
+    pipe = GPipe([nn.Linear(5, 3)], micro_batches=2, loss_fn=nn.CrossEntropyLoss(),
+                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert math.isnan(pipe.train_step(x, y))
