@@ -46,7 +46,7 @@ PARTS: tuple[Part, ...] = (
     Part("validate-sim", _python("experiments.validate_simulator"), 360, ("throughput",),
          "simulator vs real stage processes; re-renders throughput_table.md"),
     Part("validate-unseen", _python("experiments.validate_unseen"), 200, ("throughput",),
-         "20 configurations on two models, K=2"),
+         "30 configurations on three models, K=2, each corrected in situ"),
     Part("memory-table", _python("experiments.memory_table"), 150, ("memory",)),
     Part("bench-overhead", _python("experiments.bench_overhead", "--budget", "60"), 100, ("overhead",)),
     Part("bench-runtime", _python("experiments.bench_runtime", "--budget", "80"), 130, ("runtime",)),
