@@ -88,24 +88,24 @@ class OwnModelResult:
 
     def describe(self) -> str:
         """A few lines for a terminal."""
-        situ = self.in_situ
+        record = self.in_situ
         lines = [f"{self.workload}: K={self.K}, M={self.M}, micro-batch {self.microbatch} "
                  f"(mini-batch {self.M * self.microbatch}), checkpoint {self.checkpoint}"
                  f"{', recompute ahead' if self.recompute_ahead else ''}",
                  f"  partition {self.balance}"]
-        if situ:
-            lines.append(f"  simulated step, uncorrected: {situ['uncorrected_step_time_s'] * 1e3:.1f} ms, "
-                         f"{situ['uncorrected_throughput']:.1f} samples/s")
-            lines.append(f"  in-situ factors ({situ['run']}), measured / calibrated seconds per action "
+        if record:
+            lines.append(f"  simulated step, uncorrected: {record['uncorrected_step_time_s'] * 1e3:.1f} ms, "
+                         f"{record['uncorrected_throughput']:.1f} samples/s")
+            lines.append(f"  in-situ factors ({record['run']}), measured / calibrated seconds per action "
                          f"kind: " + "; ".join(
                              f"stage {s}: " + ", ".join(f"{kind} {f:.2f}" for kind, f in per.items())
-                             for s, per in enumerate(situ["factors"])))
-        which = ", in-situ corrected:" if situ else ""
+                             for s, per in enumerate(record["factors"])))
+        which = ", in-situ corrected:" if record else ""
         lines += [f"  simulated step{which} {self.step_time_s * 1e3:.1f} ms, "
                   f"{self.throughput:.1f} samples/s, bubble {self.bubble_fraction:.1%}",
                   f"  speedup {self.speedup:.2f}x over one device without a pipeline "
                   f"(simulated {self.single_device_step_time_s * 1e3:.1f} ms per step"
-                  f"{', both from the calibrated costs' if situ else ''})"]
+                  f"{', both from the calibrated costs' if record else ''})"]
         error = self.error()
         if self.measured_step_time_s is not None and error is not None:
             busy = "" if is_clean(self.measured_host) else \
@@ -114,7 +114,7 @@ class OwnModelResult:
             lines.append(f"  measured on {self.K} stage processes: step "
                          f"{self.measured_step_time_s * 1e3:.1f} ms (median of "
                          f"{len(self.measured_step_times_s or [0])} steps){busy}")
-            if situ:
+            if record:
                 raw = self.error(corrected=False)
                 assert raw is not None
                 lines.append(f"  simulator error (measured / simulated - 1) [95% interval]: uncorrected "
