@@ -128,8 +128,10 @@ def register(app: typer.Typer) -> None:
             out: Optional[str] = typer.Option(None, "--out", help="output directory (default: "
                                               "results/throughput/)"),
             in_situ: bool = typer.Option(True, "--in-situ/--no-in-situ", help="also correct each "
-                                         "configuration from a short M=1 run of its own and report both "
+                                         "configuration from a short run of its own and report both "
                                          "errors"),
+            in_situ_m: int = typer.Option(1, "--in-situ-m", min=1, help="micro-batches per step of the "
+                                          "in-situ runs"),
     ) -> None:
         """The simulator against real runs (K=2) of models it was never tuned on."""
         from gpipe_repro.repro import validate_unseen as unseen
@@ -138,7 +140,8 @@ def register(app: typer.Typer) -> None:
         if models is not None:
             options["models"] = _names(models)
         try:
-            unseen.main(batch=batch_size, steps=steps, out=out, in_situ=in_situ, **options,
+            unseen.main(batch=batch_size, steps=steps, out=out, in_situ=in_situ, in_situ_m=in_situ_m,
+                        **options,
                         command=" ".join(["gpipe-repro validate-unseen", *given]) if given
                         else "make validate-unseen")
         except SystemExit as e:
@@ -181,6 +184,8 @@ def register(app: typer.Typer) -> None:
                                          "--validate's; prints both figures and the factors"),
             in_situ_steps: int = typer.Option(3, "--in-situ-steps", help="steps of the --in-situ run "
                                               "(after one warm-up)"),
+            in_situ_m: int = typer.Option(1, "--in-situ-m", help="micro-batches per step of the --in-situ "
+                                          "run (of --microbatch examples each)"),
             out: Optional[Path] = typer.Option(None, "--out", help="also write the result here (JSON)"),
             overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier result of this "
                                            "command at --out (any other existing file is refused)"),
@@ -199,7 +204,8 @@ def register(app: typer.Typer) -> None:
         replicas of the paper's models: samples/s and the time breakdown."""
         for flag, value in (("--k", k), ("--m", m), ("--microbatch", microbatch), ("--repeats", repeats),
                             ("--classes", classes), ("--replicas", replicas),
-                            ("--devices-per-host", devices_per_host), ("--in-situ-steps", in_situ_steps)):
+                            ("--devices-per-host", devices_per_host), ("--in-situ-steps", in_situ_steps),
+                            ("--in-situ-m", in_situ_m)):
             positive(flag, value)
         if checkpoint is not None:
             one_of("--checkpoint", checkpoint, ("always", "except_last", "never"))
@@ -238,7 +244,7 @@ def register(app: typer.Typer) -> None:
                                 checkpoint=checkpoint or "except_last", recompute_ahead=recompute_ahead,
                                 objective=objective, link=link or "gloo-loopback", method=method,
                                 repeats=repeats, validate=validate, in_situ=in_situ,
-                                in_situ_steps=in_situ_steps)
+                                in_situ_steps=in_situ_steps, in_situ_microbatches=in_situ_m)
         except ValueError as e:
             raise typer.Exit(_error(str(e))) from None
 

@@ -90,12 +90,12 @@ MODELS: dict[str, tuple[str, tuple[int, ...]]] = {
 
 
 def run_config(workload: Workload, *, k: int, m: int, microbatch: int, checkpoint: str,
-               steps: int, in_situ: bool = True) -> dict[str, Any]:
-    """One configuration the public way (calibrate, simulate, correct from an in-situ run where
-    `in_situ`, then run on `k` stage processes)."""
+               steps: int, in_situ: bool = True, in_situ_m: int = 1) -> dict[str, Any]:
+    """One configuration the public way (calibrate, simulate, correct from an in-situ run of
+    `in_situ_m` micro-batches per step where `in_situ`, then run on `k` stage processes)."""
     from gpipe_repro.sim.own_model import simulate_model
     result = simulate_model(workload, k=k, m=m, microbatch=microbatch, checkpoint=checkpoint,
-                            validate=True, steps=steps, in_situ=in_situ)
+                            validate=True, steps=steps, in_situ=in_situ, in_situ_microbatches=in_situ_m)
     return result.to_json()
 
 
@@ -129,9 +129,10 @@ def summarize(rows: Sequence[dict[str, Any]], corrected: bool = False) -> dict[s
 
 IN_SITU_NOTE = (
     "**The in-situ correction.** Before each configuration's measured run, a separate short run "
-    "trains the chosen cut on the 2 real stage processes at one micro-batch per step (M=1, 3 steps "
-    "after a warm-up; `always` re-materializes); each stage's seconds per action kind (forward, "
-    "recompute, backward, optimizer step) over the calibration's seconds for the same M=1 step give "
+    "trains the chosen cut on the 2 real stage processes at {m} micro-batch(es) of the configuration's "
+    "size per step (3 steps after a warm-up; at M=1 `always` re-materializes); each stage's seconds "
+    "per action kind (forward, recompute, backward, optimizer step) over the calibration's seconds "
+    "for the same step give "
     "one factor per stage and kind, and the corrected figure simulates the configuration's schedule "
     "over the calibrated costs times those factors (`gpipe_repro/sim/in_situ.py`). The factors are "
     "computed from that run alone, never from the measured steps they are judged against. They model "
@@ -139,9 +140,10 @@ IN_SITU_NOTE = (
     "the stage's own cache and allocator state, the runtime's per-action overheads and the "
     "re-materialization as the executor runs it, at the configuration's micro-batch size. They do not "
     "model the schedule's bubbles, the gradient accumulation of later micro-batches or the transfers: "
-    "those still come from the simulator. Nor, fully, the co-running stages: at M=1 the stages of a "
-    "fill-drain step take turns, so a neighbour's load during overlapped compute is only what the "
-    "calibration's busy neighbour stood in for.")
+    "those still come from the simulator. Nor, at M=1, the co-running stages: the stages of a "
+    "fill-drain step of one micro-batch take turns, so a neighbour's load during overlapped compute "
+    "is only what the calibration's busy neighbour stood in for; a run of 2 or more micro-batches "
+    "overlaps them.")
 
 
 def _moved(payload: dict[str, Any]) -> str:
@@ -189,7 +191,8 @@ def render(payload: dict[str, Any]) -> str:
     if corrected:
         summary += (" In-situ corrected: "
                     f"{describe(payload.get('summary_in_situ') or {})}.")
-    note = f"{IN_SITU_NOTE}{_moved(payload)}\n\n" if corrected else ""
+    in_situ_m = payload.get("config", {}).get("in_situ_m", 1)
+    note = f"{IN_SITU_NOTE.format(m=in_situ_m)}{_moved(payload)}\n\n" if corrected else ""
     return ("# The simulator on models it was never tuned on\n\n"
             f"{summary} Each error is the "
             "median over the measured steps with its 95% interval; "
@@ -211,7 +214,8 @@ FACTOR_KINDS = ("forward", "recompute", "backward", "optimizer_step")
 def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
          checkpoints: Sequence[str] = ("never", "always"), models: Sequence[str] = tuple(MODELS),
          steps: int = 8, out: str | None = None, command: str = "make validate-unseen",
-         in_situ: bool = True, run: Callable[..., dict[str, Any]] = run_config) -> dict[str, Any]:
+         in_situ: bool = True, in_situ_m: int = 1,
+         run: Callable[..., dict[str, Any]] = run_config) -> dict[str, Any]:
     """Run every configuration, write the results (`command`: how the page says it was made;
     `in_situ`: also correct each from a short run of its own and report both errors)."""
     k = 2
@@ -232,7 +236,7 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
             for m in ms:
                 print(f"{name}: K={k} M={m} checkpoint={checkpoint}", flush=True)
                 row = run(workload, k=k, m=m, microbatch=batch // m, checkpoint=checkpoint,
-                          steps=steps, in_situ=in_situ)
+                          steps=steps, in_situ=in_situ, **({"in_situ_m": in_situ_m} if in_situ else {}))
                 row["model"] = name
                 line = (f"  simulated {uncorrected_step(row) * 1e3:.1f} ms, measured "
                         f"{row['measured_step_time_s'] * 1e3:.1f} ms; error {row_error(row).cell()}")
@@ -242,7 +246,7 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
                 print(line, flush=True)
                 rows.append(row)
     config = {"batch": batch, "ms": list(ms), "checkpoints": list(checkpoints), "models": list(models),
-              "steps": steps, "out": out, "in_situ": in_situ}
+              "steps": steps, "out": out, "in_situ": in_situ, "in_situ_m": in_situ_m}
     payload = {"experiment": "simulator vs real runs on models it was never tuned on",
                "command": command, "config": config, "usable_cores": usable_cores(), "rows": rows,
                "summary": summarize(rows)}

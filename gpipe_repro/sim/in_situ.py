@@ -86,9 +86,10 @@ def factors(measured: Sequence[Timeline], simulated: Timeline) -> list[dict[str,
     return out
 
 
-def run_checkpoint(checkpoint: str) -> str:
-    """The re-materialization mode of the M = 1 in-situ run for a pipeline run with `checkpoint`."""
-    return "always" if checkpoint == "except_last" else checkpoint
+def run_checkpoint(checkpoint: str, micro_batches: int = 1) -> str:
+    """The re-materialization mode of an in-situ run of `micro_batches` for a pipeline run with
+    `checkpoint` (at M = 1, except_last would re-materialize nothing)."""
+    return "always" if checkpoint == "except_last" and micro_batches == 1 else checkpoint
 
 
 def check(schedule: str, k: int, cores: int, device: str) -> None:
@@ -121,24 +122,26 @@ def scaled(costs: PipelineCosts, per_stage: Sequence[Mapping[str, float]]) -> Pi
 
 def in_situ_timelines(build: Callable[[], Any], balance: Sequence[int], sample: tuple[Any, Any], *,
                       checkpoint: str, schedule: str, loss_fn: Any, threads: int,
-                      steps: int = 3) -> list[Timeline]:
-    """The timelines of `steps` training steps of one micro-batch (`sample`) on the real stages,
-    re-materialized as :func:`run_checkpoint` says for `checkpoint`."""
+                      steps: int = 3, micro_batches: int = 1) -> list[Timeline]:
+    """The timelines of `steps` training steps of `sample` in `micro_batches` micro-batches (one by
+    default) on the real stages, re-materialized as :func:`run_checkpoint` says for `checkpoint`."""
     from gpipe_repro.distributed.measure import measure_pipeline
-    run = measure_pipeline(build, balance, 1, sample, checkpoint=run_checkpoint(checkpoint),
+    run = measure_pipeline(build, balance, micro_batches, sample,
+                           checkpoint=run_checkpoint(checkpoint, micro_batches),
                            schedule=schedule, loss_fn=loss_fn, steps=steps, warmup=1, threads=threads)
     return list(run.timelines)
 
 
 def corrected_costs(calibration: Calibration, balance: Sequence[int], m: int, batch_size: int,
                     timelines: Sequence[Timeline], *, link: LinkModel, checkpoint: str, schedule: str,
-                    setup: float = 0.0, teardown: float = 0.0
+                    setup: float = 0.0, teardown: float = 0.0, micro_batches: int = 1
                     ) -> tuple[PipelineCosts, list[dict[str, float]]]:
     """The stage costs of `m` micro-batches of `batch_size` examples scaled by the factors that the
-    in-situ `timelines` (M = 1 steps of ``batch_size / m`` examples) give against the calibration's
-    simulation of the same M = 1 step; and those factors."""
+    in-situ `timelines` (steps of `micro_batches` micro-batches of ``batch_size / m`` examples) give
+    against the calibration's simulation of the same step; and those factors."""
     sizes = split_sizes(batch_size, m)
-    one = simulate_config(calibration, balance, 1, sizes[0], link, checkpoint=run_checkpoint(checkpoint),
-                          schedule=schedule, setup=setup, teardown=teardown)
+    one = simulate_config(calibration, balance, micro_batches, micro_batches * sizes[0], link,
+                          checkpoint=run_checkpoint(checkpoint, micro_batches), schedule=schedule,
+                          setup=setup, teardown=teardown)
     per_stage = factors(timelines, one.timeline)
     return scaled(stage_costs(calibration, balance, sizes, setup, teardown), per_stage), per_stage

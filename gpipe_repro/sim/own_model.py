@@ -150,18 +150,21 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
                    schedule: str = "gpipe", objective: str = "bottleneck",
                    link: str = "gloo-loopback", device: str = "cpu", threads: int | None = 1,
                    repeats: int = 20, method: str = "time", validate: bool | None = None,
-                   steps: int = 4, in_situ: bool = False, in_situ_steps: int = 3) -> OwnModelResult:
+                   steps: int = 4, in_situ: bool = False, in_situ_steps: int = 3,
+                   in_situ_microbatches: int = 1) -> OwnModelResult:
     """Calibrate `workload`, partition it into `k` cells and simulate one GPipe step of `m`
     micro-batches of `microbatch` examples (see the module docstring).
 
     `validate`: run the configuration on `k` real stage processes too (None: where `k` fits the
     usable cores and the device is a CPU). `in_situ`: correct the stage costs from a short run of the
-    chosen partition at one micro-batch per step (`in_situ_steps` steps) on the real stage processes
+    chosen partition at `in_situ_microbatches` micro-batches per step (`in_situ_steps` steps) on the
+    real stage processes
     (:mod:`gpipe_repro.sim.in_situ`; a CPU host with `k` cores), a run of its own, before and apart
     from the validation's. All options are checked before any work starts."""
-    if k < 1 or m < 1 or microbatch < 1 or in_situ_steps < 1:
-        raise ValueError(f"k, m, microbatch and in_situ_steps must be >= 1, got k={k}, m={m}, "
-                         f"microbatch={microbatch}, in_situ_steps={in_situ_steps}")
+    if min(k, m, microbatch, in_situ_steps, in_situ_microbatches) < 1:
+        raise ValueError(f"k, m, microbatch, in_situ_steps and in_situ_microbatches must be >= 1, got k={k}, "
+                         f"m={m}, microbatch={microbatch}, in_situ_steps={in_situ_steps}, "
+                         f"in_situ_microbatches={in_situ_microbatches}")
     require_one_of("checkpoint", checkpoint, CHECKPOINT_MODES)
     require_one_of("objective", objective, OBJECTIVES)
     require_one_of("link", link, LINK_NAMES)
@@ -187,19 +190,21 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
     corrected = None
     situ_record: dict[str, Any] = {}
     if in_situ:
+        mode = situ.run_checkpoint(checkpoint, in_situ_microbatches)
         timelines = situ.in_situ_timelines(functools.partial(workload.build, "cpu"), balance,
-                                           workload.sample(microbatch), checkpoint=checkpoint,
-                                           schedule=schedule, loss_fn=workload.loss_fn(),
-                                           threads=threads or 1, steps=in_situ_steps)
+                                           workload.sample(in_situ_microbatches * microbatch),
+                                           checkpoint=checkpoint, schedule=schedule,
+                                           loss_fn=workload.loss_fn(), threads=threads or 1,
+                                           steps=in_situ_steps, micro_batches=in_situ_microbatches)
         costs, per_stage = situ.corrected_costs(calib, balance, m, n, timelines, link=platform.link,
                                                 checkpoint=checkpoint, schedule=schedule, setup=setup,
-                                                teardown=teardown)
+                                                teardown=teardown, micro_batches=in_situ_microbatches)
         corrected = simulate(sched, costs, platform.link, n)
-        situ_record = {"factors": per_stage, "checkpoint": situ.run_checkpoint(checkpoint),
-                       "steps": in_situ_steps,
+        situ_record = {"factors": per_stage, "checkpoint": mode, "steps": in_situ_steps,
+                       "micro_batches": in_situ_microbatches,
                        "step_times_s": [float(t.meta.get("step_time_s", t.makespan)) for t in timelines],
-                       "run": f"a separate run: M=1, {in_situ_steps} steps after 1 warm-up, checkpoint "
-                              f"{situ.run_checkpoint(checkpoint)}"}
+                       "run": f"a separate run: M={in_situ_microbatches}, {in_situ_steps} steps after 1 "
+                              f"warm-up, checkpoint {mode}"}
     ties = cell_ties(layer_ties(list(workload.build("meta"))), balance)
     if ties:   # parameters tied across cells: their gradients' all-reduce at AGREE
         sim = with_tied_allreduce(sim, sched, ties, platform.link)

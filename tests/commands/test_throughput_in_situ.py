@@ -53,11 +53,11 @@ def test_in_situ_needs_a_core_per_stage(model: str, monkeypatch: pytest.MonkeyPa
           "use --k 1 or less, or drop --in-situ")
 
 
-def test_in_situ_steps_must_be_positive(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("flag", ["--in-situ-steps", "--in-situ-m"])
+def test_in_situ_counts_must_be_positive(model: str, monkeypatch: pytest.MonkeyPatch, flag: str) -> None:
     from gpipe_repro.repro import simulate_model
     monkeypatch.setattr(simulate_model, "simulate_model", _no_work)
-    _says(_invoke([*BASE, "--model", model, "--k", "2", "--in-situ", "--in-situ-steps", "0"]),
-          "--in-situ-steps must be >= 1")
+    _says(_invoke([*BASE, "--model", model, "--k", "2", "--in-situ", flag, "0"]), f"{flag} must be >= 1")
 
 
 def test_in_situ_is_for_your_own_model_not_replicas() -> None:
@@ -93,9 +93,10 @@ def test_in_situ_prints_and_writes_both_figures(model: str, tmp_path: Path,
     monkeypatch.setattr(simulate_model, "compare_cuts", lambda *a: ("cut: [2, 1]", {}))
     out = tmp_path / "r.json"
     result = _invoke([*BASE, "--model", model, "--k", "2", "--validate", "--in-situ", "--in-situ-steps", "5",
-                      "--out", str(out)])
+                      "--in-situ-m", "2", "--out", str(out)])
     assert result.exit_code == 0, (result.output, result.exception)
     assert given["in_situ"] is True and given["in_situ_steps"] == 5 and given["validate"] is True
+    assert given["in_situ_microbatches"] == 2
     text = result.output
     assert "simulated step, uncorrected: 100.0 ms" in text
     assert "simulated step, in-situ corrected: 110.0 ms" in text

@@ -15,7 +15,7 @@ def fake_run(errors: dict[tuple[int, str], tuple[float, float]], corrected_s: fl
     """A configuration whose measured steps scatter by +-spread around (1 + error) x simulated (1 s);
     in situ, the corrected simulation is `corrected_s`."""
     def run(workload: Workload, *, k: int, m: int, microbatch: int, checkpoint: str,
-            steps: int, in_situ: bool) -> dict[str, Any]:
+            steps: int, in_situ: bool, in_situ_m: int = 1) -> dict[str, Any]:
         error, spread = errors.get((m, checkpoint), (0.01, 0.0))
         simulated_s = 1.0
         times = [simulated_s * (1 + error + spread * (i % 3 - 1)) for i in range(8)]

@@ -92,10 +92,10 @@ KNOWN = [{"forward": 1.3, "recompute": 0.9, "backward": 1.7, "optimizer_step": 2
          {"forward": 0.8, "recompute": 1.1, "backward": 1.2, "optimizer_step": 0.5}]
 
 
-@pytest.mark.parametrize("schedule, checkpoint", [("gpipe", "except_last"), ("gpipe", "never"),
-                                                  ("zb-h1", "always")])
+@pytest.mark.parametrize("schedule, checkpoint, short_m", [
+    ("gpipe", "except_last", 1), ("gpipe", "never", 1), ("zb-h1", "always", 1), ("gpipe", "except_last", 2)])
 def test_the_corrected_figure_is_the_simulation_of_the_scaled_costs(
-        monkeypatch: pytest.MonkeyPatch, schedule: str, checkpoint: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, schedule: str, checkpoint: str, short_m: int) -> None:
     """The in-situ run is replaced by the calibration's own M=1 step with every action of stage s
     and kind k taking KNOWN[s][k] times as long: the factors recovered are KNOWN, and the corrected
     step is the schedule simulated over scaled(stage costs, KNOWN), computed here independently."""
@@ -115,9 +115,11 @@ def test_the_corrected_figure_is_the_simulation_of_the_scaled_costs(
     seen: dict[str, str] = {}
 
     def fake_run(build: object, balance: list[int], sample: object, *, checkpoint: str, schedule: str,
-                 **kw: object) -> list[Timeline]:
-        seen["checkpoint"] = in_situ.run_checkpoint(checkpoint)
-        one = simulate_config(calib, balance, 1, b, link.link, checkpoint=seen["checkpoint"],
+                 micro_batches: int, **kw: object) -> list[Timeline]:
+        assert micro_batches == short_m
+        seen["checkpoint"] = in_situ.run_checkpoint(checkpoint, micro_batches)
+        one = simulate_config(calib, balance, micro_batches, micro_batches * b, link.link,
+                              checkpoint=seen["checkpoint"],
                               schedule=schedule, setup=link.setup, teardown=link.teardown).timeline
         kind_of = {x: kind for kind, xs in in_situ.READ_FROM.items() for x in xs}
         return [Timeline(one.num_stages, [
@@ -128,14 +130,14 @@ def test_the_corrected_figure_is_the_simulation_of_the_scaled_costs(
     monkeypatch.setattr(in_situ, "in_situ_timelines", fake_run)
     result = own_model.simulate_model(work, k=k, m=m, microbatch=b, checkpoint=checkpoint, schedule=schedule,
                                       method="flops", link="ideal", repeats=2, validate=False,
-                                      in_situ=True)
+                                      in_situ=True, in_situ_microbatches=short_m)
     assert result.in_situ is not None
     expected_kinds = {"forward", "backward", "optimizer_step"} | ({"recompute"} if checkpoint != "never"
                                                                  else set())
     for stage, got in enumerate(result.in_situ["factors"]):
         for kind in expected_kinds:
             assert got[kind] == pytest.approx(KNOWN[stage][kind]), (stage, kind)
-    assert seen["checkpoint"] == ("always" if checkpoint == "except_last" else checkpoint)
+    assert seen["checkpoint"] == ("always" if checkpoint == "except_last" and short_m == 1 else checkpoint)
 
     sched = make_schedule(schedule, k, m, checkpoint, False)
     raw = stage_costs(calib, result.balance, split_sizes(m * b, m), link.setup, link.teardown)
