@@ -85,7 +85,7 @@ def transformer_blocks(width: int = 128, blocks: int = 6, heads: int = 4,
 MODELS: dict[str, tuple[str, tuple[int, ...]]] = {
     "residual MLP 8x1024": ("gpipe_repro.repro.validate_unseen:residual_mlp", (1024,)),
     "conv net 6x32 on 16x16": ("gpipe_repro.repro.validate_unseen:conv_net", (3, 16, 16)),
-    "transformer 6x128, 32 tokens": ("gpipe_repro.repro.validate_unseen:transformer_blocks", (32, 128)),
+    "transformer 6x128 on 32 tokens": ("gpipe_repro.repro.validate_unseen:transformer_blocks", (32, 128)),
 }
 
 
