@@ -18,7 +18,7 @@ help:
 	@echo "make test-host-data    checks of this host's installed data (the full gettext corpus)"
 	@echo "make memory-table      the paper's Table 1 (max model size), results/memory/"
 	@echo "make validate-sim      simulator vs real stage processes, results/throughput/validation.*"
-	@echo "make validate-unseen   simulator vs real runs on two models it was never tuned on (K=2, 20 configs)"
+	@echo "make validate-unseen   simulator vs real runs on three models it was never tuned on (K=2, 30 configs)"
 	@echo "make bench-overhead    engine (K=1,M=1) vs plain PyTorch step time"
 	@echo "make bench-runtime     distributed runtime vs K=1 and vs torch.distributed.pipelining"
 	@echo "make bench-replicas    K=1 x R=2 data parallel vs one process; K=2 x R=2 Gantt, results/replicas/"

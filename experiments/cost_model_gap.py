@@ -69,15 +69,13 @@ def gap(model: str, *, k: int, m: int, microbatch: int, checkpoint: str, steps: 
     if in_situ:
         from gpipe_repro.engine.schedule import make_schedule
         from gpipe_repro.sim import in_situ as situ
-        from gpipe_repro.sim.simulator import simulate, split_sizes, stage_costs
+        from gpipe_repro.sim.simulator import simulate
         build = functools.partial(workload.build, "cpu")
         short = situ.in_situ_timelines(build, balance, workload.sample(microbatch), checkpoint=checkpoint,
                                        schedule="gpipe", loss_fn=workload.loss_fn(), threads=1)
-        one = simulate_config(calib, balance, 1, microbatch, platform.link, checkpoint=checkpoint,
-                              setup=platform.setup, teardown=platform.teardown)
-        per_stage = situ.factors(short, one.timeline)
-        costs = situ.scaled(stage_costs(calib, balance, split_sizes(n, m), platform.setup, platform.teardown),
-                            per_stage)
+        costs, per_stage = situ.corrected_costs(calib, balance, m, n, short, link=platform.link,
+                                                checkpoint=checkpoint, schedule="gpipe",
+                                                setup=platform.setup, teardown=platform.teardown)
         corrected_step = simulate(make_schedule("gpipe", k, m, checkpoint, False), costs, platform.link,
                                   n).step_time
     measured = measure_pipeline(functools.partial(workload.build, "cpu"), balance, m, workload.sample(n),

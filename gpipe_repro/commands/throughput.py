@@ -127,6 +127,11 @@ def register(app: typer.Typer) -> None:
                                       "(their median and its interval)"),
             out: Optional[str] = typer.Option(None, "--out", help="output directory (default: "
                                               "results/throughput/)"),
+            in_situ: bool = typer.Option(True, "--in-situ/--no-in-situ", help="also correct each "
+                                         "configuration from a short run of its own and report both "
+                                         "errors"),
+            in_situ_m: int = typer.Option(1, "--in-situ-m", min=1, help="micro-batches per step of the "
+                                          "in-situ runs"),
     ) -> None:
         """The simulator against real runs (K=2) of models it was never tuned on."""
         from gpipe_repro.repro import validate_unseen as unseen
@@ -135,7 +140,8 @@ def register(app: typer.Typer) -> None:
         if models is not None:
             options["models"] = _names(models)
         try:
-            unseen.main(batch=batch_size, steps=steps, out=out, **options,
+            unseen.main(batch=batch_size, steps=steps, out=out, in_situ=in_situ, in_situ_m=in_situ_m,
+                        **options,
                         command=" ".join(["gpipe-repro validate-unseen", *given]) if given
                         else "make validate-unseen")
         except SystemExit as e:
@@ -172,6 +178,14 @@ def register(app: typer.Typer) -> None:
             repeats: int = typer.Option(20, "--repeats", help="timings per layer action"),
             validate: Optional[bool] = typer.Option(None, "--validate/--no-validate", help="also run on K "
                                                     "stage processes (default: where K fits the host)"),
+            in_situ: bool = typer.Option(False, "--in-situ", help="also correct the calibrated costs from "
+                                         "a short run of the cut at one micro-batch per step on K stage "
+                                         "processes (a CPU host with K cores), a run apart from "
+                                         "--validate's; prints both figures and the factors"),
+            in_situ_steps: int = typer.Option(3, "--in-situ-steps", help="steps of the --in-situ run "
+                                              "(after one warm-up)"),
+            in_situ_m: int = typer.Option(1, "--in-situ-m", help="micro-batches per step of the --in-situ "
+                                          "run (of --microbatch examples each)"),
             out: Optional[Path] = typer.Option(None, "--out", help="also write the result here (JSON)"),
             overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier result of this "
                                            "command at --out (any other existing file is refused)"),
@@ -190,7 +204,8 @@ def register(app: typer.Typer) -> None:
         replicas of the paper's models: samples/s and the time breakdown."""
         for flag, value in (("--k", k), ("--m", m), ("--microbatch", microbatch), ("--repeats", repeats),
                             ("--classes", classes), ("--replicas", replicas),
-                            ("--devices-per-host", devices_per_host)):
+                            ("--devices-per-host", devices_per_host), ("--in-situ-steps", in_situ_steps),
+                            ("--in-situ-m", in_situ_m)):
             positive(flag, value)
         if checkpoint is not None:
             one_of("--checkpoint", checkpoint, ("always", "except_last", "never"))
@@ -201,7 +216,7 @@ def register(app: typer.Typer) -> None:
                       devices_per_host=devices_per_host, algorithm=algorithm,
                       checkpoint=checkpoint or "always", out=out, overwrite=overwrite,
                       own=dict(option=option, kind=kind, input_shape=input_shape, classes=classes,
-                               validate=validate))
+                               validate=validate, in_situ=in_situ or None))
             return
         if model is None or input_shape is None or k is None or m is None:
             raise typer.BadParameter("give --model, --input-shape, --k and --m (your model), or --replicas R "
@@ -215,6 +230,8 @@ def register(app: typer.Typer) -> None:
         if min(shape, default=0) < 1:
             raise typer.BadParameter(f"--input-shape takes sizes >= 1 (one example's shape, e.g. 784 or "
                                      f"3,32,32), got {input_shape}")
+        if in_situ:
+            _check_in_situ(k)
         workload = _own_workload(model, _key_values(option), kind, shape, classes)
         from gpipe_repro.repro import simulate_model
         if out is not None:
@@ -226,10 +243,20 @@ def register(app: typer.Typer) -> None:
             simulate_model.main(workload, out=out, k=k, m=m, microbatch=microbatch or 8,
                                 checkpoint=checkpoint or "except_last", recompute_ahead=recompute_ahead,
                                 objective=objective, link=link or "gloo-loopback", method=method,
-                                repeats=repeats, validate=validate)
+                                repeats=repeats, validate=validate, in_situ=in_situ,
+                                in_situ_steps=in_situ_steps, in_situ_microbatches=in_situ_m)
         except ValueError as e:
             raise typer.Exit(_error(str(e))) from None
 
+
+
+def _check_in_situ(k: int) -> None:
+    """Refuse --in-situ where its run cannot happen: K stage processes need K usable cores."""
+    from gpipe_repro.report.host import usable_cores
+    cores = usable_cores()
+    if k > cores:
+        raise typer.BadParameter(f"--in-situ runs K={k} stage processes on one core each, but this host "
+                                 f"has {cores} usable core(s): use --k {cores} or less, or drop --in-situ")
 
 
 def _given(ctx: typer.Context) -> list[str]:

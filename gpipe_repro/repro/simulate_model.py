@@ -5,7 +5,9 @@
 
 The factory returns an ``nn.Sequential`` (or a list of layers); ``--option key=value`` (repeatable)
 are its keyword arguments. Prints the partition, the simulated step time and the speedup over one
-device, and, where K fits the host, the same configuration measured on K stage processes; then which
+device, and, where K fits the host, the same configuration measured on K stage processes (with
+``--in-situ``, the simulation corrected from a short run of its own beside the uncorrected one, each
+with its error); then which
 cut was simulated (the simulator's, balanced by the calibrated times) beside the cut ``GPipe`` makes
 by default on the same model, with a sample and without one, each simulated with the same
 calibration. The library
@@ -173,5 +175,8 @@ def main(workload: Workload, *, out: Path | None = None, **kw: Any) -> None:
     print(f"  {cut_line}")
     if out is not None:
         from gpipe_repro.report.records import write_json
-        write_json(out, {**result.to_json(), "cuts": cuts, "written_by": COMMAND})
+        errors = {name: figure.to_json() for name, figure in (
+            ("uncorrected", result.error(corrected=False)),
+            ("in_situ_corrected", result.error() if result.in_situ else None)) if figure is not None}
+        write_json(out, {**result.to_json(), "errors": errors, "cuts": cuts, "written_by": COMMAND})
         print(f"wrote {out}")

@@ -14,7 +14,13 @@ absorb: the schedule's order and bubbles, the accumulation of later micro-batche
 The correction is one factor per (stage, action kind): measured seconds over the calibration's
 seconds for the same actions of the same M = 1 step (median over the in-situ steps). FORWARD's
 factor scales the forward with and without a graph, BACKWARD's the backward, its accumulation and
-the zero-bubble halves, RECOMPUTE's and OPTIMIZER_STEP's their own.
+the zero-bubble halves (a zero-bubble schedule's BACKWARD_INPUT and BACKWARD_WEIGHT are read
+together as its backward), RECOMPUTE's and OPTIMIZER_STEP's their own.
+
+With ``checkpoint="except_last"`` one micro-batch is the last one and is never re-materialized, so
+the in-situ run re-materializes it (``"always"``): every action kind the measured pipeline runs is
+then timed once. The correction needs one process per cell and a valid M = 1 schedule
+(:data:`SCHEDULES`).
 """
 from __future__ import annotations
 
@@ -23,8 +29,14 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from gpipe_repro.engine.microbatch import split_sizes
 from gpipe_repro.engine.timeline import Timeline
-from gpipe_repro.sim.simulator import PipelineCosts
+from gpipe_repro.sim.calibration.costs import Calibration
+from gpipe_repro.sim.links import LinkModel
+from gpipe_repro.sim.simulator import PipelineCosts, simulate_config, stage_costs
+
+#: Schedules the correction applies to: one process per cell, and M = 1 is a valid step.
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
 #: Action kinds a factor is read for, and the cost fields each scales.
 SCALED: dict[str, tuple[str, ...]] = {
@@ -43,6 +55,21 @@ def action_seconds(timeline: Timeline) -> dict[tuple[int, str], float]:
     return out
 
 
+#: The timeline's action kinds each factor is read from.
+READ_FROM: dict[str, tuple[str, ...]] = {
+    "forward": ("forward",),
+    "recompute": ("recompute",),
+    "backward": ("backward", "backward_input", "backward_weight"),
+    "optimizer_step": ("optimizer_step",),
+}
+
+
+def _kind_seconds(seconds: Mapping[tuple[int, str], float], stage: int, kind: str) -> float | None:
+    """Seconds of factor `kind` at `stage` (its :data:`READ_FROM` kinds summed); None where none ran."""
+    found = [seconds[(stage, k)] for k in READ_FROM[kind] if (stage, k) in seconds]
+    return sum(found) if found else None
+
+
 def factors(measured: Sequence[Timeline], simulated: Timeline) -> list[dict[str, float]]:
     """Per stage, measured / simulated seconds of each action kind of :data:`SCALED` (median over
     the measured steps); 1.0 where either side has none."""
@@ -52,11 +79,30 @@ def factors(measured: Sequence[Timeline], simulated: Timeline) -> list[dict[str,
     for s in range(simulated.num_stages):
         per_kind = {}
         for kind in SCALED:
-            sim_s = model.get((s, kind), 0.0)
-            real = [r[(s, kind)] for r in runs if (s, kind) in r]
+            sim_s = _kind_seconds(model, s, kind) or 0.0
+            real = [x for x in (_kind_seconds(r, s, kind) for r in runs) if x is not None]
             per_kind[kind] = statistics.median(real) / sim_s if sim_s > 0 and real else 1.0
         out.append(per_kind)
     return out
+
+
+def run_checkpoint(checkpoint: str, micro_batches: int = 1) -> str:
+    """The re-materialization mode of an in-situ run of `micro_batches` for a pipeline run with
+    `checkpoint` (at M = 1, except_last would re-materialize nothing)."""
+    return "always" if checkpoint == "except_last" and micro_batches == 1 else checkpoint
+
+
+def check(schedule: str, k: int, cores: int, device: str) -> None:
+    """Raise ValueError, saying what to change, where the correction cannot run."""
+    if device != "cpu":
+        raise ValueError(f"the in-situ correction runs the stages as CPU processes (gloo); device "
+                         f"{device!r}: use device='cpu' or leave in_situ off")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"the in-situ correction needs one process per cell and an M=1 step; schedule "
+                         f"{schedule!r} has neither: use one of {', '.join(SCHEDULES)} or leave in_situ off")
+    if k > cores:
+        raise ValueError(f"the in-situ correction runs K={k} stage processes on one core each, but this "
+                         f"host has {cores} usable core(s): use k <= {cores} or leave in_situ off")
 
 
 def scaled(costs: PipelineCosts, per_stage: Sequence[Mapping[str, float]]) -> PipelineCosts:
@@ -76,9 +122,26 @@ def scaled(costs: PipelineCosts, per_stage: Sequence[Mapping[str, float]]) -> Pi
 
 def in_situ_timelines(build: Callable[[], Any], balance: Sequence[int], sample: tuple[Any, Any], *,
                       checkpoint: str, schedule: str, loss_fn: Any, threads: int,
-                      steps: int = 3) -> list[Timeline]:
-    """The timelines of `steps` training steps of one micro-batch (`sample`) on the real stages."""
+                      steps: int = 3, micro_batches: int = 1) -> list[Timeline]:
+    """The timelines of `steps` training steps of `sample` in `micro_batches` micro-batches (one by
+    default) on the real stages, re-materialized as :func:`run_checkpoint` says for `checkpoint`."""
     from gpipe_repro.distributed.measure import measure_pipeline
-    run = measure_pipeline(build, balance, 1, sample, checkpoint=checkpoint, schedule=schedule,
-                           loss_fn=loss_fn, steps=steps, warmup=1, threads=threads)
+    run = measure_pipeline(build, balance, micro_batches, sample,
+                           checkpoint=run_checkpoint(checkpoint, micro_batches),
+                           schedule=schedule, loss_fn=loss_fn, steps=steps, warmup=1, threads=threads)
     return list(run.timelines)
+
+
+def corrected_costs(calibration: Calibration, balance: Sequence[int], m: int, batch_size: int,
+                    timelines: Sequence[Timeline], *, link: LinkModel, checkpoint: str, schedule: str,
+                    setup: float = 0.0, teardown: float = 0.0, micro_batches: int = 1
+                    ) -> tuple[PipelineCosts, list[dict[str, float]]]:
+    """The stage costs of `m` micro-batches of `batch_size` examples scaled by the factors that the
+    in-situ `timelines` (steps of `micro_batches` micro-batches of ``batch_size / m`` examples) give
+    against the calibration's simulation of the same step; and those factors."""
+    sizes = split_sizes(batch_size, m)
+    one = simulate_config(calibration, balance, micro_batches, micro_batches * sizes[0], link,
+                          checkpoint=run_checkpoint(checkpoint, micro_batches), schedule=schedule,
+                          setup=setup, teardown=teardown)
+    per_stage = factors(timelines, one.timeline)
+    return scaled(stage_costs(calibration, balance, sizes, setup, teardown), per_stage), per_stage

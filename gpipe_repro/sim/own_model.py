@@ -29,21 +29,29 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from gpipe_repro.engine.choices import require_one_of
+from gpipe_repro.engine.microbatch import split_sizes
 from gpipe_repro.engine.partition import OBJECTIVES
 from gpipe_repro.engine.schedule import CHECKPOINT_MODES, make_schedule
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import HostWatch, is_clean, usable_cores
+from gpipe_repro.report.measurement import Figure
+from gpipe_repro.sim import in_situ as situ
 from gpipe_repro.sim.calibration import calibrate
 from gpipe_repro.sim.links import LINK_NAMES
 from gpipe_repro.sim.partition_choice import choose_partition
 from gpipe_repro.sim.platform import platform_for
-from gpipe_repro.sim.simulator import simulate_config
+from gpipe_repro.sim.simulator import simulate, simulate_config, stage_costs
 from gpipe_repro.sim.tied import cell_ties, layer_ties, with_tied_allreduce
 
 
 @dataclass
 class OwnModelResult:
-    """What :func:`simulate_model` found (seconds, samples per second)."""
+    """What :func:`simulate_model` found (seconds, samples per second).
+
+    With the in-situ correction, `step_time_s`, `throughput` and `bubble_fraction` are the corrected
+    simulation's and `relative_error` is its error; `in_situ` holds the uncorrected simulation, its
+    error, the factors and the in-situ run. `speedup` is always the calibrated costs' on both sides
+    (the correction is measured on the pipeline's stages only, not on one device without one)."""
 
     workload: str
     K: int
@@ -61,27 +69,61 @@ class OwnModelResult:
     relative_error: float | None = None        # simulated throughput / measured - 1
     measured_host: dict[str, Any] | None = None
     measured_step_times_s: list[float] | None = None
-    in_situ: dict[str, Any] | None = None      # the uncorrected step time and the factors applied
+    in_situ: dict[str, Any] | None = None      # the uncorrected simulation, the factors, the run
+
+    @property
+    def uncorrected_step_time_s(self) -> float:
+        """The simulated step from the calibrated costs alone."""
+        return self.in_situ["uncorrected_step_time_s"] if self.in_situ else self.step_time_s
+
+    def error(self, corrected: bool = True) -> Figure | None:
+        """The error of the (corrected, else the uncorrected) simulated throughput against each
+        measured step: its median and 95% interval; None without a measurement."""
+        steps = self.measured_step_times_s or (
+            [self.measured_step_time_s] if self.measured_step_time_s is not None else [])
+        if not steps:
+            return None
+        simulated = self.step_time_s if corrected else self.uncorrected_step_time_s
+        return Figure.of(ERROR_NAME, [t / simulated - 1 for t in steps], unit="")
 
     def describe(self) -> str:
         """A few lines for a terminal."""
+        record = self.in_situ
         lines = [f"{self.workload}: K={self.K}, M={self.M}, micro-batch {self.microbatch} "
                  f"(mini-batch {self.M * self.microbatch}), checkpoint {self.checkpoint}"
                  f"{', recompute ahead' if self.recompute_ahead else ''}",
-                 f"  partition {self.balance}",
-                 f"  simulated step {self.step_time_s * 1e3:.1f} ms, {self.throughput:.1f} samples/s, "
-                 f"bubble {self.bubble_fraction:.1%}",
-                 f"  speedup {self.speedup:.2f}x over one device without a pipeline "
-                 f"(simulated {self.single_device_step_time_s * 1e3:.1f} ms per step)"]
-        if self.measured_step_time_s is not None and self.relative_error is not None:
+                 f"  partition {self.balance}"]
+        if record:
+            lines.append(f"  simulated step, uncorrected: {record['uncorrected_step_time_s'] * 1e3:.1f} ms, "
+                         f"{record['uncorrected_throughput']:.1f} samples/s")
+            lines.append(f"  in-situ factors ({record['run']}), measured / calibrated seconds per action "
+                         f"kind: " + "; ".join(
+                             f"stage {s}: " + ", ".join(f"{kind} {f:.2f}" for kind, f in per.items())
+                             for s, per in enumerate(record["factors"])))
+        which = ", in-situ corrected:" if record else ""
+        lines += [f"  simulated step{which} {self.step_time_s * 1e3:.1f} ms, "
+                  f"{self.throughput:.1f} samples/s, bubble {self.bubble_fraction:.1%}",
+                  f"  speedup {self.speedup:.2f}x over one device without a pipeline "
+                  f"(simulated {self.single_device_step_time_s * 1e3:.1f} ms per step"
+                  f"{', both from the calibrated costs' if record else ''})"]
+        error = self.error()
+        if self.measured_step_time_s is not None and error is not None:
             busy = "" if is_clean(self.measured_host) else \
                 " (host was busy: not a clean measurement)"
-            side = "optimistic" if self.relative_error > 0 else "pessimistic"
+            side = "optimistic" if error.value > 0 else "pessimistic"
             lines.append(f"  measured on {self.K} stage processes: step "
-                         f"{self.measured_step_time_s * 1e3:.1f} ms; simulator error "
-                         f"{self.relative_error:+.1%} (measured / simulated - 1: the simulator is "
-                         f"{side}){busy}")
-            if abs(self.relative_error) > 0.25 and self.measured_step_time_s < 0.02:
+                         f"{self.measured_step_time_s * 1e3:.1f} ms (median of "
+                         f"{len(self.measured_step_times_s or [0])} steps){busy}")
+            if record:
+                raw = self.error(corrected=False)
+                assert raw is not None
+                lines.append(f"  simulator error (measured / simulated - 1) [95% interval]: uncorrected "
+                             f"{_pct_cell(raw)}, in-situ corrected {_pct_cell(error)} (the corrected "
+                             f"simulator is {side})")
+            else:
+                lines.append(f"  simulator error {_pct_cell(error)} (measured / simulated - 1 [95% "
+                             f"interval]: the simulator is {side})")
+            if abs(error.value) > 0.25 and self.measured_step_time_s < 0.02:
                 lines.append("  note: steps this short are dominated by per-message and per-step "
                              "costs the calibration does not see well; use a larger --microbatch "
                              "for a step of at least 20 ms")
@@ -92,28 +134,45 @@ class OwnModelResult:
         return asdict(self)
 
 
+#: What an error figure is: the simulated throughput's error against a measured step.
+ERROR_NAME = "simulated throughput / measured - 1"
+
+
+def _pct_cell(f: Figure) -> str:
+    """``+3.1% [+1.0%, +4.2%]``."""
+    def pct(x: float | None) -> str:
+        return "?" if x is None else f"{x:+.1%}"
+    return f"{pct(f.value)} [{pct(f.low)}, {pct(f.high)}]"
+
+
 def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
                    checkpoint: str = "except_last", recompute_ahead: bool = False,
                    schedule: str = "gpipe", objective: str = "bottleneck",
                    link: str = "gloo-loopback", device: str = "cpu", threads: int | None = 1,
                    repeats: int = 20, method: str = "time", validate: bool | None = None,
-                   steps: int = 4, in_situ: bool = False) -> OwnModelResult:
+                   steps: int = 4, in_situ: bool = False, in_situ_steps: int = 3,
+                   in_situ_microbatches: int = 1) -> OwnModelResult:
     """Calibrate `workload`, partition it into `k` cells and simulate one GPipe step of `m`
     micro-batches of `microbatch` examples (see the module docstring).
 
     `validate`: run the configuration on `k` real stage processes too (None: where `k` fits the
     usable cores and the device is a CPU). `in_situ`: correct the stage costs from a short run of the
-    chosen partition at one micro-batch per step on the real stage processes
-    (:mod:`gpipe_repro.sim.in_situ`; a CPU host with `k` cores). All options are checked before any
-    work starts."""
-    if k < 1 or m < 1 or microbatch < 1:
-        raise ValueError(f"k, m and microbatch must be >= 1, got k={k}, m={m}, microbatch={microbatch}")
+    chosen partition at `in_situ_microbatches` micro-batches per step (`in_situ_steps` steps) on the
+    real stage processes
+    (:mod:`gpipe_repro.sim.in_situ`; a CPU host with `k` cores), a run of its own, before and apart
+    from the validation's. All options are checked before any work starts."""
+    if min(k, m, microbatch, in_situ_steps, in_situ_microbatches) < 1:
+        raise ValueError(f"k, m, microbatch, in_situ_steps and in_situ_microbatches must be >= 1, got k={k}, "
+                         f"m={m}, microbatch={microbatch}, in_situ_steps={in_situ_steps}, "
+                         f"in_situ_microbatches={in_situ_microbatches}")
     require_one_of("checkpoint", checkpoint, CHECKPOINT_MODES)
     require_one_of("objective", objective, OBJECTIVES)
     require_one_of("link", link, LINK_NAMES)
-    if (validate or in_situ) and (device != "cpu" or k > usable_cores()):
+    if validate and (device != "cpu" or k > usable_cores()):
         raise ValueError(f"validation runs K={k} stage processes on one core each, but this host has "
                          f"{usable_cores()} usable core(s): use k <= {usable_cores()} or validate=False")
+    if in_situ:
+        situ.check(schedule, k, usable_cores(), device)
     layers = len(workload.build("meta"))
     if k > layers:
         raise ValueError(f"k={k} cells for a model of {layers} layers: use k <= {layers}")
@@ -125,25 +184,41 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
     balance = choose_partition(calib.partition_costs(microbatch, checkpoint), k, objective,
                                calib.uncertainty_at(microbatch))
     # a step's fixed costs of stage processes (clock, agreement): none for one cell in one process
-    sim = simulate_config(calib, balance, m, n, platform.link, checkpoint=checkpoint,
-                          recompute_ahead=recompute_ahead, schedule=schedule,
-                          setup=platform.setup if k > 1 else 0.0,
-                          teardown=platform.teardown if k > 1 else 0.0)
+    setup, teardown = (platform.setup, platform.teardown) if k > 1 else (0.0, 0.0)
+    sched = make_schedule(schedule, k, m, checkpoint, recompute_ahead)
+    sim = simulate(sched, stage_costs(calib, balance, split_sizes(n, m), setup, teardown), platform.link, n)
+    corrected = None
     situ_record: dict[str, Any] = {}
     if in_situ:
-        sim = _corrected(workload, calib, balance, m, microbatch, checkpoint, recompute_ahead, schedule,
-                         platform, threads or 1, situ_record)
+        mode = situ.run_checkpoint(checkpoint, in_situ_microbatches)
+        timelines = situ.in_situ_timelines(functools.partial(workload.build, "cpu"), balance,
+                                           workload.sample(in_situ_microbatches * microbatch),
+                                           checkpoint=checkpoint, schedule=schedule,
+                                           loss_fn=workload.loss_fn(), threads=threads or 1,
+                                           steps=in_situ_steps, micro_batches=in_situ_microbatches)
+        costs, per_stage = situ.corrected_costs(calib, balance, m, n, timelines, link=platform.link,
+                                                checkpoint=checkpoint, schedule=schedule, setup=setup,
+                                                teardown=teardown, micro_batches=in_situ_microbatches)
+        corrected = simulate(sched, costs, platform.link, n)
+        situ_record = {"factors": per_stage, "checkpoint": mode, "steps": in_situ_steps,
+                       "micro_batches": in_situ_microbatches,
+                       "step_times_s": [float(t.meta.get("step_time_s", t.makespan)) for t in timelines],
+                       "run": f"a separate run: M={in_situ_microbatches}, {in_situ_steps} steps after 1 "
+                              f"warm-up, checkpoint {mode}"}
     ties = cell_ties(layer_ties(list(workload.build("meta"))), balance)
     if ties:   # parameters tied across cells: their gradients' all-reduce at AGREE
-        sim = with_tied_allreduce(sim, make_schedule(schedule, k, m, checkpoint, recompute_ahead), ties,
-                                  platform.link)
+        sim = with_tied_allreduce(sim, sched, ties, platform.link)
+        if corrected is not None:
+            corrected = with_tied_allreduce(corrected, sched, ties, platform.link)
     single = simulate_config(calib, [layers], 1, n, platform.link, checkpoint="never",
                              recompute_ahead=False, schedule=schedule)
+    prediction = corrected if corrected is not None else sim
     result = OwnModelResult(workload.name, k, m, microbatch, checkpoint, recompute_ahead, balance,
-                            sim.step_time, sim.throughput, single.step_time,
-                            sim.throughput / single.throughput, sim.bubble_fraction)
+                            prediction.step_time, prediction.throughput, single.step_time,
+                            sim.throughput / single.throughput, prediction.bubble_fraction)
     if in_situ:
-        result.in_situ = situ_record
+        result.in_situ = {"uncorrected_step_time_s": sim.step_time, "uncorrected_throughput": sim.throughput,
+                          "uncorrected_bubble_fraction": sim.bubble_fraction, **situ_record}
     if validate is None:
         validate = device == "cpu" and 2 <= k <= usable_cores()
     if validate:
@@ -157,35 +232,9 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
                                         threads=threads or 1)
         host = watch.conditions
         result.measured_step_time_s = float(measured.median_step_time)
-        result.relative_error = measured.median_step_time / sim.step_time - 1.0
+        result.relative_error = measured.median_step_time / prediction.step_time - 1.0
         result.measured_host = host
         result.measured_step_times_s = [float(t) for t in measured.step_times]
+        if result.in_situ is not None:
+            result.in_situ["uncorrected_relative_error"] = measured.median_step_time / sim.step_time - 1.0
     return result
-
-
-def _corrected(workload: Workload, calib: Any, balance: list[int], m: int, microbatch: int,
-               checkpoint: str, recompute_ahead: bool, schedule: str, platform: Any, threads: int,
-               record: dict[str, Any]) -> Any:
-    """The simulation with stage costs corrected from a short M=1 run (:mod:`gpipe_repro.sim.in_situ`);
-    `record` receives the uncorrected step time and the factors."""
-    from gpipe_repro.engine.microbatch import split_sizes
-    from gpipe_repro.engine.schedule import make_schedule
-    from gpipe_repro.sim import in_situ as situ
-    from gpipe_repro.sim.simulator import simulate, stage_costs
-
-    setup, teardown = (platform.setup, platform.teardown) if len(balance) > 1 else (0.0, 0.0)
-    n = m * microbatch
-    short = situ.in_situ_timelines(functools.partial(workload.build, "cpu"), balance,
-                                   workload.sample(microbatch), checkpoint=checkpoint, schedule=schedule,
-                                   loss_fn=workload.loss_fn(), threads=threads)
-    one = simulate_config(calib, balance, 1, microbatch, platform.link, checkpoint=checkpoint,
-                          schedule=schedule, setup=setup, teardown=teardown)
-    per_stage = situ.factors(short, one.timeline)
-    costs = situ.scaled(stage_costs(calib, balance, split_sizes(n, m), setup, teardown), per_stage)
-    uncorrected = simulate_config(calib, balance, m, n, platform.link, checkpoint=checkpoint,
-                                  recompute_ahead=recompute_ahead, schedule=schedule, setup=setup,
-                                  teardown=teardown)
-    record.update({"uncorrected_step_time_s": uncorrected.step_time, "factors": per_stage,
-                   "run": "M=1, one micro-batch per step, 3 steps after 1 warm-up"})
-    return simulate(make_schedule(schedule, len(balance), m, checkpoint, recompute_ahead), costs,
-                    platform.link, n)

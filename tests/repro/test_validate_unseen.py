@@ -1,6 +1,7 @@
 """make validate-unseen: every row counts, with the interval its measured steps give its error."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,17 +11,24 @@ from gpipe_repro.models.workload import Workload
 from gpipe_repro.repro import validate_unseen as vu
 
 
-def fake_run(errors: dict[tuple[int, str], tuple[float, float]]) -> Any:
-    """A configuration whose measured steps scatter by +-spread around (1 + error) x simulated."""
+def fake_run(errors: dict[tuple[int, str], tuple[float, float]], corrected_s: float = 1.0) -> Any:
+    """A configuration whose measured steps scatter by +-spread around (1 + error) x simulated (1 s);
+    in situ, the corrected simulation is `corrected_s`."""
     def run(workload: Workload, *, k: int, m: int, microbatch: int, checkpoint: str,
-            steps: int) -> dict[str, Any]:
+            steps: int, in_situ: bool, in_situ_m: int = 1) -> dict[str, Any]:
         error, spread = errors.get((m, checkpoint), (0.01, 0.0))
         simulated_s = 1.0
         times = [simulated_s * (1 + error + spread * (i % 3 - 1)) for i in range(8)]
-        return {"workload": workload.name, "K": k, "M": m, "microbatch": microbatch,
-                "checkpoint": checkpoint, "balance": [4, 6], "step_time_s": simulated_s,
-                "measured_step_time_s": sorted(times)[4], "measured_step_times_s": times,
-                "relative_error": error}
+        row = {"workload": workload.name, "K": k, "M": m, "microbatch": microbatch,
+               "checkpoint": checkpoint, "balance": [4, 6], "step_time_s": simulated_s,
+               "measured_step_time_s": sorted(times)[4], "measured_step_times_s": times,
+               "relative_error": error}
+        if in_situ:
+            row["step_time_s"] = corrected_s
+            row["in_situ"] = {"uncorrected_step_time_s": simulated_s,
+                              "factors": [{"forward": 1.1, "recompute": 1.0, "backward": 1.2,
+                                           "optimizer_step": 0.9}] * k}
+        return row
     return run
 
 
@@ -66,3 +74,34 @@ def test_the_unseen_models_build_as_layer_lists(name: str) -> None:
     for layer in layers:
         x = layer(x)
     assert tuple(x.shape) == (2, 10)
+
+
+def test_the_page_shows_the_uncorrected_and_the_corrected_error(tmp_path: Path) -> None:
+    errors = {(1, "never"): (0.10, 0.0), (2, "never"): (-0.06, 0.0)}
+    # measured 1.10 s and 0.94 s against a corrected 1.02 s: +7.8% and -7.8%
+    payload = vu.main(models=["conv net 6x32 on 16x16"], ms=[1, 2], checkpoints=["never"], out=str(tmp_path),
+                      run=fake_run(errors, corrected_s=1.02))
+    raw, fixed = payload["summary"], payload["summary_in_situ"]
+    assert raw["max_abs_error"] == pytest.approx(0.10) and raw["median_abs_error"] == pytest.approx(0.08)
+    assert fixed["max_abs_error"] == pytest.approx(1.10 / 1.02 - 1)
+    assert fixed["median_abs_error"] == pytest.approx(1 - 0.94 / 1.02)
+    page = (tmp_path / "validation_unseen.md").read_text()
+    header = next(line for line in page.splitlines() if line.startswith("| model"))
+    assert "| simulated step ms" in header and "error (simulated throughput) [95% interval]" in header
+    assert "in-situ corrected step ms" in header and "corrected error [95% interval]" in header
+    row = next(line for line in page.splitlines() if line.startswith("| conv net") and "|   1 |" in line)
+    assert "1000.0" in row and "1020.0" in row and "+10.0%" in row and "+7.8%" in row
+    assert "1.10/1.00/1.20/0.90" in row                        # the factors per stage
+    assert "In-situ corrected: median |error| 7.8%" in page
+    assert "never from the measured steps" in page
+    assert "moved the median |error| from 8.0% to 7.8% and the worst from 10.0% to 7.8%" in page
+    assert "--in-situ" in page
+    stored = json.loads((tmp_path / "validation_unseen.json").read_text())
+    assert stored["summary_in_situ"]["configurations"] == 2
+
+
+def test_without_in_situ_the_page_keeps_its_columns(tmp_path: Path) -> None:
+    vu.main(models=["conv net 6x32 on 16x16"], ms=[1], checkpoints=["never"], out=str(tmp_path),
+            in_situ=False, run=fake_run({}))
+    page = (tmp_path / "validation_unseen.md").read_text()
+    assert "corrected" not in page and "+1.0%" in page
