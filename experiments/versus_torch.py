@@ -19,7 +19,10 @@ the median of the per-round paired ratios (torch time / ours time) with its 95% 
 results/schedules/versus_torch.{json,md} (rows ``model, heterogeneous, K, M, batch, ours_best,
 torch_best, ratio, ci_low, ci_high``); it refuses to write the results of record (the checkout's
 results/, not $GPIPE_REPRO_RESULTS) from a tree whose tracked files differ from its commit.
-``--tiny`` runs tiny sizes in seconds and writes nothing.
+``--tiny`` runs tiny sizes in seconds and writes nothing. ``--same-cut`` also times ours on
+torchtitan's cut (gpipe and 1f1b, items ``same-cut:S``, not candidates for ours-best) and reports
+each against PyTorch's same schedule (``same_cut`` of a row): the runtimes compared apart from the
+partition.
 """
 from __future__ import annotations
 
@@ -71,6 +74,24 @@ class OursAuto:
         self.pipe.train_step(x, y)
 
 
+class OursTorchCut(OursAuto):
+    """Ours on torchtitan's cut (:func:`~experiments.versus_models.chunk_layers` with 2 chunks):
+    ``GPipe(..., balance=those chunks' lengths, checkpoint="never", runtime="distributed")``, one cell
+    per process, the tie kept."""
+
+    def __init__(self, spec: Any, m: int, schedule: str, tiny: bool) -> None:
+        from gpipe_repro import GPipe
+        layers = spec.build(tiny)
+        balance = [len(chunk) for chunk in chunk_layers(layers, 2)]
+        self.pipe = GPipe(layers, partitions=2, micro_batches=m, schedule=schedule, balance=balance,
+                          checkpoint="never", loss_fn=spec.loss_fn, optimizer=sgd, runtime="distributed")
+        self.pipe.make_schedule()
+        self.balance = list(self.pipe.balance)
+
+
+SAME_CUT = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}   # ours on torchtitan's cut -> torch's
+
+
 class TorchEqualBlocks(TorchSchedule):
     """A torch.distributed.pipelining schedule over this rank's chunk(s) of torchtitan's cut
     (:func:`~experiments.versus_models.chunk_layers`): 2 chunks, one per process
@@ -117,6 +138,9 @@ def group_items(cfg: dict[str, Any], name: str, rank: int, m: int,
                 items[f"ours:{s}"], cuts[s] = ours, ours.balance
         except ValueError as e:       # the engine's verdict on this configuration (the same everywhere)
             refused[f"ours:{s}"] = _first_line(e)
+    if name != "mlp" and cfg.get("same_cut"):
+        for s in SAME_CUT:
+            items[f"same-cut:{s}"] = OursTorchCut(model(name), m, s, cfg["tiny"])
     for t in TORCH_SINGLE + TORCH_LOOPED + TORCH_V:
         try:
             items[f"torch:{t}"] = (
@@ -157,7 +181,8 @@ def bench_processes(cfg: dict[str, Any]) -> dict[str, Any]:
             row = rows_of({f"{name}/{rows}/{m}": out[f"{name}/{rows}/{m}"]})[0]
             print(f"{COMMAND} {name} batch {rows} M={m}: {row['ours_best']} / {row['torch_best']} "
                   f"{row['ratio']:.3f} [{row['ci_low']}, {row['ci_high']}] ({row['rounds']} rounds); "
-                  f"times ms {row['times_ms']}; our cuts {cuts}", flush=True)
+                  f"times ms {row['times_ms']}; our cuts {cuts}"
+                  + (f"; same cut {row['same_cut']}" if row["same_cut"] else ""), flush=True)
         del items
     return out
 
@@ -168,6 +193,21 @@ def best_against_best(result: Measurement, target: float) -> tuple[str, str, Fig
     theirs = min((n for n in result.times if n.startswith("torch:")), key=lambda n: result.times[n].value)
     ratios = [t / o for t, o in zip(result.times[theirs].samples, result.times[ours].samples)]
     return ours, theirs, Figure.of(f"{ours} / {theirs}", ratios, target=target, host_fast=result.host_fast)
+
+
+def same_cut(result: Measurement) -> dict[str, dict[str, Any]]:
+    """Ours on torchtitan's cut against PyTorch's same schedule on it: the paired ratio per round,
+    torch / ours (only the schedules timed both ways)."""
+    out = {}
+    for ours, theirs in SAME_CUT.items():
+        a, b = result.times.get(f"same-cut:{ours}"), result.times.get(f"torch:{theirs}")
+        if a is None or b is None:
+            continue
+        ratio = Figure.of(f"same-cut:{ours} / torch:{theirs}", [t / o for t, o in zip(b.samples, a.samples)],
+                          host_fast=result.host_fast)
+        out[ours] = {"ratio": ratio.value, "ci_low": ratio.low, "ci_high": ratio.high,
+                     "ours_ms": round(a.value * 1e3, 2), "torch_ms": round(b.value * 1e3, 2)}
+    return out
 
 
 def rows_of(per_group: dict[str, Any]) -> list[dict[str, Any]]:
@@ -185,7 +225,8 @@ def rows_of(per_group: dict[str, Any]) -> list[dict[str, Any]]:
                      "target": ratio.target, "verdict": ratio.verdict, "rounds": ratio.rounds,
                      "host_fast": ratio.host_fast, "ratio_figure": ratio.to_json(),
                      "times_ms": {n: round(f.value * 1e3, 2) for n, f in result.times.items()},
-                     "our_cuts": data["cuts"], "not_applicable": data["refused"]})
+                     "our_cuts": data["cuts"], "not_applicable": data["refused"],
+                     "same_cut": same_cut(result)})
     return rows
 
 
@@ -200,6 +241,9 @@ def page(rows: list[dict[str, Any]], tiny: bool, host: dict[str, Any]) -> str:
               "" if r["host_fast"] is None else f"{r['host_fast']:.0%}"] for r in rows]
     cuts = [f"- {r['model']} M={r['M']}: ours " + "; ".join(f"{s} {c}" for s, c in r["our_cuts"].items())
             for r in rows if r["our_cuts"]]
+    same = [f"- {r['model']} M={r['M']}, {s}: ours {v['ours_ms']} ms, torch {v['torch_ms']} ms, ratio "
+            f"{cell(v['ratio'])}x [{cell(v['ci_low'])}, {cell(v['ci_high'])}]"
+            for r in rows for s, v in r.get("same_cut", {}).items()]
     refused = sorted({f"{r['model']} M={r['M']}, {n}: {why}"
                       for r in rows for n, why in r["not_applicable"].items()})
     models = "\n".join(f"- {spec.name}: {spec.description}" for spec in MODELS.values())
@@ -217,6 +261,8 @@ def page(rows: list[dict[str, Any]], tiny: bool, host: dict[str, Any]) -> str:
         markdown_table(["model", "heterogeneous", "K", "M", "batch", "ours best", "torch best", "ratio [95%]",
                         "target", "rounds", "host fast"], table),
         "Models:\n" + models, "Our cuts (layers per cell):\n" + ("\n".join(cuts) or "- none"),
+        *(["Ours on torchtitan's cut against PyTorch's same schedule (torch / ours):\n" + "\n".join(same)]
+          if same else []),
         "Not applicable:\n" + ("\n".join(f"- {x}" for x in refused) or "- none")])
 
 
@@ -229,6 +275,9 @@ def main(models: str = typer.Option(",".join(MODELS), help=f"comma-separated, of
          ms: str = typer.Option(",".join(map(str, HETEROGENEOUS_MS)),
                                 help="micro-batches of the heterogeneous models, comma-separated"),
          warmup: int = typer.Option(1, min=0, help="untimed steps before the rounds"),
+         same_cut_part: bool = typer.Option(False, "--same-cut/--no-same-cut",
+                                            help="also time ours on torchtitan's cut (gpipe, 1f1b) "
+                                            "against PyTorch's same schedule"),
          tiny: bool = typer.Option(False, "--tiny", help="tiny sizes and rounds to check that everything "
                                    "runs (seconds); nothing is written"),
          budget: Budget = 300.0, tolerance: Tolerance = 0.02, min_rounds: MinRounds = 5,
@@ -252,7 +301,8 @@ def main(models: str = typer.Option(",".join(MODELS), help=f"comma-separated, of
     write = not tiny
     check_publish("schedules", "versus_torch", COMMAND, write=write)
     cfg: dict[str, Any] = {"models": chosen, "uniform_part": uniform, "ms": micro, "tiny": tiny,
-                           "warmup": warmup, "uniform": TINY_UNIFORM if tiny else UNIFORM}
+                           "warmup": warmup, "same_cut": same_cut_part,
+                           "uniform": TINY_UNIFORM if tiny else UNIFORM}
     rule = stop_rule(budget, tolerance, min_rounds, max_rounds, groups=len(groups(cfg)))
     cfg["rule"] = vars(rule)
     from gpipe_repro.distributed import launch_local

@@ -71,6 +71,21 @@ def test_tiny_run_gives_a_row_per_group_with_both_sides_best(capsys: pytest.Capt
     assert "| Schedule" in text
 
 
+@pytest.mark.slow
+def test_same_cut_times_ours_on_torchtitans_cut_against_torchs_same_schedule(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from typer.testing import CliRunner
+
+    from experiments.versus_torch import app
+    result = CliRunner().invoke(app, ["--tiny", "--models", "llama", "--no-uniform", "--same-cut"])
+    assert result.exit_code == 0, result.output
+    print(result.output)
+    text = capsys.readouterr().out
+    assert "Ours on torchtitan's cut against PyTorch's same schedule" in text
+    for schedule in ("gpipe", "1f1b"):
+        assert f"- llama M=2, {schedule}: ours " in text
+
+
 def test_the_entry_point_refuses_a_dirty_tree_before_any_work(monkeypatch: pytest.MonkeyPatch) -> None:
     from experiments import versus_torch
     monkeypatch.setattr("gpipe_repro.report.provenance.changed_files",
