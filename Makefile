@@ -160,7 +160,7 @@ check-regression-detector: $(STAMP)
 
 # Every page of record, in one run from a clean commit (it refuses a dirty tree before any work).
 results: $(STAMP)
-	$(PY) -m experiments.results $(if $(DRY_RUN),--dry-run)
+	$(PY) -m experiments.results $(if $(DRY_RUN),--dry-run) $(if $(ONLY),--only $(ONLY))
 
 # The lent machine's own python and torch; nothing installed (no $(STAMP)).
 DEVICE_PYTHON ?= python3

@@ -103,9 +103,11 @@ def _files_under(root: Path, folders: Sequence[str]) -> dict[Path, int]:
 
 
 def regenerate(parts: Sequence[Part], *, repo: Path, results: Path, out: TextIO | None = None,
-               progress_every: float = 30.0, total_limit_s: float = TOTAL_LIMIT_S) -> dict[str, Any]:
-    """Check the checkout and the plan, run every part in order, stamp what each wrote; returns the
-    manifest (also written to `results`/regenerated.json)."""
+               progress_every: float = 30.0, total_limit_s: float = TOTAL_LIMIT_S,
+               merge: bool = False) -> dict[str, Any]:
+    """Check the checkout and the plan, run every part in order, stamp what each wrote; returns this
+    run's manifest, written to `results`/regenerated.json (`merge`: into the one there, see
+    :func:`merged`)."""
     from experiments.result_stamps import make_stamp, stamp_file
 
     check_parts(parts, total_limit_s)
@@ -135,21 +137,54 @@ def regenerate(parts: Sequence[Part], *, repo: Path, results: Path, out: TextIO 
                      f"{len(written)} file(s) stamped\n")
         stream.flush()
     from gpipe_repro.report.records import write_json
-    write_json(results / MANIFEST, manifest)
+    for part in manifest["parts"]:
+        part["commit"] = commit
+    write_json(results / MANIFEST, merged(results / MANIFEST, manifest) if merge else manifest)
     return manifest
 
 
-def main(*, dry_run: bool = False) -> None:
-    """The plan (`dry_run`), or every part regenerated; exits with a one-line reason on a dirty
-    checkout, and with status 1 if a part did not finish."""
+def merged(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """A run of some parts (``--only``) into the earlier manifest at `path`: those parts' entries and
+    files replaced by this run's. Each part names the commit it ran at; "commit" is this run's,
+    "commits" every one the parts name."""
+    if not path.exists():
+        return manifest
+    names = {p["name"] for p in manifest["parts"]}
+    from gpipe_repro.report.records import read_json
+    earlier = read_json(path)
+    for part in earlier.get("parts", []):
+        part.setdefault("commit", earlier.get("commit"))
+    parts = {p["name"]: p for p in earlier.get("parts", [])}
+    parts.update({p["name"]: p for p in manifest["parts"]})
+    files = {f: v for f, v in earlier.get("files", {}).items() if v.get("part") not in names}
+    files.update(manifest["files"])
+    order = {p.name: i for i, p in enumerate(PARTS)}
+    return {**manifest, "commits": sorted({p["commit"] for p in parts.values() if p.get("commit")}),
+            "parts": sorted(parts.values(), key=lambda p: order.get(p["name"], len(order))), "files": files}
+
+
+def chosen(only: Sequence[str]) -> tuple[Part, ...]:
+    """The parts named in `only` (all when empty), in plan order; an unknown name is refused."""
+    names = [p.name for p in PARTS]
+    unknown = sorted(set(only) - set(names))
+    if unknown:
+        raise ValueError(f"{COMMAND}: unknown part(s) {', '.join(unknown)}: ONLY= takes {', '.join(names)}")
+    return tuple(p for p in PARTS if not only or p.name in only)
+
+
+def main(*, dry_run: bool = False, only: Sequence[str] = ()) -> None:
+    """The plan (`dry_run`), or every part regenerated (`only`: those named, their entries replaced
+    in the manifest); exits with a one-line reason on a dirty checkout, and with status 1 if a part
+    did not finish."""
     from gpipe_repro.report.provenance import _REPO_ROOT
     repo = _REPO_ROOT
     try:
-        check_parts(PARTS, TOTAL_LIMIT_S)
+        parts = chosen(only)
+        check_parts(parts, TOTAL_LIMIT_S)
         if dry_run:
-            print("\n".join(plan_lines(PARTS, TOTAL_LIMIT_S)))
+            print("\n".join(plan_lines(parts, TOTAL_LIMIT_S)))
             return
-        manifest = regenerate(PARTS, repo=repo, results=repo / "results")
+        manifest = regenerate(parts, repo=repo, results=repo / "results", merge=bool(only))
     except (DirtyCheckout, ValueError) as e:
         sys.exit(str(e))
     failed = [p["name"] for p in manifest["parts"] if p["status"] != "ok"]
@@ -165,9 +200,11 @@ app = typer.Typer(add_completion=False)
 
 @app.command()
 def cli(dry_run: bool = typer.Option(False, "--dry-run", help="print each part's limit and command; "
-                                      "run nothing")) -> None:
+                                      "run nothing"),
+        only: str = typer.Option("", help="comma-separated parts to regenerate (default: all), e.g. "
+                                 "throughput-table to rerun one that ran out of time")) -> None:
     """Every table and validation page of record, regenerated from a clean commit (<= 45 minutes)."""
-    main(dry_run=dry_run)
+    main(dry_run=dry_run, only=[p.strip() for p in only.split(",") if p.strip()])
 
 
 if __name__ == "__main__":

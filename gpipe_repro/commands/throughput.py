@@ -218,6 +218,8 @@ def register(app: typer.Typer) -> None:
                       own=dict(option=option, kind=kind, input_shape=input_shape, classes=classes,
                                validate=validate, in_situ=in_situ or None))
             return
+        if model is not None and input_shape is None:
+            input_shape = _default_input_shape(model)
         if model is None or input_shape is None or k is None or m is None:
             raise typer.BadParameter("give --model, --input-shape, --k and --m (your model), or --replicas R "
                                      "(the paper's models)")
@@ -285,6 +287,19 @@ def _key_values(items: list[str]) -> dict[str, Any]:
         except (ValueError, SyntaxError):
             values[key] = text
     return values
+
+
+def _default_input_shape(model: str) -> Optional[str]:
+    """An example's shape where the model says it: a Hugging Face causal LM takes a sequence of token
+    ids, :data:`HF_SEQ_LEN` long unless --input-shape says otherwise (said on the console)."""
+    from gpipe_repro.commands._hf_models import is_hf_model
+    if not is_hf_model(model):
+        return None
+    typer.echo(f"{model}: examples of {HF_SEQ_LEN} token ids (--input-shape N for another length)", err=True)
+    return str(HF_SEQ_LEN)
+
+
+HF_SEQ_LEN = 128
 
 
 def _own_workload(model: str, options: dict[str, Any], kind: Optional[str], shape: list[int],

@@ -155,9 +155,8 @@ class Contribution:
 
     def without_norm(self) -> Contribution:
         """The same numbers with ``grad_sq_norm`` 0 (a replica whose norm another one counts)."""
-        keep = torch.tensor([name != "grad_sq_norm" for name in AGREEMENT_FIELDS], dtype=torch.float64,
-                            device=self.device)
-        return Contribution(self.vector * keep, self.counted)
+        keep = torch.tensor([name != "grad_sq_norm" for name in AGREEMENT_FIELDS], device=self.device)
+        return Contribution(torch.where(keep, self.vector, torch.zeros_like(self.vector)), self.counted)
 
     @staticmethod
     def total(parts: Iterable[Contribution]) -> Contribution:

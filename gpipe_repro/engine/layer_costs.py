@@ -2,8 +2,9 @@
 
 Five sources, because each answers a different question:
 
-- ``time``: measured forward + backward seconds on a given device (median of repeats). The truth for
-  throughput, but noisy and device-specific. Each layer is deep-copied so measuring never changes the
+- ``time``: measured forward + backward seconds on a given device: the median over interleaved
+  rounds, each timing every layer once (:func:`measure_layers`). The truth for throughput, but noisy
+  and device-specific. Each layer is deep-copied so measuring never changes the
   model (BatchNorm statistics, gradients).
 - ``flops``: forward + backward FLOPs from ``torch.utils.flop_counter``: deterministic, device-free.
 - ``params``: parameter bytes: what a cell costs in memory, and a usable proxy when no sample exists.
@@ -33,8 +34,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_repro.engine import boundary
 
-__all__ = ["METHODS", "layer_inputs", "measure_layer", "layer_flops", "layer_flop_counts", "param_bytes",
-           "activation_bytes", "layer_costs"]
+__all__ = ["METHODS", "layer_inputs", "measure_layer", "measure_layers", "layer_flops", "layer_flop_counts",
+           "param_bytes", "activation_bytes", "layer_costs"]
 
 METHODS = ("time", "flops", "params", "activations")
 
@@ -88,6 +89,24 @@ def measure_layer(layer: nn.Module, x: Any, device: torch.device | str = "cpu", 
             bwd.append(t2 - t1)
         layer.zero_grad(set_to_none=True)
     return statistics.median(fwd), statistics.median(bwd)
+
+
+def measure_layers(layers: Sequence[nn.Module], inputs: Sequence[Any], device: torch.device | str = "cpu",
+                   rounds: int = 5) -> list[tuple[float, float]]:
+    """Median (forward, backward) seconds of each layer over `rounds` interleaved rounds: a round
+    times every layer once (a fresh copy, one untimed call first), forward order and reverse in
+    turn. A host whose speed drifts or flips between states (a shared VM, a GPU changing clocks)
+    then spreads its slow spells over every layer alike, where timing each layer's repeats back to
+    back hands a whole slow spell to whichever layer was on: identical layers got costs apart by
+    more than the gap between two cuts, and the cut moved from run to run."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    samples: list[list[tuple[float, float]]] = [[] for _ in layers]
+    order = list(range(len(layers)))
+    for r in range(rounds):
+        for i in (order if r % 2 == 0 else order[::-1]):
+            samples[i].append(measure_layer(layers[i], inputs[i], device, repeats=1, warmup=1))
+    return [(statistics.median(f for f, _ in s), statistics.median(b for _, b in s)) for s in samples]
 
 
 def layer_flops(layer: nn.Module, x: Any) -> int:
@@ -154,4 +173,4 @@ def layer_costs(layers: Sequence[nn.Module], method: str | Sequence[float] | Non
                     for layer, x in zip(layers, inputs)]
     if method == "flops":
         return [float(layer_flops(layer, x)) for layer, x in zip(layers, inputs)]
-    return [sum(measure_layer(layer, x, device, repeats)) for layer, x in zip(layers, inputs)]
+    return [f + b for f, b in measure_layers(layers, inputs, device, rounds=repeats)]

@@ -124,6 +124,16 @@ def test_throughput_takes_a_hugging_face_model(tmp_path: Path) -> None:
         _hf_models.throughput_model("hf:llama", {"bogus": 1})
 
 
+def test_throughput_of_a_hugging_face_model_needs_no_input_shape() -> None:
+    """A causal LM's example is a sequence of token ids: the command says which length it took."""
+    result = CliRunner().invoke(app, ["throughput", "--model", "hf:llama", "--option", "layers=2",
+                                      "--option", "hidden=32", "--option", "heads=2", "--option", "vocab=64",
+                                      "--option", "intermediate=64", "--k", "2", "--m", "2",
+                                      "--microbatch", "2", "--method", "flops"], terminal_width=200)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "examples of 128 token ids (--input-shape N for another length)" in _flat(result.output)
+
+
 def test_models_counts_a_hugging_face_config_without_building_it() -> None:
     result = CliRunner().invoke(app, ["models", *LLAMA_8B], terminal_width=200)
     assert result.exit_code == 0, (result.output, result.exception)

@@ -141,3 +141,27 @@ def test_default_cost_is_measured_time_with_a_sample_else_params(monkeypatch: py
     assert by_time != by_params
     assert cut(sample=x) == by_time
     assert cut() == by_params
+
+
+def test_time_costs_interleave_the_layers_round_by_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each round times every layer once, forward order then reverse; a layer's cost is the median
+    of its rounds, so a slow spell of the host lands on every layer alike."""
+    import torch
+    from torch import nn
+
+    from gpipe_repro.engine import layer_costs
+
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)]
+    calls: list[int] = []
+    spell = iter([9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 9.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+
+    def timed(layer: nn.Module, x: object, *args: object, **kwargs: object) -> tuple[float, float]:
+        assert kwargs.get("repeats") == 1
+        calls.append(next(i for i, m in enumerate(layers) if m is layer))
+        return next(spell), 0.5
+    monkeypatch.setattr(layer_costs, "measure_layer", timed)
+    costs = layer_costs.layer_costs(layers, "time", torch.randn(2, 4), repeats=5)
+    assert calls == [0, 1, 2, 2, 1, 0, 0, 1, 2, 2, 1, 0, 0, 1, 2]
+    assert costs == [1.5, 1.5, 1.5]          # the two slow readings are each one layer's outlier
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        layer_costs.measure_layers(layers, [None] * 3, rounds=0)

@@ -179,3 +179,15 @@ def test_silent_stale_optimizer_a_replaced_optimizer_is_the_one_that_steps(parti
     before = [p.detach().clone() for p in pipe.parameters()]
     pipe.train_step(x, y)
     assert all(torch.equal(a, b) for a, b in zip(before, pipe.parameters()))
+
+
+def test_a_replica_not_counting_the_norm_zeroes_it_even_when_infinite() -> None:
+    """The replica whose norm another one counts zeroed its field by multiplying, and inf * 0 is NaN:
+    the agreed norm read NaN where the counting replica's (and plain PyTorch's) read inf."""
+    cpu = torch.device("cpu")
+    part = Contribution.of(cpu, loss=torch.tensor(2.0), count=torch.tensor(4.0),
+                           grad_sq_norm=torch.tensor(float("inf"), dtype=torch.float64))
+    kept = part.without_norm()
+    assert kept.grad_sq_norm.item() == 0.0
+    assert kept.field("loss").item() == 2.0 and kept.field("count").item() == 4.0
+    assert torch.isfinite(kept.vector).all()

@@ -141,3 +141,25 @@ def test_a_failing_or_slow_part_is_recorded_and_the_run_goes_on(checkout: Path) 
     assert statuses["slow"][0] == "timed out"
     assert statuses["after"][0] == "ok"
     assert "slow: running" in out.getvalue()          # a progress line while the part was silent
+
+
+def test_only_some_parts_replace_their_entries_in_the_manifest(checkout: Path) -> None:
+    """`make results ONLY=...` reruns a part that ran out of time: the other parts' entries and
+    files stay, each part names the commit it ran at."""
+    results = checkout / "results"
+    driver.regenerate([_writer("one", "alpha"), _writer("two", "beta")], repo=checkout, results=results,
+                      out=io.StringIO())
+    (checkout / "code.py").write_text("x = 2\n")
+    _git(checkout, "commit", "-qam", "next")
+    driver.regenerate([_writer("two", "beta")], repo=checkout, results=results, out=io.StringIO(), merge=True)
+    manifest = json.loads((results / driver.MANIFEST).read_text())
+    commits = {p["name"]: p["commit"] for p in manifest["parts"]}
+    assert set(commits) == {"one", "two"} and commits["one"] != commits["two"]
+    assert commits["two"] == manifest["commit"] == _git(checkout, "rev-parse", "HEAD")
+    assert sorted(manifest["commits"]) == sorted(set(commits.values()))
+    assert {f: v["part"] for f, v in manifest["files"].items()} == {
+        "alpha/one.json": "one", "alpha/one.md": "one", "beta/two.json": "two", "beta/two.md": "two"}
+    with pytest.raises(ValueError, match="unknown part.*bogus"):
+        driver.chosen(["bogus"])
+    assert [p.name for p in driver.chosen(["validate-sim", "throughput-table"])] == ["throughput-table",
+                                                                                      "validate-sim"]
