@@ -38,14 +38,15 @@ def _python(module: str, *args: str) -> tuple[str, ...]:
 
 #: (name, entry point and options, wall-clock limit in seconds, folders under results/ it writes).
 #: The benchmarks' --budget is their measuring time; the limit leaves room for start-up, the rounds
-#: the stop rule needs at least, and output. Sized from runs on this host (2026-11-26, seconds):
-#: throughput-table 666, memory-table 95, bench-overhead 36, bench-replicas 83, replicas-plan 24,
-#: regression detector 75; with other work beside them, validate-sim (M = 2, 8; 5 steps) 618,
-#: validate-unseen (M = 2, 8; 5 steps) 303, bench-runtime 183 and bench-schedules 143 at --budget 80.
+#: the stop rule needs at least, and output. Sized from make results on this host at 1402c7d
+#: (seconds): throughput-table past 760 (666 at 26cb7b0: calibration, 300 s of rounds per model,
+#: then about 140 s of pages and charts), validate-sim 243, validate-unseen 411, memory-table 97,
+#: bench-overhead 58, bench-runtime 157, bench-schedules 112, bench-replicas 79, replicas-plan 24,
+#: regression detector 75. ``--only`` (``make results ONLY=...``) reruns a part that ran out of time.
 PARTS: tuple[Part, ...] = (
-    Part("throughput-table", _python("experiments.throughput_table"), 760, ("throughput",),
+    Part("throughput-table", _python("experiments.throughput_table"), 900, ("throughput",),
          "K x M normalized throughput, measured and simulated"),
-    Part("validate-sim", _python("experiments.validate_simulator", "--ms", "2,8", "--steps", "5"), 620,
+    Part("validate-sim", _python("experiments.validate_simulator", "--ms", "2,8", "--steps", "5"), 360,
          ("throughput",), "simulator vs real stage processes, M = 2 and 8; re-renders throughput_table.md"),
     Part("validate-unseen", _python("experiments.validate_unseen", "--ms", "2,8", "--steps", "5"), 480,
          ("throughput",), "three models the simulator was never tuned on, K=2, M = 2 and 8, each "
@@ -53,7 +54,7 @@ PARTS: tuple[Part, ...] = (
     Part("memory-table", _python("experiments.memory_table"), 130, ("memory",)),
     Part("bench-overhead", _python("experiments.bench_overhead", "--budget", "50"), 75, ("overhead",)),
     Part("bench-runtime", _python("experiments.bench_runtime", "--budget", "60"), 200, ("runtime",)),
-    Part("bench-schedules", _python("experiments.bench_schedules", "--budget", "60"), 170,
+    Part("bench-schedules", _python("experiments.bench_schedules", "--budget", "60"), 150,
          ("schedules",)),
     Part("bench-replicas", _python("experiments.bench_replicas", "--budget", "70"), 110, ("replicas",)),
     Part("replicas-plan-table", _python("experiments.replicas_plan_table"), 45, ("replicas",)),
