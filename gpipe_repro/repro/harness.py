@@ -247,17 +247,19 @@ def check_publish(experiment: str, stem: str, command: str, *, extra: Sequence[s
     if not write:
         return
     try:
-        _check_publish(experiment, stem, command, extra)
+        _check_publish(experiment, stem, command, extra, clean=True)
     except ValueError as e:
         raise SystemExit(f"{command}: {e}") from None
 
 
-def _check_publish(experiment: str, stem: str, command: str, extra: Sequence[str]) -> None:
+def _check_publish(experiment: str, stem: str, command: str, extra: Sequence[str], *, clean: bool) -> None:
+    """`clean`: also refuse a checkout that differs from its commit (before the work, not after it:
+    a page edited while a benchmark measures does not cost its measurements)."""
     from gpipe_repro.report.output_guard import OutputRefused, check_outputs, is_of_record
     from gpipe_repro.report.provenance import changed_files
     from gpipe_repro.report.records import RESULTS_ENV, results_root
     out = results_root() / experiment
-    if is_of_record(out):
+    if clean and is_of_record(out):
         changed = changed_files()
         if changed:
             raise OutputRefused(
@@ -272,7 +274,8 @@ def _check_publish(experiment: str, stem: str, command: str, extra: Sequence[str
 def publish(experiment: str, stem: str, payload: Mapping[str, Any], text: str, *,
             command: str, write: bool = True) -> None:
     """Print the page; write results/<experiment>/<stem>.{json,md} unless `write` is False (the
-    command should have called :func:`check_publish` before its work; it is checked again here).
+    command should have called :func:`check_publish` before its work; a file it did not write is
+    refused again here, but a checkout changed since is not: the work was done at its commit).
     Every figure a benchmark publishes is measured: the JSON says so, with the environment it was
     taken in (device, host, torch, commit), unless the payload already does, and names `command`
     as its writer."""
@@ -281,7 +284,10 @@ def publish(experiment: str, stem: str, payload: Mapping[str, Any], text: str, *
     from gpipe_repro.report.records import results_dir, write_json, write_markdown
     print(text, flush=True)
     if write:
-        check_publish(experiment, stem, command)
+        try:
+            _check_publish(experiment, stem, command, (), clean=False)
+        except ValueError as e:
+            raise SystemExit(f"{command}: {e}") from None
         out = results_dir(experiment)
         write_json(out / f"{stem}.json",
                    stamp({"method": "measured", "environment": environment(), **payload}, command))

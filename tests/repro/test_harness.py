@@ -95,3 +95,6 @@ def test_publish_takes_its_unstamped_earlier_output_and_refuses_a_dirty_tree_of_
     with pytest.raises(SystemExit, match="only from a clean commit.*engine/gpipe.py"):
         harness.check_publish("runtime", "bench_runtime", "bench-runtime")
     harness.check_publish("runtime", "bench_runtime", "bench-runtime", write=False)
+    # a checkout edited while the benchmark measured does not cost its measurements
+    harness.publish("runtime", "bench_runtime", {"experiment": "new"}, "# page", command="bench-runtime")
+    assert (tmp_path / "runtime" / "bench_runtime.md").read_text().startswith("# page")
