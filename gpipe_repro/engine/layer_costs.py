@@ -34,8 +34,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_repro.engine import boundary
 
-__all__ = ["METHODS", "layer_inputs", "measure_layer", "measure_layers", "layer_flops", "layer_flop_counts",
-           "param_bytes", "activation_bytes", "layer_costs"]
+__all__ = ["METHODS", "layer_inputs", "measure_layer", "measure_layers", "likeness", "layer_flops",
+           "layer_flop_counts", "param_bytes", "activation_bytes", "layer_costs"]
 
 METHODS = ("time", "flops", "params", "activations")
 
@@ -97,8 +97,9 @@ def measure_layers(layers: Sequence[nn.Module], inputs: Sequence[Any], device: t
     times every layer once (a fresh copy, one untimed call first), forward order and reverse in
     turn. A host whose speed drifts or flips between states (a shared VM, a GPU changing clocks)
     then spreads its slow spells over every layer alike, where timing each layer's repeats back to
-    back hands a whole slow spell to whichever layer was on: identical layers got costs apart by
-    more than the gap between two cuts, and the cut moved from run to run."""
+    back hands a whole slow spell to whichever layer was on. Layers alike (:func:`likeness`: the
+    same module, parameters and input shapes, as a Transformer's blocks) share the median of all
+    their readings: one cost, not costs apart by the host's noise, which moved the cut between runs."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     samples: list[list[tuple[float, float]]] = [[] for _ in layers]
@@ -106,7 +107,21 @@ def measure_layers(layers: Sequence[nn.Module], inputs: Sequence[Any], device: t
     for r in range(rounds):
         for i in (order if r % 2 == 0 else order[::-1]):
             samples[i].append(measure_layer(layers[i], inputs[i], device, repeats=1, warmup=1))
-    return [(statistics.median(f for f, _ in s), statistics.median(b for _, b in s)) for s in samples]
+    pooled: dict[Any, list[tuple[float, float]]] = {}
+    keys = [likeness(layer, x) for layer, x in zip(layers, inputs)]
+    for key, s in zip(keys, samples):
+        pooled.setdefault(key, []).extend(s)
+    return [(statistics.median(f for f, _ in pooled[k]), statistics.median(b for _, b in pooled[k]))
+            for k in keys]
+
+
+def likeness(layer: nn.Module, x: Any) -> tuple[Any, ...]:
+    """What makes two layers cost alike: the module's type and printed form (its submodules and
+    their sizes), its parameters' and buffers' shapes and dtypes, and its input's."""
+    def shapes(tensors: Any) -> tuple[Any, ...]:
+        return tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
+    return (type(layer).__qualname__, repr(layer), shapes(p for _, p in layer.named_parameters()),
+            shapes(b for _, b in layer.named_buffers()), shapes(boundary.tensors(x)))
 
 
 def layer_flops(layer: nn.Module, x: Any) -> int:

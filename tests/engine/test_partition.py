@@ -151,7 +151,7 @@ def test_time_costs_interleave_the_layers_round_by_round(monkeypatch: pytest.Mon
 
     from gpipe_repro.engine import layer_costs
 
-    layers = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)]
+    layers = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4, bias=False)]     # unlike: not pooled
     calls: list[int] = []
     spell = iter([9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 9.0, 1.0, 1.0, 1.0, 1.0, 1.0])
 
@@ -165,3 +165,22 @@ def test_time_costs_interleave_the_layers_round_by_round(monkeypatch: pytest.Mon
     assert costs == [1.5, 1.5, 1.5]          # the two slow readings are each one layer's outlier
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         layer_costs.measure_layers(layers, [None] * 3, rounds=0)
+
+
+def test_layers_alike_share_one_time_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Transformer's blocks cost the same: their readings are pooled, so the host's noise cannot
+    set them apart and move the cut; a layer of another size keeps its own cost."""
+    import torch
+    from torch import nn
+
+    from gpipe_repro.engine import layer_costs
+
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 8)]
+    reading = {id(layers[0]): 1.0, id(layers[1]): 3.0, id(layers[2]): 5.0}
+    monkeypatch.setattr(layer_costs, "measure_layer",
+                        lambda layer, x, *args, **kwargs: (reading[id(layer)], 0.0))
+    assert layer_costs.layer_costs(layers, "time", torch.randn(2, 4), repeats=5) == [2.0, 2.0, 5.0]
+    x = torch.randn(2, 4)
+    assert layer_costs.likeness(layers[0], x) == layer_costs.likeness(layers[1], x)
+    assert layer_costs.likeness(layers[0], x) != layer_costs.likeness(layers[0], torch.randn(3, 4))
+    assert layer_costs.likeness(layers[0], x) != layer_costs.likeness(nn.Linear(4, 4, bias=False), x)
