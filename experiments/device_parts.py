@@ -189,6 +189,14 @@ def run(part: str, work: Path, tiny: bool) -> dict[str, Any]:
 
 
 
+def method(part: str) -> str:
+    """How a part's figures were made: measured on this host, and for validate-sim the simulator's
+    prediction of the same configurations beside each measurement."""
+    if part.startswith("validate-sim"):
+        return "measured, each beside the simulator's prediction (simulated) of the same configuration"
+    return "measured"
+
+
 def run_part(part: str, work: Path, tiny: bool) -> None:
     """Run `part` into `work`/`part`/ and write its result.json (what a child process does)."""
     out = work / part
@@ -199,7 +207,7 @@ def run_part(part: str, work: Path, tiny: bool) -> None:
     if "torch" in sys.modules:
         import torch
         payload["torch"] = torch.__version__
-    write_json(out / "result.json", {"part": part, "tiny": tiny,
+    write_json(out / "result.json", {"part": part, "tiny": tiny, "method": method(part),
                                      "seconds": time.perf_counter() - t0, **payload})
     print(f"{part}: done in {time.perf_counter() - t0:.1f} s", flush=True)
 

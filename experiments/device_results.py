@@ -135,8 +135,9 @@ def device_results(out: Path, *, tiny: bool, progress_every: float = 30.0,
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "GPIPE_REPRO_BACKEND": "gloo",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
         host, state = _host(), git_state()
-        summary: dict[str, Any] = {"command": COMMAND, "tiny": tiny, "only": list(only), "host": host,
-                                   **state,
+        summary: dict[str, Any] = {"command": COMMAND, "method": "measured (each part's result.json says "
+                                   "how its figures were made)", "tiny": tiny, "only": list(only),
+                                   "host": host, **state,
                                    "parts": [], "figures": {}, "written_by": COMMAND}
         for i, part in enumerate(parts):
             print(f"device-results {i + 1}/{len(parts)} {part.name}: start (limit {part.limit_s:.0f} s)",

@@ -239,43 +239,36 @@ def _published_by(path: Path, manifest: Path, command: str) -> bool:
 
 
 def check_publish(experiment: str, stem: str, command: str, *, extra: Sequence[str] = (),
-                  write: bool = True) -> None:
+                  write: bool = True, clean: bool = True) -> None:
     """Before any work, where :func:`publish` will write (results/<experiment>/<stem>.{json,md} and
-    the `extra` file names): refuse a file that is not `command`'s earlier output, and the results of
-    record from a checkout whose tracked files differ from its commit (the stamps would name code
-    that did not produce the figures). Exits with a message saying what to do (nothing has run)."""
+    the `extra` file names): refuse a file that is not `command`'s earlier output, and (`clean`) the
+    results of record from a checkout whose tracked files differ from its commit (the stamps would
+    name code that did not produce the figures). Exits with a message saying what to do."""
     if not write:
         return
-    try:
-        _check_publish(experiment, stem, command, extra, clean=True)
-    except ValueError as e:
-        raise SystemExit(f"{command}: {e}") from None
-
-
-def _check_publish(experiment: str, stem: str, command: str, extra: Sequence[str], *, clean: bool) -> None:
-    """`clean`: also refuse a checkout that differs from its commit (before the work, not after it:
-    a page edited while a benchmark measures does not cost its measurements)."""
     from gpipe_repro.report.output_guard import OutputRefused, check_outputs, is_of_record
     from gpipe_repro.report.provenance import changed_files
     from gpipe_repro.report.records import RESULTS_ENV, results_root
     out = results_root() / experiment
-    if clean and is_of_record(out):
-        changed = changed_files()
+    paths = [out / f"{stem}.json", out / f"{stem}.md", *(out / name for name in extra)]
+    try:
+        changed = changed_files() if clean and is_of_record(out) else None
         if changed:
             raise OutputRefused(
-                f"{command} writes results of record ({out}) only from a clean commit: "
-                f"{len(changed)} tracked file(s) differ ({', '.join(changed[:5])}); commit or stash "
-                f"them, or write elsewhere with {RESULTS_ENV}=DIR (nothing was run)")
-    paths = [out / f"{stem}.json", out / f"{stem}.md", *(out / name for name in extra)]
-    check_outputs(paths, command=command, option="results", overwrite=True, record=True,
-                  own=lambda path: _published_by(path, paths[0], command))
+                f"writes results of record ({out}) only from a clean commit: {len(changed)} tracked "
+                f"file(s) differ ({', '.join(changed[:5])}); commit or stash them, or write elsewhere "
+                f"with {RESULTS_ENV}=DIR (nothing was run)")
+        check_outputs(paths, command=command, option="results", overwrite=True, record=True,
+                      own=lambda path: _published_by(path, paths[0], command))
+    except ValueError as e:
+        raise SystemExit(f"{command}: {e}") from None
 
 
 def publish(experiment: str, stem: str, payload: Mapping[str, Any], text: str, *,
             command: str, write: bool = True) -> None:
     """Print the page; write results/<experiment>/<stem>.{json,md} unless `write` is False (the
     command should have called :func:`check_publish` before its work; a file it did not write is
-    refused again here, but a checkout changed since is not: the work was done at its commit).
+    refused again here).
     Every figure a benchmark publishes is measured: the JSON says so, with the environment it was
     taken in (device, host, torch, commit), unless the payload already does, and names `command`
     as its writer."""
@@ -284,10 +277,8 @@ def publish(experiment: str, stem: str, payload: Mapping[str, Any], text: str, *
     from gpipe_repro.report.records import results_dir, write_json, write_markdown
     print(text, flush=True)
     if write:
-        try:
-            _check_publish(experiment, stem, command, (), clean=False)
-        except ValueError as e:
-            raise SystemExit(f"{command}: {e}") from None
+        # the checkout was checked clean before the work: a page edited since does not cost the run
+        check_publish(experiment, stem, command, clean=False)
         out = results_dir(experiment)
         write_json(out / f"{stem}.json",
                    stamp({"method": "measured", "environment": environment(), **payload}, command))

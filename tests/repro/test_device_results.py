@@ -50,6 +50,9 @@ def test_tiny_mode_runs_every_part_at_k2_and_brings_back_three_stamped_files(
     speed = summary["figures"]["host-speed"]["fast_share"]
     assert 0.0 <= speed["min"] <= speed["mean"] <= speed["max"] <= 1.0
     assert summary["figures"]["validate-sim-k2"]["rows"][0]["K"] == 2
+    assert summary["method"].startswith("measured")
+    assert summary["figures"]["host-speed"]["method"] == "measured"
+    assert "simulated" in summary["figures"]["validate-sim-k2"]["method"]
     assert list(summary["figures"]["bench-replicas"]["results"]) == ["R=2"]
     stamp = read_stamp(out / "summary.json")
     assert stamp is not None and stamp["command"] == dr.COMMAND and stamp["hostname"]
