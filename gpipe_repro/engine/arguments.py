@@ -6,7 +6,8 @@ re-materialization mode, the loss's reduction, clipping, precision, schedule, ru
 replicas, devices) and builds the schedule once, so that a schedule that cannot serve this K and M
 (interleaved 1F1B's M a multiple of K, DualPipeV's M >= 2K) is refused at construction;
 :func:`compile_options` the ``compile`` argument against that schedule; :func:`as_layers` the model;
-:func:`batch_key` what every rank's mini-batch must share when there are replicas.
+:func:`batch_key` what every rank's mini-batch must share when there are replicas;
+:func:`check_sample_target` the targets of the partitioner's sample.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe_repro.engine import microbatch
 from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.partition import OBJECTIVES
 from gpipe_repro.engine.placement import RUNTIMES
@@ -30,7 +32,7 @@ from gpipe_repro.engine.schedule import (
 )
 
 __all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_running_statistics",
-           "compile_options", "declared_reduction"]
+           "check_sample_target", "compile_options", "declared_reduction"]
 
 BATCHNORM_STATS = ("per_replica", "synchronized")   # GPipe(batchnorm_stats=...), with replicas
 
@@ -210,3 +212,23 @@ def batch_key(inputs: Any, targets: Any) -> Any:
             return tuple(describe(x) for x in v)
         return ("value", repr(v))
     return (describe(inputs), describe(targets))
+
+
+def check_sample_target(sample: Any, sample_target: Any, loss_fn: Any) -> tuple[Any, Any] | None:
+    """``(loss_fn, sample_target)`` for the partitioner's measured costs (the loss timed with the last
+    layer), or None without `sample_target`; refuses a target without a sample or a loss, or one
+    whose rows differ from the sample's."""
+    if sample_target is None:
+        return None
+    if sample is None:
+        raise ValueError("sample_target was given without sample: give sample= (the input batch the "
+                         "costs are measured on) with it, or leave sample_target out")
+    if loss_fn is None:
+        raise ValueError("sample_target was given without loss_fn: the target is for timing the loss "
+                         "with the last layer; give loss_fn=, or leave sample_target out")
+    rows = microbatch.batch_size(sample, "sample")
+    target_rows = microbatch.batch_size(sample_target, "sample_target")
+    if rows != target_rows:
+        raise ValueError(f"sample_target has {target_rows} rows but sample has {rows}: give the "
+                         "targets of the same rows (e.g. sample=x[:n], sample_target=y[:n])")
+    return loss_fn, sample_target

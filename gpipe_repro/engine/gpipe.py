@@ -35,6 +35,7 @@ from gpipe_repro.engine.arguments import (
     batch_key,
     check_arguments,
     check_running_statistics,
+    check_sample_target,
     compile_options,
     declared_reduction,
 )
@@ -84,7 +85,12 @@ class GPipe(nn.Module):
         balance: the number of layers per cell; default: the partitioner on `cost`.
         cost: per-layer cost for the partitioner: "params", "flops", "time", "activations" (the last
             three need `sample`), or a list of floats. Default: "time" with a `sample`, else "params".
-        sample: an input batch for measured costs (never modified).
+        sample: an input batch for measured costs (never modified): one micro-batch's worth.
+        sample_target: the targets of `sample` (what ``train_step`` takes as `targets`): with it and
+            `loss_fn`, the last layer's measured cost ("time", "flops") includes the loss's forward
+            and backward, as the last cell runs them. Give it for a language model: the
+            cross-entropy over the vocabulary is a large share of the head's cost, and a cut
+            without it leaves the last cell too many layers.
         objective: the partitioner's objective: "bottleneck", "variance", "greedy" or "equal".
         devices: one device per cell (default: where each cell's parameters are).
         loss_fn: ``loss_fn(output, targets)`` of one micro-batch: a 0-dim tensor, or ``(sum, count)``
@@ -147,7 +153,7 @@ class GPipe(nn.Module):
     def __init__(self, layers: nn.Sequential | Sequence[nn.Module], *, partitions: int = 1,
                  micro_batches: int = 1, checkpoint: str = "except_last",
                  balance: Sequence[int] | None = None, cost: str | Sequence[float] | None = None,
-                 sample: Any = None, objective: str = "bottleneck",
+                 sample: Any = None, sample_target: Any = None, objective: str = "bottleneck",
                  devices: Sequence[torch.device | str] | None = None, loss_fn: LossFn | None = None,
                  loss_reduction: str | None = None, optimizer: OptimizerFactory | None = _NOT_GIVEN,
                  clip_grad_norm: float | None = None, precision: str = "fp32",
@@ -166,10 +172,11 @@ class GPipe(nn.Module):
         compiled = compile_options(compile, training_schedule)
         placement = place_stages(runtime=runtime, schedule=schedule, partitions=partitions,
                                  checkpoint=checkpoint, replicas=replicas)
+        measured_loss = check_sample_target(sample, sample_target, loss_fn)
         if balance is None:   # measured costs differ between processes: rank 0's cut wins
             balance = placement.same_on_every_rank(
                 [len(layer_list)] if partitions == 1 else
-                partition(layer_costs(layer_list, cost, sample), partitions, objective))
+                partition(layer_costs(layer_list, cost, sample, loss=measured_loss), partitions, objective))
         check_balance(balance, len(layer_list), partitions)
         balance = [int(n) for n in balance]
         # a cut given per rank (one's own measured partition, say) must be the same everywhere

@@ -16,6 +16,12 @@ Left out (``None``), the cost is ``time`` when a sample is given (torchgpipe's `
 a parameter count says little of a layer's compute, so the cut it gives can leave one cell ten
 times slower than the other) and ``params`` without one.
 
+With a loss (``loss=(loss_fn, target)``, ``GPipe(..., sample_target=y)``) the last layer's ``time``
+and ``flops`` include the loss's forward and backward, as the last cell runs them: on a language
+model the cross-entropy over the vocabulary costs a large share of the head, and a cut that leaves it
+out gives the last cell too many layers (Megatron-Core's ``account_for_loss_in_pipeline_split`` for
+the same reason).
+
 Layers are fed the sample in sequence, so each is measured on its real input. Each measurement feeds
 its layer a fresh copy of that input, so in-place layers (``ReLU(inplace=True)``) neither corrupt
 the next layer's input nor the caller's `sample`, and never modify an autograd leaf.
@@ -25,7 +31,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -61,27 +67,54 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+Loss = tuple[Callable[[Any, Any], Any], Any]   # (loss_fn, target): loss_fn(output, target)
+
+
 def _floating_sum(value: Any) -> torch.Tensor | None:
     ts = [t for t in boundary.tensors(value) if boundary.carries_grad(t) and t.requires_grad]
     return sum(t.float().sum() for t in ts) if ts else None  # type: ignore[return-value]
 
 
+def _with_loss(out: Any, loss: Loss | None) -> Any:
+    """`out`, or the loss of it: a 0-dim tensor, or the sum of a ``(sum, count)`` loss."""
+    if loss is None:
+        return out
+    value = loss[0](out, loss[1])
+    return value[0] if isinstance(value, tuple) else value
+
+
+def _backward(out: Any, layer: nn.Module, leaves: Any, loss: Loss | None) -> None:
+    """The backward of a measured forward into `layer`'s (a copy's) parameters and the input
+    `leaves` only: a loss may hold tensors of the caller's that require a gradient, and measuring
+    must not leave one in them."""
+    s = _floating_sum(out)
+    if s is None:
+        return
+    if loss is None:
+        s.backward()
+        return
+    inputs = [p for p in layer.parameters() if p.requires_grad] + [
+        t for t in boundary.tensors(leaves) if t.requires_grad]
+    if inputs:
+        torch.autograd.backward(s, inputs=inputs)
+
+
 def measure_layer(layer: nn.Module, x: Any, device: torch.device | str = "cpu", repeats: int = 5,
-                  warmup: int = 2) -> tuple[float, float]:
-    """Median (forward, backward) seconds of a copy of `layer` on input `x` on `device`."""
+                  warmup: int = 2, loss: Loss | None = None) -> tuple[float, float]:
+    """Median (forward, backward) seconds of a copy of `layer` on input `x` on `device`; with
+    `loss`, the layer and its loss (the target already on `device`)."""
     device = torch.device(device)
     layer = copy.deepcopy(layer).to(device).train()
     fwd, bwd = [], []
     for i in range(warmup + repeats):
-        inp = _copy(boundary.attach(x, device))
+        leaves = boundary.attach(x, device)
+        inp = _copy(leaves)
         _sync(device)
         t0 = time.perf_counter()
-        out = layer(inp)
+        out = _with_loss(layer(inp), loss)
         _sync(device)
         t1 = time.perf_counter()
-        s = _floating_sum(out)
-        if s is not None:
-            s.backward()
+        _backward(out, layer, leaves, loss)
         _sync(device)
         t2 = time.perf_counter()
         if i >= warmup:
@@ -92,23 +125,27 @@ def measure_layer(layer: nn.Module, x: Any, device: torch.device | str = "cpu", 
 
 
 def measure_layers(layers: Sequence[nn.Module], inputs: Sequence[Any], device: torch.device | str = "cpu",
-                   rounds: int = 5) -> list[tuple[float, float]]:
+                   rounds: int = 5, loss: Loss | None = None) -> list[tuple[float, float]]:
     """Median (forward, backward) seconds of each layer over `rounds` interleaved rounds: a round
     times every layer once (a fresh copy, one untimed call first), forward order and reverse in
     turn. A host whose speed drifts or flips between states (a shared VM, a GPU changing clocks)
     then spreads its slow spells over every layer alike, where timing each layer's repeats back to
     back hands a whole slow spell to whichever layer was on. Layers alike (:func:`likeness`: the
     same module, parameters and input shapes, as a Transformer's blocks) share the median of all
-    their readings: one cost, not costs apart by the host's noise, which moved the cut between runs."""
+    their readings: one cost, not costs apart by the host's noise, which moved the cut between runs.
+    `loss`: timed with the last layer (which then is like no other)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     samples: list[list[tuple[float, float]]] = [[] for _ in layers]
     order = list(range(len(layers)))
+    last = len(layers) - 1
     for r in range(rounds):
         for i in (order if r % 2 == 0 else order[::-1]):
-            samples[i].append(measure_layer(layers[i], inputs[i], device, repeats=1, warmup=1))
+            samples[i].append(measure_layer(layers[i], inputs[i], device, repeats=1, warmup=1,
+                                            loss=loss if i == last else None))
     pooled: dict[Any, list[tuple[float, float]]] = {}
-    keys = [likeness(layer, x) for layer, x in zip(layers, inputs)]
+    keys = [likeness(layer, x) + (("loss",) if loss is not None and i == last else ())
+            for i, (layer, x) in enumerate(zip(layers, inputs))]
     for key, s in zip(keys, samples):
         pooled.setdefault(key, []).extend(s)
     return [(statistics.median(f for f, _ in pooled[k]), statistics.median(b for _, b in pooled[k]))
@@ -124,16 +161,14 @@ def likeness(layer: nn.Module, x: Any) -> tuple[Any, ...]:
             shapes(b for _, b in layer.named_buffers()), shapes(boundary.tensors(x)))
 
 
-def layer_flops(layer: nn.Module, x: Any) -> int:
-    """Forward + backward FLOPs of `layer` on `x` (torch.utils.flop_counter)."""
+def layer_flops(layer: nn.Module, x: Any, loss: Loss | None = None) -> int:
+    """Forward + backward FLOPs of `layer` on `x` (torch.utils.flop_counter); with `loss`, its too."""
     layer = copy.deepcopy(layer)
-    inp = _copy(boundary.attach(x, torch.device("cpu") if not boundary.tensors(x)
-                                else boundary.tensors(x)[0].device))
+    tensors = boundary.tensors(x)
+    leaves = boundary.attach(x, tensors[0].device if tensors else torch.device("cpu"))
+    inp = _copy(leaves)
     with FlopCounterMode(display=False) as counter:
-        out = layer(inp)
-        s = _floating_sum(out)
-        if s is not None:
-            s.backward()
+        _backward(_with_loss(layer(inp), loss), layer, leaves, loss)
     return counter.get_total_flops()
 
 
@@ -165,9 +200,11 @@ def activation_bytes(value: Any) -> int:
 
 
 def layer_costs(layers: Sequence[nn.Module], method: str | Sequence[float] | None = "params",
-                sample: Any = None, device: torch.device | str = "cpu", repeats: int = 5) -> list[float]:
+                sample: Any = None, device: torch.device | str = "cpu", repeats: int = 5,
+                loss: Loss | None = None) -> list[float]:
     """One cost per layer by `method` (see the module docstring), or the caller's list checked;
-    `method` None: "time" with a `sample`, else "params"."""
+    `method` None: "time" with a `sample`, else "params". `loss`: (loss_fn, the targets of
+    `sample`), measured with the last layer by "time" and "flops"."""
     if method is None:
         method = "time" if sample is not None else "params"
     if not isinstance(method, str):
@@ -186,6 +223,10 @@ def layer_costs(layers: Sequence[nn.Module], method: str | Sequence[float] | Non
         with torch.no_grad():
             return [float(activation_bytes(copy.deepcopy(layer)(_copy(x))))
                     for layer, x in zip(layers, inputs)]
+    last = len(layers) - 1
     if method == "flops":
-        return [float(layer_flops(layer, x)) for layer, x in zip(layers, inputs)]
-    return [f + b for f, b in measure_layers(layers, inputs, device, rounds=repeats)]
+        return [float(layer_flops(layer, x, loss if i == last else None))
+                for i, (layer, x) in enumerate(zip(layers, inputs))]
+    if loss is not None:
+        loss = (loss[0], boundary.map_tensors(loss[1], lambda t: t.to(device)))
+    return [f + b for f, b in measure_layers(layers, inputs, device, rounds=repeats, loss=loss)]

@@ -77,6 +77,7 @@ from gpipe_repro.train.optim import ScheduledLR, lr_function
 from gpipe_repro.train.pipeline import (
     PipelineState,
     build_pipeline,
+    first_micro_batch,
     pipeline_memory,
     pipelined_outputs,
     place,
@@ -159,9 +160,11 @@ class _Run:
         self.params = parameter_count(layers)
         needs_sample = config.partition_cost != "params" and config.balance is None
         saved_balance = self.checkpoint["state"]["pipeline"]["balance"] if self.checkpoint else None
-        sample = task.sample_batch(config.batch_size) if needs_sample and not saved_balance else None
+        sample = (first_micro_batch(task.sample_batch(config.batch_size), config)
+                  if needs_sample and not saved_balance else (None, None))
         self.pipe = build_pipeline(layers, config, task.loss_fn(), task.loss_reduction, optimizer,
-                                   sample=sample, balance=saved_balance, devices=devices)
+                                   sample=sample[0], sample_target=sample[1], balance=saved_balance,
+                                   devices=devices)
         self.schedule = ScheduledLR(self.pipe.optimizers, lr_function(optimizer))
 
         # -- what a checkpoint holds, and where this invocation starts

@@ -35,15 +35,23 @@ def resolve_devices(device: str, partitions: int) -> list[torch.device] | None:
     return [torch.device("cuda", k % count) for k in range(partitions)]
 
 
+def first_micro_batch(pair: tuple[Any, Any], config: RunConfig) -> tuple[Any, Any]:
+    """The first micro-batch (inputs, targets) of a mini-batch as the run cuts it (R x M pieces):
+    what a stage runs, so what the partitioner's measured costs should be taken on."""
+    pieces = min(config.micro_batches * config.replicas, microbatch.batch_size(pair[0], "the sample batch"))
+    return microbatch.split(pair[0], pieces)[0], microbatch.split(pair[1], pieces)[0]
+
+
 def build_pipeline(layers: nn.Sequential, config: RunConfig, loss_fn: LossFn, loss_reduction: str,
                    optimizer: OptimizerConfig, sample: Any = None, balance: list[int] | None = None,
-                   devices: list[torch.device] | None = None) -> GPipe:
+                   devices: list[torch.device] | None = None, sample_target: Any = None) -> GPipe:
     """The engine: every cell in this process on `devices` (runtime "local"), or this process's cell
     of a job of K x R stage processes (runtime "distributed"; the device is the rank's, see
     `ranks.join`; with R replicas each one trains on its slice of the mini-batch)."""
     return GPipe(layers, partitions=config.partitions, micro_batches=config.micro_batches,
                  checkpoint=config.checkpoint, balance=balance or config.balance,
-                 cost=config.partition_cost, sample=sample, objective=config.objective,
+                 cost=config.partition_cost, sample=sample, sample_target=sample_target,
+                 objective=config.objective,
                  devices=None if config.runtime == "distributed" else devices, loss_fn=loss_fn,
                  loss_reduction=loss_reduction, optimizer=optimizer_factory(optimizer),
                  schedule=config.schedule, seed=config.seed, runtime=config.runtime,

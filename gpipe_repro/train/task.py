@@ -78,6 +78,7 @@ class Task(abc.ABC):
                 return f"{key} {settings[key]}"
         return "the task's own data"
 
-    def sample_batch(self, batch_size: int) -> Any:
-        """An input batch for partition costs that run the model ("time", "flops", "activations")."""
+    def sample_batch(self, batch_size: int) -> tuple[Any, Any]:
+        """An input batch and its targets for partition costs that run the model ("time", "flops",
+        "activations"; the targets time the loss with the last layer)."""
         raise NotImplementedError(f"task {self.name!r} has no sample batch; use partition_cost='params'")

@@ -184,3 +184,76 @@ def test_layers_alike_share_one_time_cost(monkeypatch: pytest.MonkeyPatch) -> No
     assert layer_costs.likeness(layers[0], x) == layer_costs.likeness(layers[1], x)
     assert layer_costs.likeness(layers[0], x) != layer_costs.likeness(layers[0], torch.randn(3, 4))
     assert layer_costs.likeness(layers[0], x) != layer_costs.likeness(nn.Linear(4, 4, bias=False), x)
+
+
+def test_the_loss_is_measured_with_the_last_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPipe(sample=x, sample_target=y, loss_fn=...) times the loss with the last layer (the last
+    cell runs it), and only there; that layer then shares its cost with no layer alike."""
+    import torch
+    from torch import nn
+
+    from gpipe_repro.engine import layer_costs
+
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)]       # alike: pooled without a loss
+    seen: list[tuple[int, object]] = []
+
+    def timed(layer: nn.Module, x: object, *args: object, loss: object = None,
+              **kw: object) -> tuple[float, float]:
+        seen.append((next(i for i, m in enumerate(layers) if m is layer), loss))
+        return (1.0, 1.0) if loss is None else (1.0, 7.0)
+    monkeypatch.setattr(layer_costs, "measure_layer", timed)
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    loss_fn = nn.MSELoss()
+    assert layer_costs.layer_costs(layers, "time", x, repeats=3) == [2.0, 2.0, 2.0]
+    seen.clear()
+    assert layer_costs.layer_costs(layers, "time", x, repeats=3, loss=(loss_fn, y)) == [2.0, 2.0, 8.0]
+    assert {i for i, loss in seen if loss is not None} == {2}
+    assert all(loss[0] is loss_fn and torch.equal(loss[1], y) for i, loss in seen if i == 2)  # type: ignore[index]
+
+
+def test_a_costly_loss_moves_the_cut() -> None:
+    """Counted, not timed: a loss with a large matmul makes the last layer the costly one, and the
+    cut gives the last cell fewer layers than without the loss; the loss really runs, on the sample's
+    targets, forward and backward, and a tensor of the caller's that it holds gets no gradient."""
+    import torch
+    from torch import nn
+
+    from gpipe_repro import GPipe
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 16) for _ in range(6)]
+    weight = torch.randn(16, 4096, requires_grad=True)
+    calls: list[torch.Tensor] = []
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(y)
+        return ((out @ weight).sum(dim=1) - y).square().mean()
+
+    x, y = torch.randn(8, 16), torch.randn(8)
+
+    def cut(**kw: object) -> list[int]:
+        return GPipe(layers, partitions=2, cost="flops", sample=x, loss_fn=loss_fn, optimizer=None,
+                     checkpoint="never", **kw).balance
+    assert cut() == [3, 3]
+    assert not calls
+    assert cut(sample_target=y) == [5, 1]
+    assert calls and all(t is y or torch.equal(t, y) for t in calls)
+    assert weight.grad is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"sample_target": "y"}, "sample_target was given without sample"),
+    ({"sample": "x", "sample_target": "y", "loss_fn": None}, "sample_target was given without loss_fn"),
+    ({"sample": "x", "sample_target": "y3"}, "sample_target has 3 rows but sample has 2"),
+])
+def test_sample_target_errors_say_what_to_give(kwargs: dict[str, object], match: str) -> None:
+    import torch
+    from torch import nn
+
+    from gpipe_repro import GPipe
+
+    values = {"x": torch.randn(2, 4), "y": torch.randn(2, 4), "y3": torch.randn(3, 4)}
+    args = {k: values.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
+    args.setdefault("loss_fn", nn.MSELoss())
+    with pytest.raises(ValueError, match=match):
+        GPipe([nn.Linear(4, 4), nn.Linear(4, 4)], partitions=2, optimizer=None, **args)

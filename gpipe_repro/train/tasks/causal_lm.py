@@ -196,8 +196,8 @@ class CausalLMTask(Task):
                                weight_decay=s.weight_decay, schedule="cosine", warmup_steps=warmup,
                                total_steps=total_steps)
 
-    def sample_batch(self, batch_size: int) -> Any:
-        return next(PackedBatches(self.train_rows, batch_size, 0))[0]
+    def sample_batch(self, batch_size: int) -> tuple[Any, Any]:
+        return next(PackedBatches(self.train_rows, batch_size, 0))
 
     @torch.no_grad()
     def evaluate(self, pipe: GPipe) -> dict[str, float]:

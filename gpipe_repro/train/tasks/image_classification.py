@@ -184,9 +184,9 @@ class AmoebaNetTask(Task):
         for module, depth_prob in self._drop_paths:
             module.drop_prob = depth_prob * scale
 
-    def sample_batch(self, batch_size: int) -> torch.Tensor:
-        x, _ = self.train_set.batch(torch.arange(min(batch_size, len(self.train_set))))
-        return self.train_set.normalize(x)
+    def sample_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.train_set.batch(torch.arange(min(batch_size, len(self.train_set))))
+        return self.train_set.normalize(x), y
 
     @torch.no_grad()
     def evaluate(self, pipe: GPipe) -> dict[str, float]:

@@ -248,10 +248,10 @@ class TranslationTask(Task):
                                schedule="inverse_sqrt", warmup_steps=s.warmup_steps,
                                total_steps=total_steps)
 
-    def sample_batch(self, batch_size: int) -> Any:
+    def sample_batch(self, batch_size: int) -> tuple[Any, Any]:
         batches = TranslationBatches(self.train_data, batch_size, 0, self.settings.temperature,
                                      self.tokenizer.pad_id, self.tokenizer.bos_id)
-        return next(batches)[0]
+        return next(batches)
 
     @torch.no_grad()
     def evaluate(self, pipe: GPipe) -> dict[str, float]:
