@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv test test-core test-host-data lint throughput-table memory-table validate-sim validate-unseen bench-overhead bench-runtime \
+.PHONY: help venv test test-core test-host-data lint throughput-table throughput-reproducibility memory-table validate-sim validate-unseen bench-overhead bench-runtime \
         bench-replicas bench-schedules versus-torch bench-latency replicas-plan-table deep-vs-wide train-amoebanet corpus baseline \
         gpu-check check-speedups check-regression-detector results device-results bench-compile clean
 
@@ -17,6 +17,7 @@ help:
 	@echo "make test-core         the engine installed alone (torch, numpy) trains in both runtimes"
 	@echo "make test-host-data    checks of this host's installed data (the full gettext corpus)"
 	@echo "make memory-table      the paper's Table 1 (max model size), results/memory/"
+	@echo "make throughput-reproducibility  two consecutive simulated tables, each calibrated afresh: same cuts, cells within 2%?"
 	@echo "make validate-sim      simulator vs real stage processes, results/throughput/validation.*"
 	@echo "make validate-unseen   simulator vs real runs on three models it was never tuned on (K=2, 30 configs)"
 	@echo "make bench-overhead    engine (K=1,M=1) vs plain PyTorch step time"
@@ -97,6 +98,9 @@ lint: $(STAMP)
 
 throughput-table: $(STAMP)
 	$(PY) -m experiments.throughput_table
+
+throughput-reproducibility: $(STAMP)
+	$(PY) -m experiments.throughput_reproducibility
 
 memory-table: $(STAMP)
 	$(PY) -m experiments.memory_table

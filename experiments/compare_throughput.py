@@ -2,8 +2,10 @@
 ``throughput_table.json`` files, side by side (two consecutive `make throughput-table` runs
 must agree within 2% on an idle host and within 5% with one busy process, with the same partitions).
 
-    python -m experiments.compare_throughput RUN_A/throughput_table.json RUN_B/throughput_table.json \\
-        --out results/throughput/reproducibility_idle.md
+    python -m experiments.compare_throughput RUN_A/throughput_table.json RUN_B/throughput_table.json
+
+The page of record comes from `make throughput-reproducibility`
+(:mod:`experiments.throughput_reproducibility`), which runs the two tables and compares them here.
 
 Measured cells are not compared: they are wall-clock numbers and carry their own host conditions.
 """
