@@ -48,7 +48,8 @@ def uncertainties(table: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def verdict(result: dict[str, Any]) -> str:
-    met = result["max_abs_difference"] <= TARGET and result["partitions_agree"]
+    met = (result["max_abs_difference"] <= TARGET and result["partitions_agree"]
+           and not result["only_in_one"])
     return "met" if met else "not met"
 
 
@@ -57,8 +58,9 @@ def page(result: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     rows = [[r["cell"], f"{r['a']:.3f}", f"{r['b']:.3f}", f"{r['relative_difference']:+.2%}",
              "yes" if r["same_partition"] else f"NO: {r['partition_a']} vs {r['partition_b']}"]
             for r in result["rows"]]
-    unc = "; ".join(f"run {name}: " + ", ".join(f"{model} {u:.1%}" for model, per in uncertainties(t).items()
-                                                 for u in per.values())
+    unc = "; ".join(f"run {name}: " + ", ".join(f"{model} at {b} rows {u:.1%}"
+                                                 for model, per in uncertainties(t).items()
+                                                 for b, u in per.items())
                     for name, t in zip("AB", runs))
     flips = [r["cell"] for r in result["rows"] if not r["same_partition"]]
     return "\n\n".join([
@@ -75,6 +77,8 @@ def page(result: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         "cover the gap.",
         markdown_table(["cell", "A", "B", "difference", "same partition"], rows,
                        align=["left", "right", "right", "right", "left"]),
+        *([f"Cells in one run only (the verdict counts them as not reproduced): "
+           f"{', '.join(result['only_in_one'])}."] if result["only_in_one"] else []),
         f"Run A: {result['provenance']['a']}. Run B: {result['provenance']['b']}."])
 
 

@@ -281,7 +281,8 @@ def page(rows: list[dict[str, Any]], tiny: bool, host: dict[str, Any]) -> str:
         "ratio = torch-best step time / ours-best step time, the median over alternating rounds with its "
         "95% bootstrap interval (a busy host widens it; the verdict is met only where the interval's "
         "lower bound reaches the target). Uniform: the MLP of bench-schedules on the same equal cells "
-        "both sides. Heterogeneous: ours cut automatically by measured time (`GPipe(..., sample=x)`); "
+        "both sides. Heterogeneous: ours cut automatically by measured time (`GPipe(..., sample=x, "
+        "sample_target=y)`, the loss timed with the last layer); "
         "PyTorch's by torchtitan's rule, equal blocks per stage, embedding (stem) and head on the end "
         "stages; the tied LLaMA embedding is untied on PyTorch's side.",
         f"Host: {host.get('cores')} cores, load average {host.get('load')} at the start; commit "
@@ -291,8 +292,9 @@ def page(rows: list[dict[str, Any]], tiny: bool, host: dict[str, Any]) -> str:
         "Models:\n" + models, "Our cuts (layers per cell):\n" + ("\n".join(cuts) or "- none"),
         *(["What the cut alone can give at K=2 (simulated: the bottleneck cell of torchtitan's cut over "
            "that of the best cut, from per-layer costs measured as ours cuts, one micro-batch, the "
-           "loss with the last layer; the ratio equally fast runtimes would show, the ceiling of a "
-           "lead that comes from the partition):\n" + "\n".join(gains)] if gains else []),
+           "loss with the last layer, in a measurement of their own, so its best cut may differ from "
+           "the cuts above by the timing's noise; the ratio equally fast runtimes would show, the "
+           "ceiling of a lead that comes from the partition):\n" + "\n".join(gains)] if gains else []),
         *(["Ours on torchtitan's cut against PyTorch's same schedule (torch / ours):\n" + "\n".join(same)]
           if same else []),
         "Not applicable:\n" + ("\n".join(f"- {x}" for x in refused) or "- none")])

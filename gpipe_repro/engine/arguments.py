@@ -214,12 +214,18 @@ def batch_key(inputs: Any, targets: Any) -> Any:
     return (describe(inputs), describe(targets))
 
 
-def check_sample_target(sample: Any, sample_target: Any, loss_fn: Any) -> tuple[Any, Any] | None:
+def check_sample_target(sample: Any, sample_target: Any, loss_fn: Any,
+                        cost: Any = None) -> tuple[Any, Any] | None:
     """``(loss_fn, sample_target)`` for the partitioner's measured costs (the loss timed with the last
-    layer), or None without `sample_target`; refuses a target without a sample or a loss, or one
-    whose rows differ from the sample's."""
+    layer), or None without `sample_target`; refuses a target without a sample or a loss, with a
+    `cost` that does not run the loss, or whose rows differ from the sample's."""
     if sample_target is None:
         return None
+    if cost is not None and (not isinstance(cost, str) or cost not in ("time", "flops")):
+        shown = f"cost={cost!r}" if isinstance(cost, str) else "a list of costs"
+        raise ValueError(f"sample_target is used only by cost='time' or 'flops' (the loss timed or "
+                         f"counted with the last layer), not by {shown}: leave it out, or use one of "
+                         "those costs")
     if sample is None:
         raise ValueError("sample_target was given without sample: give sample= (the input batch the "
                          "costs are measured on) with it, or leave sample_target out")

@@ -88,7 +88,8 @@ class GPipe(nn.Module):
         sample: an input batch for measured costs (never modified): one micro-batch's worth.
         sample_target: the targets of `sample` (what ``train_step`` takes as `targets`): with it and
             `loss_fn`, the last layer's measured cost ("time", "flops") includes the loss's forward
-            and backward, as the last cell runs them. Give it for a language model: the
+            and backward, as the last cell runs them (other costs refuse it; `balance` ignores
+            both). Give it for a language model: the
             cross-entropy over the vocabulary is a large share of the head's cost, and a cut
             without it leaves the last cell too many layers.
         objective: the partitioner's objective: "bottleneck", "variance", "greedy" or "equal".
@@ -172,7 +173,7 @@ class GPipe(nn.Module):
         compiled = compile_options(compile, training_schedule)
         placement = place_stages(runtime=runtime, schedule=schedule, partitions=partitions,
                                  checkpoint=checkpoint, replicas=replicas)
-        measured_loss = check_sample_target(sample, sample_target, loss_fn)
+        measured_loss = check_sample_target(sample, sample_target, loss_fn, cost)
         if balance is None:   # measured costs differ between processes: rank 0's cut wins
             balance = placement.same_on_every_rank(
                 [len(layer_list)] if partitions == 1 else

@@ -85,8 +85,9 @@ def _with_loss(out: Any, loss: Loss | None) -> Any:
 
 def _backward(out: Any, layer: nn.Module, leaves: Any, loss: Loss | None) -> None:
     """The backward of a measured forward into `layer`'s (a copy's) parameters and the input
-    `leaves` only: a loss may hold tensors of the caller's that require a gradient, and measuring
-    must not leave one in them."""
+    `leaves` only: a loss may hold tensors of the caller's that require a gradient (a closure's: a
+    loss module may hold no trainable parameter, GPipe refuses one), and measuring must not leave
+    one in them, so their gradients are not timed."""
     s = _floating_sum(out)
     if s is None:
         return
@@ -225,8 +226,18 @@ def layer_costs(layers: Sequence[nn.Module], method: str | Sequence[float] | Non
                     for layer, x in zip(layers, inputs)]
     last = len(layers) - 1
     if method == "flops":
-        return [float(layer_flops(layer, x, loss if i == last else None))
+        tensors = boundary.tensors(inputs[last])
+        at = _loss_on(loss, tensors[0].device if tensors else torch.device("cpu"))
+        return [float(layer_flops(layer, x, at if i == last else None))
                 for i, (layer, x) in enumerate(zip(layers, inputs))]
-    if loss is not None:
-        loss = (loss[0], boundary.map_tensors(loss[1], lambda t: t.to(device)))
-    return [f + b for f, b in measure_layers(layers, inputs, device, rounds=repeats, loss=loss)]
+    return [f + b for f, b in measure_layers(layers, inputs, device, rounds=repeats,
+                                             loss=_loss_on(loss, torch.device(device)))]
+
+
+def _loss_on(loss: Loss | None, device: torch.device) -> Loss | None:
+    """`loss` with its target on `device`, and a loss module (its buffers: a class weight) copied
+    there, as the last stage holds them."""
+    if loss is None:
+        return None
+    fn = copy.deepcopy(loss[0]).to(device) if isinstance(loss[0], nn.Module) else loss[0]
+    return fn, boundary.to_device(loss[1], device)

@@ -26,7 +26,7 @@ def test_page_gives_the_verdict_the_flips_and_the_uncertainties() -> None:
     assert module.verdict(result) == "met"
     text = module.page(result, [a, b])
     assert "**0.57%**" in text and "partitions all agree: **met**" in text
-    assert "run A: amoebanet 4.0%; run B: amoebanet 2.0%" in text
+    assert "run A: amoebanet at 4 rows 4.0%; run B: amoebanet at 4 rows 2.0%" in text
     c = table(3.75, [7, 6, 5, 6], 0.02)
     flipped = compare(a, c)
     assert module.verdict(flipped) == "not met"
@@ -58,3 +58,27 @@ def test_refuses_a_dirty_tree_before_running(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(module, "run_table", lambda *a: pytest.fail("ran before the check"))
     with pytest.raises(SystemExit, match="only from a clean commit"):
         module.main()
+
+
+def test_main_gives_each_run_a_cache_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    caches: list[Path] = []
+
+    def run_table(out: Path, cache: Path) -> dict[str, Any]:
+        caches.append(cache)
+        return table(3.5, [6, 6, 5, 7], 0.01)
+    published: list[dict[str, Any]] = []
+    monkeypatch.setattr(module, "check_publish", lambda *a, **k: None)
+    monkeypatch.setattr(module, "run_table", run_table)
+    monkeypatch.setattr(module, "publish", lambda _e, _s, payload, _t, **k: published.append(payload))
+    module.main()
+    assert len(caches) == 2 and caches[0] != caches[1]
+    assert published[0]["verdict"] == "met" and published[0]["method"].startswith("simulated")
+
+
+def test_a_cell_in_one_run_only_is_not_reproduced() -> None:
+    a = table(3.5, [6, 6, 5, 7], 0.01)
+    b = table(3.5, [6, 6, 5, 7], 0.01)
+    b["table2"]["transformer"] = [{"K": 2, "M": 4, "simulated": {"normalized": 1.6}, "balance": [25, 25]}]
+    result = compare(a, b)
+    assert module.verdict(result) == "not met"
+    assert "Cells in one run only" in module.page(result, [a, b])

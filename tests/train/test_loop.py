@@ -342,3 +342,31 @@ def test_a_minus_inf_mask_buffer_is_not_a_divergence() -> None:
     assert _non_finite({"model": {"mask": mask, "w": torch.ones(2)}}) == []
     assert _non_finite({"model": {"var": torch.tensor([1.0, float("inf")])}}) == ["/model/var"]
     assert _non_finite({"opt": [torch.tensor([float("nan")])]}) == ["/opt/0"]
+
+
+def test_the_run_cuts_on_its_first_micro_batch_with_its_targets(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gpipe-repro run` with measured costs hands the engine the first of the R x M micro-batches
+    and its targets (the loss is timed with the last layer), as a stage runs them."""
+    import gpipe_repro.train.loop as loop
+    from gpipe_repro.engine.microbatch import split_minibatch
+    from gpipe_repro.train.pipeline import first_micro_batch
+
+    seen: dict[str, Any] = {}
+
+    def build(*args: Any, sample: Any = None, sample_target: Any = None, **kw: Any) -> GPipe:
+        seen.update(sample=sample, sample_target=sample_target)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(loop, "build_pipeline", build)
+    run, task = tiny(tmp_path, partitions=2, partition_cost="time")
+    with pytest.raises(KeyboardInterrupt):
+        train(AmoebaNetTask(task), run)
+    x, y = AmoebaNetTask(task).sample_batch(run.batch_size)
+    assert seen["sample"].shape[0] == run.batch_size // run.micro_batches
+    assert torch.equal(seen["sample_target"], y[:run.batch_size // run.micro_batches])
+
+    replicated = dataclasses.replace(run, replicas=2, micro_batches=2, runtime="distributed")
+    first_x, first_y = first_micro_batch((x, y), replicated)
+    inputs, targets, _ = split_minibatch(x, y, 2, replicas=2)
+    assert torch.equal(first_x, inputs[0]) and torch.equal(first_y, targets[0])
+    assert first_x.shape[0] == run.batch_size // 4
