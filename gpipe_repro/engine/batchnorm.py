@@ -10,6 +10,11 @@ M more times during recomputation), each from a fraction of the batch. `Deferred
 - commits them once, when the stage takes its optimizer step, so the running mean/var equal those
   of a plain BatchNorm that saw the whole mini-batch in one forward.
 
+A stage commits all its BatchNorms at once (:func:`commit_many`): the merge and the update of every
+layer's running statistics run as a handful of kernels over all their features together, not some
+twenty per layer. On an AmoebaNet cell of a hundred-odd BatchNorms at 4-image micro-batches the
+per-layer commit cost about a sixth of the step.
+
 A BatchNorm without running statistics normalizes by its batch in eval mode too: inference runs
 such a model's batch as one micro-batch (:class:`BatchStatisticsInEval`).
 """
@@ -24,7 +29,7 @@ from torch import nn
 
 from gpipe_repro.engine.recompute import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "commit_all"]
+__all__ = ["DeferredBatchNorm", "commit_all", "commit_many"]
 
 
 class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -180,6 +185,64 @@ class BatchStatisticsInEval:
 
 def commit_all(module: nn.Module) -> None:
     """Commit every DeferredBatchNorm inside `module`."""
-    for m in module.modules():
-        if isinstance(m, DeferredBatchNorm):
-            m.commit()
+    commit_many([m for m in module.modules() if isinstance(m, DeferredBatchNorm)])
+
+
+def commit_many(bns: Sequence[DeferredBatchNorm]) -> None:
+    """:meth:`DeferredBatchNorm.commit` for each of `bns`, the same arithmetic (Chan's merge in
+    float64, then ``running = (1 - momentum) * running + momentum * merged``), batched: layers whose
+    statistics share a device and dtypes, a momentum and a number of micro-batches are merged and
+    updated together, concatenated along their features. The rest (a cumulative ``momentum=None``, no
+    running statistics, nothing pending) commit one by one."""
+    groups: dict[tuple[object, ...], list[DeferredBatchNorm]] = {}
+    for bn in bns:
+        if (not bn._pending or not bn.track_running_stats or bn.momentum is None
+                or bn.running_mean is None or bn.running_var is None or bn.num_batches_tracked is None):
+            bn.commit()
+            continue
+        key = (bn.running_mean.device, bn.running_mean.dtype, bn._pending[0][1].dtype, float(bn.momentum),
+               len(bn._pending))
+        groups.setdefault(key, []).append(bn)
+    for group in groups.values():
+        if len(group) == 1:
+            group[0].commit()
+        else:
+            _commit_together(group)
+
+
+def _host_numbers(values: Sequence[object], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Python numbers as a tensor on `device`; to a GPU through pinned memory and without waiting
+    (a copy from pageable memory would wait for the GPU's queued work: a host sync each step)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+@torch.no_grad()
+def _commit_together(group: list[DeferredBatchNorm]) -> None:
+    """The merged commit of layers of one :func:`commit_many` group, features side by side."""
+    steps = len(group[0]._pending)
+    device = group[0]._pending[0][1].device
+    sizes = [bn.num_features for bn in group]
+    rows_per = [[bn._pending[i][0] for bn in group] for i in range(steps)]
+    means = torch.stack([torch.cat([bn._pending[i][1] for bn in group]) for i in range(steps)]).double()
+    variances = torch.stack([torch.cat([bn._pending[i][2] for bn in group]) for i in range(steps)]).double()
+    counts, width = _host_numbers(sizes, torch.int64, device), sum(sizes)
+    rows = _host_numbers(rows_per, torch.float64, device).repeat_interleave(counts, dim=1, output_size=width)
+    totals = [float(sum(r[j] for r in rows_per)) for j in range(len(group))]
+    total = _host_numbers(totals, torch.float64, device).repeat_interleave(counts, output_size=width)
+    mean = (rows * means).sum(0) / total
+    m2 = ((rows - 1).clamp(min=0) * variances).sum(0) + (rows * (means - mean) ** 2).sum(0)
+    unbiased = m2 / (total - 1).clamp(min=1)
+    dtype = group[0].running_mean.dtype            # type: ignore[union-attr]
+    momentum = float(group[0].momentum)            # type: ignore[arg-type]
+    running_means = [bn.running_mean for bn in group]
+    running_vars = [bn.running_var for bn in group]
+    torch._foreach_add_([bn.num_batches_tracked for bn in group], 1)  # type: ignore[misc]
+    torch._foreach_mul_(running_means, 1 - momentum)                  # type: ignore[arg-type]
+    torch._foreach_add_(running_means, list(mean.to(dtype).split(sizes)), alpha=momentum)  # type: ignore[arg-type]
+    torch._foreach_mul_(running_vars, 1 - momentum)                   # type: ignore[arg-type]
+    torch._foreach_add_(running_vars, list(unbiased.to(dtype).split(sizes)), alpha=momentum)  # type: ignore[arg-type]
+    for bn in group:
+        bn._pending = []

@@ -35,7 +35,7 @@ from torch import nn
 from gpipe_repro.engine import boundary
 from gpipe_repro.engine.agreement import Agreement, Contribution, StepConfig, stage_contribution
 from gpipe_repro.engine.backward_split import LayerCuts, cuts_layers, split_by_layer
-from gpipe_repro.engine.batchnorm import DeferredBatchNorm
+from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_many
 from gpipe_repro.engine.compiled import compiled_runner
 from gpipe_repro.engine.feeding import GuardedInput, InputGuard
 from gpipe_repro.engine.losses import weighted_loss
@@ -319,8 +319,7 @@ class StageExecutor:
     def _optimizer_step(self, m: int | None) -> None:
         if self.agreement is None:
             raise ScheduleError(f"stage {self.stage}: optimizer step without an AGREE before it")
-        for bn in self.batchnorms:
-            bn.commit()
+        commit_many(self.batchnorms)
         if self.agreement.skipped():      # a host read, under fp16 only
             return
         if self.agreement.factor is not None:   # a tensor: no host read

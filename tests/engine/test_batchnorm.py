@@ -86,3 +86,39 @@ def test_eval_with_batch_statistics_runs_the_batch_whole_as_plain_eval_does() ->
             out = pipe(x)
         torch.testing.assert_close(out, plain)
         assert any("normalizes by the batch in eval mode" in str(w.message) for w in caught)
+
+
+def test_a_stage_commits_all_its_batchnorms_at_once_as_plain_batchnorms_would() -> None:
+    """commit_many batches the layers' commits (features side by side): every layer's running
+    statistics equal torch's own BatchNorm over the whole mini-batch, across layers of different
+    widths and spatial sizes (different row counts), momentums, dtypes, unequal micro-batches, a
+    cumulative momentum, a layer without running statistics and one that saw nothing."""
+    from gpipe_repro.engine.batchnorm import commit_many
+
+    torch.manual_seed(0)
+    specs = [(3, 4, 0.1, torch.float32), (5, 2, 0.1, torch.float32), (7, 1, 0.1, torch.float32),
+             (4, 3, 0.3, torch.float32), (6, 2, 0.1, torch.float64), (2, 2, None, torch.float32)]
+    sizes = [5, 4, 4]
+    ours, refs = [], []
+    for c, hw, momentum, dtype in specs:
+        x = torch.randn(sum(sizes), c, hw, hw, dtype=torch.float64) * 2 + 5
+        bn = DeferredBatchNorm(c, momentum=momentum).to(dtype).train()
+        ref = nn.BatchNorm2d(c, momentum=momentum).double().train()
+        for step in range(2):                    # the second commit starts from committed statistics
+            for part in (x + step).split(sizes):
+                bn(part.to(dtype))
+            ref(x + step)
+            if step == 0:
+                commit_many([bn])
+        ours.append(bn)
+        refs.append(ref)
+    untracked = DeferredBatchNorm(3, track_running_stats=False).train()
+    untracked(torch.randn(4, 3, 2, 2))
+    idle = DeferredBatchNorm(3).train()
+    commit_many([*ours, untracked, idle])
+    for bn, ref in zip(ours, refs):
+        torch.testing.assert_close(bn.running_mean.double(), ref.running_mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(bn.running_var.double(), ref.running_var, rtol=1e-5, atol=1e-6)
+        assert int(bn.num_batches_tracked) == 2 and bn.pending_statistics() is None
+    assert untracked.pending_statistics() is None
+    assert int(idle.num_batches_tracked) == 0 and torch.equal(idle.running_mean, torch.zeros(3))
