@@ -44,7 +44,15 @@ from gpipe_repro.memory.compose import (
     stage_key,
     walk_stage,
 )
-from gpipe_repro.memory.profile import LayerProfile, LossLayer, OptimizerFactory, ProfileCache, rmsprop
+from gpipe_repro.memory.profile import (
+    LayerProfile,
+    LossLayer,
+    OptimizerFactory,
+    ProfileCache,
+    batchnorm_features,
+    commit_transient,
+    rmsprop,
+)
 from gpipe_repro.models.signature import LayerRun, compress, layer_key, microbatch_sig
 from gpipe_repro.sim.tied import layer_ties
 
@@ -140,6 +148,7 @@ class MemoryPlanner:
         self.num_layers = sum(r.count for r in self.runs)
         self._profiles: dict[int, list[LayerProfile]] = {}
         self._keys = [layer_key(r.layer) for r in self.runs]
+        self._bn_features = [batchnorm_features(r.layer) for r in self.runs for _ in range(r.count)]
         seen: set[int] = set()
         total = 0
         for r in self.runs:
@@ -245,7 +254,8 @@ class MemoryPlanner:
                         BUFFERS: sum(p.buffer_bytes for p in layers),
                         OPTIMIZER: sum(p.opt_state_bytes for p in layers)}
                 peaks = [p.opt_peak for p in layers] or [0]
-                transient = sum(peaks) if self.optimizer_foreach else max(peaks)
+                transient = max(sum(peaks) if self.optimizer_foreach else max(peaks),
+                                commit_transient(sum(self._bn_features[start:end]), len(sizes)))
                 walked[key] = walk_stage(sched, s, cells, base, transient, timeline)
             stages.append(self._with_data(relabel(walked[key], s), s, partitions))
             state.append(sum(p.param_bytes + p.buffer_bytes + p.grad_bytes + p.opt_state_bytes

@@ -40,7 +40,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from gpipe_repro.engine.batchnorm import DeferredBatchNorm
+from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_many
 from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.memory.fake import fake_module
 from gpipe_repro.memory.tracker import MemoryTracker, storage_of
@@ -143,6 +143,33 @@ def _max_prefix(deltas: Iterable[int]) -> int:
         run += d
         peak = max(peak, run)
     return peak
+
+
+def batchnorm_features(layer: nn.Module) -> int:
+    """The features of the BatchNorms in `layer` whose running statistics a stage commits (the
+    ones the engine makes DeferredBatchNorms)."""
+    return sum(m.num_features for m in layer.modules()
+               if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+               and m.track_running_stats)
+
+
+def commit_transient(features: int, micro_batches: int) -> int:
+    """Bytes :func:`~gpipe_repro.engine.batchnorm.commit_many` allocates for a while when a stage
+    commits the float32 statistics of BatchNorms with `features` in all, kept over `micro_batches`
+    forwards: measured by running it on fake layers, as the runtime runs it on real ones (its
+    temporaries grow with every layer's features at once)."""
+    if features < 2 or micro_batches < 1:
+        return 0
+    mode, tracker = FakeTensorMode(), MemoryTracker(record_events=True)
+    with mode:
+        layers = [DeferredBatchNorm(n) for n in (features - features // 2, features // 2)]
+        for bn in layers:
+            bn._pending = [(2, torch.empty(bn.num_features), torch.empty(bn.num_features))
+                           for _ in range(micro_batches)]
+    with mode, tracker:
+        commit_many(layers)
+    assert tracker.events is not None
+    return _max_prefix(delta for _, _, delta in tracker.events)
 
 
 def _unique_params(module: nn.Module) -> list[nn.Parameter]:
