@@ -91,14 +91,11 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         groups at once: M2 = sum_i M2_i + sum_i n_i (mean_i - mean)^2, mean = sum_i n_i mean_i / n."""
         if not self._pending:
             return None
-        rows = torch.tensor([n for n, _, _ in self._pending], dtype=torch.float64,
-                            device=self._pending[0][1].device)
+        rows = _host_numbers([n for n, _, _ in self._pending], torch.float64, self._pending[0][1].device)
         means = torch.stack([m for _, m, _ in self._pending]).double()
         variances = torch.stack([v for _, _, v in self._pending]).double()
         total = float(sum(n for n, _, _ in self._pending))   # Python ints: no read from the device
-        mean = (rows[:, None] * means).sum(0) / total
-        m2 = ((rows[:, None] - 1).clamp(min=0) * variances).sum(0) \
-            + (rows[:, None] * (means - mean) ** 2).sum(0)
+        mean, m2 = _chan_merge(rows[:, None], means, variances, total)
         return int(total), mean, m2
 
     def replace_pending_statistics(self, rows: int, mean: torch.Tensor, m2: torch.Tensor) -> None:
@@ -210,6 +207,16 @@ def commit_many(bns: Sequence[DeferredBatchNorm]) -> None:
             _commit_together(group)
 
 
+def _chan_merge(rows: torch.Tensor, means: torch.Tensor, variances: torch.Tensor,
+                total: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, M2) of groups given by their rows, means and unbiased variances (one group per row of
+    `means`; `rows` broadcasts against it; `total` the summed rows), float64: Chan, Golub & LeVeque
+    (1983), eq. 2.1 over all groups at once (see :meth:`DeferredBatchNorm.pending_statistics`)."""
+    mean = (rows * means).sum(0) / total
+    m2 = ((rows - 1).clamp(min=0) * variances).sum(0) + (rows * (means - mean) ** 2).sum(0)
+    return mean, m2
+
+
 def _host_numbers(values: Sequence[object], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Python numbers as a tensor on `device`; to a GPU through pinned memory and without waiting
     (a copy from pageable memory would wait for the GPU's queued work: a host sync each step)."""
@@ -232,8 +239,7 @@ def _commit_together(group: list[DeferredBatchNorm]) -> None:
     rows = _host_numbers(rows_per, torch.float64, device).repeat_interleave(counts, dim=1, output_size=width)
     totals = [float(sum(r[j] for r in rows_per)) for j in range(len(group))]
     total = _host_numbers(totals, torch.float64, device).repeat_interleave(counts, output_size=width)
-    mean = (rows * means).sum(0) / total
-    m2 = ((rows - 1).clamp(min=0) * variances).sum(0) + (rows * (means - mean) ** 2).sum(0)
+    mean, m2 = _chan_merge(rows, means, variances, total)
     unbiased = m2 / (total - 1).clamp(min=1)
     dtype = group[0].running_mean.dtype            # type: ignore[union-attr]
     momentum = float(group[0].momentum)            # type: ignore[arg-type]
