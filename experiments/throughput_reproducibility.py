@@ -72,9 +72,9 @@ def page(result: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         f"**{verdict(result)}**.",
         f"Calibration uncertainty (relative half-width of the per-layer 95% intervals, per model): {unc}. "
         "A cell moves with the ratio of its bottleneck cell to the whole model, so differences of the "
-        "size of these uncertainties are the calibration's own noise; a partition flips where two "
-        "cuts' bottlenecks are closer than it and the tie-break (sim/partition_choice) does not "
-        "cover the gap.",
+        "size of these uncertainties are the calibration's own noise. Cuts within the larger of this "
+        "uncertainty and 2% of the best are ties broken by layer count (sim/partition_choice); a "
+        "partition flips where a cut's gap to the best crosses that window between the two runs.",
         markdown_table(["cell", "A", "B", "difference", "same partition"], rows,
                        align=["left", "right", "right", "right", "left"]),
         *([f"Cells in one run only (the verdict counts them as not reproduced): "

@@ -11,65 +11,56 @@ half grows with the square of the cell's size (a 25-layer Transformer cell at 4 
 what the calibration times."""
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from gpipe_repro.engine import boundary
 from gpipe_repro.engine.weight_kernels import run_direct
 
-__all__ = ["split_backward_input", "full_backward", "backward_now", "reached_params", "LayerCuts",
+__all__ = ["split_backward_input", "full_backward", "LayerCuts",
            "cuts_layers", "split_by_layer"]
 
 
 def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor],
-                          params: Sequence[torch.Tensor]) -> Callable[[], None]:
+                         params: Container[int] | Sequence[torch.Tensor]) -> Callable[[], None]:
     """Compute the input gradients of ``outs`` (seeded with ``grads``) into ``leaves[i].grad`` now;
     return the function that later computes the parameters' gradients into ``p.grad``.
 
-    Uses PyTorch pipelining's graph analysis (torch.distributed.pipelining._backward, the code behind
-    its zero-bubble schedules): the parameters are grouped by the nodes where their gradient paths
-    meet the input's path; pre-hooks on those nodes keep the gradients arriving there during the input
-    pass, and the weight pass starts from them. A parameter whose path never meets the input's (the
-    analysis cannot split it) makes us fall back to one full backward now and nothing later, which is
-    correct, only not split."""
-    from torch.distributed.pipelining._backward import (
-        _get_grad_fn_or_grad_acc,
-        construct_reverse_graph,
-        get_param_groups,
-        stage_backward_weight,
-    )
+    `params`: the parameters the split may defer (tensors, or their ids). The parameters are
+    grouped as PyTorch pipelining's zero-bubble schedules group them
+    (torch.distributed.pipelining._backward): by the nodes where their gradient paths meet the
+    input's path (:func:`_param_groups`, one walk of the graph); the input pass also returns the
+    gradients arriving at those nodes (as GradientEdges among its inputs, where PyTorch registers a
+    pre-hook on each), and the weight pass starts from them. Where the
+    split cannot keep plain training's gradients, the whole backward runs now and nothing later,
+    which is correct, only not split: the graph reaches a leaf other than `params` and `leaves` (a
+    tensor a layer captured, another cell's weight a loss reads), or a parameter through a path that
+    never meets the input's."""
     leaves = _distinct_leaves(leaves)
-    out_fns = [f for f in map(_get_grad_fn_or_grad_acc, outs) if f is not None]
-    in_fns = [f for f in map(_get_grad_fn_or_grad_acc, leaves) if f is not None]
-    param_fns = [f for f in map(_get_grad_fn_or_grad_acc, params) if f is not None]
-    reverse = construct_reverse_graph(out_fns)
-    reachable = {f for f in param_fns if f in reverse}   # (before get_param_groups adds keys to it)
-    groups = get_param_groups(in_fns, param_fns, reverse)
-    grouped = set().union(*(g["params"] for g in groups)) if groups else set()
-    if not reachable <= grouped:
+    cell = params if not isinstance(params, Sequence) else {id(p) for p in params}
+    roots = [get_gradient_edge(t).node for t in outs if t.requires_grad]
+    groups = _param_groups(roots, {id(t) for t in leaves}, cell)
+    if groups is None:
         torch.autograd.backward(outs, grads)
         return lambda: None
-    handles = []
+    # The gradients arriving at each join node, taken by the input pass itself: one edge per output.
+    edges = [(node, i) for g in groups for node in g["intermediates"]
+             for i in range(len(node._input_metadata))]
+    wanted: list[Any] = [*leaves, *(GradientEdge(n, i) for n, i in edges)]
+    got = torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True)
+    dx, kept = got[:len(leaves)], iter(got[len(leaves):])
     for group in groups:
-        group["intermediates"] = list(group["intermediates"])
-        group["grads"] = [None] * len(group["intermediates"])
-        for i, node in enumerate(group["intermediates"]):
-            def keep(grad_inputs: Any, group: dict[str, Any] = group, i: int = i) -> None:
-                group["grads"][i] = grad_inputs
-            handles.append(node.register_prehook(keep))
-    try:
-        dx = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
+        group["grads"] = [tuple(next(kept) for _ in range(len(node._input_metadata)))
+                          for node in group["intermediates"]]
     for leaf, g in zip(leaves, dx):
         if g is not None:
             leaf.grad = g if leaf.grad is None else leaf.grad + g
-    if any(x is None for g in groups for x in g["grads"]):
+    if any(all(x is None for x in kept) for g in groups for kept in g["grads"]):
         # A join node no gradient reached: walk the retained graph again for the parameters only.
-        used = [p for p, f in zip(params, param_fns) if f in reachable]
+        used = [acc.variable for g in groups for acc in g["params"]]
 
         def weights_again() -> None:
             torch.autograd.backward(outs, grads, inputs=used)
@@ -78,8 +69,108 @@ def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], le
     def weights() -> None:
         left = run_direct(groups)   # one kernel call per convolution or norm, not an autograd call
         if left:
-            stage_backward_weight(iter(params), left)  # type: ignore[arg-type]  # any leaf works
+            from torch.distributed.pipelining._backward import stage_backward_weight
+            stage_backward_weight(iter([acc.variable for g in left for acc in g["params"]]), left)
     return weights
+
+
+_ACCUMULATE: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
+
+
+def _param_groups(roots: list[Any], inputs: set[int], cell: Container[int]) -> list[dict[str, Any]] | None:
+    """The parameter groups of PyTorch pipelining's ``get_param_groups`` (each: ``params``, the
+    AccumulateGrad nodes of parameters whose gradient paths meet the input's path at the same nodes,
+    its ``intermediates``), from one walk of the graph below `roots` instead of one per parameter;
+    None where the split cannot keep plain training's gradients (a leaf reached that is neither an
+    input (`inputs`: ids) nor a parameter of `cell` (ids), or a parameter reached through a root
+    whose path never meets the input's).
+
+    The input's path is every node above an input's AccumulateGrad; an edge from a node on it to a
+    node off it is where the parameters below that child join the path."""
+    kids_of: dict[Any, list[Any]] = {}
+    on_path: set[Any] = set()
+    todo: list[Any] = list(roots)
+    while todo:
+        node = todo.pop()
+        if node in kids_of:
+            continue
+        kids = [f for f, _ in node.next_functions if f is not None]
+        kids_of[node] = kids
+        if not kids and type(node) is _ACCUMULATE:
+            leaf = id(node.variable)
+            if leaf in inputs:
+                on_path.add(node)
+            elif leaf not in cell:
+                return None
+        todo.extend(kids)
+    parents: dict[Any, list[Any]] = {}
+    for node, kids in kids_of.items():
+        for kid in kids:
+            parents.setdefault(kid, []).append(node)
+    todo = list(on_path)
+    while todo:
+        for parent in parents.get(todo.pop(), ()):
+            if parent not in on_path:
+                on_path.add(parent)
+                todo.append(parent)
+    below: dict[Any, set[Any]] = {}
+
+    def params_below(node: Any) -> set[Any]:
+        return below[node] if node in below else _params_below(node, kids_of, below)
+
+    if any(r not in on_path and params_below(r) for r in roots):
+        return None
+    group_of: dict[Any, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    for node, kids in kids_of.items():
+        if node not in on_path:
+            continue
+        for kid in kids:
+            if kid in on_path:
+                continue
+            params = params_below(kid)
+            if not params:
+                continue
+            if node not in group_of and params.isdisjoint(group_of):   # a join of its own
+                group: dict[str, Any] = {"params": set(params), "intermediates": [node]}
+                groups.append(group)
+            else:
+                found = {id(g): g for g in map(group_of.get, (node, *params)) if g is not None}
+                group, *others = found.values()
+                for other in others:          # merge: every member points at the one group
+                    group["params"] |= other["params"]
+                    group["intermediates"] += other["intermediates"]
+                    for member in (*other["params"], *other["intermediates"]):
+                        group_of[member] = group
+                    groups.remove(other)
+                if node not in group_of:
+                    group["intermediates"].append(node)
+                group["params"] |= params
+            group_of[node] = group
+            for acc in params:
+                group_of[acc] = group
+    return groups
+
+
+def _params_below(node: Any, kids_of: dict[Any, list[Any]], below: dict[Any, set[Any]]) -> set[Any]:
+    """The AccumulateGrad nodes under `node`, a node off the input's path, memoized in `below`
+    (children first, without recursion: no Python call depth limit, and no closure referring to
+    itself that would keep the graph alive until the cyclic garbage collector runs)."""
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        if n in below:
+            stack.pop()
+            continue
+        kids = kids_of[n]
+        pending = [k for k in kids if k not in below]
+        if pending:
+            stack.extend(pending)
+            continue
+        stack.pop()
+        below[n] = ({n} if not kids and type(n) is _ACCUMULATE
+                    else set().union(*(below[k] for k in kids)))
+    return below[node]
 
 
 def _distinct_leaves(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -98,41 +189,6 @@ def full_backward(outs: list[torch.Tensor], grads: list[torch.Tensor]) -> Callab
     def run() -> None:
         torch.autograd.backward(outs, grads)
     return run
-
-
-def backward_now(outs: list[torch.Tensor], grads: list[torch.Tensor]) -> Callable[[], None]:
-    """The whole backward of `outs` now (input and weight gradients at once), and nothing later: the
-    split's fallback where the graph reaches a leaf outside the cell (see :func:`reached_params`)."""
-    torch.autograd.backward(outs, grads)
-    return lambda: None
-
-
-def reached_params(outs: list[torch.Tensor], order: Mapping[int, int],
-                   exclude: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """The leaves requiring grad that the graph of `outs` reaches, other than `exclude` (the cut's
-    own leaves, whose gradient is the input half's): first the cell's parameters (those whose ``id``
-    is in `order`, their positions) in that order, a layer's own and any it uses without registering
-    them (a head holding a reference to another layer's weight); then any other leaf in the order
-    the walk meets it: another cell's parameter that a loss or a layer reads (a regularizer over
-    the whole model), a tensor a layer captured. Plain training's backward reaches all of them, so
-    a split must too: the stage executor runs such a layer's backward whole, at once
-    (:func:`backward_now`), since PyTorch's graph analysis may group a leaf outside the cell with
-    nodes another group's weight pass has already freed."""
-    skip = {id(t) for t in exclude or []}
-    found: dict[int, torch.Tensor] = {}
-    others: dict[int, torch.Tensor] = {}
-    seen: set[Any] = set()
-    todo = [t.grad_fn for t in outs]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)     # an AccumulateGrad node's leaf
-        if variable is not None and id(variable) not in skip:
-            (found if id(variable) in order else others).setdefault(id(variable), variable)
-        todo.extend(f for f, _ in node.next_functions)
-    return sorted(found.values(), key=lambda p: order[id(p)]) + list(others.values())
 
 
 def cuts_layers(x: Any, num_layers: int, stage: int) -> bool:
@@ -165,7 +221,7 @@ class LayerCuts:
 
 
 def split_by_layer(outs: list[torch.Tensor], grads: list[torch.Tensor], x: Any,
-                   pieces: list[tuple[Any, Any]] | None, param_order: Mapping[int, int],
+                   pieces: list[tuple[Any, Any]] | None, cell: Container[int],
                    model_input: bool) -> Callable[[], None]:
     """BACKWARD_INPUT of one micro-batch: the input gradient of the cell now (into the ``.grad`` of
     `x`'s leaves), layer by layer over `pieces` (:class:`LayerCuts`; None: the cell as one piece on
@@ -177,8 +233,10 @@ def split_by_layer(outs: list[torch.Tensor], grads: list[torch.Tensor], x: Any,
     there and walks only the parameters' branches. `model_input`: the first piece's input is the
     model's (stage 0): no stage waits for its gradient, and where it takes one (a caller's
     ``x.requires_grad_()``) the whole backward reaches it at W, as plain training's does; a piece
-    with no floating input that needs a gradient runs its whole backward at W too. `param_order`:
-    the cell's trainable parameters' positions (:func:`reached_params`)."""
+    with no floating input that needs a gradient runs its whole backward at W too. `cell`: the ids
+    of the cell's trainable parameters; a piece whose graph reaches another leaf (another cell's
+    weight a loss reads, a tensor a layer captured) runs its backward whole, at once, as plain
+    training's reaches it (:func:`split_backward_input`)."""
     inputs = [inp for inp, _ in pieces] if pieces is not None else [x]
     works: list[Callable[[], None]] = []
     for k in range(len(inputs) - 1, -1, -1):
@@ -190,11 +248,7 @@ def split_by_layer(outs: list[torch.Tensor], grads: list[torch.Tensor], x: Any,
         if not leaves:
             works.append(full_backward(outs, grads))
             break
-        reached = reached_params(outs, param_order, leaves)
-        if all(id(p) in param_order for p in reached):
-            works.append(split_backward_input(outs, grads, leaves, reached))
-        else:     # a leaf outside the cell (another cell's weight a loss reads): whole, now
-            works.append(backward_now(outs, grads))
+        works.append(split_backward_input(outs, grads, leaves, cell))
         if k > 0:                 # the cut's gradient seeds the layer below
             assert pieces is not None
             outs, grads = boundary.grad_pairs(pieces[k - 1][1], boundary.input_grads(inp))

@@ -105,7 +105,7 @@ class StageExecutor:
         self.split_microbatches: frozenset[int] = frozenset()
         self.checkpointed: frozenset[int] = frozenset()
         self._schedule: Schedule | None = None   # the schedule the two sets above were read from
-        self.param_order: dict[int, int] = {}
+        self.param_ids: frozenset[int] = frozenset()
         # One handler per action kind (DeepSpeed's _INSTRUCTION_MAP style).
         self.handlers: dict[ActionKind, Callable[[int | None], None]] = {
             ActionKind.RECV_ACT: self._recv_act, ActionKind.FORWARD: self._forward,
@@ -172,10 +172,10 @@ class StageExecutor:
                                                 if a.kind is ActionKind.BACKWARD_INPUT
                                                 and a.microbatch is not None)
             self._schedule = schedule
-        # The trainable parameters' positions, for the split's per-layer parameter lists (taken once
-        # per step: walking the modules per layer and micro-batch cost more than the split saved).
-        self.param_order = ({id(p): i for i, p in enumerate(self.cell.parameters()) if p.requires_grad}
-                            if self.split_microbatches else {})
+        # The trainable parameters the split may defer (taken once per step: walking the modules per
+        # layer and micro-batch cost more than the split saved).
+        self.param_ids = (frozenset(id(p) for p in self.cell.parameters() if p.requires_grad)
+                          if self.split_microbatches else frozenset())
         self.training = schedule.training
         self.config = config or StepConfig()
         self.microbatches = list(microbatches) if microbatches is not None else None
@@ -280,7 +280,7 @@ class StageExecutor:
         assert m is not None
         outs, grads = self._seeds(m)
         x = self.inputs.pop(m)
-        self.weight_work[m] = split_by_layer(outs, grads, x, self.cuts.pop(m, None), self.param_order,
+        self.weight_work[m] = split_by_layer(outs, grads, x, self.cuts.pop(m, None), self.param_ids,
                                              model_input=self.stage == 0)
         if self.stage > 0:
             self.outbox[(ActionKind.SEND_GRAD, m)] = boundary.input_grads(x)

@@ -16,6 +16,12 @@ layer count (the least sum of squared cell sizes), then the lexicographically sm
 Layer counts do not move with timing noise, so two calibrations whose optima are near-ties agree
 unless one of them moves a cut out of the tied set; the uncertainty to give is the calibration's own
 (its intervals' half-width), not a safety margin.
+
+The tied set is never narrower than :data:`TIE_FLOOR`, the 2% within which the throughput table
+promises that two runs agree: a window that followed each run's own uncertainty (1.0% in one run,
+1.4% in the next) flipped every cut whose gap to the optimum fell between the two, and cuts within
+2% of each other give cells the table cannot tell apart anyway. Above the floor the calibration's
+own uncertainty still widens the window: what it cannot resolve, it does not choose by.
 """
 from __future__ import annotations
 
@@ -24,18 +30,22 @@ from collections.abc import Sequence
 
 from gpipe_repro.engine.partition import cell_costs, partition
 
+TIE_FLOOR = 0.02
+"""The narrowest relative window of near-ties for timed costs (see the module docstring)."""
+
 
 def choose_partition(costs: Sequence[float], k: int, objective: str = "bottleneck",
                      uncertainty: float = 0.0) -> list[int]:
     """The balance of `costs` (timed or counted) into `k` cells under `objective`: the exact
     :func:`gpipe_repro.engine.partition.partition`; with the bottleneck objective and a relative
-    `uncertainty` > 0 (the calibration's), :func:`tie_break` among the cuts within it of the optimum."""
+    `uncertainty` > 0 (the calibration's), :func:`tie_break` among the cuts within it of the optimum,
+    or within :data:`TIE_FLOOR` where it is smaller."""
     if uncertainty < 0:
         raise ValueError(f"uncertainty must be >= 0 (a relative half-width), got {uncertainty}")
     best = partition(costs, k, objective)
     if objective != "bottleneck" or uncertainty == 0:
         return best
-    return tie_break(costs, k, max(cell_costs(costs, best)) * (1.0 + uncertainty))
+    return tie_break(costs, k, max(cell_costs(costs, best)) * (1.0 + max(uncertainty, TIE_FLOOR)))
 
 
 def tie_break(costs: Sequence[float], k: int, limit: float) -> list[int]:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from gpipe_repro.engine.partition import cell_costs, partition
-from gpipe_repro.sim.partition_choice import choose_partition, tie_break
+from gpipe_repro.sim.partition_choice import TIE_FLOOR, choose_partition, tie_break
 
 # A calibration of the throughput table's scaled AmoebaNet-D (18, 64) at 4-row micro-batches on
 # this project's 2-core host (checkpointed forward + recompute + backward + accumulation, seconds
@@ -86,3 +86,21 @@ def test_uncertainty_must_be_a_relative_half_width() -> None:
         choose_partition([1.0, 1.0], 2, uncertainty=-0.1)
     with pytest.raises(ValueError, match="limit"):
         tie_break([1.0, 3.0], 2, 1.0)
+
+
+def test_silent_flip_two_calibrations_tie_within_one_window_not_each_their_own() -> None:
+    """Two runs of the table whose calibrations ended at 1.0% and 1.4% uncertainty, on costs where a
+    more even cut lies 1.2% above the optimum: with each run's own uncertainty as its window, one
+    run took the optimum and the other the even cut, and every cell of that model differed. The
+    window is never narrower than TIE_FLOOR, so both take the even cut; above the floor a run's own
+    uncertainty still widens it."""
+    costs = [0.33, 0.33, 0.328, 0.012, 0.5, 0.5]     # optimum [4, 2] (1.0), even cut [3, 3] (1.012)
+    best = partition(costs, 2)
+    even_gap = max(cell_costs(costs, [3, 3])) / max(cell_costs(costs, best)) - 1
+    assert best == [4, 2] and 0.010 < even_gap < 0.014
+    assert choose_partition(costs, 2, uncertainty=0.010) == [3, 3]
+    assert choose_partition(costs, 2, uncertainty=0.014) == [3, 3]
+    assert TIE_FLOOR == 0.02
+    wide = [0.33, 0.33, 0.305, 0.035, 0.5, 0.5]       # even cut [3, 3] 3.5% above the optimum
+    assert choose_partition(wide, 2, uncertainty=0.01) == partition(wide, 2)
+    assert choose_partition(wide, 2, uncertainty=0.05) == [3, 3]
