@@ -74,7 +74,7 @@ def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], le
     return weights
 
 
-_ACCUMULATE: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
+_ACCUMULATE: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
 
 def _param_groups(roots: list[Any], inputs: set[int], cell: Container[int]) -> list[dict[str, Any]] | None:
