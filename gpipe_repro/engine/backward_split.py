@@ -32,9 +32,8 @@ def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], le
     `params`: the parameters the split may defer (tensors, or their ids). The parameters are
     grouped as PyTorch pipelining's zero-bubble schedules group them
     (torch.distributed.pipelining._backward): by the nodes where their gradient paths meet the
-    input's path (:func:`_param_groups`, one walk of the graph); the input pass also returns the
-    gradients arriving at those nodes (as GradientEdges among its inputs, where PyTorch registers a
-    pre-hook on each), and the weight pass starts from them. Where the
+    input's path (:func:`_param_groups`, one walk of the graph); pre-hooks on those nodes keep the
+    gradients arriving there during the input pass, and the weight pass starts from them. Where the
     split cannot keep plain training's gradients, the whole backward runs now and nothing later,
     which is correct, only not split: the graph reaches a leaf other than `params` and `leaves` (a
     tensor a layer captured, another cell's weight a loss reads), or a parameter through a path that
@@ -46,19 +45,24 @@ def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], le
     if groups is None:
         torch.autograd.backward(outs, grads)
         return lambda: None
-    # The gradients arriving at each join node, taken by the input pass itself: one edge per output.
-    edges = [(node, i) for g in groups for node in g["intermediates"]
-             for i in range(len(node._input_metadata))]
-    wanted: list[Any] = [*leaves, *(GradientEdge(n, i) for n, i in edges)]
-    got = torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True)
-    dx, kept = got[:len(leaves)], iter(got[len(leaves):])
+    # Pre-hooks keep the gradient arriving at each join node in the input pass, after any hook on
+    # the node's outputs has run (a GradientEdge among the pass's inputs would take it before).
+    handles = []
     for group in groups:
-        group["grads"] = [tuple(next(kept) for _ in range(len(node._input_metadata)))
-                          for node in group["intermediates"]]
+        group["grads"] = [None] * len(group["intermediates"])
+        for i, node in enumerate(group["intermediates"]):
+            def keep(grad_inputs: Any, group: dict[str, Any] = group, i: int = i) -> None:
+                group["grads"][i] = grad_inputs
+            handles.append(node.register_prehook(keep))
+    try:
+        dx = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
     for leaf, g in zip(leaves, dx):
         if g is not None:
             leaf.grad = g if leaf.grad is None else leaf.grad + g
-    if any(all(x is None for x in kept) for g in groups for kept in g["grads"]):
+    if any(kept is None for g in groups for kept in g["grads"]):
         # A join node no gradient reached: walk the retained graph again for the parameters only.
         used = [acc.variable for g in groups for acc in g["params"]]
 
@@ -68,10 +72,43 @@ def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], le
 
     def weights() -> None:
         left = run_direct(groups)   # one kernel call per convolution or norm, not an autograd call
-        if left:
-            from torch.distributed.pipelining._backward import stage_backward_weight
-            stage_backward_weight(iter([acc.variable for g in left for acc in g["params"]]), left)
+        for n, group in enumerate(left):
+            _group_through_autograd(group, retain_graph=n < len(left) - 1)
     return weights
+
+
+def _group_through_autograd(group: dict[str, Any], retain_graph: bool) -> None:
+    """A group's parameter gradients by one autograd call from its join nodes, seeded with what
+    each received in the input pass (PyTorch pipelining's ``stage_backward_weight``, with two
+    differences). Every join node is pinned to its kept gradient by a pre-hook, not only where the
+    group has several (where a walk from one join node reaches another, which must not add to it):
+    a hook on a node's outputs, which ran in the input pass, must not run again on what it made.
+    And the graph is kept for the groups still to run (`retain_graph`): one group's walk may pass
+    through another's join node, which would otherwise be freed before that group starts there."""
+    edges, seeds = [], []
+    for node, kept in zip(group["intermediates"], group["grads"]):
+        for i, g in enumerate(kept):
+            if g is not None:
+                edges.append(GradientEdge(node, i))
+                seeds.append(g)
+    if not edges:
+        return
+    handles = [node.register_prehook(lambda _, kept=kept: kept)
+               for node, kept in zip(group["intermediates"], group["grads"])]
+    params = list(group["params"])
+    try:
+        got = torch.autograd.grad(edges, [GradientEdge(acc, 0) for acc in params], seeds,
+                                  retain_graph=retain_graph, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for acc, g in zip(params, got):
+        if g is not None:
+            p = acc.variable
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad += g
 
 
 _ACCUMULATE: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]

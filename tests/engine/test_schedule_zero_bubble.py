@@ -149,6 +149,46 @@ def test_split_backward_defers_the_weight_gradients() -> None:
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def _split_against_plain(forward: Any, params: list[torch.Tensor], x: torch.Tensor,
+                         g: torch.Tensor) -> None:
+    """split_backward_input's two halves on `forward`(x) against one plain backward (autograd.grad
+    over the same graph, which never calls the split)."""
+    from gpipe_repro.engine.backward_split import split_backward_input
+    out = forward(x)
+    ref = torch.autograd.grad(out, [x, *params], g, retain_graph=True)
+    later = split_backward_input([out], [g], [x], params)
+    later()
+    for got, want in zip([x.grad, *(p.grad for p in params)], ref):
+        torch.testing.assert_close(got, want)
+
+
+def test_silent_split_hook_on_a_join_nodes_output_runs_once() -> None:
+    """A hook on a tensor where a weight's gradient path meets the input's (a linear layer's output,
+    a gradient clamp inside a model): the weight half started from the gradient taken before the
+    hook (a direct kernel then missed it) or ran it twice (an autograd call from the join node). Both
+    halves now see it once, as plain backward does."""
+    torch.manual_seed(0)
+    lin, a = nn.Linear(4, 3), torch.randn(3, requires_grad=True)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = lin(x)                       # a direct kernel's join node (addmm)
+        h.register_hook(lambda grad: 2 * grad)
+        y = h * a                        # an autograd group's join node (mul)
+        y.register_hook(lambda grad: grad + 1)
+        return torch.tanh(y)
+    _split_against_plain(forward, [lin.weight, lin.bias, a], torch.randn(5, 4, requires_grad=True),
+                         torch.randn(5, 3))
+
+
+def test_split_groups_whose_walks_cross_each_others_join_nodes() -> None:
+    """Two parameter groups through autograd where one's walk passes another's join node
+    (((x * a) * b) * a): the first walk freed the graph the second starts from."""
+    torch.manual_seed(0)
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    _split_against_plain(lambda x: ((x * a) * b) * a, [a, b], torch.randn(2, 3, requires_grad=True),
+                         torch.randn(2, 3))
+
+
 # Distributed: the same checks as tests/distributed/test_equivalence.py (each rank compares its cell
 # with a local GPipe and the reference, two steps) on ZB-H1 configurations.
 ZB_CONFIGS = {2: [("mlp", 4, "never", False, "zb-h1"), ("transformer", 3, "always", True, "zb-h1"),
