@@ -40,14 +40,17 @@ def _python(module: str, *args: str) -> tuple[str, ...]:
 #: The benchmarks' --budget is their measuring time; the limit leaves room for start-up, the rounds
 #: the stop rule needs at least, and output. Sized from make results on this host at 1402c7d
 #: (seconds): throughput-table past 760 (666 at 26cb7b0: calibration, 300 s of rounds per model,
-#: then about 140 s of pages and charts), validate-sim 243, validate-unseen 411, memory-table 97,
+#: then about 140 s of pages and charts), validate-sim 243 (one burst of 5 steps per configuration;
+#: now 3 interleaved rounds of 2), validate-unseen 411, memory-table 97,
 #: bench-overhead 58, bench-runtime 157, bench-schedules 112, bench-replicas 79, replicas-plan 24,
 #: regression detector 75. ``--only`` (``make results ONLY=...``) reruns a part that ran out of time.
 PARTS: tuple[Part, ...] = (
     Part("throughput-table", _python("experiments.throughput_table"), 900, ("throughput",),
          "K x M normalized throughput, measured and simulated"),
-    Part("validate-sim", _python("experiments.validate_simulator", "--ms", "2,8", "--steps", "5"), 360,
-         ("throughput",), "simulator vs real stage processes, M = 2 and 8; re-renders throughput_table.md"),
+    Part("validate-sim", _python("experiments.validate_simulator", "--ms", "2,8", "--steps", "2",
+                                 "--rounds", "3"), 480,
+         ("throughput",), "simulator vs real stage processes, M = 2 and 8, every configuration in 3 "
+         "interleaved rounds; re-renders throughput_table.md"),
     Part("validate-unseen", _python("experiments.validate_unseen", "--ms", "2,8", "--steps", "5"), 480,
          ("throughput",), "three models the simulator was never tuned on, K=2, M = 2 and 8, each "
          "also corrected in situ"),

@@ -89,7 +89,11 @@ def register(app: typer.Typer) -> None:
             schedules: Optional[str] = typer.Option(None, "--schedules", help="schedules to validate, "
                                                     "comma-separated (default: every one the runtime "
                                                     "runs)"),
-            steps: Optional[int] = typer.Option(None, "--steps", help="measured steps per configuration"),
+            steps: Optional[int] = typer.Option(None, "--steps", help="measured steps per configuration "
+                                                "and round"),
+            rounds: Optional[int] = typer.Option(None, "--rounds", help="rounds: every configuration "
+                                                 "measured once per round, the rounds interleaved "
+                                                 "(default 3)"),
             out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: "
                                                "results/throughput, under $GPIPE_REPRO_RESULTS when set)"),
             overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier validation (and "
@@ -105,7 +109,7 @@ def register(app: typer.Typer) -> None:
         from gpipe_repro.repro import validate_simulator
         try:
             given: dict[str, Any] = {"models": _names(models), "ms": int_list("--ms", ms),
-                                     "schedules": _names(schedules), "steps": steps}
+                                     "schedules": _names(schedules), "steps": steps, "rounds": rounds}
             validate_simulator.main(**{k: v for k, v in given.items() if v is not None},
                                     ks=int_list("--ks", ks), out=out, overwrite=overwrite, record=record,
                                     render_only=render_only)

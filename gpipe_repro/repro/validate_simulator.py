@@ -6,7 +6,8 @@ thread each): K=2 here (K up to 8 on a host with >= 16 cores), M in {1, 2, 4, 8,
 re-materialization on and off, both models of the throughput table, and the schedules GPipe, 1F1B and
 ZB-H1 on the same cuts (interleaved 1F1B, two cells per process, is not validated yet). Reports the
 relative error of simulated against measured throughput, overall and per schedule, each with the
-interval the measured steps give it (:mod:`gpipe_repro.repro.throughput.simulator_error`); targets:
+interval the measured steps give it (every configuration measured in interleaved rounds, once per
+round, so that its steps span the host's states over the whole validation) (:mod:`gpipe_repro.repro.throughput.simulator_error`); targets:
 median |error| <= 5%, worst <= 10%, judged met / not met / inconclusive (a busy host widens the
 intervals; nothing waits for it to be idle).
 
@@ -47,6 +48,9 @@ from gpipe_repro.repro.throughput.validation import unvalidated_note
 DEFAULTS = SweepSettings(checkpoint="always", recompute_ahead=False, link="gloo-loopback",
                          device="cpu", threads=1, measure_steps=8)
 
+
+#: Rounds per configuration: each measured once per round, the rounds interleaved across configurations.
+ROUNDS = 3
 
 COMMAND = "validate-sim"
 MANIFEST = "validation.json"
@@ -105,7 +109,7 @@ def render_pages(out: Path) -> None:
 def main(*, models: Sequence[str] = MODELS, ms: Sequence[int] = VALIDATION_MS,
          ks: Sequence[int] | None = None,
          schedules: Sequence[str] = VALIDATION_SCHEDULES, steps: int = DEFAULTS.measure_steps,
-         out: Path | None = None, overwrite: bool = False, record: bool = False,
+         rounds: int = ROUNDS, out: Path | None = None, overwrite: bool = False, record: bool = False,
          render_only: bool = False) -> None:
     """Check the options and the output directory (before any work), validate, write.
 
@@ -123,6 +127,8 @@ def main(*, models: Sequence[str] = MODELS, ms: Sequence[int] = VALIDATION_MS,
                          f"the models {', '.join(MODELS)}")
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
     cores = usable_cores()
     too_big = [k for k in (ks or []) if k > cores]
     if too_big:
@@ -150,7 +156,7 @@ def main(*, models: Sequence[str] = MODELS, ms: Sequence[int] = VALIDATION_MS,
             settings, measure, models=list(models), ks=list(ks) if ks else None, ms=list(ms),
             schedules=list(schedules),
             measure_schedule=lambda name: distributed_measure(replace(settings, schedule=name)),
-            progress=shown.update)
+            progress=shown.update, rounds=rounds)
     timelines = result.pop("timelines")
     if timelines:
         key = next((k for k in timelines if "_M4_always" in k), next(iter(timelines)))

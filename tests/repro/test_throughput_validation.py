@@ -87,3 +87,33 @@ def test_a_wide_interval_makes_the_verdict_inconclusive_not_a_left_out_row() -> 
     assert s["verdict"] == "inconclusive" and s["configurations"] == 3
     off = [error_figure([1.3] * 8, 1.0).to_json()] * 3
     assert summarize_errors(off)["verdict"] == "not met"
+
+
+def test_each_configuration_is_measured_once_per_round_in_alternating_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host whose speed drifts during the validation: measured in one burst each, the first
+    configurations would see one speed and the last another; in interleaved rounds (forward, then
+    backward) every configuration's steps span the drift, and its figure is their median."""
+    monkeypatch.setattr(validation, "calibrate", _calibrate)
+    monkeypatch.setattr(validation, "platform_for", lambda name: Platform(PRESETS["ideal"]))
+    monkeypatch.setattr(validation, "fast_share", lambda: 0.5)
+    calls: list[int] = []
+    exact = _fake_measure("gpipe", 1.0)
+
+    def drifting(workload: Any, balance: list[int], m: int, n: int, checkpoint: str) -> dict[str, Any]:
+        got = exact(workload, balance, m, n, checkpoint)
+        calls.append(m)
+        slow = 1.0 + 0.1 * (len(calls) - 1)          # the host slows down call after call
+        return {**got, "step_time_s": got["step_time_s"] * slow,
+                "step_times": [t * slow for t in got["step_times"]]}
+    result = validation.validate_simulator(SweepSettings(link="ideal"), drifting, models=["transformer"],
+                                           ks=[2], ms=[1, 2, 4], checkpoints=("never",), rounds=3)
+    assert calls == [1, 2, 4, 4, 2, 1, 1, 2, 4]
+    rows = result["rows"]
+    assert [r["measured_rounds"] for r in rows] == [3, 3, 3]
+    assert all(len(r["measured_step_times_s"]) == 3 * 8 for r in rows)
+    # M=1 ran at slowdowns 1.0, 1.5, 1.6 and M=2 at 1.1, 1.4, 1.7: each the median of its three
+    assert [r["relative_error"] for r in rows] == pytest.approx([0.5, 0.4, 0.3])
+    assert "measured in 3 rounds" in render_validation_summary(result)
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        validation.validate_simulator(SweepSettings(link="ideal"), drifting, rounds=0)

@@ -343,9 +343,13 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
     head = (describe(summary) if "verdict" in summary else
             f"Median |error| {summary['median_abs_error'] * 100:.1f}%, worst "
             f"{summary['max_abs_error'] * 100:.1f}% over {len(rows)} configurations.")
-    head += (" Each error is the median over the measured steps with its 95% interval; the bounds "
-             "of the median and the worst come from the intervals' ends, so a busy host widens them "
-             "and can leave the verdict inconclusive.")
+    rounds = max((r.get("measured_rounds") or 1 for r in rows), default=1)
+    head += (" Each error is the median over the measured steps with its 95% interval"
+             + (f" (every configuration measured in {rounds} rounds, the rounds interleaved across "
+                "configurations, so its steps span the host's states over the whole validation)"
+                if rounds > 1 else "")
+             + "; the bounds of the median and the worst come from the intervals' ends, so a busy "
+             "host widens them and can leave the verdict inconclusive.")
     if summary.get("replay_median_abs_error") is not None:
         head += (f" Replaying each measured step's own action durations through the simulator "
                  f"(pipeline model alone, cost model excluded): median "

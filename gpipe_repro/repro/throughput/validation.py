@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from gpipe_repro.engine.schedule import cells_per_process, make_schedule, num_processes
@@ -64,59 +64,93 @@ def _per_schedule(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return summarize_errors([r["error"] for r in rows])
 
 
-def _validate_cut(model: str, workload: Workload, calib: Calibration, settings: SweepSettings,
-                  measure: MeasureFn, platform: Platform, balance: list[int], b: int,
-                  ms: Sequence[int], checkpoint: str, say: Callable[[str], None],
-                  timelines: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every M of one (model, cut, checkpoint, settings.schedule): simulated, measured, replayed.
-    `balance` has a cell per stage: K*v cells on K processes for interleaved."""
-    cells = len(balance)
+@dataclass
+class _Config:
+    """One validated configuration: what is measured, and its simulation."""
+
+    model: str
+    workload: Workload
+    calib: Calibration
+    settings: SweepSettings
+    measure: MeasureFn
+    platform: Platform
+    balance: list[int]
+    b: int
+    m: int
+    checkpoint: str
+    sim: Any
+
+    def describe(self) -> str:
+        k = num_processes(self.settings.schedule, len(self.balance))
+        return (f"{self.model} K={k} M={self.m} checkpoint={self.checkpoint} "
+                f"schedule={self.settings.schedule}")
+
+
+def _plan_cut(model: str, workload: Workload, calib: Calibration, settings: SweepSettings,
+              measure: MeasureFn, platform: Platform, balance: list[int], b: int,
+              ms: Sequence[int], checkpoint: str) -> list[_Config]:
+    """Every M of one (model, cut, checkpoint, settings.schedule), simulated. `balance` has a cell
+    per stage: K*v cells on K processes for interleaved."""
+    k = num_processes(settings.schedule, len(balance))
+    return [_Config(model, workload, calib, settings, measure, platform, balance, b, m, checkpoint,
+                    platform.simulate(calib, balance, m, m * b, settings, checkpoint))
+            for m in ms
+            # interleaved 1F1B takes micro-batches in groups of the K processes
+            if not (settings.schedule == "interleaved" and m % k)]
+
+
+def _measure_once(c: _Config) -> dict[str, Any]:
+    """One measured run of `c`, with the host's fast share around it."""
+    # the probe is looked up at call time, so tests can give a fixed answer
+    fast_before = fast_share()
+    measured = c.measure(c.workload, c.balance, c.m, c.m * c.b, c.checkpoint)
+    return {**measured, "host_fast": (fast_before + fast_share()) / 2}
+
+
+def _pooled(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A configuration's measured runs (one per round) as one: every step of every run, their
+    median, the timeline of the run whose median step is nearest to it, the mean fast share."""
+    steps = [t for r in runs for t in (r.get("step_times") or [r["step_time_s"]])]
+    median = statistics.median(steps)
+    nearest = min(runs, key=lambda r: abs(r["step_time_s"] - median))
+    return {"step_time_s": median, "step_times": steps, "timeline": nearest.get("timeline"),
+            "host_fast": statistics.fmean(r["host_fast"] for r in runs), "rounds": len(runs)}
+
+
+def _row(c: _Config, measured: dict[str, Any], timelines: dict[str, Any]) -> dict[str, Any]:
+    """`c`'s row: simulated against `measured` (:func:`_pooled`), and the measured timeline replayed."""
+    cells, m, b, sim, settings = len(c.balance), c.m, c.b, c.sim, c.settings
     k = num_processes(settings.schedule, cells)
-    suffix = "" if settings.schedule == "gpipe" else f"_{settings.schedule}"
-    rows: list[dict[str, Any]] = []
-    for m in ms:
-        if settings.schedule == "interleaved" and m % k:
-            continue        # interleaved 1F1B takes micro-batches in groups of the K processes
-        say(f"validating {model} K={k} M={m} checkpoint={checkpoint} "
-            f"schedule={settings.schedule}")
-        sim = platform.simulate(calib, balance, m, m * b, settings, checkpoint)
-        # the probe is looked up at call time, so tests can give a fixed answer
-        fast_before = fast_share()
-        measured = measure(workload, balance, m, m * b, checkpoint)
-        host_fast = (fast_before + fast_share()) / 2
-        error = error_figure(measured.get("step_times") or [measured["step_time_s"]], sim.step_time,
-                             host_fast)
-        meas_tp = m * b / measured["step_time_s"]
-        replay = None
-        if measured.get("timeline") is not None and measured["timeline"].num_stages == cells:
-            replay = simulate(
-                make_schedule(settings.schedule, cells, m, checkpoint,
-                              settings.recompute_ahead),
-                replay_costs(measured["timeline"], measured["step_time_s"],
-                             [calib.at(b)[sum(balance[:s + 1]) - 1].output_bytes
-                              for s in range(cells - 1)]),
-                platform.link, m * b)
-        rows.append({"model": model, "K": k, "cells": cells, "M": m, "checkpoint": checkpoint,
-                     "schedule": settings.schedule,
-                     "balance": balance, "microbatch": b, "batch": m * b,
-                     "simulated_step_s": sim.step_time,
-                     "measured_step_s": measured["step_time_s"],
-                     "measured_step_times_s": measured.get("step_times"),
-                     "simulated_throughput": sim.throughput,
-                     "measured_throughput": meas_tp,
-                     "relative_error": sim.throughput / meas_tp - 1.0,
-                     "error": error.to_json(), "host_fast": host_fast,
-                     "replay_step_s": replay.step_time if replay else None,
-                     "replay_error": (replay.throughput / meas_tp - 1.0
-                                      if replay else None),
-                     "simulated_breakdown": sim.breakdown,
-                     "measured_breakdown": (measured["timeline"].breakdown()
-                                            if measured.get("timeline") else None)})
-        if measured.get("timeline") is not None:
-            timelines[f"{model}_K{k}_M{m}_{checkpoint}" + suffix] = {
-                "measured": measured["timeline"].to_json(),
-                "simulated": sim.timeline.to_json()}
-    return rows
+    error = error_figure(measured["step_times"], sim.step_time, measured["host_fast"])
+    meas_tp = m * b / measured["step_time_s"]
+    replay = None
+    if measured.get("timeline") is not None and measured["timeline"].num_stages == cells:
+        replay = simulate(
+            make_schedule(settings.schedule, cells, m, c.checkpoint, settings.recompute_ahead),
+            replay_costs(measured["timeline"], measured["step_time_s"],
+                         [c.calib.at(b)[sum(c.balance[:s + 1]) - 1].output_bytes
+                          for s in range(cells - 1)]),
+            c.platform.link, m * b)
+    if measured.get("timeline") is not None:
+        suffix = "" if settings.schedule == "gpipe" else f"_{settings.schedule}"
+        timelines[f"{c.model}_K{k}_M{m}_{c.checkpoint}" + suffix] = {
+            "measured": measured["timeline"].to_json(), "simulated": sim.timeline.to_json()}
+    return {"model": c.model, "K": k, "cells": cells, "M": m, "checkpoint": c.checkpoint,
+            "schedule": settings.schedule,
+            "balance": c.balance, "microbatch": b, "batch": m * b,
+            "simulated_step_s": sim.step_time,
+            "measured_step_s": measured["step_time_s"],
+            "measured_step_times_s": measured["step_times"],
+            "measured_rounds": measured["rounds"],
+            "simulated_throughput": sim.throughput,
+            "measured_throughput": meas_tp,
+            "relative_error": sim.throughput / meas_tp - 1.0,
+            "error": error.to_json(), "host_fast": measured["host_fast"],
+            "replay_step_s": replay.step_time if replay else None,
+            "replay_error": (replay.throughput / meas_tp - 1.0 if replay else None),
+            "simulated_breakdown": sim.breakdown,
+            "measured_breakdown": (measured["timeline"].breakdown()
+                                   if measured.get("timeline") else None)}
 
 
 def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
@@ -126,7 +160,8 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                        fresh_calibration: bool = True,
                        schedules: Sequence[str] | None = None,
                        measure_schedule: Callable[[str], MeasureFn] | None = None,
-                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                       progress: Callable[[str], None] | None = None,
+                       rounds: int = 1) -> dict[str, Any]:
     """Simulate and measure the same configurations; relative error of simulated throughput.
 
     Each schedule of `schedules` (default: ``settings.schedule`` only) is simulated and measured on
@@ -135,7 +170,12 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     (required when `schedules` names one). Interleaved is refused (:data:`NOT_VALIDATED`).
 
     The costs are calibrated afresh (not read from the cache) by default, so that calibration and
-    measurement see the machine in the same state."""
+    measurement see the machine in the same state. Every configuration is measured `rounds` times,
+    once per round, the rounds alternating the order of the configurations (the measurement kernel's
+    rule): its figure is the median over all its measured steps, and its interval spans the host's
+    states over the whole validation instead of one burst of consecutive steps."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     names = list(schedules) if schedules else [settings.schedule]
     refused = [n for n in names if n not in VALIDATION_SCHEDULES]
     if refused:
@@ -154,8 +194,8 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     if not ks:
         raise ValueError("validation needs at least 2 usable cores (one stage process per core)")
     workloads = PAPER_WORKLOADS if settings.paper_size else SCALED_WORKLOADS
-    rows: list[dict[str, Any]] = []
     timelines: dict[str, Any] = {}
+    configs: list[_Config] = []
     for model in models:
         b = dict(settings.microbatch)[model]
         calib = calibrate(workloads[model], [b], method="time", device=settings.device,
@@ -169,9 +209,17 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                     cells = k * cells_per_process(name)
                     balance = choose_partition(calib.partition_costs(b, checkpoint), cells,
                                                settings.objective, calib.uncertainty_at(b))
-                    rows += _validate_cut(model, workloads[model], calib, replace(settings, schedule=name),
-                                          measures[name], platform, balance, b, ms, checkpoint, say,
-                                          timelines)
+                    configs += _plan_cut(model, workloads[model], calib, replace(settings, schedule=name),
+                                         measures[name], platform, balance, b, ms, checkpoint)
+    # Every configuration once per round, in alternating order: each one's steps are taken at
+    # moments spread over the whole validation, not in one burst at one speed of the host.
+    runs: list[list[dict[str, Any]]] = [[] for _ in configs]
+    for r in range(rounds):
+        order = range(len(configs)) if r % 2 == 0 else range(len(configs) - 1, -1, -1)
+        for i in order:
+            say(f"validating {configs[i].describe()} (round {r + 1} of {rounds})")
+            runs[i].append(_measure_once(configs[i]))
+    rows = [_row(c, _pooled(done), timelines) for c, done in zip(configs, runs)]
     replays = [abs(r["replay_error"]) for r in rows if r["replay_error"] is not None]
     summary = {**summarize_errors([r["error"] for r in rows]),
                "replay_median_abs_error": statistics.median(replays) if replays else None,
