@@ -4,12 +4,12 @@ The same configurations are simulated (calibrated per-layer costs, the host's me
 the schedule the runtimes execute) and measured (the distributed runtime, one process per stage, 1
 thread each): K=2 here (K up to 8 on a host with >= 16 cores), M in {1, 2, 4, 8, 16},
 re-materialization on and off, both models of the throughput table, and the schedules GPipe, 1F1B and
-ZB-H1 on the same cuts (interleaved 1F1B, two cells per process, is not validated yet). Reports the
-relative error of simulated against measured throughput, overall and per schedule, each with the
-interval the measured steps give it (every configuration measured in interleaved rounds, once per
-round, so that its steps span the host's states over the whole validation) (:mod:`gpipe_repro.repro.throughput.simulator_error`); targets:
-median |error| <= 5%, worst <= 10%, judged met / not met / inconclusive (a busy host widens the
-intervals; nothing waits for it to be idle).
+ZB-H1, interleaved 1F1B and ZB-V on the same cuts. Reports the relative error of simulated against
+measured throughput, overall and per schedule, each with the interval the measured steps give it
+(:mod:`gpipe_repro.repro.throughput.simulator_error`); every configuration is measured once per
+round in interleaved rounds (:data:`ROUNDS`), so that its steps span the host's states over the
+whole validation. Targets: median |error| <= 5%, worst <= 10%, judged met / not met / inconclusive
+(a busy host widens the intervals; nothing waits for it to be idle).
 
 Nothing is fitted to these measurements: costs come from the calibration (each layer timed alone,
 in this process, with the runtime's thread count) and the link from a ping-pong.
