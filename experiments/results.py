@@ -38,25 +38,27 @@ def _python(module: str, *args: str) -> tuple[str, ...]:
 
 #: (name, entry point and options, wall-clock limit in seconds, folders under results/ it writes).
 #: The benchmarks' --budget is their measuring time; the limit leaves room for start-up, the rounds
-#: the stop rule needs at least, and output. Sized from make results on this host at 1402c7d
-#: (seconds): throughput-table past 760 (666 at 26cb7b0: calibration, 300 s of rounds per model,
-#: then about 140 s of pages and charts), validate-sim 243 (one burst of 5 steps per configuration;
-#: now 3 interleaved rounds of 2), validate-unseen 411, memory-table 97,
-#: bench-overhead 58, bench-runtime 157, bench-schedules 112, bench-replicas 79, replicas-plan 24,
-#: regression detector 75. ``--only`` (``make results ONLY=...``) reruns a part that ran out of time.
+#: the stop rule needs at least, and output. Sized from make results on this host at 1402c7d and
+#: bd0bd07 (seconds): throughput-table past 760 and 703 (666 at 26cb7b0: calibration, 300 s of
+#: rounds per model, then about 140 s of pages and charts), validate-sim 243 and 184 (one burst of 5
+#: steps per configuration; 292 at 26e88fa in 3 interleaved rounds of 2, calibrated once, about 85 s
+#: of it; now calibrated before every round), validate-unseen 411 and 359, memory-table 97 and 95,
+#: bench-overhead 58 and 34, bench-runtime 157 and 153, bench-schedules 112 and 108, bench-replicas
+#: 79 and 80, replicas-plan 24 and 34, regression detector 75 and 63. ``--only`` (``make results
+#: ONLY=...``) reruns a part that ran out of time.
 PARTS: tuple[Part, ...] = (
-    Part("throughput-table", _python("experiments.throughput_table"), 900, ("throughput",),
+    Part("throughput-table", _python("experiments.throughput_table"), 860, ("throughput",),
          "K x M normalized throughput, measured and simulated"),
     Part("validate-sim", _python("experiments.validate_simulator", "--ms", "2,8", "--steps", "2",
-                                 "--rounds", "3"), 480,
+                                 "--rounds", "3"), 600,
          ("throughput",), "simulator vs real stage processes, M = 2 and 8, every configuration in 3 "
-         "interleaved rounds; re-renders throughput_table.md"),
-    Part("validate-unseen", _python("experiments.validate_unseen", "--ms", "2,8", "--steps", "5"), 480,
+         "interleaved rounds, calibrated before each; re-renders throughput_table.md"),
+    Part("validate-unseen", _python("experiments.validate_unseen", "--ms", "2,8", "--steps", "5"), 450,
          ("throughput",), "three models the simulator was never tuned on, K=2, M = 2 and 8, each "
          "also corrected in situ"),
-    Part("memory-table", _python("experiments.memory_table"), 130, ("memory",)),
-    Part("bench-overhead", _python("experiments.bench_overhead", "--budget", "50"), 75, ("overhead",)),
-    Part("bench-runtime", _python("experiments.bench_runtime", "--budget", "60"), 200, ("runtime",)),
+    Part("memory-table", _python("experiments.memory_table"), 115, ("memory",)),
+    Part("bench-overhead", _python("experiments.bench_overhead", "--budget", "50"), 70, ("overhead",)),
+    Part("bench-runtime", _python("experiments.bench_runtime", "--budget", "60"), 185, ("runtime",)),
     Part("bench-schedules", _python("experiments.bench_schedules", "--budget", "60"), 150,
          ("schedules",)),
     Part("bench-replicas", _python("experiments.bench_replicas", "--budget", "70"), 110, ("replicas",)),

@@ -94,7 +94,12 @@ def test_each_configuration_is_measured_once_per_round_in_alternating_order(
     """A host whose speed drifts during the validation: measured in one burst each, the first
     configurations would see one speed and the last another; in interleaved rounds (forward, then
     backward) every configuration's steps span the drift, and its figure is their median."""
-    monkeypatch.setattr(validation, "calibrate", _calibrate)
+    events: list[str] = []
+
+    def calibrating(workload: Any, sizes: list[int], **kw: Any) -> Calibration:
+        events.append("calibrate")
+        return _calibrate(workload, sizes, **kw)
+    monkeypatch.setattr(validation, "calibrate", calibrating)
     monkeypatch.setattr(validation, "platform_for", lambda name: Platform(PRESETS["ideal"]))
     monkeypatch.setattr(validation, "fast_share", lambda: 0.5)
     calls: list[int] = []
@@ -103,12 +108,16 @@ def test_each_configuration_is_measured_once_per_round_in_alternating_order(
     def drifting(workload: Any, balance: list[int], m: int, n: int, checkpoint: str) -> dict[str, Any]:
         got = exact(workload, balance, m, n, checkpoint)
         calls.append(m)
+        events.append(f"M={m}")
         slow = 1.0 + 0.1 * (len(calls) - 1)          # the host slows down call after call
         return {**got, "step_time_s": got["step_time_s"] * slow,
                 "step_times": [t * slow for t in got["step_times"]]}
     result = validation.validate_simulator(SweepSettings(link="ideal"), drifting, models=["transformer"],
                                            ks=[2], ms=[1, 2, 4], checkpoints=("never",), rounds=3)
     assert calls == [1, 2, 4, 4, 2, 1, 1, 2, 4]
+    # the costs are calibrated again before every round: costs and steps span the same moments
+    assert events == ["calibrate", "M=1", "M=2", "M=4", "calibrate", "M=4", "M=2", "M=1",
+                      "calibrate", "M=1", "M=2", "M=4"]
     rows = result["rows"]
     assert [r["measured_rounds"] for r in rows] == [3, 3, 3]
     assert all(len(r["measured_step_times_s"]) == 3 * 8 for r in rows)
@@ -117,3 +126,18 @@ def test_each_configuration_is_measured_once_per_round_in_alternating_order(
     assert "measured in 3 rounds" in render_validation_summary(result)
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         validation.validate_simulator(SweepSettings(link="ideal"), drifting, rounds=0)
+
+
+def test_calibrations_taken_at_several_moments_pool_to_their_median() -> None:
+    def cal(seconds: float, bytes_: int) -> Calibration:
+        cost = LayerCost(forward=seconds, forward_nograd=seconds, recompute=seconds, backward=2 * seconds,
+                         optimizer=0.0, forward_flops=1.0, flops=3.0, params=1, output_bytes=bytes_,
+                         grad_bytes=bytes_, backward_input=seconds, backward_weight=None)
+        return Calibration("w", "time", "cpu", [0, 0], {4: [cost, cost]}, seconds / 10, {4: seconds / 100})
+    pooled = Calibration.median_of([cal(1.0, 8), cal(3.0, 8), cal(2.0, 8)])
+    layer = pooled.at(4)[0]
+    assert (layer.forward, layer.backward, layer.backward_input) == (2.0, 4.0, 2.0)
+    assert layer.backward_weight is None and layer.output_bytes == 8 and layer.flops == 3.0
+    assert pooled.optimizer_call == pytest.approx(0.2) and pooled.uncertainty_at(4) == pytest.approx(0.02)
+    with pytest.raises(ValueError, match="cannot be pooled"):
+        Calibration.median_of([cal(1.0, 8), Calibration("w", "time", "cpu", [0], {4: []})])

@@ -346,7 +346,8 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
     rounds = max((r.get("measured_rounds") or 1 for r in rows), default=1)
     head += (" Each error is the median over the measured steps with its 95% interval"
              + (f" (every configuration measured in {rounds} rounds, the rounds interleaved across "
-                "configurations, so its steps span the host's states over the whole validation)"
+                "configurations and the costs calibrated again before each, the simulation from "
+                "their median: steps and costs span the same host states over the whole validation)"
                 if rounds > 1 else "")
              + "; the bounds of the median and the worst come from the intervals' ends, so a busy "
              "host widens them and can leave the verdict inconclusive.")

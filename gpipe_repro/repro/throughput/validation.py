@@ -78,7 +78,7 @@ class _Config:
     b: int
     m: int
     checkpoint: str
-    sim: Any
+    sim: Any = None
 
     def describe(self) -> str:
         k = num_processes(self.settings.schedule, len(self.balance))
@@ -89,11 +89,10 @@ class _Config:
 def _plan_cut(model: str, workload: Workload, calib: Calibration, settings: SweepSettings,
               measure: MeasureFn, platform: Platform, balance: list[int], b: int,
               ms: Sequence[int], checkpoint: str) -> list[_Config]:
-    """Every M of one (model, cut, checkpoint, settings.schedule), simulated. `balance` has a cell
-    per stage: K*v cells on K processes for interleaved."""
+    """Every M of one (model, cut, checkpoint, settings.schedule). `balance` has a cell per stage:
+    K*v cells on K processes for interleaved."""
     k = num_processes(settings.schedule, len(balance))
-    return [_Config(model, workload, calib, settings, measure, platform, balance, b, m, checkpoint,
-                    platform.simulate(calib, balance, m, m * b, settings, checkpoint))
+    return [_Config(model, workload, calib, settings, measure, platform, balance, b, m, checkpoint)
             for m in ms
             # interleaved 1F1B takes micro-batches in groups of the K processes
             if not (settings.schedule == "interleaved" and m % k)]
@@ -169,11 +168,14 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     runs ``settings.schedule``; ``measure_schedule(name)`` gives the MeasureFn of any other schedule
     (required when `schedules` names one). Interleaved is refused (:data:`NOT_VALIDATED`).
 
-    The costs are calibrated afresh (not read from the cache) by default, so that calibration and
-    measurement see the machine in the same state. Every configuration is measured `rounds` times,
-    once per round, the rounds alternating the order of the configurations (the measurement kernel's
-    rule): its figure is the median over all its measured steps, and its interval spans the host's
-    states over the whole validation instead of one burst of consecutive steps."""
+    Every configuration is measured `rounds` times, once per round, the rounds alternating the order
+    of the configurations (the measurement kernel's rule): its figure is the median over all its
+    measured steps, and its interval spans the host's states over the whole validation instead of
+    one burst of consecutive steps. The costs are calibrated afresh (not read from the cache) by
+    default, once before each round: the cuts come from the first calibration, the simulation from
+    the median of all (:meth:`Calibration.median_of`), so that costs and measurements sample the
+    same spread of the host's states (on a host whose speed drifts, a calibration in one burst
+    before the measurements made 38 of 40 errors one sign)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     names = list(schedules) if schedules else [settings.schedule]
@@ -195,14 +197,17 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
         raise ValueError("validation needs at least 2 usable cores (one stage process per core)")
     workloads = PAPER_WORKLOADS if settings.paper_size else SCALED_WORKLOADS
     timelines: dict[str, Any] = {}
+    def calibrated(model: str) -> Calibration:
+        return calibrate(workloads[model], [dict(settings.microbatch)[model]], method="time",
+                         device=settings.device, threads=settings.threads, repeats=settings.repeats,
+                         progress=say, use_cache=not fresh_calibration,
+                         neighbours=settings.busy_neighbours(), rounds=settings.calibration_rounds,
+                         max_rounds=settings.calibration_max_rounds)
+
+    calibrations = {model: [calibrated(model)] for model in models}
     configs: list[_Config] = []
     for model in models:
-        b = dict(settings.microbatch)[model]
-        calib = calibrate(workloads[model], [b], method="time", device=settings.device,
-                          threads=settings.threads, repeats=settings.repeats, progress=say,
-                          use_cache=not fresh_calibration,
-                          neighbours=settings.busy_neighbours(), rounds=settings.calibration_rounds,
-                          max_rounds=settings.calibration_max_rounds)
+        b, calib = dict(settings.microbatch)[model], calibrations[model][0]
         for checkpoint in checkpoints:
             for k in ks:
                 for name in names:
@@ -211,14 +216,24 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                                                settings.objective, calib.uncertainty_at(b))
                     configs += _plan_cut(model, workloads[model], calib, replace(settings, schedule=name),
                                          measures[name], platform, balance, b, ms, checkpoint)
-    # Every configuration once per round, in alternating order: each one's steps are taken at
-    # moments spread over the whole validation, not in one burst at one speed of the host.
+    # Every configuration once per round, in alternating order, and each model calibrated again
+    # before every round but the first: the measured steps and the costs they are compared with are
+    # both taken at moments spread over the whole validation, not one in a burst before the other.
     runs: list[list[dict[str, Any]]] = [[] for _ in configs]
     for r in range(rounds):
+        if r > 0 and fresh_calibration:
+            for model in models:
+                calibrations[model].append(calibrated(model))
         order = range(len(configs)) if r % 2 == 0 else range(len(configs) - 1, -1, -1)
         for i in order:
             say(f"validating {configs[i].describe()} (round {r + 1} of {rounds})")
             runs[i].append(_measure_once(configs[i]))
+    # The cuts stay those of the first calibration (the runs measured them); the simulation uses the
+    # median of every round's costs.
+    pooled = {model: Calibration.median_of(cs) for model, cs in calibrations.items()}
+    for c in configs:
+        c.calib = pooled[c.model]
+        c.sim = platform.simulate(c.calib, c.balance, c.m, c.m * c.b, c.settings, c.checkpoint)
     rows = [_row(c, _pooled(done), timelines) for c, done in zip(configs, runs)]
     replays = [abs(r["replay_error"]) for r in rows if r["replay_error"] is not None]
     summary = {**summarize_errors([r["error"] for r in rows]),

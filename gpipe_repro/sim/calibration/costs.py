@@ -1,7 +1,8 @@
 """Per-layer costs and a calibration (costs of one workload at several micro-batch sizes), with their JSON."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import statistics
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 
@@ -28,6 +29,10 @@ class LayerCost:
     backward_weight: float | None = None  # BACKWARD_INPUT, and BACKWARD_WEIGHT into existing
                                           # gradients (None: not measured, e.g. FLOP costs, or the
                                           # model's first layer, whose input takes no gradient)
+
+
+#: LayerCost's fields that are counted, not timed: equal in every calibration of one model.
+_COUNTED = frozenset({"forward_flops", "flops", "params", "output_bytes", "grad_bytes"})
 
 
 @dataclass
@@ -74,6 +79,27 @@ class Calibration:
                 "groups": self.groups, "optimizer_call": self.optimizer_call,
                 "uncertainty": {str(b): u for b, u in self.uncertainty.items()},
                 "costs": {str(b): [asdict(c) for c in cs] for b, cs in self.costs.items()}}
+
+    @classmethod
+    def median_of(cls, calibrations: list[Calibration]) -> Calibration:
+        """One calibration from several of the same workload and device, taken at different
+        moments: every timed field of every layer (and the optimizer call) their median, the counts
+        (FLOPs, parameters, bytes) and the groups the first's; the uncertainty their median."""
+        first = calibrations[0]
+        if any(c.groups != first.groups or c.costs.keys() != first.costs.keys() for c in calibrations):
+            raise ValueError("calibrations of different layers or sizes cannot be pooled")
+
+        def med(values: list[Any]) -> Any:
+            return None if any(v is None for v in values) else statistics.median(values)
+        timed = [f.name for f in fields(LayerCost) if f.name not in _COUNTED]
+        costs = {size: [replace(layer, **{name: med([getattr(c.costs[size][i], name) for c in calibrations])
+                                          for name in timed})
+                        for i, layer in enumerate(layers)]
+                 for size, layers in first.costs.items()}
+        return cls(first.workload, first.method, first.device, list(first.groups), costs,
+                   statistics.median(c.optimizer_call for c in calibrations),
+                   {size: statistics.median(c.uncertainty.get(size, 0.0) for c in calibrations)
+                    for size in first.uncertainty})
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Calibration:
