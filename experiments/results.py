@@ -38,13 +38,11 @@ def _python(module: str, *args: str) -> tuple[str, ...]:
 
 #: (name, entry point and options, wall-clock limit in seconds, folders under results/ it writes).
 #: The benchmarks' --budget is their measuring time; the limit leaves room for start-up, the rounds
-#: the stop rule needs at least, and output. Sized from make results on this host at 1402c7d and
-#: bd0bd07 (seconds): throughput-table past 760 and 703 (666 at 26cb7b0: calibration, 300 s of
-#: rounds per model, then about 140 s of pages and charts), validate-sim 243 and 184 (one burst of 5
-#: steps per configuration; 292 at 26e88fa in 3 interleaved rounds of 2, calibrated once, about 85 s
-#: of it; now calibrated before every round), validate-unseen 411 and 359, memory-table 97 and 95,
-#: bench-overhead 58 and 34, bench-runtime 157 and 153, bench-schedules 112 and 108, bench-replicas
-#: 79 and 80, replicas-plan 24 and 34, regression detector 75 and 63. ``--only`` (``make results
+#: the stop rule needs at least, and output. Sized from make results on this host (seconds):
+#: throughput-table 703-760 (calibration, 300 s of rounds per model, then about 140 s of pages and
+#: charts), validate-sim 429 (3 rounds, calibrated before each), validate-unseen 359-411,
+#: memory-table 95, bench-overhead 34-58, bench-runtime 153-157, bench-schedules 108-112,
+#: bench-replicas 80, replicas-plan 24-34, regression detector 63-75. ``--only`` (``make results
 #: ONLY=...``) reruns a part that ran out of time.
 PARTS: tuple[Part, ...] = (
     Part("throughput-table", _python("experiments.throughput_table"), 860, ("throughput",),

@@ -7,6 +7,7 @@ from typing import Any
 from gpipe_repro.report.host import BUSY_MARK, IDLE_CLEAN, OTHERS_CLEAN, busy_note
 from gpipe_repro.report.records import markdown_table
 from gpipe_repro.repro.throughput.schedules import render_schedule_ablation
+from gpipe_repro.sim.partition_choice import TIE_FLOOR
 
 
 def _num(x: float | None, digits: int = 2) -> str:
@@ -48,8 +49,8 @@ def calibration_uncertainty(calibrations: dict[str, Any]) -> str:
              for size, u in (c.get("uncertainty") or {}).items()]
     return ("**Calibration uncertainty** (the median layer's 95% interval of its share of a round's "
             "cost, over interleaved rounds): " + ", ".join(parts) + ". Cuts whose simulated "
-            "bottleneck lies within it of the best are ties, broken by the most even cut in layer "
-            "count, then the smallest balance.")
+            f"bottleneck lies within it (or within {TIE_FLOOR:.0%}, where it is smaller) of the best "
+            "are ties, broken by the most even cut in layer count, then the smallest balance.")
 
 
 def generated_by(payload: dict[str, Any]) -> str:

@@ -70,7 +70,6 @@ class _Config:
 
     model: str
     workload: Workload
-    calib: Calibration
     settings: SweepSettings
     measure: MeasureFn
     platform: Platform
@@ -78,7 +77,6 @@ class _Config:
     b: int
     m: int
     checkpoint: str
-    sim: Any = None
 
     def describe(self) -> str:
         k = num_processes(self.settings.schedule, len(self.balance))
@@ -86,13 +84,13 @@ class _Config:
                 f"schedule={self.settings.schedule}")
 
 
-def _plan_cut(model: str, workload: Workload, calib: Calibration, settings: SweepSettings,
-              measure: MeasureFn, platform: Platform, balance: list[int], b: int,
-              ms: Sequence[int], checkpoint: str) -> list[_Config]:
+def _plan_cut(model: str, workload: Workload, settings: SweepSettings, measure: MeasureFn,
+              platform: Platform, balance: list[int], b: int, ms: Sequence[int],
+              checkpoint: str) -> list[_Config]:
     """Every M of one (model, cut, checkpoint, settings.schedule). `balance` has a cell per stage:
     K*v cells on K processes for interleaved."""
     k = num_processes(settings.schedule, len(balance))
-    return [_Config(model, workload, calib, settings, measure, platform, balance, b, m, checkpoint)
+    return [_Config(model, workload, settings, measure, platform, balance, b, m, checkpoint)
             for m in ms
             # interleaved 1F1B takes micro-batches in groups of the K processes
             if not (settings.schedule == "interleaved" and m % k)]
@@ -106,7 +104,7 @@ def _measure_once(c: _Config) -> dict[str, Any]:
     return {**measured, "host_fast": (fast_before + fast_share()) / 2}
 
 
-def _pooled(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _runs_as_one(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """A configuration's measured runs (one per round) as one: every step of every run, their
     median, the timeline of the run whose median step is nearest to it, the mean fast share."""
     steps = [t for r in runs for t in (r.get("step_times") or [r["step_time_s"]])]
@@ -116,9 +114,12 @@ def _pooled(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "host_fast": statistics.fmean(r["host_fast"] for r in runs), "rounds": len(runs)}
 
 
-def _row(c: _Config, measured: dict[str, Any], timelines: dict[str, Any]) -> dict[str, Any]:
-    """`c`'s row: simulated against `measured` (:func:`_pooled`), and the measured timeline replayed."""
-    cells, m, b, sim, settings = len(c.balance), c.m, c.b, c.sim, c.settings
+def _row(c: _Config, calib: Calibration, measured: dict[str, Any],
+         timelines: dict[str, Any]) -> dict[str, Any]:
+    """`c`'s row: simulated from `calib` against `measured` (:func:`_runs_as_one`), and the
+    measured timeline replayed."""
+    cells, m, b, settings = len(c.balance), c.m, c.b, c.settings
+    sim = c.platform.simulate(calib, c.balance, m, m * b, settings, c.checkpoint)
     k = num_processes(settings.schedule, cells)
     error = error_figure(measured["step_times"], sim.step_time, measured["host_fast"])
     meas_tp = m * b / measured["step_time_s"]
@@ -127,7 +128,7 @@ def _row(c: _Config, measured: dict[str, Any], timelines: dict[str, Any]) -> dic
         replay = simulate(
             make_schedule(settings.schedule, cells, m, c.checkpoint, settings.recompute_ahead),
             replay_costs(measured["timeline"], measured["step_time_s"],
-                         [c.calib.at(b)[sum(c.balance[:s + 1]) - 1].output_bytes
+                         [calib.at(b)[sum(c.balance[:s + 1]) - 1].output_bytes
                           for s in range(cells - 1)]),
             c.platform.link, m * b)
     if measured.get("timeline") is not None:
@@ -214,7 +215,7 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                     cells = k * cells_per_process(name)
                     balance = choose_partition(calib.partition_costs(b, checkpoint), cells,
                                                settings.objective, calib.uncertainty_at(b))
-                    configs += _plan_cut(model, workloads[model], calib, replace(settings, schedule=name),
+                    configs += _plan_cut(model, workloads[model], replace(settings, schedule=name),
                                          measures[name], platform, balance, b, ms, checkpoint)
     # Every configuration once per round, in alternating order, and each model calibrated again
     # before every round but the first: the measured steps and the costs they are compared with are
@@ -231,10 +232,7 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     # The cuts stay those of the first calibration (the runs measured them); the simulation uses the
     # median of every round's costs.
     pooled = {model: Calibration.median_of(cs) for model, cs in calibrations.items()}
-    for c in configs:
-        c.calib = pooled[c.model]
-        c.sim = platform.simulate(c.calib, c.balance, c.m, c.m * c.b, c.settings, c.checkpoint)
-    rows = [_row(c, _pooled(done), timelines) for c, done in zip(configs, runs)]
+    rows = [_row(c, pooled[c.model], _runs_as_one(done), timelines) for c, done in zip(configs, runs)]
     replays = [abs(r["replay_error"]) for r in rows if r["replay_error"] is not None]
     summary = {**summarize_errors([r["error"] for r in rows]),
                "replay_median_abs_error": statistics.median(replays) if replays else None,
