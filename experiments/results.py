@@ -51,9 +51,10 @@ PARTS: tuple[Part, ...] = (
                                  "--rounds", "3"), 600,
          ("throughput",), "simulator vs real stage processes, M = 2 and 8, every configuration in 3 "
          "interleaved rounds, calibrated before each; re-renders throughput_table.md"),
-    Part("validate-unseen", _python("experiments.validate_unseen", "--ms", "2,8", "--steps", "5"), 450,
+    Part("validate-unseen", _python("experiments.validate_unseen", "--ms", "2,8", "--steps", "2",
+                                    "--rounds", "3", "--repeats", "8"), 450,
          ("throughput",), "three models the simulator was never tuned on, K=2, M = 2 and 8, each "
-         "also corrected in situ"),
+         "also corrected in situ, in 3 interleaved rounds, calibrated before each"),
     Part("memory-table", _python("experiments.memory_table"), 115, ("memory",)),
     Part("bench-overhead", _python("experiments.bench_overhead", "--budget", "50"), 70, ("overhead",)),
     Part("bench-runtime", _python("experiments.bench_runtime", "--budget", "60"), 185, ("runtime",)),

@@ -128,7 +128,13 @@ def register(app: typer.Typer) -> None:
             models: Optional[str] = typer.Option(None, "--models", help="models to run, comma-separated "
                                                  "(default: every one)"),
             steps: int = typer.Option(8, "--steps", min=1, help="measured steps per configuration "
-                                      "(their median and its interval)"),
+                                      "(and round; their median and its interval)"),
+            rounds: int = typer.Option(1, "--rounds", min=1, help="interleaved rounds: every model "
+                                       "calibrated afresh before each, every configuration measured "
+                                       "once in each (1: each configuration as `throughput --validate` "
+                                       "runs it, in one burst)"),
+            repeats: int = typer.Option(20, "--repeats", min=1, help="timings a layer and action per "
+                                        "calibration of a round (with --rounds > 1)"),
             out: Optional[str] = typer.Option(None, "--out", help="output directory (default: "
                                               "results/throughput/)"),
             in_situ: bool = typer.Option(True, "--in-situ/--no-in-situ", help="also correct each "
@@ -144,7 +150,8 @@ def register(app: typer.Typer) -> None:
         if models is not None:
             options["models"] = _names(models)
         try:
-            unseen.main(batch=batch_size, steps=steps, out=out, in_situ=in_situ, in_situ_m=in_situ_m,
+            unseen.main(batch=batch_size, steps=steps, rounds=rounds, repeats=repeats, out=out,
+                        in_situ=in_situ, in_situ_m=in_situ_m,
                         **options,
                         command=" ".join(["gpipe-repro validate-unseen", *given]) if given
                         else "make validate-unseen")

@@ -9,7 +9,10 @@ busy, the partition, the schedule simulated in virtual time, the same simulation
 short M = 1 run of the cut on the stage processes (:mod:`gpipe_repro.sim.in_situ`), then the
 configuration run on K=2 real stage processes, apart from the correction's run. Mini-batch 256,
 M = 1, 2, 4, 8, 16 (micro-batches of 256 down to 16 rows), checkpoint "never" and "always": 30
-configurations, each with its uncorrected and its corrected error.
+configurations, each with its uncorrected and its corrected error. With ``--rounds`` R > 1 the same
+steps run in R interleaved rounds (:func:`run_in_rounds`): each model calibrated afresh before every
+round, every configuration measured once a round, its simulation from the median of the
+calibrations, so that a calibration taken minutes before the measurements no longer biases them.
 Targets: median |error| <= 5%, worst <= 10% where micro-batches have >= 16 rows (all of
 these). Each configuration's error carries the interval its measured steps give it, and the verdict
 is met / not met / inconclusive from those intervals
@@ -20,6 +23,7 @@ Results: results/throughput/validation_unseen.{md,json}.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,15 @@ from gpipe_repro.report.records import (
     write_markdown,
 )
 from gpipe_repro.repro.throughput.simulator_error import describe, error_figure, summarize_errors
+from gpipe_repro.sim.calibration import Calibration, calibrate
+from gpipe_repro.sim.own_model import (
+    attach_measurement,
+    calibration_neighbours,
+    in_situ_run,
+    measure_steps,
+    predict,
+)
+from gpipe_repro.sim.partition_choice import choose_partition
 
 
 class PreNormResidual(nn.Module):
@@ -82,6 +95,9 @@ def transformer_blocks(width: int = 128, blocks: int = 6, heads: int = 4,
                            for _ in range(blocks)], MeanPool(), nn.Linear(width, classes))
 
 
+#: The stage processes of every configuration.
+K = 2
+
 MODELS: dict[str, tuple[str, tuple[int, ...]]] = {
     "residual MLP 8x1024": ("gpipe_repro.repro.validate_unseen:residual_mlp", (1024,)),
     "conv net 6x32 on 16x16": ("gpipe_repro.repro.validate_unseen:conv_net", (3, 16, 16)),
@@ -97,6 +113,97 @@ def run_config(workload: Workload, *, k: int, m: int, microbatch: int, checkpoin
     result = simulate_model(workload, k=k, m=m, microbatch=microbatch, checkpoint=checkpoint,
                             validate=True, steps=steps, in_situ=in_situ, in_situ_microbatches=in_situ_m)
     return result.to_json()
+
+
+@dataclass
+class Seams:
+    """What a validation in rounds calls to calibrate, correct in situ and measure (the public
+    path's pieces, :mod:`gpipe_repro.sim.own_model`; a test gives its own)."""
+
+    calibrate: Callable[[Workload, list[int], int], Calibration]
+    in_situ: Callable[..., list[Any]]
+    measure: Callable[..., tuple[list[float], dict[str, Any]]]
+
+
+def _calibrate_afresh(workload: Workload, sizes: list[int], repeats: int) -> Calibration:
+    """Per-layer costs timed now, as the public path times them (one thread, the pipeline's other
+    core busy), never read from the cache: every round samples the host as it is then."""
+    return calibrate(workload, sizes, method="time", device="cpu", threads=1, repeats=repeats,
+                     use_cache=False, neighbours=calibration_neighbours(K, "cpu"))
+
+
+PUBLIC_SEAMS = Seams(_calibrate_afresh, in_situ_run, measure_steps)
+
+
+def _worst_host(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The host's conditions over several runs, as one: the least idle before any, the most other
+    CPU during any (what :func:`gpipe_repro.report.host.is_clean` judges)."""
+    host = dict(runs[0])
+    idle = [r["idle_fraction_before"] for r in runs if r.get("idle_fraction_before") is not None]
+    others = [r["others_cpu_fraction_during"] for r in runs
+              if r.get("others_cpu_fraction_during") is not None]
+    if idle:
+        host["idle_fraction_before"] = min(idle)
+    if others:
+        host["others_cpu_fraction_during"] = max(others)
+    return host
+
+
+def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps: int, rounds: int,
+                  repeats: int, in_situ: bool, in_situ_m: int, seams: Seams = PUBLIC_SEAMS,
+                  say: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Every configuration (model, checkpoint, M) measured `steps` steps once per round, `rounds`
+    rounds in alternating order, each model calibrated afresh before every round; its simulated
+    step from the median of its model's calibrations (:meth:`Calibration.median_of`), its cut from
+    the first, its in-situ correction (where `in_situ`) from a run of its own before its first
+    measurement. The public path's steps (calibrate, partition, correct in situ, simulate, measure),
+    with the calibrations and the measured steps spread over the same stretch of the host's states
+    instead of one calibration before them all and one burst per configuration."""
+    names = list(dict.fromkeys(name for name, _, _ in configs))
+    workloads = {name: _workload(name) for name in names}
+    sizes = {name: sorted({batch // m for n, _, m in configs if n == name}) for name in names}
+    calibrations: dict[str, list[Calibration]] = {name: [] for name in names}
+    balances: dict[int, list[int]] = {}
+    situ_runs: dict[int, list[Any]] = {}
+    steps_of: dict[int, list[float]] = {i: [] for i in range(len(configs))}
+    hosts: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(configs))}
+    for r in range(rounds):
+        for name in names:
+            say(f"calibrating {name} at {sizes[name]} rows (round {r + 1} of {rounds})")
+            calibrations[name].append(seams.calibrate(workloads[name], sizes[name], repeats))
+        order = range(len(configs)) if r % 2 == 0 else range(len(configs) - 1, -1, -1)
+        for i in order:
+            name, checkpoint, m = configs[i]
+            microbatch = batch // m
+            if i not in balances:
+                first = calibrations[name][0]
+                balances[i] = choose_partition(first.partition_costs(microbatch, checkpoint), K,
+                                               "bottleneck", first.uncertainty_at(microbatch))
+                if in_situ:
+                    situ_runs[i] = seams.in_situ(workloads[name], balances[i], microbatch=microbatch,
+                                                 checkpoint=checkpoint, schedule="gpipe", threads=1,
+                                                 steps=3, micro_batches=in_situ_m)
+            say(f"{name}: K={K} M={m} checkpoint={checkpoint} (round {r + 1} of {rounds})")
+            got, host = seams.measure(workloads[name], balances[i], m=m, microbatch=microbatch,
+                                      checkpoint=checkpoint, steps=steps)
+            steps_of[i] += got
+            hosts[i].append(host)
+    pooled = {name: Calibration.median_of(cs) for name, cs in calibrations.items()}
+    rows = []
+    for i, (name, checkpoint, m) in enumerate(configs):
+        result = predict(workloads[name], pooled[name], balances[i], m=m, microbatch=batch // m,
+                         checkpoint=checkpoint, in_situ_timelines=situ_runs.get(i),
+                         in_situ_microbatches=in_situ_m)
+        attach_measurement(result, steps_of[i], _worst_host(hosts[i]))
+        row = result.to_json()
+        row["model"], row["rounds"] = name, rounds
+        rows.append(row)
+    return rows
+
+
+def _workload(name: str) -> Workload:
+    factory, shape = MODELS[name]
+    return Workload.create(name, factory, "features", shape, 10)
 
 
 def uncorrected_step(row: dict[str, Any]) -> float:
@@ -128,7 +235,7 @@ def summarize(rows: Sequence[dict[str, Any]], corrected: bool = False) -> dict[s
 
 
 IN_SITU_NOTE = (
-    "**The in-situ correction.** Before each configuration's measured run, a separate short run "
+    "**The in-situ correction.** Before each configuration's (first) measured run, a separate short run "
     "trains the chosen cut on the 2 real stage processes at {m} micro-batch(es) of the configuration's "
     "size per step (3 steps after a warm-up; at M=1 `always` re-materializes); each stage's seconds "
     "per action kind (forward, recompute, backward, optimizer step) over the calibration's seconds "
@@ -191,8 +298,18 @@ def render(payload: dict[str, Any]) -> str:
     if corrected:
         summary += (" In-situ corrected: "
                     f"{describe(payload.get('summary_in_situ') or {})}.")
-    in_situ_m = payload.get("config", {}).get("in_situ_m", 1)
+    config = payload.get("config", {})
+    in_situ_m = config.get("in_situ_m", 1)
     note = f"{IN_SITU_NOTE.format(m=in_situ_m)}{_moved(payload)}\n\n" if corrected else ""
+    rounds = config.get("rounds", 1)
+    how = (f"In {rounds} rounds: each model calibrated afresh before every round "
+           f"({config.get('repeats', 20)} timings a layer and action), every configuration run "
+           f"{config.get('steps', '?')} step(s) a round after 2 warm-up steps, the configurations' order "
+           "alternating from round to round; a configuration's simulated figures come from the median "
+           "of its model's calibrations, its cut from the first, so that the costs and the measured "
+           "steps sample the same stretch of the host's states." if rounds > 1 else
+           "Each configuration calibrated (or its calibration read from the cache) and measured "
+           "in one burst of consecutive steps.")
     return ("# The simulator on models it was never tuned on\n\n"
             f"{summary} Each error is the "
             "median over the measured steps with its 95% interval; "
@@ -202,6 +319,7 @@ def render(payload: dict[str, Any]) -> str:
             "model (`gpipe-repro throughput --model module:factory ... --k 2"
             f"{' --in-situ' if corrected else ''}`): calibrate on this host, "
             "partition, simulate, then run on 2 real stage processes (1 thread each) and compare. "
+            f"{how} "
             "The models (`gpipe_repro/repro/validate_unseen.py`) were written for this check; no "
             "cost-model constant was fitted to them. Error = simulated throughput / measured - 1. "
             f"Measured on {payload['usable_cores']} usable cores.\n\n" + note + table + "\n")
@@ -213,40 +331,51 @@ FACTOR_KINDS = ("forward", "recompute", "backward", "optimizer_step")
 
 def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
          checkpoints: Sequence[str] = ("never", "always"), models: Sequence[str] = tuple(MODELS),
-         steps: int = 8, out: str | None = None, command: str = "make validate-unseen",
-         in_situ: bool = True, in_situ_m: int = 1,
-         run: Callable[..., dict[str, Any]] = run_config) -> dict[str, Any]:
+         steps: int = 8, rounds: int = 1, repeats: int = 20, out: str | None = None,
+         command: str = "make validate-unseen", in_situ: bool = True, in_situ_m: int = 1,
+         run: Callable[..., dict[str, Any]] = run_config, seams: Seams = PUBLIC_SEAMS) -> dict[str, Any]:
     """Run every configuration, write the results (`command`: how the page says it was made;
-    `in_situ`: also correct each from a short run of its own and report both errors)."""
-    k = 2
-    if usable_cores() < k:
-        raise SystemExit(f"validation runs K={k} stage processes on one core each; this host has "
+    `in_situ`: also correct each from a short run of its own and report both errors).
+
+    `rounds` = 1: each configuration exactly as ``gpipe-repro throughput --model ... --validate``
+    runs it (`run`: its calibration from the cache where one was timed before, `steps` steps in one
+    burst). `rounds` > 1: :func:`run_in_rounds` (each model calibrated afresh before every round at
+    `repeats` timings a layer, `steps` steps per configuration and round)."""
+    if usable_cores() < K:
+        raise SystemExit(f"validation runs K={K} stage processes on one core each; this host has "
                          f"{usable_cores()} usable core(s)")
+    if rounds < 1 or repeats < 1:
+        raise SystemExit(f"--rounds {rounds}, --repeats {repeats}: both must be >= 1")
     bad = [m for m in ms if m < 1 or batch % m]
     if bad:
         raise SystemExit(f"--ms {bad}: every M must divide --batch-size {batch}")
     unknown = [name for name in models if name not in MODELS]
     if unknown:
         raise SystemExit(f"--models {unknown}: the models are {', '.join(map(repr, MODELS))}")
-    rows = []
-    for name in models:
-        factory, shape = MODELS[name]
-        workload = Workload.create(name, factory, "features", shape, 10)
-        for checkpoint in checkpoints:
-            for m in ms:
-                print(f"{name}: K={k} M={m} checkpoint={checkpoint}", flush=True)
-                row = run(workload, k=k, m=m, microbatch=batch // m, checkpoint=checkpoint,
-                          steps=steps, in_situ=in_situ, **({"in_situ_m": in_situ_m} if in_situ else {}))
-                row["model"] = name
-                line = (f"  simulated {uncorrected_step(row) * 1e3:.1f} ms, measured "
-                        f"{row['measured_step_time_s'] * 1e3:.1f} ms; error {row_error(row).cell()}")
-                if corrected_step(row) is not None:
-                    line += (f"; in-situ corrected {row['step_time_s'] * 1e3:.1f} ms, error "
-                             f"{row_error(row, corrected=True).cell()}")
-                print(line, flush=True)
-                rows.append(row)
+    configs = [(name, checkpoint, m) for name in models for checkpoint in checkpoints for m in ms]
+    if rounds > 1:
+        rows = run_in_rounds(configs, batch=batch, steps=steps, rounds=rounds, repeats=repeats,
+                             in_situ=in_situ, in_situ_m=in_situ_m, seams=seams,
+                             say=lambda line: print(line, flush=True))
+    else:
+        rows = []
+        for name, checkpoint, m in configs:
+            print(f"{name}: K={K} M={m} checkpoint={checkpoint}", flush=True)
+            row = run(_workload(name), k=K, m=m, microbatch=batch // m, checkpoint=checkpoint,
+                      steps=steps, in_situ=in_situ, **({"in_situ_m": in_situ_m} if in_situ else {}))
+            row["model"] = name
+            rows.append(row)
+    for row in rows:
+        line = (f"{row['model']} M={row['M']} {row['checkpoint']}: simulated "
+                f"{uncorrected_step(row) * 1e3:.1f} ms, measured "
+                f"{row['measured_step_time_s'] * 1e3:.1f} ms; error {row_error(row).cell()}")
+        if corrected_step(row) is not None:
+            line += (f"; in-situ corrected {row['step_time_s'] * 1e3:.1f} ms, error "
+                     f"{row_error(row, corrected=True).cell()}")
+        print(line, flush=True)
     config = {"batch": batch, "ms": list(ms), "checkpoints": list(checkpoints), "models": list(models),
-              "steps": steps, "out": out, "in_situ": in_situ, "in_situ_m": in_situ_m}
+              "steps": steps, "rounds": rounds, "repeats": repeats, "out": out, "in_situ": in_situ,
+              "in_situ_m": in_situ_m}
     payload = {"experiment": "simulator vs real runs on models it was never tuned on",
                "command": command, "config": config, "usable_cores": usable_cores(), "rows": rows,
                "summary": summarize(rows)}

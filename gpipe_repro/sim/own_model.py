@@ -25,6 +25,7 @@ error is reported beside it.
 from __future__ import annotations
 
 import functools
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import HostWatch, is_clean, usable_cores
 from gpipe_repro.report.measurement import Figure
 from gpipe_repro.sim import in_situ as situ
-from gpipe_repro.sim.calibration import calibrate
+from gpipe_repro.sim.calibration import Calibration, calibrate
 from gpipe_repro.sim.links import LINK_NAMES
 from gpipe_repro.sim.partition_choice import choose_partition
 from gpipe_repro.sim.platform import platform_for
@@ -51,7 +52,8 @@ class OwnModelResult:
     With the in-situ correction, `step_time_s`, `throughput` and `bubble_fraction` are the corrected
     simulation's and `relative_error` is its error; `in_situ` holds the uncorrected simulation, its
     error, the factors and the in-situ run. `speedup` is always the calibrated costs' on both sides
-    (the correction is measured on the pipeline's stages only, not on one device without one)."""
+    (the correction is measured on the pipeline's stages only, not on one device without one); it
+    is None where the costs were calibrated at the micro-batch size only (:func:`predict`)."""
 
     workload: str
     K: int
@@ -62,8 +64,8 @@ class OwnModelResult:
     balance: list[int]
     step_time_s: float
     throughput: float
-    single_device_step_time_s: float
-    speedup: float
+    single_device_step_time_s: float | None
+    speedup: float | None
     bubble_fraction: float
     measured_step_time_s: float | None = None
     relative_error: float | None = None        # simulated throughput / measured - 1
@@ -101,11 +103,12 @@ class OwnModelResult:
                              f"stage {s}: " + ", ".join(f"{kind} {f:.2f}" for kind, f in per.items())
                              for s, per in enumerate(record["factors"])))
         which = ", in-situ corrected:" if record else ""
-        lines += [f"  simulated step{which} {self.step_time_s * 1e3:.1f} ms, "
-                  f"{self.throughput:.1f} samples/s, bubble {self.bubble_fraction:.1%}",
-                  f"  speedup {self.speedup:.2f}x over one device without a pipeline "
-                  f"(simulated {self.single_device_step_time_s * 1e3:.1f} ms per step"
-                  f"{', both from the calibrated costs' if record else ''})"]
+        lines.append(f"  simulated step{which} {self.step_time_s * 1e3:.1f} ms, "
+                     f"{self.throughput:.1f} samples/s, bubble {self.bubble_fraction:.1%}")
+        if self.speedup is not None and self.single_device_step_time_s is not None:
+            lines.append(f"  speedup {self.speedup:.2f}x over one device without a pipeline "
+                         f"(simulated {self.single_device_step_time_s * 1e3:.1f} ms per step"
+                         f"{', both from the calibrated costs' if record else ''})")
         error = self.error()
         if self.measured_step_time_s is not None and error is not None:
             busy = "" if is_clean(self.measured_host) else \
@@ -161,6 +164,37 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
     real stage processes
     (:mod:`gpipe_repro.sim.in_situ`; a CPU host with `k` cores), a run of its own, before and apart
     from the validation's. All options are checked before any work starts."""
+    check_options(workload, k=k, m=m, microbatch=microbatch, checkpoint=checkpoint, schedule=schedule,
+                  objective=objective, link=link, device=device, validate=validate,
+                  in_situ=in_situ, in_situ_steps=in_situ_steps,
+                  in_situ_microbatches=in_situ_microbatches)
+    n = m * microbatch
+    calib = calibrate(workload, sorted({microbatch, n}), method=method, device=device,
+                      threads=threads, repeats=repeats, neighbours=calibration_neighbours(k, device, method))
+    balance = choose_partition(calib.partition_costs(microbatch, checkpoint), k, objective,
+                               calib.uncertainty_at(microbatch))
+    timelines = (in_situ_run(workload, balance, microbatch=microbatch, checkpoint=checkpoint,
+                             schedule=schedule, threads=threads, steps=in_situ_steps,
+                             micro_batches=in_situ_microbatches) if in_situ else None)
+    result = predict(workload, calib, balance, m=m, microbatch=microbatch, checkpoint=checkpoint,
+                     recompute_ahead=recompute_ahead, schedule=schedule, link=link,
+                     in_situ_timelines=timelines, in_situ_steps=in_situ_steps,
+                     in_situ_microbatches=in_situ_microbatches)
+    if validate is None:
+        validate = device == "cpu" and 2 <= k <= usable_cores()
+    if validate:
+        steps_s, host = measure_steps(workload, balance, m=m, microbatch=microbatch,
+                                      checkpoint=checkpoint, recompute_ahead=recompute_ahead,
+                                      schedule=schedule, threads=threads, steps=steps)
+        attach_measurement(result, steps_s, host)
+    return result
+
+
+def check_options(workload: Workload, *, k: int, m: int, microbatch: int, checkpoint: str,
+                  schedule: str, objective: str, link: str, device: str, validate: bool | None,
+                  in_situ: bool, in_situ_steps: int = 3, in_situ_microbatches: int = 1) -> None:
+    """Refuse, before any work, what :func:`simulate_model` could not do (the message says what to
+    change)."""
     if min(k, m, microbatch, in_situ_steps, in_situ_microbatches) < 1:
         raise ValueError(f"k, m, microbatch, in_situ_steps and in_situ_microbatches must be >= 1, got k={k}, "
                          f"m={m}, microbatch={microbatch}, in_situ_steps={in_situ_steps}, "
@@ -176,65 +210,97 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
     layers = len(workload.build("meta"))
     if k > layers:
         raise ValueError(f"k={k} cells for a model of {layers} layers: use k <= {layers}")
-    n = m * microbatch
-    neighbours = max(0, min(usable_cores(), k) - 1) if device == "cpu" and method == "time" else 0
-    calib = calibrate(workload, sorted({microbatch, n}), method=method, device=device,
-                      threads=threads, repeats=repeats, neighbours=neighbours)
+
+
+def calibration_neighbours(k: int, device: str, method: str = "time") -> int:
+    """The busy neighbour cores a calibration for a `k`-stage pipeline runs beside: the pipeline's
+    other stages that share this host's cores (timed costs on a CPU only)."""
+    return max(0, min(usable_cores(), k) - 1) if device == "cpu" and method == "time" else 0
+
+
+def in_situ_run(workload: Workload, balance: list[int], *, microbatch: int, checkpoint: str,
+                schedule: str, threads: int | None, steps: int, micro_batches: int) -> list[Any]:
+    """The in-situ correction's own run (:func:`gpipe_repro.sim.in_situ.in_situ_timelines`): the cut
+    trained for `steps` steps of `micro_batches` micro-batches on the real stage processes; its
+    timelines."""
+    return situ.in_situ_timelines(functools.partial(workload.build, "cpu"), balance,
+                                  workload.sample(micro_batches * microbatch),
+                                  checkpoint=checkpoint, schedule=schedule,
+                                  loss_fn=workload.loss_fn(), threads=threads or 1,
+                                  steps=steps, micro_batches=micro_batches)
+
+
+def predict(workload: Workload, calib: Calibration, balance: list[int], *, m: int, microbatch: int,
+            checkpoint: str, recompute_ahead: bool = False, schedule: str = "gpipe",
+            link: str = "gloo-loopback", in_situ_timelines: list[Any] | None = None,
+            in_situ_steps: int = 3, in_situ_microbatches: int = 1) -> OwnModelResult:
+    """The simulated step of cut `balance` at M = `m` micro-batches of `microbatch` from `calib`'s
+    costs, corrected in situ where `in_situ_timelines` (:func:`in_situ_run`) are given; the speedup
+    over one device where `calib` holds the whole mini-batch's size (else None)."""
+    k, n = len(balance), m * microbatch
     platform = platform_for(link)
-    balance = choose_partition(calib.partition_costs(microbatch, checkpoint), k, objective,
-                               calib.uncertainty_at(microbatch))
     # a step's fixed costs of stage processes (clock, agreement): none for one cell in one process
     setup, teardown = (platform.setup, platform.teardown) if k > 1 else (0.0, 0.0)
     sched = make_schedule(schedule, k, m, checkpoint, recompute_ahead)
     sim = simulate(sched, stage_costs(calib, balance, split_sizes(n, m), setup, teardown), platform.link, n)
     corrected = None
     situ_record: dict[str, Any] = {}
-    if in_situ:
+    if in_situ_timelines is not None:
         mode = situ.run_checkpoint(checkpoint, in_situ_microbatches)
-        timelines = situ.in_situ_timelines(functools.partial(workload.build, "cpu"), balance,
-                                           workload.sample(in_situ_microbatches * microbatch),
-                                           checkpoint=checkpoint, schedule=schedule,
-                                           loss_fn=workload.loss_fn(), threads=threads or 1,
-                                           steps=in_situ_steps, micro_batches=in_situ_microbatches)
-        costs, per_stage = situ.corrected_costs(calib, balance, m, n, timelines, link=platform.link,
+        costs, per_stage = situ.corrected_costs(calib, balance, m, n, in_situ_timelines, link=platform.link,
                                                 checkpoint=checkpoint, schedule=schedule, setup=setup,
                                                 teardown=teardown, micro_batches=in_situ_microbatches)
         corrected = simulate(sched, costs, platform.link, n)
         situ_record = {"factors": per_stage, "checkpoint": mode, "steps": in_situ_steps,
                        "micro_batches": in_situ_microbatches,
-                       "step_times_s": [float(t.meta.get("step_time_s", t.makespan)) for t in timelines],
+                       "step_times_s": [float(t.meta.get("step_time_s", t.makespan))
+                                        for t in in_situ_timelines],
                        "run": f"a separate run: M={in_situ_microbatches}, {in_situ_steps} steps after 1 "
                               f"warm-up, checkpoint {mode}"}
-    ties = cell_ties(layer_ties(list(workload.build("meta"))), balance)
+    layers = list(workload.build("meta"))
+    ties = cell_ties(layer_ties(layers), balance)
     if ties:   # parameters tied across cells: their gradients' all-reduce at AGREE
         sim = with_tied_allreduce(sim, sched, ties, platform.link)
         if corrected is not None:
             corrected = with_tied_allreduce(corrected, sched, ties, platform.link)
-    single = simulate_config(calib, [layers], 1, n, platform.link, checkpoint="never",
-                             recompute_ahead=False, schedule=schedule)
+    single = (simulate_config(calib, [len(layers)], 1, n, platform.link, checkpoint="never",
+                              recompute_ahead=False, schedule=schedule) if n in calib.costs else None)
     prediction = corrected if corrected is not None else sim
     result = OwnModelResult(workload.name, k, m, microbatch, checkpoint, recompute_ahead, balance,
-                            prediction.step_time, prediction.throughput, single.step_time,
-                            sim.throughput / single.throughput, prediction.bubble_fraction)
-    if in_situ:
+                            prediction.step_time, prediction.throughput,
+                            single.step_time if single else None,
+                            sim.throughput / single.throughput if single else None,
+                            prediction.bubble_fraction)
+    if corrected is not None:
         result.in_situ = {"uncorrected_step_time_s": sim.step_time, "uncorrected_throughput": sim.throughput,
                           "uncorrected_bubble_fraction": sim.bubble_fraction, **situ_record}
-    if validate is None:
-        validate = device == "cpu" and 2 <= k <= usable_cores()
-    if validate:
-        from gpipe_repro.distributed.measure import measure_pipeline
-
-        with HostWatch() as watch:       # idle before, other processes' CPU during
-            measured = measure_pipeline(functools.partial(workload.build, "cpu"), balance, m,
-                                        workload.sample(n), checkpoint=checkpoint,
-                                        recompute_ahead=recompute_ahead, schedule=schedule,
-                                        loss_fn=workload.loss_fn(), steps=steps, warmup=2,
-                                        threads=threads or 1)
-        host = watch.conditions
-        result.measured_step_time_s = float(measured.median_step_time)
-        result.relative_error = measured.median_step_time / prediction.step_time - 1.0
-        result.measured_host = host
-        result.measured_step_times_s = [float(t) for t in measured.step_times]
-        if result.in_situ is not None:
-            result.in_situ["uncorrected_relative_error"] = measured.median_step_time / sim.step_time - 1.0
     return result
+
+
+def measure_steps(workload: Workload, balance: list[int], *, m: int, microbatch: int, checkpoint: str,
+                  recompute_ahead: bool = False, schedule: str = "gpipe", threads: int | None = 1,
+                  steps: int = 4, warmup: int = 2) -> tuple[list[float], dict[str, Any]]:
+    """`steps` training steps of the cut on its real stage processes (after `warmup`): their
+    seconds, and the host's conditions around them (:class:`HostWatch`)."""
+    from gpipe_repro.distributed.measure import measure_pipeline
+
+    with HostWatch() as watch:       # idle before, other processes' CPU during
+        measured = measure_pipeline(functools.partial(workload.build, "cpu"), balance, m,
+                                    workload.sample(m * microbatch), checkpoint=checkpoint,
+                                    recompute_ahead=recompute_ahead, schedule=schedule,
+                                    loss_fn=workload.loss_fn(), steps=steps, warmup=warmup,
+                                    threads=threads or 1)
+    return [float(t) for t in measured.step_times], watch.conditions
+
+
+def attach_measurement(result: OwnModelResult, step_times: list[float], host: dict[str, Any]) -> None:
+    """Record measured `step_times` (all of a configuration's, in whatever runs they were taken) on
+    `result`: their median, and the simulator's error against it."""
+    median = statistics.median(step_times)
+    result.measured_step_time_s = median
+    result.relative_error = median / result.step_time_s - 1.0
+    result.measured_host = host
+    result.measured_step_times_s = list(step_times)
+    if result.in_situ is not None:
+        uncorrected = result.in_situ["uncorrected_step_time_s"]
+        result.in_situ["uncorrected_relative_error"] = median / uncorrected - 1.0

@@ -105,3 +105,64 @@ def test_without_in_situ_the_page_keeps_its_columns(tmp_path: Path) -> None:
             in_situ=False, run=fake_run({}))
     page = (tmp_path / "validation_unseen.md").read_text()
     assert "corrected" not in page and "+1.0%" in page
+
+
+def _scaled(calib: Any, factor: float) -> Any:
+    """`calib` with every timed cost times `factor` (a host `factor` times slower)."""
+    from dataclasses import fields, replace
+
+    from gpipe_repro.sim.calibration.costs import _COUNTED, Calibration
+    timed = [f.name for f in fields(type(next(iter(calib.costs.values()))[0])) if f.name not in _COUNTED]
+    costs = {size: [replace(c, **{n: getattr(c, n) * factor for n in timed
+                                  if getattr(c, n) is not None}) for c in layers]
+             for size, layers in calib.costs.items()}
+    return Calibration(calib.workload, calib.method, calib.device, list(calib.groups), costs,
+                       calib.optimizer_call * factor, dict(calib.uncertainty))
+
+
+def test_rounds_calibrate_every_model_before_each_round_and_alternate_the_order(tmp_path: Path) -> None:
+    """Each round: every model calibrated afresh, then every configuration measured once, the
+    order reversed every other round; the simulated figure is the one of the median calibration
+    (the host drifts 10% slower a round here: the middle round's costs), the cut the first's."""
+    from gpipe_repro.sim.calibration import calibrate
+    from gpipe_repro.sim.own_model import predict
+    from gpipe_repro.sim.partition_choice import choose_partition
+
+    log: list[tuple[Any, ...]] = []
+    base: dict[str, Any] = {}
+
+    def fake_calibrate(workload: Workload, sizes: list[int], repeats: int) -> Any:
+        if workload.name not in base:
+            base[workload.name] = calibrate(workload, sizes, method="flops")
+        rounds_before = sum(1 for e in log if e[0] == "calibrate" and e[1] == workload.name)
+        log.append(("calibrate", workload.name, tuple(sizes), repeats))
+        return _scaled(base[workload.name], 1.0 + 0.1 * rounds_before)
+
+    def fake_measure(workload: Workload, balance: list[int], *, m: int, microbatch: int,
+                     checkpoint: str, steps: int) -> tuple[list[float], dict[str, Any]]:
+        log.append(("measure", workload.name, m, checkpoint))
+        return [1.0] * steps, {"idle_fraction_before": 0.9 - 0.1 * len(log) / 100}
+
+    seams = vu.Seams(fake_calibrate, lambda *a, **k: pytest.fail("no in-situ run asked for"), fake_measure)
+    names = ["conv net 6x32 on 16x16", "residual MLP 8x1024"]
+    payload = vu.main(models=names, ms=[2, 8], checkpoints=["never"], steps=2, rounds=3, repeats=5,
+                      in_situ=False, out=str(tmp_path), seams=seams)
+    configs = [(n, m, "never") for n in names for m in (2, 8)]
+    expected: list[tuple[Any, ...]] = []
+    for r in range(3):
+        expected += [("calibrate", n, (32, 128), 5) for n in names]
+        expected += [("measure", *c) for c in (configs if r % 2 == 0 else configs[::-1])]
+    assert log == expected
+    rows = payload["rows"]
+    assert [r["measured_step_times_s"] for r in rows] == [[1.0] * 6] * 4
+    for row, (name, m, _) in zip(rows, configs):
+        work = vu._workload(name)
+        first = _scaled(base[name], 1.0)
+        assert row["balance"] == choose_partition(first.partition_costs(256 // m, "never"), 2,
+                                                  "bottleneck", first.uncertainty_at(256 // m))
+        median = predict(work, _scaled(base[name], 1.1), row["balance"], m=m, microbatch=256 // m,
+                         checkpoint="never")
+        assert row["step_time_s"] == pytest.approx(median.step_time_s, rel=1e-9)
+        assert row["speedup"] is None          # calibrated at the micro-batch sizes only
+    page = (tmp_path / "validation_unseen.md").read_text()
+    assert "In 3 rounds: each model calibrated afresh before every round (5 timings" in page
