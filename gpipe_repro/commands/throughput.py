@@ -189,6 +189,10 @@ def register(app: typer.Typer) -> None:
             repeats: int = typer.Option(20, "--repeats", help="timings per layer action"),
             validate: Optional[bool] = typer.Option(None, "--validate/--no-validate", help="also run on K "
                                                     "stage processes (default: where K fits the host)"),
+            rounds: int = typer.Option(3, "--rounds", help="with --validate: measured rounds of "
+                                       "--steps steps, the costs calibrated afresh before each but the "
+                                       "first; the simulation from their median"),
+            steps: int = typer.Option(4, "--steps", help="with --validate: measured steps per round"),
             in_situ: bool = typer.Option(False, "--in-situ", help="also correct the calibrated costs from "
                                          "a short run of the cut at one micro-batch per step on K stage "
                                          "processes (a CPU host with K cores), a run apart from "
@@ -216,7 +220,7 @@ def register(app: typer.Typer) -> None:
         for flag, value in (("--k", k), ("--m", m), ("--microbatch", microbatch), ("--repeats", repeats),
                             ("--classes", classes), ("--replicas", replicas),
                             ("--devices-per-host", devices_per_host), ("--in-situ-steps", in_situ_steps),
-                            ("--in-situ-m", in_situ_m)):
+                            ("--in-situ-m", in_situ_m), ("--rounds", rounds), ("--steps", steps)):
             positive(flag, value)
         if checkpoint is not None:
             one_of("--checkpoint", checkpoint, ("always", "except_last", "never"))
@@ -257,7 +261,8 @@ def register(app: typer.Typer) -> None:
                                 checkpoint=checkpoint or "except_last", recompute_ahead=recompute_ahead,
                                 objective=objective, link=link or "gloo-loopback", method=method,
                                 repeats=repeats, validate=validate, in_situ=in_situ,
-                                in_situ_steps=in_situ_steps, in_situ_microbatches=in_situ_m)
+                                in_situ_steps=in_situ_steps, in_situ_microbatches=in_situ_m,
+                                rounds=rounds, steps=steps)
         except ValueError as e:
             raise typer.Exit(_error(str(e))) from None
 

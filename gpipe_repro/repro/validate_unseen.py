@@ -48,6 +48,7 @@ from gpipe_repro.sim.own_model import (
     in_situ_run,
     measure_steps,
     predict,
+    worst_host,
 )
 from gpipe_repro.sim.partition_choice import choose_partition
 
@@ -135,20 +136,6 @@ def _calibrate_afresh(workload: Workload, sizes: list[int], repeats: int) -> Cal
 PUBLIC_SEAMS = Seams(_calibrate_afresh, in_situ_run, measure_steps)
 
 
-def _worst_host(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The host's conditions over several runs, as one: the least idle before any, the most other
-    CPU during any (what :func:`gpipe_repro.report.host.is_clean` judges)."""
-    host = dict(runs[0])
-    idle = [r["idle_fraction_before"] for r in runs if r.get("idle_fraction_before") is not None]
-    others = [r["others_cpu_fraction_during"] for r in runs
-              if r.get("others_cpu_fraction_during") is not None]
-    if idle:
-        host["idle_fraction_before"] = min(idle)
-    if others:
-        host["others_cpu_fraction_during"] = max(others)
-    return host
-
-
 def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps: int, rounds: int,
                   repeats: int, in_situ: bool, in_situ_m: int, seams: Seams = PUBLIC_SEAMS,
                   say: Callable[[str], None] = print) -> list[dict[str, Any]]:
@@ -194,7 +181,7 @@ def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps:
         result = predict(workloads[name], pooled[name], balances[i], m=m, microbatch=batch // m,
                          checkpoint=checkpoint, in_situ_timelines=situ_runs.get(i),
                          in_situ_microbatches=in_situ_m)
-        attach_measurement(result, steps_of[i], _worst_host(hosts[i]))
+        attach_measurement(result, steps_of[i], worst_host(hosts[i]))
         row = result.to_json()
         row["model"], row["rounds"] = name, rounds
         rows.append(row)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ from gpipe_repro.engine.microbatch import split_sizes
 from gpipe_repro.engine.partition import OBJECTIVES
 from gpipe_repro.engine.schedule import CHECKPOINT_MODES, make_schedule
 from gpipe_repro.models.workload import Workload
-from gpipe_repro.report.host import HostWatch, is_clean, usable_cores
+from gpipe_repro.report.host import HostWatch, busy_note, is_clean, usable_cores
 from gpipe_repro.report.measurement import Figure
 from gpipe_repro.sim import in_situ as situ
 from gpipe_repro.sim.calibration import Calibration, calibrate
@@ -72,6 +73,7 @@ class OwnModelResult:
     measured_host: dict[str, Any] | None = None
     measured_step_times_s: list[float] | None = None
     in_situ: dict[str, Any] | None = None      # the uncorrected simulation, the factors, the run
+    rounds: int = 1                            # measured rounds, each after a calibration of its own
 
     @property
     def uncorrected_step_time_s(self) -> float:
@@ -111,12 +113,13 @@ class OwnModelResult:
                          f"{', both from the calibrated costs' if record else ''})")
         error = self.error()
         if self.measured_step_time_s is not None and error is not None:
-            busy = "" if is_clean(self.measured_host) else \
-                " (host was busy: not a clean measurement)"
+            busy = _busy(self.measured_host)
             side = "optimistic" if error.value > 0 else "pessimistic"
+            spread = (f" in {self.rounds} rounds, the costs calibrated again before each"
+                      if self.rounds > 1 else "")
             lines.append(f"  measured on {self.K} stage processes: step "
                          f"{self.measured_step_time_s * 1e3:.1f} ms (median of "
-                         f"{len(self.measured_step_times_s or [0])} steps){busy}")
+                         f"{len(self.measured_step_times_s or [0])} steps{spread}){busy}")
             if record:
                 raw = self.error(corrected=False)
                 assert raw is not None
@@ -137,6 +140,15 @@ class OwnModelResult:
         return asdict(self)
 
 
+def _busy(host: dict[str, Any] | None) -> str:
+    """A busy or slow host, said with what was seen (the error's interval spans what it did); ""
+    for a clean or unrecorded one."""
+    if is_clean(host) is not False:
+        return ""
+    note = busy_note(host).strip()
+    return f" (host busy or slow: {note[note.index('(') + 1:-1]}; the error's interval spans it)"
+
+
 #: What an error figure is: the simulated throughput's error against a measured step.
 ERROR_NAME = "simulated throughput / measured - 1"
 
@@ -154,23 +166,30 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
                    link: str = "gloo-loopback", device: str = "cpu", threads: int | None = 1,
                    repeats: int = 20, method: str = "time", validate: bool | None = None,
                    steps: int = 4, in_situ: bool = False, in_situ_steps: int = 3,
-                   in_situ_microbatches: int = 1) -> OwnModelResult:
+                   in_situ_microbatches: int = 1, rounds: int = 1) -> OwnModelResult:
     """Calibrate `workload`, partition it into `k` cells and simulate one GPipe step of `m`
     micro-batches of `microbatch` examples (see the module docstring).
 
     `validate`: run the configuration on `k` real stage processes too (None: where `k` fits the
-    usable cores and the device is a CPU). `in_situ`: correct the stage costs from a short run of the
-    chosen partition at `in_situ_microbatches` micro-batches per step (`in_situ_steps` steps) on the
-    real stage processes
-    (:mod:`gpipe_repro.sim.in_situ`; a CPU host with `k` cores), a run of its own, before and apart
-    from the validation's. All options are checked before any work starts."""
+    usable cores and the device is a CPU), `steps` steps in each of `rounds` rounds; before every
+    round but the first the costs at the micro-batch size are calibrated afresh, and the simulated
+    figures come from their median (:func:`pooled_at`), the cut from the first calibration: the
+    costs and the measured steps then sample the same stretch of the host's states instead of one
+    calibration (possibly cached, from another hour) against one burst of steps. `in_situ`: correct
+    the stage costs from a short run of the chosen partition at `in_situ_microbatches` micro-batches
+    per step (`in_situ_steps` steps) on the real stage processes (:mod:`gpipe_repro.sim.in_situ`; a
+    CPU host with `k` cores), a run of its own, before and apart from the validation's. All options
+    are checked before any work starts."""
     check_options(workload, k=k, m=m, microbatch=microbatch, checkpoint=checkpoint, schedule=schedule,
                   objective=objective, link=link, device=device, validate=validate,
                   in_situ=in_situ, in_situ_steps=in_situ_steps,
                   in_situ_microbatches=in_situ_microbatches)
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     n = m * microbatch
+    neighbours = calibration_neighbours(k, device, method)
     calib = calibrate(workload, sorted({microbatch, n}), method=method, device=device,
-                      threads=threads, repeats=repeats, neighbours=calibration_neighbours(k, device, method))
+                      threads=threads, repeats=repeats, neighbours=neighbours)
     balance = choose_partition(calib.partition_costs(microbatch, checkpoint), k, objective,
                                calib.uncertainty_at(microbatch))
     timelines = (in_situ_run(workload, balance, microbatch=microbatch, checkpoint=checkpoint,
@@ -183,11 +202,53 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
     if validate is None:
         validate = device == "cpu" and 2 <= k <= usable_cores()
     if validate:
-        steps_s, host = measure_steps(workload, balance, m=m, microbatch=microbatch,
+        calibrations, steps_s, hosts = [calib], [], []
+        for r in range(rounds):
+            if r > 0:
+                calibrations.append(calibrate(workload, [microbatch], method=method, device=device,
+                                              threads=threads, repeats=repeats, use_cache=False,
+                                              neighbours=neighbours))
+            got, host = measure_steps(workload, balance, m=m, microbatch=microbatch,
                                       checkpoint=checkpoint, recompute_ahead=recompute_ahead,
                                       schedule=schedule, threads=threads, steps=steps)
-        attach_measurement(result, steps_s, host)
+            steps_s += got
+            hosts.append(host)
+        if rounds > 1:
+            result = predict(workload, pooled_at(calibrations, microbatch), balance, m=m,
+                             microbatch=microbatch, checkpoint=checkpoint,
+                             recompute_ahead=recompute_ahead, schedule=schedule, link=link,
+                             in_situ_timelines=timelines, in_situ_steps=in_situ_steps,
+                             in_situ_microbatches=in_situ_microbatches)
+        attach_measurement(result, steps_s, worst_host(hosts))
+        result.rounds = rounds
     return result
+
+
+def pooled_at(calibrations: Sequence[Calibration], size: int) -> Calibration:
+    """One calibration from several of the same workload: at micro-batch `size` the median of all
+    (:meth:`Calibration.median_of`), at any other size the first's as it is."""
+    first = calibrations[0]
+    at_size = [Calibration(c.workload, c.method, c.device, list(c.groups), {size: c.costs[size]},
+                           c.optimizer_call, {size: c.uncertainty.get(size, 0.0)})
+               for c in calibrations]
+    pooled = Calibration.median_of(at_size)
+    pooled.costs.update({s: cs for s, cs in first.costs.items() if s != size})
+    pooled.uncertainty.update({s: u for s, u in first.uncertainty.items() if s != size})
+    return pooled
+
+
+def worst_host(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The host's conditions over several runs (:class:`HostWatch`), as one: the least idle before
+    any, the most other CPU during any (what :func:`gpipe_repro.report.host.is_clean` judges)."""
+    host = dict(runs[0])
+    idle = [r["idle_fraction_before"] for r in runs if r.get("idle_fraction_before") is not None]
+    others = [r["others_cpu_fraction_during"] for r in runs
+              if r.get("others_cpu_fraction_during") is not None]
+    if idle:
+        host["idle_fraction_before"] = min(idle)
+    if others:
+        host["others_cpu_fraction_during"] = max(others)
+    return host
 
 
 def check_options(workload: Workload, *, k: int, m: int, microbatch: int, checkpoint: str,

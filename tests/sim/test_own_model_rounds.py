@@ -1,0 +1,68 @@
+"""`gpipe-repro throughput --validate --rounds R`: the costs calibrated again before every measured
+round, the simulation from their median, every round's steps in the figure."""
+from __future__ import annotations
+
+from dataclasses import fields, replace
+from typing import Any
+
+import pytest
+
+from gpipe_repro.models.workload import Workload
+from gpipe_repro.sim import own_model
+from gpipe_repro.sim.calibration import Calibration, calibrate
+from gpipe_repro.sim.calibration.costs import _COUNTED
+
+
+def _slower(calib: Calibration, factor: float) -> Calibration:
+    """`calib` on a host `factor` times slower: every timed cost times `factor`."""
+    timed = [f.name for f in fields(next(iter(calib.costs.values()))[0]) if f.name not in _COUNTED]
+    return Calibration(calib.workload, calib.method, calib.device, list(calib.groups),
+                       {size: [replace(c, **{n: getattr(c, n) * factor for n in timed
+                                             if getattr(c, n) is not None}) for c in layers]
+                        for size, layers in calib.costs.items()},
+                       calib.optimizer_call * factor, dict(calib.uncertainty))
+
+
+def test_each_round_after_the_first_calibrates_afresh_and_the_median_is_simulated(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    work = Workload.create("tiny residual MLP", "gpipe_repro.repro.validate_unseen:residual_mlp",
+                           "features", (16,), 10, width=16, blocks=2)
+    base = calibrate(work, [4, 8], method="flops")
+    log: list[tuple[Any, ...]] = []
+
+    def fake_calibrate(workload: Workload, sizes: list[int], **kw: Any) -> Calibration:
+        log.append(("calibrate", tuple(sizes), kw.get("use_cache", True)))
+        factor = [1.0, 1.3, 1.1][sum(e[0] == "calibrate" for e in log) - 1]   # the host drifts
+        return _slower(base, factor)
+
+    def fake_measure(workload: Workload, balance: list[int], **kw: Any) -> tuple[list[float], dict[str, Any]]:
+        log.append(("measure", kw["steps"]))
+        return [0.5 + 0.1 * len(log)] * kw["steps"], {"idle_fraction_before": 0.9 - 0.01 * len(log)}
+
+    monkeypatch.setattr(own_model, "calibrate", fake_calibrate)
+    monkeypatch.setattr(own_model, "measure_steps", fake_measure)
+    monkeypatch.setattr(own_model, "usable_cores", lambda: 2)
+    result = own_model.simulate_model(work, k=2, m=2, microbatch=4, link="ideal", validate=True,
+                                      steps=2, rounds=3)
+    assert log == [("calibrate", (4, 8), True), ("measure", 2), ("calibrate", (4,), False),
+                   ("measure", 2), ("calibrate", (4,), False), ("measure", 2)]
+    assert result.rounds == 3 and len(result.measured_step_times_s or []) == 6
+    assert result.measured_host == {"idle_fraction_before": pytest.approx(0.9 - 0.06)}
+    median = own_model.predict(work, _slower(base, 1.1), result.balance, m=2, microbatch=4,
+                               checkpoint=result.checkpoint, link="ideal")
+    assert result.step_time_s == pytest.approx(median.step_time_s, rel=1e-12)
+    # the speedup's one-device step at the whole batch: the first calibration's
+    first = own_model.predict(work, base, result.balance, m=2, microbatch=4,
+                              checkpoint=result.checkpoint, link="ideal")
+    assert result.single_device_step_time_s == pytest.approx(first.single_device_step_time_s)
+    text = result.describe()
+    assert "median of 6 steps in 3 rounds, the costs calibrated again before each" in text
+    # the least idle round decides, and the page says what it saw instead of "not clean"
+    assert "host busy or slow: idle 84%" in text and "the error's interval spans it" in text
+
+
+def test_rounds_below_one_are_refused_before_any_work() -> None:
+    work = Workload.create("tiny residual MLP", "gpipe_repro.repro.validate_unseen:residual_mlp",
+                           "features", (16,), 10, width=16, blocks=2)
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        own_model.simulate_model(work, k=2, m=2, microbatch=4, rounds=0, validate=False)
