@@ -131,8 +131,8 @@ def register(app: typer.Typer) -> None:
                                       "(and round; their median and its interval)"),
             rounds: int = typer.Option(1, "--rounds", min=1, help="interleaved rounds: every model "
                                        "calibrated afresh before each, every configuration measured "
-                                       "once in each (1: each configuration as `throughput --validate` "
-                                       "runs it, in one burst)"),
+                                       "once in each (1: each configuration as `throughput --validate "
+                                       "--rounds 1` runs it, in one burst)"),
             repeats: int = typer.Option(20, "--repeats", min=1, help="timings a layer and action per "
                                         "calibration of a round (with --rounds > 1)"),
             out: Optional[str] = typer.Option(None, "--out", help="output directory (default: "

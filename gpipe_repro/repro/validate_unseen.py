@@ -188,6 +188,17 @@ def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps:
     return rows
 
 
+def _print_row(row: dict[str, Any]) -> None:
+    """One configuration's figures, as a line of progress."""
+    line = (f"{row['model']} M={row['M']} {row['checkpoint']}: simulated "
+            f"{uncorrected_step(row) * 1e3:.1f} ms, measured "
+            f"{row['measured_step_time_s'] * 1e3:.1f} ms; error {row_error(row).cell()}")
+    if corrected_step(row) is not None:
+        line += (f"; in-situ corrected {row['step_time_s'] * 1e3:.1f} ms, error "
+                 f"{row_error(row, corrected=True).cell()}")
+    print(line, flush=True)
+
+
 def _workload(name: str) -> Workload:
     factory, shape = MODELS[name]
     return Workload.create(name, factory, "features", shape, 10)
@@ -293,8 +304,9 @@ def render(payload: dict[str, Any]) -> str:
            f"({config.get('repeats', 20)} timings a layer and action), every configuration run "
            f"{config.get('steps', '?')} step(s) a round after 2 warm-up steps, the configurations' order "
            "alternating from round to round; a configuration's simulated figures come from the median "
-           "of its model's calibrations, its cut from the first, so that the costs and the measured "
-           "steps sample the same stretch of the host's states." if rounds > 1 else
+           "of its model's calibrations (the in-situ factors divide by that median too), its cut from "
+           "the first, so that the costs and the measured steps sample the same stretch of the host's "
+           "states." if rounds > 1 else
            "Each configuration calibrated (or its calibration read from the cache) and measured "
            "in one burst of consecutive steps.")
     return ("# The simulator on models it was never tuned on\n\n"
@@ -324,7 +336,7 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
     """Run every configuration, write the results (`command`: how the page says it was made;
     `in_situ`: also correct each from a short run of its own and report both errors).
 
-    `rounds` = 1: each configuration exactly as ``gpipe-repro throughput --model ... --validate``
+    `rounds` = 1: each configuration as ``gpipe-repro throughput --model ... --validate --rounds 1``
     runs it (`run`: its calibration from the cache where one was timed before, `steps` steps in one
     burst). `rounds` > 1: :func:`run_in_rounds` (each model calibrated afresh before every round at
     `repeats` timings a layer, `steps` steps per configuration and round)."""
@@ -344,6 +356,8 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
         rows = run_in_rounds(configs, batch=batch, steps=steps, rounds=rounds, repeats=repeats,
                              in_situ=in_situ, in_situ_m=in_situ_m, seams=seams,
                              say=lambda line: print(line, flush=True))
+        for row in rows:
+            _print_row(row)
     else:
         rows = []
         for name, checkpoint, m in configs:
@@ -351,15 +365,8 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
             row = run(_workload(name), k=K, m=m, microbatch=batch // m, checkpoint=checkpoint,
                       steps=steps, in_situ=in_situ, **({"in_situ_m": in_situ_m} if in_situ else {}))
             row["model"] = name
+            _print_row(row)
             rows.append(row)
-    for row in rows:
-        line = (f"{row['model']} M={row['M']} {row['checkpoint']}: simulated "
-                f"{uncorrected_step(row) * 1e3:.1f} ms, measured "
-                f"{row['measured_step_time_s'] * 1e3:.1f} ms; error {row_error(row).cell()}")
-        if corrected_step(row) is not None:
-            line += (f"; in-situ corrected {row['step_time_s'] * 1e3:.1f} ms, error "
-                     f"{row_error(row, corrected=True).cell()}")
-        print(line, flush=True)
     config = {"batch": batch, "ms": list(ms), "checkpoints": list(checkpoints), "models": list(models),
               "steps": steps, "rounds": rounds, "repeats": repeats, "out": out, "in_situ": in_situ,
               "in_situ_m": in_situ_m}

@@ -173,9 +173,10 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
     `validate`: run the configuration on `k` real stage processes too (None: where `k` fits the
     usable cores and the device is a CPU), `steps` steps in each of `rounds` rounds; before every
     round but the first the costs at the micro-batch size are calibrated afresh, and the simulated
-    figures come from their median (:func:`pooled_at`), the cut from the first calibration: the
-    costs and the measured steps then sample the same stretch of the host's states instead of one
-    calibration (possibly cached, from another hour) against one burst of steps. `in_situ`: correct
+    step comes from the median of all the calibrations (:func:`pooled_at`; the first one may be the
+    cache's), the cut and the speedup over one device from the first: the costs and the measured
+    steps then sample the same stretch of the host's states instead of one calibration against one
+    burst of steps. With the in-situ correction its factors divide by that median. `in_situ`: correct
     the stage costs from a short run of the chosen partition at `in_situ_microbatches` micro-batches
     per step (`in_situ_steps` steps) on the real stage processes (:mod:`gpipe_repro.sim.in_situ`; a
     CPU host with `k` cores), a run of its own, before and apart from the validation's. All options
@@ -214,11 +215,16 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
             steps_s += got
             hosts.append(host)
         if rounds > 1:
+            first = result
             result = predict(workload, pooled_at(calibrations, microbatch), balance, m=m,
                              microbatch=microbatch, checkpoint=checkpoint,
                              recompute_ahead=recompute_ahead, schedule=schedule, link=link,
                              in_situ_timelines=timelines, in_situ_steps=in_situ_steps,
                              in_situ_microbatches=in_situ_microbatches)
+            # the speedup compares two simulations of one calibration: the first's, the only one
+            # timed at the whole mini-batch too
+            result.speedup = first.speedup
+            result.single_device_step_time_s = first.single_device_step_time_s
         attach_measurement(result, steps_s, worst_host(hosts))
         result.rounds = rounds
     return result
@@ -237,17 +243,20 @@ def pooled_at(calibrations: Sequence[Calibration], size: int) -> Calibration:
     return pooled
 
 
+#: How the conditions of several runs combine into the worst of them, per reading.
+_WORST = {"idle_fraction_before": min, "others_cpu_fraction_during": max, "load_average_before": max,
+          "load_average_after": max, "speed_before": min, "speed_after": min, "speed_fastest": max}
+
+
 def worst_host(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The host's conditions over several runs (:class:`HostWatch`), as one: the least idle before
-    any, the most other CPU during any (what :func:`gpipe_repro.report.host.is_clean` judges)."""
+    """The host's conditions over several runs (:class:`HostWatch`), as one, each reading the worst
+    any run saw (the least idle, the most other CPU and load, the slowest speed probe against the
+    fastest): what :func:`gpipe_repro.report.host.is_clean` judges, over all of them."""
     host = dict(runs[0])
-    idle = [r["idle_fraction_before"] for r in runs if r.get("idle_fraction_before") is not None]
-    others = [r["others_cpu_fraction_during"] for r in runs
-              if r.get("others_cpu_fraction_during") is not None]
-    if idle:
-        host["idle_fraction_before"] = min(idle)
-    if others:
-        host["others_cpu_fraction_during"] = max(others)
+    for key, worst in _WORST.items():
+        seen = [r[key] for r in runs if r.get(key) is not None]
+        if seen:
+            host[key] = worst(seen)
     return host
 
 

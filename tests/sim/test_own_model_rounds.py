@@ -55,6 +55,7 @@ def test_each_round_after_the_first_calibrates_afresh_and_the_median_is_simulate
     first = own_model.predict(work, base, result.balance, m=2, microbatch=4,
                               checkpoint=result.checkpoint, link="ideal")
     assert result.single_device_step_time_s == pytest.approx(first.single_device_step_time_s)
+    assert result.speedup == pytest.approx(first.speedup)   # both sides from one calibration
     text = result.describe()
     assert "median of 6 steps in 3 rounds, the costs calibrated again before each" in text
     # the least idle round decides, and the page says what it saw instead of "not clean"
@@ -66,3 +67,16 @@ def test_rounds_below_one_are_refused_before_any_work() -> None:
                            "features", (16,), 10, width=16, blocks=2)
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         own_model.simulate_model(work, k=2, m=2, microbatch=4, rounds=0, validate=False)
+
+
+def test_the_worst_reading_of_every_round_decides_whether_the_host_was_clean() -> None:
+    """A round whose speed probe ran slow makes the whole measurement's host slow, as a round that
+    was not idle makes it busy."""
+    from gpipe_repro.report.host import is_clean
+    clean = {"idle_fraction_before": 0.99, "others_cpu_fraction_during": 0.01, "speed_before": 1000.0,
+             "speed_after": 990.0, "speed_fastest": 1000.0, "load_average_before": 0.5}
+    slow = {**clean, "speed_after": 500.0, "speed_fastest": 1010.0}
+    assert is_clean(clean) and not is_clean(slow)
+    both = own_model.worst_host([clean, slow, clean])
+    assert not is_clean(both) and both["speed_after"] == 500.0 and both["speed_fastest"] == 1010.0
+    assert own_model.worst_host([clean, clean]) == clean
