@@ -26,6 +26,7 @@ import typer
 from experiments.compare_throughput import TARGETS, compare
 from gpipe_repro.report.records import read_json
 from gpipe_repro.repro.harness import check_publish, publish
+from gpipe_repro.sim.partition_choice import TIE_FLOOR
 
 COMMAND = "throughput-reproducibility"
 TARGET = TARGETS["idle"]
@@ -73,8 +74,9 @@ def page(result: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         f"Calibration uncertainty (relative half-width of the per-layer 95% intervals, per model): {unc}. "
         "A cell moves with the ratio of its bottleneck cell to the whole model, so differences of the "
         "size of these uncertainties are the calibration's own noise. Cuts within the larger of this "
-        "uncertainty and 2% of the best are ties broken by layer count (sim/partition_choice); a "
-        "partition flips where a cut's gap to the best crosses that window between the two runs.",
+        f"uncertainty and {TIE_FLOOR:.0%} of the best are ties, broken by the most even cut in time "
+        "(sim/partition_choice); a partition flips where the cut that tie-break prefers crosses that "
+        "window's edge between the two runs, or where two cuts nearly equal in evenness trade places.",
         markdown_table(["cell", "A", "B", "difference", "same partition"], rows,
                        align=["left", "right", "right", "right", "left"]),
         *([f"Cells in one run only (the verdict counts them as not reproduced): "

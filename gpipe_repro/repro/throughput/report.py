@@ -50,7 +50,8 @@ def calibration_uncertainty(calibrations: dict[str, Any]) -> str:
     return ("**Calibration uncertainty** (the median layer's 95% interval of its share of a round's "
             "cost, over interleaved rounds): " + ", ".join(parts) + ". Cuts whose simulated "
             f"bottleneck lies within it (or within {TIE_FLOOR:.0%}, where it is smaller) of the best "
-            "are ties, broken by the most even cut in layer count, then the smallest balance.")
+            "are ties, broken by the most even cut in time (least sum of squared cell costs), then the "
+            "smallest balance.")
 
 
 def generated_by(payload: dict[str, Any]) -> str:
