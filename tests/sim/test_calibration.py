@@ -261,3 +261,32 @@ def test_rounds_go_on_while_the_costs_are_uncertain_and_record_their_uncertainty
     assert cal.Calibration.from_json(c.to_json()).uncertainty == c.uncertainty
     with pytest.raises(ValueError, match="max_rounds"):
         calibrate(TINY_LM, [2], rounds=3, max_rounds=2)
+
+
+def test_sizes_are_timed_in_interleaved_rounds_so_a_drift_moves_them_alike(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several micro-batch sizes: the first rounds of every size in order, the rest in reverse
+    order (A A B B B B A A), as the measurement kernel alternates what it compares. On a host that slows
+    down steadily over the calibration, sizes timed one after the other (A A A B B B) made the
+    later size's costs look dearer by the drift; interleaved, the ratio of the two sizes' costs
+    (what a normalized cell of the table is) stays near its true value."""
+    clock = {"round": 0}
+    order: list[int] = []
+
+    def drifting(layers: list[nn.Module], inputs: torch.Tensor, device: torch.device, *, loss: object,
+                 repeats: int) -> list[tuple[float, ...]]:
+        clock["round"] += 1
+        order.append(int(inputs.shape[0]))
+        slow = 1.0 + 0.05 * clock["round"]              # 5% slower every round
+        return [(1e-3 * inputs.shape[0] * slow,) * 6 + (None, None) for _ in layers]
+
+    monkeypatch.setattr(cal_run, "time_model_actions", drifting)
+    c = calibrate(TINY_LM, [2, 4], repeats=1, rounds=4, use_cache=False, in_sequence=True)
+    assert order == [2, 2, 4, 4, 4, 4, 2, 2]            # 2 rounds each in order, then reversed
+    ratio = c.at(4)[1].forward / c.at(2)[1].forward      # truly 2.0
+    assert abs(ratio / 2.0 - 1) < 0.05
+    clock["round"] = 0
+    order.clear()
+    one = [calibrate(TINY_LM, [size], repeats=1, rounds=4, use_cache=False, in_sequence=True)
+           for size in (2, 4)]                           # one after the other: the drift shows
+    assert one[1].at(4)[1].forward / one[0].at(2)[1].forward / 2.0 - 1 > 0.15

@@ -100,6 +100,11 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
     None: in sequence where the whole model fits in half the device's free memory
     (:func:`fits_in_sequence`).
 
+    Several sizes to time are timed in interleaved rounds: the first half of each size's least
+    rounds in the order given, then the rest in reverse order, so that a host whose speed drifts
+    over the calibration moves every size's costs alike (their ratios are what a normalized cell of
+    the throughput table is).
+
     Cached per (workload and its shapes, micro-batch size, method, device and thread count, host,
     the source of the code whose cost is timed, torch version, repeats, rounds): a calibration is
     reused only where it would measure the same thing again.
@@ -131,25 +136,40 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
             desc = device_description(device, used_threads, neighbours)
         layers = workload.build("meta")
         calib: Calibration | None = None
+        to_time: list[tuple[int, Path, bool]] = []
         for size in sizes:
             whole = method == "time" and (fits_in_sequence(workload, layers, size, device)
                                           if in_sequence is None else in_sequence)
             path = _cache_file(workload, method, desc, size, repeats,
                                rounds if max_rounds == rounds else schedule, whole)
-            cached_now = use_cache and path.exists()
-            if progress:
-                progress(f"calibrating {workload.name} at micro-batch {size} ({method}"
-                         f"{', cached' if cached_now else ''})")
-            if cached_now:
-                cached = Calibration.from_json(json.loads(path.read_text()))
-                calib = calib or Calibration(workload.name, method, desc, cached.groups,
-                                             optimizer_call=cached.optimizer_call)
-                calib.costs[size] = cached.costs[size]
-                calib.uncertainty.update(cached.uncertainty)
+            if not (use_cache and path.exists()):
+                to_time.append((size, path, whole))
                 continue
+            if progress:
+                progress(f"calibrating {workload.name} at micro-batch {size} ({method}, cached)")
+            cached = Calibration.from_json(json.loads(path.read_text()))
+            calib = calib or Calibration(workload.name, method, desc, cached.groups,
+                                         optimizer_call=cached.optimizer_call)
+            calib.costs[size] = cached.costs[size]
+            calib.uncertainty.update(cached.uncertainty)
+
+        def timed(size: int, whole: bool, plan: tuple[int, int, float],
+                  timings: dict[int, list[Any]]) -> Calibration:
+            if progress:
+                progress(f"calibrating {workload.name} at micro-batch {size} ({method})")
             with busy_neighbours(workload, size, neighbours if method == "time" else 0):
-                one = _calibrate_size(workload, layers, size, method, device, device_model,
-                                      repeats, schedule, whole, reuse_counts=use_cache)
+                return _calibrate_size(workload, layers, size, method, device, device_model,
+                                       repeats, plan, whole, reuse_counts=use_cache, timings=timings)
+        # Several sizes timed: their first rounds in order, the rest in reverse order, so that a
+        # host whose speed drifts over the calibration moves every size alike (the table's cells are
+        # ratios of costs at different sizes).
+        timings: dict[int, dict[int, list[Any]]] = {size: {} for size, _, _ in to_time}
+        first = rounds // 2 if method == "time" and len(to_time) > 1 else 0
+        if first:
+            for size, _, whole in to_time:
+                timed(size, whole, (first, first, tolerance), timings[size])
+        for size, path, whole in (reversed(to_time) if first else to_time):
+            one = timed(size, whole, schedule, timings[size])
             one.device = desc
             _write_cache(path, one)
             calib = calib or Calibration(workload.name, method, desc, one.groups,
@@ -194,7 +214,10 @@ def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, meth
                     device: torch.device, device_model: DeviceModel | None,
                     repeats: int, rounds: int | tuple[int, int, float] = 1,
                     in_sequence: bool = False, *,
-                    reuse_counts: bool = True) -> Calibration:
+                    reuse_counts: bool = True,
+                    timings: dict[int, list[ActionSeconds]] | None = None) -> Calibration:
+    """One size's costs from rounds of timings; `timings` (filled in place): rounds already timed,
+    which the rounds asked for continue."""
     inputs, target = workload.sample(size, "cpu")
     trace_key = (workload.key(), size)
     if not reuse_counts or trace_key not in _TRACES:
@@ -215,7 +238,9 @@ def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, meth
             timed.append(i)
             if i not in (0, last):
                 seen.add(g)
-    timings: dict[int, list[ActionSeconds]] = {i: [] for i in timed}
+    timings = {} if timings is None else timings
+    for i in timed:
+        timings.setdefault(i, [])
     least, most, tolerance = rounds if isinstance(rounds, tuple) else (rounds, rounds, UNCERTAINTY_TARGET)
     if method == "time" and in_sequence:
         whole_loss = (workload.loss_fn(), target.to(device))
