@@ -102,8 +102,9 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
 
     Several sizes to time are timed in interleaved rounds: the first half of each size's least
     rounds in the order given, then the rest in reverse order, so that a host whose speed drifts
-    over the calibration moves every size's costs alike (their ratios are what a normalized cell of
-    the throughput table is).
+    over the calibration moves every size's costs alike: their ratios are what a speedup over one
+    device at the whole mini-batch is, and a normalized cell of the fixed-mini-batch table (each M
+    at its own micro-batch size).
 
     Cached per (workload and its shapes, micro-batch size, method, device and thread count, host,
     the source of the code whose cost is timed, torch version, repeats, rounds): a calibration is
