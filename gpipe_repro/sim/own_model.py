@@ -173,8 +173,8 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
     `validate`: run the configuration on `k` real stage processes too (None: where `k` fits the
     usable cores and the device is a CPU), `steps` steps in each of `rounds` rounds; before every
     round but the first the costs at the micro-batch size are calibrated afresh, and the simulated
-    step comes from the median of all the calibrations (:func:`pooled_at`; the first one may be the
-    cache's), the cut and the speedup over one device from the first: the costs and the measured
+    step comes from the median of all the calibrations (:meth:`Calibration.median_of`; the first
+    may be the cache's), the cut and the speedup over one device from the first: the costs and the measured
     steps then sample the same stretch of the host's states instead of one calibration against one
     burst of steps. With the in-situ correction its factors divide by that median. `in_situ`: correct
     the stage costs from a short run of the chosen partition at `in_situ_microbatches` micro-batches
@@ -216,7 +216,7 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
             hosts.append(host)
         if rounds > 1:
             first = result
-            result = predict(workload, pooled_at(calibrations, microbatch), balance, m=m,
+            result = predict(workload, Calibration.median_of(calibrations), balance, m=m,
                              microbatch=microbatch, checkpoint=checkpoint,
                              recompute_ahead=recompute_ahead, schedule=schedule, link=link,
                              in_situ_timelines=timelines, in_situ_steps=in_situ_steps,
@@ -228,19 +228,6 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
         attach_measurement(result, steps_s, worst_host(hosts))
         result.rounds = rounds
     return result
-
-
-def pooled_at(calibrations: Sequence[Calibration], size: int) -> Calibration:
-    """One calibration from several of the same workload: at micro-batch `size` the median of all
-    (:meth:`Calibration.median_of`), at any other size the first's as it is."""
-    first = calibrations[0]
-    at_size = [Calibration(c.workload, c.method, c.device, list(c.groups), {size: c.costs[size]},
-                           c.optimizer_call, {size: c.uncertainty.get(size, 0.0)})
-               for c in calibrations]
-    pooled = Calibration.median_of(at_size)
-    pooled.costs.update({s: cs for s, cs in first.costs.items() if s != size})
-    pooled.uncertainty.update({s: u for s, u in first.uncertainty.items() if s != size})
-    return pooled
 
 
 #: How the conditions of several runs combine into the worst of them, per reading.

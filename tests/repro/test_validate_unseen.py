@@ -9,6 +9,7 @@ import pytest
 
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.repro import validate_unseen as vu
+from tests.calibrations import slower
 
 
 def fake_run(errors: dict[tuple[int, str], tuple[float, float]], corrected_s: float = 1.0) -> Any:
@@ -107,19 +108,6 @@ def test_without_in_situ_the_page_keeps_its_columns(tmp_path: Path) -> None:
     assert "corrected" not in page and "+1.0%" in page
 
 
-def _scaled(calib: Any, factor: float) -> Any:
-    """`calib` with every timed cost times `factor` (a host `factor` times slower)."""
-    from dataclasses import fields, replace
-
-    from gpipe_repro.sim.calibration.costs import _COUNTED, Calibration
-    timed = [f.name for f in fields(type(next(iter(calib.costs.values()))[0])) if f.name not in _COUNTED]
-    costs = {size: [replace(c, **{n: getattr(c, n) * factor for n in timed
-                                  if getattr(c, n) is not None}) for c in layers]
-             for size, layers in calib.costs.items()}
-    return Calibration(calib.workload, calib.method, calib.device, list(calib.groups), costs,
-                       calib.optimizer_call * factor, dict(calib.uncertainty))
-
-
 def test_rounds_calibrate_every_model_before_each_round_and_alternate_the_order(tmp_path: Path) -> None:
     """Each round: every model calibrated afresh, then every configuration measured once, the
     order reversed every other round; the simulated figure is the one of the median calibration
@@ -136,7 +124,7 @@ def test_rounds_calibrate_every_model_before_each_round_and_alternate_the_order(
             base[workload.name] = calibrate(workload, sizes, method="flops")
         rounds_before = sum(1 for e in log if e[0] == "calibrate" and e[1] == workload.name)
         log.append(("calibrate", workload.name, tuple(sizes), repeats))
-        return _scaled(base[workload.name], 1.0 + 0.1 * rounds_before)
+        return slower(base[workload.name], 1.0 + 0.1 * rounds_before)
 
     def fake_measure(workload: Workload, balance: list[int], *, m: int, microbatch: int,
                      checkpoint: str, steps: int) -> tuple[list[float], dict[str, Any]]:
@@ -157,10 +145,10 @@ def test_rounds_calibrate_every_model_before_each_round_and_alternate_the_order(
     assert [r["measured_step_times_s"] for r in rows] == [[1.0] * 6] * 4
     for row, (name, m, _) in zip(rows, configs):
         work = vu._workload(name)
-        first = _scaled(base[name], 1.0)
+        first = slower(base[name], 1.0)
         assert row["balance"] == choose_partition(first.partition_costs(256 // m, "never"), 2,
                                                   "bottleneck", first.uncertainty_at(256 // m))
-        median = predict(work, _scaled(base[name], 1.1), row["balance"], m=m, microbatch=256 // m,
+        median = predict(work, slower(base[name], 1.1), row["balance"], m=m, microbatch=256 // m,
                          checkpoint="never")
         assert row["step_time_s"] == pytest.approx(median.step_time_s, rel=1e-9)
         assert row["speedup"] is None          # calibrated at the micro-batch sizes only

@@ -2,7 +2,6 @@
 round, the simulation from their median, every round's steps in the figure."""
 from __future__ import annotations
 
-from dataclasses import fields, replace
 from typing import Any
 
 import pytest
@@ -10,17 +9,7 @@ import pytest
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.sim import own_model
 from gpipe_repro.sim.calibration import Calibration, calibrate
-from gpipe_repro.sim.calibration.costs import _COUNTED
-
-
-def _slower(calib: Calibration, factor: float) -> Calibration:
-    """`calib` on a host `factor` times slower: every timed cost times `factor`."""
-    timed = [f.name for f in fields(next(iter(calib.costs.values()))[0]) if f.name not in _COUNTED]
-    return Calibration(calib.workload, calib.method, calib.device, list(calib.groups),
-                       {size: [replace(c, **{n: getattr(c, n) * factor for n in timed
-                                             if getattr(c, n) is not None}) for c in layers]
-                        for size, layers in calib.costs.items()},
-                       calib.optimizer_call * factor, dict(calib.uncertainty))
+from tests.calibrations import slower
 
 
 def test_each_round_after_the_first_calibrates_afresh_and_the_median_is_simulated(
@@ -33,7 +22,7 @@ def test_each_round_after_the_first_calibrates_afresh_and_the_median_is_simulate
     def fake_calibrate(workload: Workload, sizes: list[int], **kw: Any) -> Calibration:
         log.append(("calibrate", tuple(sizes), kw.get("use_cache", True)))
         factor = [1.0, 1.3, 1.1][sum(e[0] == "calibrate" for e in log) - 1]   # the host drifts
-        return _slower(base, factor)
+        return slower(base, factor)
 
     def fake_measure(workload: Workload, balance: list[int], **kw: Any) -> tuple[list[float], dict[str, Any]]:
         log.append(("measure", kw["steps"]))
@@ -48,7 +37,7 @@ def test_each_round_after_the_first_calibrates_afresh_and_the_median_is_simulate
                    ("measure", 2), ("calibrate", (4,), False), ("measure", 2)]
     assert result.rounds == 3 and len(result.measured_step_times_s or []) == 6
     assert result.measured_host == {"idle_fraction_before": pytest.approx(0.9 - 0.06)}
-    median = own_model.predict(work, _slower(base, 1.1), result.balance, m=2, microbatch=4,
+    median = own_model.predict(work, slower(base, 1.1), result.balance, m=2, microbatch=4,
                                checkpoint=result.checkpoint, link="ideal")
     assert result.step_time_s == pytest.approx(median.step_time_s, rel=1e-12)
     # the speedup's one-device step at the whole batch: the first calibration's

@@ -32,7 +32,7 @@ class LayerCost:
 
 
 #: LayerCost's fields that are counted, not timed: equal in every calibration of one model.
-_COUNTED = frozenset({"forward_flops", "flops", "params", "output_bytes", "grad_bytes"})
+COUNTED = frozenset({"forward_flops", "flops", "params", "output_bytes", "grad_bytes"})
 
 
 @dataclass
@@ -83,23 +83,27 @@ class Calibration:
     @classmethod
     def median_of(cls, calibrations: list[Calibration]) -> Calibration:
         """One calibration from several of the same workload and device, taken at different
-        moments: every timed field of every layer (and the optimizer call) their median, the counts
-        (FLOPs, parameters, bytes) and the groups the first's; the uncertainty their median."""
+        moments: at each of the first's micro-batch sizes, every timed field of every layer the
+        median over the calibrations that hold that size (a later one may hold fewer: recalibrated
+        at one size only), and so the uncertainty; the optimizer call the median of all; the counts
+        (FLOPs, parameters, bytes) and the groups the first's."""
         first = calibrations[0]
-        if any(c.groups != first.groups or c.costs.keys() != first.costs.keys() for c in calibrations):
+        if any(c.groups != first.groups or not c.costs.keys() <= first.costs.keys() for c in calibrations):
             raise ValueError("calibrations of different layers or sizes cannot be pooled")
 
         def med(values: list[Any]) -> Any:
             return None if any(v is None for v in values) else statistics.median(values)
-        timed = [f.name for f in fields(LayerCost) if f.name not in _COUNTED]
-        costs = {size: [replace(layer, **{name: med([getattr(c.costs[size][i], name) for c in calibrations])
-                                          for name in timed})
-                        for i, layer in enumerate(layers)]
-                 for size, layers in first.costs.items()}
+        timed = [f.name for f in fields(LayerCost) if f.name not in COUNTED]
+        costs, uncertainty = {}, {}
+        for size, layers in first.costs.items():
+            holding = [c for c in calibrations if size in c.costs]
+            costs[size] = [replace(layer, **{name: med([getattr(c.costs[size][i], name) for c in holding])
+                                             for name in timed})
+                           for i, layer in enumerate(layers)]
+            if size in first.uncertainty:
+                uncertainty[size] = statistics.median(c.uncertainty.get(size, 0.0) for c in holding)
         return cls(first.workload, first.method, first.device, list(first.groups), costs,
-                   statistics.median(c.optimizer_call for c in calibrations),
-                   {size: statistics.median(c.uncertainty.get(size, 0.0) for c in calibrations)
-                    for size in first.uncertainty})
+                   statistics.median(c.optimizer_call for c in calibrations), uncertainty)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Calibration:

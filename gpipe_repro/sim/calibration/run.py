@@ -161,9 +161,8 @@ def calibrate(workload: Workload, sizes: Sequence[int], *, method: str = "time",
             with busy_neighbours(workload, size, neighbours if method == "time" else 0):
                 return _calibrate_size(workload, layers, size, method, device, device_model,
                                        repeats, plan, whole, reuse_counts=use_cache, timings=timings)
-        # Several sizes timed: their first rounds in order, the rest in reverse order, so that a
-        # host whose speed drifts over the calibration moves every size alike (the table's cells are
-        # ratios of costs at different sizes).
+        # Several sizes timed: their first rounds in order, the rest in reverse order (see the
+        # docstring).
         timings: dict[int, dict[int, list[Any]]] = {size: {} for size, _, _ in to_time}
         first = rounds // 2 if method == "time" and len(to_time) > 1 else 0
         if first:
