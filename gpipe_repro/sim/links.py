@@ -39,11 +39,13 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 PING_SIZES = (4, 4096, 65536, 1 << 20, 8 << 20)   # bytes per ping-pong message
+PING_ROUNDS = 3                                     # fresh pairs of processes
 
 
 @dataclass(frozen=True)
@@ -135,11 +137,11 @@ def _ping_pong_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        results = {}
-        for nbytes in sizes:
-            buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-            times = []
-            for i in range(repeats + 3):
+        bufs = {nbytes: torch.zeros(max(1, nbytes // 4), dtype=torch.float32) for nbytes in sizes}
+        times: dict[int, list[float]] = {nbytes: [] for nbytes in sizes}
+        # Every repeat goes through all sizes, so a host whose speed drifts moves them alike.
+        for i in range(repeats + 3):
+            for nbytes, buf in bufs.items():
                 dist.barrier()
                 t0 = time.perf_counter()
                 if rank == 0:
@@ -149,10 +151,9 @@ def _ping_pong_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int
                     dist.recv(buf, 0)
                     dist.send(buf, 0)
                 if i >= 3:
-                    times.append(time.perf_counter() - t0)
-            results[nbytes] = statistics.median(times) / 2
+                    times[nbytes].append(time.perf_counter() - t0)
         if rank == 0:
-            out.put(results)
+            out.put({nbytes: statistics.median(t) / 2 for nbytes, t in times.items()})
     finally:
         dist.destroy_process_group()
 
@@ -177,21 +178,26 @@ def ping_pong(sizes: tuple[int, ...] = PING_SIZES, repeats: int = 20) -> dict[in
 
 
 def measure_gloo_loopback(*, refresh: bool = False, cache: Path | None = None) -> LinkModel:
-    """This host's gloo loopback link, measured by ping-pong once and cached on disk."""
+    """This host's gloo loopback link, measured by ping-pong between several pairs of processes and
+    cached on disk."""
     import torch
 
     from gpipe_repro.sim.cache import cache_dir
 
-    key = f"gloo-loopback-{socket.gethostname()}-torch{torch.__version__}.json"
+    key = f"gloo-loopback-{socket.gethostname()}-torch{torch.__version__}-{PING_ROUNDS}x.json"
     path = cache or cache_dir() / "links" / key
     if path.exists() and not refresh:
         return LinkModel.from_json(json.loads(path.read_text())["link"])
-    one_way = ping_pong()
-    sizes = sorted(one_way)
+    # One pair of processes is a sample of where the host put them (its latency ranged 84-197 us
+    # between pairs): the median per size over several pairs.
+    rounds = [ping_pong() for _ in range(PING_ROUNDS)]
+    sizes = sorted(rounds[0])
+    one_way = {size: statistics.median(r[size] for r in rounds) for size in sizes}
     latency, bandwidth = fit_alpha_beta(sizes, [one_way[s] for s in sizes])
     link = LinkModel("gloo-loopback", latency, bandwidth,
                      source=f"measured on {socket.gethostname()} by gloo ping-pong "
-                            f"({len(sizes)} sizes, {min(sizes)} B to {max(sizes) >> 20} MiB)")
+                            f"({len(sizes)} sizes, {min(sizes)} B to {max(sizes) >> 20} MiB; the "
+                            f"median of {PING_ROUNDS} pairs of processes)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"link": link.to_json(), "one_way_s": one_way}, indent=2))
@@ -222,8 +228,12 @@ def _tiny_layers() -> list[Any]:
     return [nn.Linear(4, 4) for _ in range(4)]
 
 
+OVERHEAD_ROUNDS = 5   # fresh pairs of stage processes
+OVERHEAD_STEPS = 20   # measured steps in each
+
+
 def overheads_from_timeline(timeline: Any, step_time: float, latency: float) -> RuntimeOverheads:
-    """Read the runtime's overheads off a measured step of a pipeline whose compute is negligible."""
+    """Read the runtime's overheads off one measured step of a pipeline whose compute is negligible."""
     first = [timeline.stage_events(s)[0].start for s in range(timeline.num_stages)]
     sends = [e.duration for e in timeline.events if e.kind.startswith("send")]
     # A receive that began well after its send started found its bytes there: pure processing.
@@ -239,6 +249,20 @@ def overheads_from_timeline(timeline: Any, step_time: float, latency: float) -> 
                             recv=statistics.median(settled) if settled else 0.0)
 
 
+def overheads_from_steps(timelines: Sequence[Any], step_times: Sequence[float],
+                         latency: float) -> RuntimeOverheads:
+    """The runtime's overheads over many measured steps: each read off its own step
+    (:func:`overheads_from_timeline`), then the median of each over the steps. One step alone is
+    a sample of this host's speed states: its setup ranged 0.5-4.2 ms between measurements, which
+    moved the simulated throughput table's cells by up to 4.4% with the same layer costs."""
+    if not timelines or len(timelines) != len(step_times):
+        raise ValueError(f"need one step time per timeline, got {len(timelines)} timelines and "
+                         f"{len(step_times)} step times")
+    steps = [overheads_from_timeline(t, s, latency) for t, s in zip(timelines, step_times)]
+    return RuntimeOverheads(*(statistics.median(getattr(o, name) for o in steps)
+                              for name in ("setup", "teardown", "send", "recv")))
+
+
 def measure_runtime_overheads(*, refresh: bool = False, cache: Path | None = None) -> RuntimeOverheads:
     """The distributed runtime's per-step and per-message overheads on this host (cached)."""
     import torch
@@ -246,18 +270,26 @@ def measure_runtime_overheads(*, refresh: bool = False, cache: Path | None = Non
     from gpipe_repro.distributed.measure import measure_pipeline
     from gpipe_repro.sim.cache import cache_dir
 
-    key = f"runtime-overheads-{socket.gethostname()}-torch{torch.__version__}.json"
+    rounds, steps = OVERHEAD_ROUNDS, OVERHEAD_STEPS
+    key = f"runtime-overheads-{socket.gethostname()}-torch{torch.__version__}-{rounds}x{steps}.json"
     path = cache or cache_dir() / "links" / key
     if path.exists() and not refresh:
         return RuntimeOverheads(**json.loads(path.read_text()))
     link = measure_gloo_loopback()
     g = torch.Generator().manual_seed(0)
     batch = (torch.randn(8, 4, generator=g), torch.randint(0, 4, (8,), generator=g))
-    m = measure_pipeline(_tiny_layers, [2, 2], 8, batch, checkpoint="never", steps=15, warmup=3)
-    found = overheads_from_timeline(m.timeline, m.median_step_time, link.latency)
+    timelines: list[Any] = []
+    step_times: list[float] = []
+    for _ in range(rounds):
+        m = measure_pipeline(_tiny_layers, [2, 2], 8, batch, checkpoint="never", steps=steps,
+                             warmup=3)
+        timelines += m.timelines
+        step_times += m.step_times
+    found = overheads_from_steps(timelines, step_times, link.latency)
     result = RuntimeOverheads(found.setup, found.teardown, found.send, found.recv,
                               source=f"measured on {socket.gethostname()}: 2 stage processes, 4 "
-                                     "Linear(4, 4) layers, M=8, median of 15 steps")
+                                     f"Linear(4, 4) layers, M=8; each overhead the median over "
+                                     f"{rounds} runs of {steps} steps, read off every step")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(result.to_json(), indent=2))
