@@ -295,11 +295,13 @@ def predict(workload: Workload, calib: Calibration, balance: list[int], *, m: in
     costs, corrected in situ where `in_situ_timelines` (:func:`in_situ_run`) are given; the speedup
     over one device where `calib` holds the whole mini-batch's size (else None)."""
     k, n = len(balance), m * microbatch
-    platform = platform_for(link)
+    # compared with this host's measured steps: action durations drawn as they vary here
+    platform = platform_for(link, jitter=True)
     # a step's fixed costs of stage processes (clock, agreement): none for one cell in one process
     setup, teardown = (platform.setup, platform.teardown) if k > 1 else (0.0, 0.0)
     sched = make_schedule(schedule, k, m, checkpoint, recompute_ahead)
-    sim = simulate(sched, stage_costs(calib, balance, split_sizes(n, m), setup, teardown), platform.link, n)
+    sim = simulate(sched, stage_costs(calib, balance, split_sizes(n, m), setup, teardown), platform.link, n,
+                   platform.jitter)
     corrected = None
     situ_record: dict[str, Any] = {}
     if in_situ_timelines is not None:
@@ -307,7 +309,7 @@ def predict(workload: Workload, calib: Calibration, balance: list[int], *, m: in
         costs, per_stage = situ.corrected_costs(calib, balance, m, n, in_situ_timelines, link=platform.link,
                                                 checkpoint=checkpoint, schedule=schedule, setup=setup,
                                                 teardown=teardown, micro_batches=in_situ_microbatches)
-        corrected = simulate(sched, costs, platform.link, n)
+        corrected = simulate(sched, costs, platform.link, n, platform.jitter)
         situ_record = {"factors": per_stage, "checkpoint": mode, "steps": in_situ_steps,
                        "micro_batches": in_situ_microbatches,
                        "step_times_s": [float(t.meta.get("step_time_s", t.makespan))
@@ -321,7 +323,8 @@ def predict(workload: Workload, calib: Calibration, balance: list[int], *, m: in
         if corrected is not None:
             corrected = with_tied_allreduce(corrected, sched, ties, platform.link)
     single = (simulate_config(calib, [len(layers)], 1, n, platform.link, checkpoint="never",
-                              recompute_ahead=False, schedule=schedule) if n in calib.costs else None)
+                              recompute_ahead=False, schedule=schedule, jitter=platform.jitter)
+              if n in calib.costs else None)
     prediction = corrected if corrected is not None else sim
     result = OwnModelResult(workload.name, k, m, microbatch, checkpoint, recompute_ahead, balance,
                             prediction.step_time, prediction.throughput,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gpipe_repro.sim.calibration import Calibration
+from gpipe_repro.sim.jitter import Jitter, measure_jitter
 from gpipe_repro.sim.links import LinkModel, get_link, measure_runtime_overheads
 from gpipe_repro.sim.simulator import Simulation, simulate_config
 
@@ -28,6 +29,7 @@ class Platform:
     link: LinkModel
     setup: float = 0.0       # seconds before a step's first action
     teardown: float = 0.0    # seconds after its last action
+    jitter: Jitter | None = None   # drawn action durations (sim/jitter); None: exact costs
 
     def simulate(self, calib: Calibration, balance: Sequence[int], m: int, n: int,
                  settings: ScheduleSettings, checkpoint: str | None = None,
@@ -37,18 +39,26 @@ class Platform:
                                recompute_ahead=(settings.recompute_ahead if recompute_ahead is None
                                                 else recompute_ahead),
                                schedule=settings.schedule, setup=self.setup,
-                               teardown=self.teardown)
+                               teardown=self.teardown, jitter=self.jitter)
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.link.to_json(), "step_setup": self.setup, "step_teardown": self.teardown}
+        out = {**self.link.to_json(), "step_setup": self.setup, "step_teardown": self.teardown}
+        if self.jitter is not None:
+            out["jitter"] = {"source": self.jitter.source,
+                             "cv_by_length_s": {f"{k:.4f}": v for k, v in self.jitter.spread().items()}}
+        return out
 
 
-def platform_for(link_name: str) -> Platform:
+def platform_for(link_name: str, *, jitter: bool = False) -> Platform:
     """A preset link as is; the host's gloo loopback with the distributed runtime's own measured
-    overheads (per message and per step), since that is what a measured run pays."""
+    overheads (per message and per step), since that is what a measured run pays, and with
+    `jitter` this host's measured variation of action durations (:mod:`gpipe_repro.sim.jitter`):
+    what a simulation compared with this host's measured steps needs. A preset link is another
+    machine: no jitter of this host's."""
     link = get_link(link_name)
     if link_name != "gloo-loopback":
         return Platform(link)
     over = measure_runtime_overheads()
-    return Platform(link.with_overheads(over.send, over.recv), over.setup, over.teardown)
+    return Platform(link.with_overheads(over.send, over.recv), over.setup, over.teardown,
+                    measure_jitter() if jitter else None)
 

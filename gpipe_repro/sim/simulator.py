@@ -19,16 +19,18 @@ the same code.
 """
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpipe_repro.engine.interpreter import run_dataflow
 from gpipe_repro.engine.microbatch import split_sizes
 from gpipe_repro.engine.partition import check_balance
-from gpipe_repro.engine.schedule import Action, ActionKind, Schedule
+from gpipe_repro.engine.schedule import COMPUTE, Action, ActionKind, Schedule
 from gpipe_repro.engine.timeline import Event, Timeline
 from gpipe_repro.sim.calibration.costs import Calibration, LayerCost
+from gpipe_repro.sim.jitter import DRAWS, Jitter
 from gpipe_repro.sim.links import LinkModel
 
 
@@ -126,6 +128,7 @@ class Simulation:
     step_time: float
     breakdown: dict[str, float] = field(default_factory=dict)
     utilization: list[float] = field(default_factory=list)
+    exact_step_time: float | None = None   # drawn (jitter): the step with every action at its cost
 
     @property
     def throughput(self) -> float:
@@ -137,14 +140,36 @@ class Simulation:
         return self.breakdown.get("bubble", 0.0)
 
     def summary(self) -> dict[str, Any]:
-        return {"step_time_s": self.step_time, "throughput": self.throughput,
-                "bubble_fraction": self.bubble_fraction, "utilization": self.utilization,
-                "breakdown": self.breakdown}
+        out = {"step_time_s": self.step_time, "throughput": self.throughput,
+               "bubble_fraction": self.bubble_fraction, "utilization": self.utilization,
+               "breakdown": self.breakdown}
+        if self.exact_step_time is not None:
+            out["exact_step_time_s"] = self.exact_step_time
+        return out
 
 
-def simulate(schedule: Schedule, costs: PipelineCosts, link: LinkModel,
-             batch_size: int) -> Simulation:
-    """Run `schedule` in virtual time with `costs` and `link`; one step of `batch_size` samples."""
+def simulate(schedule: Schedule, costs: PipelineCosts, link: LinkModel, batch_size: int,
+             jitter: Jitter | None = None, *, draws: int = DRAWS, seed: int = 0) -> Simulation:
+    """Run `schedule` in virtual time with `costs` and `link`; one step of `batch_size` samples.
+
+    With `jitter` (:mod:`gpipe_repro.sim.jitter`), every compute action's duration is its cost
+    times a factor drawn for its length, `draws` steps are simulated (seeded: the same inputs give
+    the same figure), and the step returned is the median one, with ``exact_step_time`` the step
+    without jitter."""
+    if jitter is None:
+        return _simulate_once(schedule, costs, link, batch_size, None)
+    if draws < 1:
+        raise ValueError(f"draws must be >= 1, got {draws}")
+    exact = _simulate_once(schedule, costs, link, batch_size, None)
+    rng = random.Random(seed)
+    runs = sorted((_simulate_once(schedule, costs, link, batch_size,
+                                  lambda seconds: seconds * jitter.factor(seconds, rng))
+                   for _ in range(draws)), key=lambda r: r.step_time)
+    return replace(runs[(draws - 1) // 2], exact_step_time=exact.step_time)
+
+
+def _simulate_once(schedule: Schedule, costs: PipelineCosts, link: LinkModel, batch_size: int,
+                   vary: Callable[[float], float] | None) -> Simulation:
     k = schedule.num_stages
     if costs.num_stages != k:
         raise ValueError(f"costs are for {costs.num_stages} stages but the schedule has {k}")
@@ -208,7 +233,11 @@ def simulate(schedule: Schedule, costs: PipelineCosts, link: LinkModel,
     def transfer(a: Action) -> float:
         return 0.0 if same_process(a) else link.transfer_time(nbytes(a))
 
-    sim_events = run_dataflow(schedule, duration, transfer)
+    def varied(a: Action) -> float:
+        seconds = duration(a)
+        return vary(seconds) if vary is not None and a.kind in COMPUTE else seconds
+
+    sim_events = run_dataflow(schedule, varied, transfer)
     send_start = {e.action.peer(): e.start for e in sim_events if e.action.kind in (A.SEND_ACT, A.SEND_GRAD)}
     shift = costs.setup
     events = []
@@ -225,7 +254,8 @@ def simulate(schedule: Schedule, costs: PipelineCosts, link: LinkModel,
 def simulate_config(calibration: Calibration, balance: Sequence[int], num_microbatches: int,
                     batch_size: int, link: LinkModel, *, checkpoint: str = "except_last",
                     recompute_ahead: bool = False, schedule: str = "gpipe",
-                    setup: float = 0.0, teardown: float = 0.0) -> Simulation:
+                    setup: float = 0.0, teardown: float = 0.0,
+                    jitter: Jitter | None = None) -> Simulation:
     """One step of a (balance, M, N) configuration from per-layer calibrated costs. The defaults are
     :class:`gpipe_repro.GPipe`'s (re-materialize every micro-batch but the last, recompute after the
     gradient arrives), so a simulation with defaults is of a pipeline built with defaults."""
@@ -233,7 +263,8 @@ def simulate_config(calibration: Calibration, balance: Sequence[int], num_microb
 
     sizes = split_sizes(batch_size, num_microbatches)
     sched = make_schedule(schedule, len(balance), num_microbatches, checkpoint, recompute_ahead)
-    return simulate(sched, stage_costs(calibration, balance, sizes, setup, teardown), link, batch_size)
+    return simulate(sched, stage_costs(calibration, balance, sizes, setup, teardown), link, batch_size,
+                    jitter)
 
 
 def theoretical_bubble(num_stages: int, num_microbatches: int) -> float:

@@ -36,7 +36,7 @@ def _fake_measure(schedule: str, slowdown: float) -> validation.MeasureFn:
 
 def test_validation_reports_each_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(validation, "calibrate", _calibrate)
-    monkeypatch.setattr(validation, "platform_for", lambda name: Platform(PRESETS["ideal"]))
+    monkeypatch.setattr(validation, "platform_for", lambda name, **kw: Platform(PRESETS["ideal"]))
     # the host probe times the cores: a fixed answer instead
     monkeypatch.setattr(validation, "fast_share", lambda: 0.2)
     settings = SweepSettings(link="ideal")
@@ -100,7 +100,7 @@ def test_each_configuration_is_measured_once_per_round_in_alternating_order(
         events.append("calibrate")
         return _calibrate(workload, sizes, **kw)
     monkeypatch.setattr(validation, "calibrate", calibrating)
-    monkeypatch.setattr(validation, "platform_for", lambda name: Platform(PRESETS["ideal"]))
+    monkeypatch.setattr(validation, "platform_for", lambda name, **kw: Platform(PRESETS["ideal"]))
     monkeypatch.setattr(validation, "fast_share", lambda: 0.5)
     calls: list[int] = []
     exact = _fake_measure("gpipe", 1.0)

@@ -353,6 +353,13 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
                 if rounds > 1 else "")
              + "; the bounds of the median and the worst come from the intervals' ends, so a busy "
              "host widens them and can leave the verdict inconclusive.")
+    if summary.get("exact_median_abs_error") is not None:
+        head += (" The simulation draws every compute action's duration as this host's durations "
+                 "vary (sim/jitter: each core switches between a fast and a 2x slower state every "
+                 "few milliseconds, and a pipeline waits for the later of two actions) and takes "
+                 "the median of its simulated steps; with every action at its calibrated cost "
+                 f"instead, median |error| {summary['exact_median_abs_error'] * 100:.1f}%, worst "
+                 f"{summary['exact_max_abs_error'] * 100:.1f}% (by the medians).")
     if summary.get("replay_median_abs_error") is not None:
         head += (f" Replaying each measured step's own action durations through the simulator "
                  f"(pipeline model alone, cost model excluded): median "

@@ -145,6 +145,9 @@ def _row(c: _Config, calib: Calibration, measured: dict[str, Any],
             "simulated_throughput": sim.throughput,
             "measured_throughput": meas_tp,
             "relative_error": sim.throughput / meas_tp - 1.0,
+            "exact_step_s": sim.exact_step_time,
+            "exact_error": (m * b / sim.exact_step_time / meas_tp - 1.0
+                            if sim.exact_step_time else None),
             "error": error.to_json(), "host_fast": measured["host_fast"],
             "replay_step_s": replay.step_time if replay else None,
             "replay_error": (replay.throughput / meas_tp - 1.0 if replay else None),
@@ -192,7 +195,8 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     measures = {n: (measure if n == settings.schedule or measure_schedule is None
                     else measure_schedule(n)) for n in names}
     say = progress or (lambda msg: None)
-    platform = platform_for(settings.link)
+    # compared with this host's measured steps: its action durations drawn as they vary here
+    platform = platform_for(settings.link, jitter=True)
     ks = list(ks) if ks is not None else validation_ks(usable_cores())
     if not ks:
         raise ValueError("validation needs at least 2 usable cores (one stage process per core)")
@@ -234,7 +238,10 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     pooled = {model: Calibration.median_of(cs) for model, cs in calibrations.items()}
     rows = [_row(c, pooled[c.model], _runs_as_one(done), timelines) for c, done in zip(configs, runs)]
     replays = [abs(r["replay_error"]) for r in rows if r["replay_error"] is not None]
+    exact = [abs(r["exact_error"]) for r in rows if r["exact_error"] is not None]
     summary = {**summarize_errors([r["error"] for r in rows]),
+               "exact_median_abs_error": statistics.median(exact) if exact else None,
+               "exact_max_abs_error": max(exact) if exact else None,
                "replay_median_abs_error": statistics.median(replays) if replays else None,
                "replay_max_abs_error": max(replays) if replays else None,
                "host_fast": statistics.fmean(r["host_fast"] for r in rows) if rows else None,
