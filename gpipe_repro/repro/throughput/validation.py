@@ -8,7 +8,7 @@ from typing import Any
 
 from gpipe_repro.engine.schedule import cells_per_process, make_schedule, num_processes
 from gpipe_repro.models.workload import Workload
-from gpipe_repro.report.host import fast_share, usable_cores
+from gpipe_repro.report.host import HostWatch, fast_share, usable_cores
 from gpipe_repro.repro.throughput.measure import MeasureFn
 from gpipe_repro.repro.throughput.settings import MODELS, SweepSettings
 from gpipe_repro.repro.throughput.simulator_error import TARGETS, error_figure, summarize_errors
@@ -100,8 +100,10 @@ def _measure_once(c: _Config) -> dict[str, Any]:
     """One measured run of `c`, with the host's fast share around it."""
     # the probe is looked up at call time, so tests can give a fixed answer
     fast_before = fast_share()
-    measured = c.measure(c.workload, c.balance, c.m, c.m * c.b, c.checkpoint)
-    return {**measured, "host_fast": (fast_before + fast_share()) / 2}
+    with HostWatch(before=dict) as watch:   # other processes' CPU during it (no 1 s sample before)
+        measured = c.measure(c.workload, c.balance, c.m, c.m * c.b, c.checkpoint)
+    return {**measured, "host_fast": (fast_before + fast_share()) / 2,
+            "others_cpu": watch.conditions.get("others_cpu_fraction_during")}
 
 
 def _runs_as_one(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -111,7 +113,8 @@ def _runs_as_one(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     median = statistics.median(steps)
     nearest = min(runs, key=lambda r: abs(r["step_time_s"] - median))
     return {"step_time_s": median, "step_times": steps, "timeline": nearest.get("timeline"),
-            "host_fast": statistics.fmean(r["host_fast"] for r in runs), "rounds": len(runs)}
+            "host_fast": statistics.fmean(r["host_fast"] for r in runs), "rounds": len(runs),
+            "others_cpu": [r.get("others_cpu") for r in runs]}
 
 
 def _row(c: _Config, calib: Calibration, measured: dict[str, Any],
@@ -149,6 +152,7 @@ def _row(c: _Config, calib: Calibration, measured: dict[str, Any],
             "exact_error": (m * b / sim.exact_step_time / meas_tp - 1.0
                             if sim.exact_step_time else None),
             "error": error.to_json(), "host_fast": measured["host_fast"],
+            "others_cpu_per_round": measured.get("others_cpu"),
             "replay_step_s": replay.step_time if replay else None,
             "replay_error": (replay.throughput / meas_tp - 1.0 if replay else None),
             "simulated_breakdown": sim.breakdown,
