@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe_repro.distributed.measure import settle_garbage_collector
 from gpipe_repro.models.mlp import synthetic_mlp
 from gpipe_repro.report.measurement import Comparison, Figure, Progress, Rounds, StopRule, round_order
 
@@ -175,6 +176,7 @@ def rounds_in_processes(items: Mapping[str, Any], comparisons: Sequence[Comparis
             dist.barrier()
             if items[name] is not None:
                 items[name].step(x, y)
+    settle_garbage_collector()     # the start-up heap: collected once, not by the timed rounds
     rounds = Rounds(names, comparisons, rule) if rank == 0 else None
     progress = Progress(label) if rank == 0 else None
     with progress if progress is not None else contextlib.nullcontext():

@@ -13,9 +13,12 @@ from gpipe_repro.report.measurement import Comparison, Measurement, StopRule
 class Counter:
     def __init__(self) -> None:
         self.steps = 0
+        self.frozen: list[int] = []     # objects out of the collector's sight at each step
 
     def step(self, x: Any, y: Any) -> None:
+        import gc
         self.steps += 1
+        self.frozen.append(gc.get_freeze_count())
 
 
 def _rounds(rule: dict[str, Any]) -> dict[str, Any]:
@@ -30,7 +33,8 @@ def _rounds(rule: dict[str, Any]) -> dict[str, Any]:
     result = rounds_in_processes(items, [Comparison("r", "alone", "both")], StopRule(**rule),
                                  torch.zeros(1), torch.zeros(1), warmup=1)
     dist.barrier()
-    return {"result": result, "steps": {n: i.steps if i else None for n, i in items.items()}}
+    return {"result": result, "steps": {n: i.steps if i else None for n, i in items.items()},
+            "frozen": items["both"].frozen}
 
 
 def test_rounds_in_stage_processes_stop_together_on_rank_0s_rule() -> None:
@@ -42,6 +46,9 @@ def test_rounds_in_stage_processes_stop_together_on_rank_0s_rule() -> None:
     assert out[1]["result"] is None and result.rounds == 4 and result.stopped == "max rounds"
     assert out[0]["steps"] == {"alone": 5, "both": 5} and out[1]["steps"] == {"alone": None, "both": 5}
     assert len(result.figures["r"].samples) == 4
+    # the start-up heap is collected and frozen after the warm-up, before the timed rounds
+    for rank in out:
+        assert rank["frozen"][0] == 0 and all(n > 0 for n in rank["frozen"][1:])
 
 
 def test_bench_overhead_runs_in_a_tiny_mode(capsys: pytest.CaptureFixture[str]) -> None:
