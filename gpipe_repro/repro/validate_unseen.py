@@ -320,7 +320,10 @@ def render(payload: dict[str, Any]) -> str:
             "partition, simulate, then run on 2 real stage processes (1 thread each) and compare. "
             f"{how} "
             "The models (`gpipe_repro/repro/validate_unseen.py`) were written for this check; no "
-            "cost-model constant was fitted to them. Error = simulated throughput / measured - 1. "
+            "cost-model constant was fitted to them. The simulated step is the median of steps "
+            "whose compute actions' durations are drawn as they vary in a pipeline on this host "
+            "(`gpipe_repro/sim/jitter.py`), as the measured figure is the median measured step. "
+            "Error = simulated throughput / measured - 1. "
             f"Measured on {payload['usable_cores']} usable cores.\n\n" + note + table + "\n")
 
 
