@@ -11,7 +11,10 @@ per layer, with nothing invented in between:
   a link carries one message at a time);
 - each action's duration is the sum of its cell's per-layer costs at that micro-batch's size
   (:mod:`gpipe_repro.sim.calibration`), plus the link model's per-message overheads for sends and
-  receives (:mod:`gpipe_repro.sim.links`), and each transfer takes ``latency + bytes / bandwidth``.
+  receives (:mod:`gpipe_repro.sim.links`), and each transfer takes ``latency + bytes / bandwidth``;
+- where the simulation is compared with this host's measured steps, each compute action's duration
+  is drawn around its cost as durations vary in a pipeline here, and the figure is the median of
+  the drawn steps (:mod:`gpipe_repro.sim.jitter`): the measured figure is a median step too.
 
 It returns the same :class:`~gpipe_repro.engine.timeline.Timeline` the instrumented runtimes record, so a
 simulation and a measurement are broken down (``Timeline.breakdown()``), charted and compared by
