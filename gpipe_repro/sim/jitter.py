@@ -31,13 +31,14 @@ import bisect
 import functools
 import json
 import math
-import os
 import random
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from gpipe_repro.report.records import atomic_write
 
 #: layers per cell of the measured pipelines (forwards and backwards of about 0.6 to 60 ms)
 CELL_LAYERS = (1, 4, 16, 48)
@@ -140,8 +141,6 @@ def measure_jitter(*, refresh: bool = False, cache: Path | None = None) -> Jitte
         classes, source=f"measured on {socket.gethostname()}: K=2 pipelines (gloo, 1 thread per "
                         f"stage) of {', '.join(map(str, CELL_LAYERS))} Linear({WIDTH}, {WIDTH}) "
                         f"layers per cell, M={MICROBATCHES} of {ROWS} rows, {STEPS} steps each")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(jitter.to_json(), indent=2))
-    os.replace(tmp, path)
+    with atomic_write(path) as f:
+        json.dump(jitter.to_json(), f, indent=2)
     return jitter

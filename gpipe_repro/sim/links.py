@@ -35,7 +35,6 @@ Presets, with where the numbers come from (all approximate, effective rather tha
 from __future__ import annotations
 
 import json
-import os
 import socket
 import statistics
 import time
@@ -43,6 +42,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from gpipe_repro.report.records import atomic_write
 
 PING_SIZES = (4, 4096, 65536, 1 << 20, 8 << 20)   # bytes per ping-pong message
 PING_ROUNDS = 3                                     # fresh pairs of processes
@@ -198,10 +199,8 @@ def measure_gloo_loopback(*, refresh: bool = False, cache: Path | None = None) -
                      source=f"measured on {socket.gethostname()} by gloo ping-pong "
                             f"({len(sizes)} sizes, {min(sizes)} B to {max(sizes) >> 20} MiB; the "
                             f"median of {PING_ROUNDS} pairs of processes)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"link": link.to_json(), "one_way_s": one_way}, indent=2))
-    os.replace(tmp, path)
+    with atomic_write(path) as f:
+        json.dump({"link": link.to_json(), "one_way_s": one_way}, f, indent=2)
     return link
 
 
@@ -290,8 +289,6 @@ def measure_runtime_overheads(*, refresh: bool = False, cache: Path | None = Non
                               source=f"measured on {socket.gethostname()}: 2 stage processes, 4 "
                                      f"Linear(4, 4) layers, M=8; each overhead the median over "
                                      f"{rounds} runs of {steps} steps, read off every step")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(result.to_json(), indent=2))
-    os.replace(tmp, path)
+    with atomic_write(path) as f:
+        json.dump(result.to_json(), f, indent=2)
     return result
