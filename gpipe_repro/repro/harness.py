@@ -14,6 +14,7 @@ Baselines (each ``step(x, y)`` one training step):
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -179,8 +180,11 @@ def rounds_in_processes(items: Mapping[str, Any], comparisons: Sequence[Comparis
     settle_garbage_collector()     # the start-up heap: collected once, not by the timed rounds
     rounds = Rounds(names, comparisons, rule) if rank == 0 else None
     progress = Progress(label) if rank == 0 else None
-    with progress if progress is not None else contextlib.nullcontext():
-        _run_rounds(items, names, rounds, progress, x, y)
+    try:
+        with progress if progress is not None else contextlib.nullcontext():
+            _run_rounds(items, names, rounds, progress, x, y)
+    finally:   # a process that measures another group next can collect these items once dropped
+        gc.unfreeze()
     return rounds.result().to_json() if rounds is not None else None
 
 

@@ -180,7 +180,7 @@ def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps:
     for i, (name, checkpoint, m) in enumerate(configs):
         result = predict(workloads[name], pooled[name], balances[i], m=m, microbatch=batch // m,
                          checkpoint=checkpoint, in_situ_timelines=situ_runs.get(i),
-                         in_situ_microbatches=in_situ_m)
+                         in_situ_microbatches=in_situ_m, jitter=True)
         attach_measurement(result, steps_of[i], worst_host(hosts[i]))
         row = result.to_json()
         row["model"], row["rounds"] = name, rounds

@@ -19,11 +19,15 @@ processes (K=2, M=8, gloo, one thread each) of cells of 1, 4, 16 and 48 small Li
 that forwards and backwards span about 0.6 to 50 ms; each action's duration over the robust mean of
 its stage and kind in its run (:func:`gpipe_repro.sim.calibration.robust_seconds`, the statistic
 of the calibrated costs) is a factor, and an action draws a factor of the class whose length is
-nearest its own. Drawn independently per action: the host's states last a few milliseconds,
-shorter than most cell actions. These generic layers vary less than a model of many small
-operations does in the same pipeline (coefficient of variation 0.05-0.11 at 10-50 ms, against
-0.15-0.19 for Transformer-48's cells), so the drawn steps are a lower bound on the effect: on
-validate-sim's configurations they lengthened the simulated step by 0-2%.
+nearest its own (a recompute or an optimizer step too, by its length). The factors' mean is not 1
+where a class has a long slow tail: a trimmed mean leaves the tail out, a pipeline pays it, so the
+draws move the level as well as the waiting. Drawn independently per action: the host's states
+last a few milliseconds, shorter than most cell actions; an action longer than the longest class
+borrows that class's spread, which overstates it. These generic layers vary less than the
+harness's models do in the same pipeline (coefficient of variation 0.05-0.13 at 10-50 ms in
+separate measurements, against 0.11-0.22 for the cells of Transformer-48 and AmoebaNet-D), so the
+drawn steps are a lower bound on the effect: on validate-sim's 40 configurations of record they
+moved the simulated step by -1.4% to +5.0% (median +0.5%).
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ from typing import Any
 
 from gpipe_repro.report.records import atomic_write
 
-#: layers per cell of the measured pipelines (forwards and backwards of about 0.6 to 60 ms)
+#: layers per cell of the measured pipelines (forwards and backwards of about 0.6 to 50 ms)
 CELL_LAYERS = (1, 4, 16, 48)
 WIDTH, ROWS = 384, 128    # each Linear layer's width; rows per micro-batch (about 0.6 ms a forward)
 MICROBATCHES, STEPS = 8, 6
@@ -72,12 +76,12 @@ class Jitter:
             i -= 1
         return rng.choice(self.factors[i])
 
-    def spread(self) -> dict[float, float]:
-        """Coefficient of variation per length (for pages)."""
-        out = {}
+    def spread(self) -> list[tuple[float, float]]:
+        """(length, coefficient of variation) per class, shortest first (for pages)."""
+        out = []
         for length, f in zip(self.lengths, self.factors):
             mean = sum(f) / len(f)
-            out[length] = math.sqrt(sum((x - mean) ** 2 for x in f) / len(f)) / mean
+            out.append((length, math.sqrt(sum((x - mean) ** 2 for x in f) / len(f)) / mean))
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -124,7 +128,7 @@ def measure_jitter(*, refresh: bool = False, cache: Path | None = None) -> Jitte
     from gpipe_repro.distributed.measure import measure_pipeline
     from gpipe_repro.sim.cache import cache_dir
 
-    key = (f"jitter-{socket.gethostname()}-torch{torch.__version__}-"
+    key = (f"jitter-{socket.gethostname()}-torch{torch.__version__}-{WIDTH}x{ROWS}-"
            f"{'-'.join(map(str, CELL_LAYERS))}x{MICROBATCHES}x{STEPS}.json")
     path = cache or cache_dir() / "host" / key
     if path.exists() and not refresh:

@@ -14,7 +14,7 @@ the link as three numbers, the classic alpha-beta model plus the sender's own ti
 Presets, with where the numbers come from (all approximate, effective rather than peak):
 
 - ``gloo-loopback``: this host's torch.distributed gloo backend over TCP on 127.0.0.1, **measured**
-  by :func:`measure_gloo_loopback` (a ping-pong between two processes; cached per host and torch
+  by :func:`measure_gloo_loopback` (a ping-pong between pairs of processes; cached per host and torch
   version). This is the link the distributed runtime uses here, so it is the link of every measured
   cell and of the validation. The runtime's own costs come with it, measured on a pipeline of tiny
   layers (:func:`measure_runtime_overheads`): per message (posting a send, unpacking a receive)

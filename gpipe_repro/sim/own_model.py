@@ -196,12 +196,12 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
     timelines = (in_situ_run(workload, balance, microbatch=microbatch, checkpoint=checkpoint,
                              schedule=schedule, threads=threads, steps=in_situ_steps,
                              micro_batches=in_situ_microbatches) if in_situ else None)
+    if validate is None:
+        validate = device == "cpu" and 2 <= k <= usable_cores()
     result = predict(workload, calib, balance, m=m, microbatch=microbatch, checkpoint=checkpoint,
                      recompute_ahead=recompute_ahead, schedule=schedule, link=link,
                      in_situ_timelines=timelines, in_situ_steps=in_situ_steps,
-                     in_situ_microbatches=in_situ_microbatches)
-    if validate is None:
-        validate = device == "cpu" and 2 <= k <= usable_cores()
+                     in_situ_microbatches=in_situ_microbatches, jitter=validate)
     if validate:
         calibrations, steps_s, hosts = [calib], [], []
         for r in range(rounds):
@@ -220,7 +220,7 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
                              microbatch=microbatch, checkpoint=checkpoint,
                              recompute_ahead=recompute_ahead, schedule=schedule, link=link,
                              in_situ_timelines=timelines, in_situ_steps=in_situ_steps,
-                             in_situ_microbatches=in_situ_microbatches)
+                             in_situ_microbatches=in_situ_microbatches, jitter=True)
             # the speedup compares two simulations of one calibration: the first's, the only one
             # timed at the whole mini-batch too
             result.speedup = first.speedup
@@ -290,13 +290,16 @@ def in_situ_run(workload: Workload, balance: list[int], *, microbatch: int, chec
 def predict(workload: Workload, calib: Calibration, balance: list[int], *, m: int, microbatch: int,
             checkpoint: str, recompute_ahead: bool = False, schedule: str = "gpipe",
             link: str = "gloo-loopback", in_situ_timelines: list[Any] | None = None,
-            in_situ_steps: int = 3, in_situ_microbatches: int = 1) -> OwnModelResult:
+            in_situ_steps: int = 3, in_situ_microbatches: int = 1,
+            jitter: bool = False) -> OwnModelResult:
     """The simulated step of cut `balance` at M = `m` micro-batches of `microbatch` from `calib`'s
     costs, corrected in situ where `in_situ_timelines` (:func:`in_situ_run`) are given; the speedup
-    over one device where `calib` holds the whole mini-batch's size (else None)."""
+    over one device where `calib` holds the whole mini-batch's size (else None). `jitter`: the
+    prediction is compared with steps measured on this host's stage processes, so its action
+    durations are drawn as they vary in a pipeline here (:mod:`gpipe_repro.sim.jitter`; the host's
+    gloo link only)."""
     k, n = len(balance), m * microbatch
-    # compared with this host's measured steps: action durations drawn as they vary here
-    platform = platform_for(link, jitter=True)
+    platform = platform_for(link, jitter=jitter)
     # a step's fixed costs of stage processes (clock, agreement): none for one cell in one process
     setup, teardown = (platform.setup, platform.teardown) if k > 1 else (0.0, 0.0)
     sched = make_schedule(schedule, k, m, checkpoint, recompute_ahead)

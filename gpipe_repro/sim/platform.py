@@ -45,7 +45,7 @@ class Platform:
         out = {**self.link.to_json(), "step_setup": self.setup, "step_teardown": self.teardown}
         if self.jitter is not None:
             out["jitter"] = {"source": self.jitter.source,
-                             "cv_by_length_s": {f"{k:.4f}": v for k, v in self.jitter.spread().items()}}
+                             "length_s_and_cv": [list(pair) for pair in self.jitter.spread()]}
         return out
 
 

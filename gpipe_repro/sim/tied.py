@@ -87,4 +87,5 @@ def with_tied_allreduce(sim: Simulation, schedule: Schedule, ties: Sequence[tupl
     step = sim.step_time + exposed
     breakdown = {k: v * sim.step_time / step for k, v in sim.breakdown.items()}
     breakdown[TIED_EXPOSED] = exposed / step
-    return dataclasses.replace(sim, step_time=step, breakdown=breakdown)
+    exact = None if sim.exact_step_time is None else sim.exact_step_time + exposed
+    return dataclasses.replace(sim, step_time=step, breakdown=breakdown, exact_step_time=exact)

@@ -33,8 +33,9 @@ def _rounds(rule: dict[str, Any]) -> dict[str, Any]:
     result = rounds_in_processes(items, [Comparison("r", "alone", "both")], StopRule(**rule),
                                  torch.zeros(1), torch.zeros(1), warmup=1)
     dist.barrier()
+    import gc
     return {"result": result, "steps": {n: i.steps if i else None for n, i in items.items()},
-            "frozen": items["both"].frozen}
+            "frozen": items["both"].frozen, "frozen_after": gc.get_freeze_count()}
 
 
 def test_rounds_in_stage_processes_stop_together_on_rank_0s_rule() -> None:
@@ -49,6 +50,7 @@ def test_rounds_in_stage_processes_stop_together_on_rank_0s_rule() -> None:
     # the start-up heap is collected and frozen after the warm-up, before the timed rounds
     for rank in out:
         assert rank["frozen"][0] == 0 and all(n > 0 for n in rank["frozen"][1:])
+        assert rank["frozen_after"] == 0       # and unfrozen after, for the next group's items
 
 
 def test_bench_overhead_runs_in_a_tiny_mode(capsys: pytest.CaptureFixture[str]) -> None:

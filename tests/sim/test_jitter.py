@@ -57,8 +57,38 @@ def test_drawn_steps_are_seeded() -> None:
     varying = Jitter((f,), ((0.5, 0.9, 1.1, 1.5),))
     a, b = (simulate(sched, forwards_only(f), FREE, 2, varying, seed=3) for _ in range(2))
     assert a.step_time == b.step_time
+    others = {simulate(sched, forwards_only(f), FREE, 2, varying, seed=s).step_time for s in range(4, 9)}
+    assert others != {a.step_time}
     with pytest.raises(ValueError, match="draws must be >= 1"):
         simulate(sched, forwards_only(f), FREE, 2, varying, draws=0)
+
+
+def test_the_figure_is_the_middle_draw() -> None:
+    # K=1, M=1, one forward of cost f: each draw's step is f times its factor; three draws of
+    # factors from {1, 2, 3, 4, 5}: the step is the middle one of the three, drawn as the seeded
+    # generator draws them
+    f = 0.010
+    sched = make_schedule("gpipe", 1, 1, "never", False)
+    costs = PipelineCosts([[f]], [[f]], [[0.0]], [[0.0]], [0.0], [], [])
+    factors = (1.0, 2.0, 3.0, 4.0, 5.0)
+    rng = random.Random(7)
+    drawn = sorted(rng.choice(factors) for _ in range(3))
+    sim = simulate(sched, costs, FREE, 1, Jitter((f,), (factors,)), draws=3, seed=7)
+    assert sim.step_time == pytest.approx(drawn[1] * f)
+
+
+def test_only_compute_actions_are_drawn() -> None:
+    # a send's own cost stays what the link says: factor 2 on every compute action doubles the
+    # forwards only (gpipe K=2 M=1: forward, send, forward, then the free backwards with the
+    # gradient's send between them)
+    f, send = 0.010, 0.001
+    link = FREE.with_overheads(send, 0.0)
+    sched = make_schedule("gpipe", 2, 1, "never", False)
+    zero = [[0.0], [0.0]]
+    costs = PipelineCosts([[f], [f]], [[f], [f]], zero, zero, [0.0, 0.0], [[0.0]], [[0.0]])
+    sim = simulate(sched, costs, link, 1, Jitter((f,), ((2.0,),)), draws=1)
+    assert sim.exact_step_time == pytest.approx(2 * f + 2 * send)
+    assert sim.step_time == pytest.approx(4 * f + 2 * send)
 
 
 def test_an_action_draws_from_the_length_nearest_its_own() -> None:
@@ -80,7 +110,7 @@ def test_factors_are_each_class_s_durations_over_its_own_robust_mean() -> None:
     j = jitter_from_durations([[2 * x for x in forwards], forwards, [4.0] * 5])
     assert j.lengths == pytest.approx((1.0, 2.0, 4.0))
     assert j.factors[0] == pytest.approx(j.factors[1]) and j.factors[0] == pytest.approx(forwards)
-    assert j.spread()[4.0] == pytest.approx(0.0)
+    assert j.spread()[2] == pytest.approx((4.0, 0.0))
 
 
 def test_durations_are_classed_by_stage_and_kind() -> None:

@@ -69,3 +69,26 @@ def test_the_worst_reading_of_every_round_decides_whether_the_host_was_clean() -
     both = own_model.worst_host([clean, slow, clean])
     assert not is_clean(both) and both["speed_after"] == 500.0 and both["speed_fastest"] == 1010.0
     assert own_model.worst_host([clean, clean]) == clean
+
+
+@pytest.mark.parametrize("validate", [False, True])
+def test_only_a_prediction_compared_with_measured_steps_draws_this_host_s_durations(
+        monkeypatch: pytest.MonkeyPatch, validate: bool) -> None:
+    # a user's prediction (no measurement beside it) stays the exact simulation; a validated one
+    # draws its actions' durations as they vary on this host's stage processes (sim/jitter)
+    from gpipe_repro.sim.platform import Platform, platform_for
+    work = Workload.create("tiny residual MLP", "gpipe_repro.repro.validate_unseen:residual_mlp",
+                           "features", (16,), 10, width=16, blocks=2)
+    base = calibrate(work, [4, 8], method="flops")
+    asked: list[bool] = []
+
+    def fake_platform(name: str, *, jitter: bool = False) -> Platform:
+        asked.append(jitter)
+        return platform_for("ideal")
+
+    monkeypatch.setattr(own_model, "calibrate", lambda *a, **kw: base)
+    monkeypatch.setattr(own_model, "platform_for", fake_platform)
+    monkeypatch.setattr(own_model, "measure_steps", lambda *a, **kw: ([0.5, 0.5], {}))
+    monkeypatch.setattr(own_model, "usable_cores", lambda: 2)
+    own_model.simulate_model(work, k=2, m=2, microbatch=4, validate=validate, steps=2)
+    assert asked and set(asked) == {validate}
