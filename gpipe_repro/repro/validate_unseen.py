@@ -42,6 +42,7 @@ from gpipe_repro.report.records import (
 )
 from gpipe_repro.repro.throughput.simulator_error import describe, error_figure, summarize_errors
 from gpipe_repro.sim.calibration import Calibration, calibrate
+from gpipe_repro.sim.jitter import measure_jitter
 from gpipe_repro.sim.own_model import (
     attach_measurement,
     calibration_neighbours,
@@ -124,6 +125,7 @@ class Seams:
     calibrate: Callable[[Workload, list[int], int], Calibration]
     in_situ: Callable[..., list[Any]]
     measure: Callable[..., tuple[list[float], dict[str, Any]]]
+    variation: Callable[[], object] = lambda: None   # the host's action-duration variation, now
 
 
 def _calibrate_afresh(workload: Workload, sizes: list[int], repeats: int) -> Calibration:
@@ -133,7 +135,14 @@ def _calibrate_afresh(workload: Workload, sizes: list[int], repeats: int) -> Cal
                      use_cache=False, neighbours=calibration_neighbours(K, "cpu"))
 
 
-PUBLIC_SEAMS = Seams(_calibrate_afresh, in_situ_run, measure_steps)
+def _variation_now() -> object:
+    """This host's variation of action durations measured now, not read from the cache (the
+    simulations then draw from it: :mod:`gpipe_repro.sim.jitter`): it changes with the host's
+    phases, as the costs do."""
+    return measure_jitter(refresh=True)
+
+
+PUBLIC_SEAMS = Seams(_calibrate_afresh, in_situ_run, measure_steps, _variation_now)
 
 
 def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps: int, rounds: int,
@@ -154,6 +163,8 @@ def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps:
     situ_runs: dict[int, list[Any]] = {}
     steps_of: dict[int, list[float]] = {i: [] for i in range(len(configs))}
     hosts: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(configs))}
+    say("measuring how action durations vary in a pipeline on this host now")
+    seams.variation()
     for r in range(rounds):
         for name in names:
             say(f"calibrating {name} at {sizes[name]} rows (round {r + 1} of {rounds})")

@@ -14,7 +14,9 @@ A simulation that compares itself with this host's measured steps draws its acti
 the same way (:func:`gpipe_repro.sim.simulator.simulate` with a :class:`Jitter`); the figure is
 then the median simulated step, as the measured figure is the median measured step.
 
-What is measured (:func:`measure_jitter`, cached per host): real pipelines on this host's stage
+What is measured (:func:`measure_jitter`, cached per host; validate-sim and validate-unseen measure
+it afresh at their start, as they calibrate afresh, since it moves with the host's phases as the
+costs do): real pipelines on this host's stage
 processes (K=2, M=8, gloo, one thread each) of cells of 1, 4, 16 and 48 small Linear layers, so
 that forwards and backwards span about 0.6 to 50 ms; each action's duration over the robust mean of
 its stage and kind in its run (:func:`gpipe_repro.sim.calibration.robust_seconds`, the statistic
@@ -26,8 +28,9 @@ last a few milliseconds, shorter than most cell actions; an action longer than t
 borrows that class's spread, which overstates it. These generic layers vary less than the
 harness's models do in the same pipeline (coefficient of variation 0.05-0.13 at 10-50 ms in
 separate measurements, against 0.11-0.22 for the cells of Transformer-48 and AmoebaNet-D), so the
-drawn steps are a lower bound on the effect: on validate-sim's 40 configurations of record they
-moved the simulated step by -1.4% to +5.0% (median +0.5%).
+drawn steps are a lower bound on the effect: on validate-sim's 40 configurations they moved the
+simulated step by -1.4% to +5.0% (median +0.5%) in one run and +0.4% to +11.6% (median +5.0%) in
+the next, each with a variation measured at a different hour.
 """
 from __future__ import annotations
 

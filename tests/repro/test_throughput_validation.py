@@ -37,6 +37,7 @@ def _fake_measure(schedule: str, slowdown: float) -> validation.MeasureFn:
 def test_validation_reports_each_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(validation, "calibrate", _calibrate)
     monkeypatch.setattr(validation, "platform_for", lambda name, **kw: Platform(PRESETS["ideal"]))
+    monkeypatch.setattr(validation, "measure_jitter", lambda **kw: None)
     # the host probe times the cores: a fixed answer instead
     monkeypatch.setattr(validation, "fast_share", lambda: 0.2)
     settings = SweepSettings(link="ideal")
@@ -101,6 +102,8 @@ def test_each_configuration_is_measured_once_per_round_in_alternating_order(
         return _calibrate(workload, sizes, **kw)
     monkeypatch.setattr(validation, "calibrate", calibrating)
     monkeypatch.setattr(validation, "platform_for", lambda name, **kw: Platform(PRESETS["ideal"]))
+    monkeypatch.setattr(validation, "measure_jitter",
+                        lambda **kw: events.append(f"variation refresh={kw.get('refresh')}"))
     monkeypatch.setattr(validation, "fast_share", lambda: 0.5)
     calls: list[int] = []
     exact = _fake_measure("gpipe", 1.0)
@@ -115,9 +118,10 @@ def test_each_configuration_is_measured_once_per_round_in_alternating_order(
     result = validation.validate_simulator(SweepSettings(link="ideal"), drifting, models=["transformer"],
                                            ks=[2], ms=[1, 2, 4], checkpoints=("never",), rounds=3)
     assert calls == [1, 2, 4, 4, 2, 1, 1, 2, 4]
-    # the costs are calibrated again before every round: costs and steps span the same moments
-    assert events == ["calibrate", "M=1", "M=2", "M=4", "calibrate", "M=4", "M=2", "M=1",
-                      "calibrate", "M=1", "M=2", "M=4"]
+    # the costs are calibrated again before every round: costs and steps span the same moments;
+    # the host's variation of action durations is measured afresh, not read from the cache
+    assert events == ["variation refresh=True", "calibrate", "M=1", "M=2", "M=4", "calibrate", "M=4",
+                      "M=2", "M=1", "calibrate", "M=1", "M=2", "M=4"]
     rows = result["rows"]
     assert [r["measured_rounds"] for r in rows] == [3, 3, 3]
     assert all(len(r["measured_step_times_s"]) == 3 * 8 for r in rows)

@@ -137,12 +137,13 @@ def test_rounds_calibrate_every_model_before_each_round_and_alternate_the_order(
         log.append(("measure", workload.name, m, checkpoint))
         return [1.0] * steps, {"idle_fraction_before": 0.9 - 0.1 * len(log) / 100}
 
-    seams = vu.Seams(fake_calibrate, lambda *a, **k: pytest.fail("no in-situ run asked for"), fake_measure)
+    seams = vu.Seams(fake_calibrate, lambda *a, **k: pytest.fail("no in-situ run asked for"), fake_measure,
+                     lambda: log.append(("variation",)))
     names = ["conv net 6x32 on 16x16", "residual MLP 8x1024"]
     payload = vu.main(models=names, ms=[2, 8], checkpoints=["never"], steps=2, rounds=3, repeats=5,
                       in_situ=False, out=str(tmp_path), seams=seams)
     configs = [(n, m, "never") for n in names for m in (2, 8)]
-    expected: list[tuple[Any, ...]] = []
+    expected: list[tuple[Any, ...]] = [("variation",)]
     for r in range(3):
         expected += [("calibrate", n, (32, 128), 5) for n in names]
         expected += [("measure", *c) for c in (configs if r % 2 == 0 else configs[::-1])]

@@ -14,6 +14,7 @@ from gpipe_repro.repro.throughput.settings import MODELS, SweepSettings
 from gpipe_repro.repro.throughput.simulator_error import TARGETS, error_figure, summarize_errors
 from gpipe_repro.repro.throughput.workloads import PAPER_WORKLOADS, SCALED_WORKLOADS
 from gpipe_repro.sim.calibration import Calibration, calibrate
+from gpipe_repro.sim.jitter import measure_jitter
 from gpipe_repro.sim.partition_choice import choose_partition
 from gpipe_repro.sim.platform import Platform, platform_for
 from gpipe_repro.sim.simulator import replay_costs, simulate
@@ -199,7 +200,10 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     measures = {n: (measure if n == settings.schedule or measure_schedule is None
                     else measure_schedule(n)) for n in names}
     say = progress or (lambda msg: None)
-    # compared with this host's measured steps: its action durations drawn as they vary here
+    # compared with this host's measured steps: its action durations drawn as they vary here, the
+    # variation measured now with the costs (the host's phases last minutes), not read from the cache
+    if fresh_calibration:
+        measure_jitter(refresh=True)
     platform = platform_for(settings.link, jitter=True)
     ks = list(ks) if ks is not None else validation_ks(usable_cores())
     if not ks:
