@@ -267,9 +267,15 @@ def busy_note(cond: Mapping[str, Any] | None) -> str:
     if clean is None:
         return f" {BUSY_MARK}(host state not recorded)"
     assert cond is not None
+    return f" {BUSY_MARK}busy ({busy_readings(cond)})"
+
+
+def busy_readings(cond: Mapping[str, Any]) -> str:
+    """What a host's recorded conditions read: idle share before, load, other processes' CPU
+    during and how much slower than its fastest the speed probe ran (those recorded)."""
     others = cond.get("others_cpu_fraction_during")
     during = "" if others is None else f", other processes {float(others):.0%} of the CPU during"
     slow = slowed_down(cond)
     slowed = "" if slow is None else f", host {slow:.0%} slower than its fastest"
-    return (f" {BUSY_MARK}busy (idle {float(cond['idle_fraction_before']):.0%}"
-            f", load {float(cond.get('load_average_before') or 0.0):.1f}{during}{slowed})")
+    return (f"idle {float(cond['idle_fraction_before']):.0%}"
+            f", load {float(cond.get('load_average_before') or 0.0):.1f}{during}{slowed}")

@@ -385,6 +385,11 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
               "steps": steps, "rounds": rounds, "repeats": repeats, "out": out, "in_situ": in_situ,
               "in_situ_m": in_situ_m}
     payload = {"experiment": "simulator vs real runs on models it was never tuned on",
+               "method": "measured_*: steps measured on this host's 2 real stage processes; "
+                         "step_time_s and the uncorrected figures: simulated from per-layer costs "
+                         "calibrated on this host, action durations drawn as they vary in a "
+                         "pipeline here; in_situ: simulated from costs corrected by a separate short "
+                         "run on the stage processes",
                "command": command, "config": config, "usable_cores": usable_cores(), "rows": rows,
                "summary": summarize(rows)}
     if in_situ:

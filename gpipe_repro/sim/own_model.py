@@ -35,7 +35,7 @@ from gpipe_repro.engine.microbatch import split_sizes
 from gpipe_repro.engine.partition import OBJECTIVES
 from gpipe_repro.engine.schedule import CHECKPOINT_MODES, make_schedule
 from gpipe_repro.models.workload import Workload
-from gpipe_repro.report.host import HostWatch, busy_note, is_clean, usable_cores
+from gpipe_repro.report.host import HostWatch, busy_readings, is_clean, usable_cores
 from gpipe_repro.report.measurement import Figure
 from gpipe_repro.sim import in_situ as situ
 from gpipe_repro.sim.calibration import Calibration, calibrate
@@ -143,10 +143,9 @@ class OwnModelResult:
 def _busy(host: dict[str, Any] | None) -> str:
     """A busy or slow host, said with what was seen (the error's interval spans what it did); ""
     for a clean or unrecorded one."""
-    if is_clean(host) is not False:
+    if host is None or is_clean(host) is not False:
         return ""
-    note = busy_note(host).strip()
-    return f" (host busy or slow: {note[note.index('(') + 1:-1]}; the error's interval spans it)"
+    return f" (host busy or slow: {busy_readings(host)}; the error's interval spans it)"
 
 
 #: What an error figure is: the simulated throughput's error against a measured step.

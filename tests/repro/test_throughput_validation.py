@@ -47,6 +47,7 @@ def test_validation_reports_each_schedule(monkeypatch: pytest.MonkeyPatch) -> No
         checkpoints=("never",), schedules=["gpipe", "1f1b", "zb-h1", "interleaved"],
         measure_schedule=lambda name: _fake_measure(name, slow[name]))
     rows = result["rows"]
+    assert "measured_*" in result["method"] and "simulated_*" in result["method"]
     # interleaved takes M in groups of the K processes: M=1 is skipped
     assert sorted((r["schedule"], r["M"]) for r in rows if r["schedule"] == "interleaved") == [
         ("interleaved", 2), ("interleaved", 4)] and len(rows) == 3 * 3 + 2

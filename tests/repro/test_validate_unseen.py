@@ -148,6 +148,7 @@ def test_rounds_calibrate_every_model_before_each_round_and_alternate_the_order(
         expected += [("calibrate", n, (32, 128), 5) for n in names]
         expected += [("measure", *c) for c in (configs if r % 2 == 0 else configs[::-1])]
     assert log == expected
+    assert "measured" in payload["method"] and "simulated" in payload["method"]
     rows = payload["rows"]
     assert [r["measured_step_times_s"] for r in rows] == [[1.0] * 6] * 4
     for row, (name, m, _) in zip(rows, configs):

@@ -32,6 +32,14 @@ NOT_VALIDATED: dict[str, str] = {}
 VALIDATION_KS = (2, 4, 8)
 
 
+#: What a validation's numbers are (its JSON says it beside them).
+METHOD = ("measured_*: steps measured on this host's real stage processes (one per core, gloo); "
+          "simulated_*: the simulator from per-layer costs calibrated on this host, every compute "
+          "action's duration drawn as durations vary in a pipeline here, the median of the drawn "
+          "steps; exact_*: simulated with every action at its calibrated cost; replay_*: the "
+          "simulator replaying each measured step's own action durations")
+
+
 def validation_ks(cores: int) -> list[int]:
     """The K values of the tables (2, 4, 8) that real stage processes can run here, one core each:
     every K <= `cores`. A bigger host validates K=4 and K=8 with no change."""
@@ -256,5 +264,5 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                "per_schedule": {n: _per_schedule([r for r in rows if r["schedule"] == n])
                                 for n in names},
                "not_validated": dict(NOT_VALIDATED)}
-    return {"settings": asdict(settings), "link": platform.to_json(), "rows": rows,
+    return {"method": METHOD, "settings": asdict(settings), "link": platform.to_json(), "rows": rows,
             "summary": summary, "timelines": timelines}
