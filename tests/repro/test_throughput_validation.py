@@ -2,6 +2,7 @@
 'measured' runs: the orchestration, the per-schedule summary and the refusals. Nothing is timed."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -146,3 +147,48 @@ def test_calibrations_taken_at_several_moments_pool_to_their_median() -> None:
     assert pooled.optimizer_call == pytest.approx(0.2) and pooled.uncertainty_at(4) == pytest.approx(0.02)
     with pytest.raises(ValueError, match="cannot be pooled"):
         Calibration.median_of([cal(1.0, 8), Calibration("w", "time", "cpu", [0], {4: []})])
+
+
+def test_each_rounds_steps_are_compared_with_that_rounds_calibration(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host twice as slow in round 2 as in rounds 1 and 3, in its calibrations as in its measured
+    steps: each round's steps against that round's own costs err by nothing, where all the steps
+    against the median of the rounds' costs spread from 0 to +100%. The second round runs the
+    configurations in reverse, and each model is calibrated right before its own configurations."""
+    events: list[str] = []
+    measured: list[int] = []
+
+    def slowdown() -> float:   # the host's slow phase: the second round's 4 runs
+        return 2.0 if 4 <= len(measured) < 8 else 1.0
+
+    def calibrating(workload: Any, sizes: list[int], **kw: Any) -> Calibration:
+        events.append(f"calibrate {workload.name.split()[0]}")
+        cal, x = _calibrate(workload, sizes), slowdown()
+        return replace(cal, costs={b: [replace(c, forward=c.forward * x, forward_nograd=c.forward_nograd * x,
+                                               recompute=c.recompute * x, backward=c.backward * x)
+                                       for c in cs] for b, cs in cal.costs.items()})
+    monkeypatch.setattr(validation, "calibrate", calibrating)
+    monkeypatch.setattr(validation, "platform_for", lambda name, **kw: Platform(PRESETS["ideal"]))
+    monkeypatch.setattr(validation, "measure_jitter", lambda **kw: None)
+    monkeypatch.setattr(validation, "fast_share", lambda: 0.5)
+    exact = _fake_measure("gpipe", 1.0)
+
+    def measuring(workload: Any, balance: list[int], m: int, n: int, checkpoint: str) -> dict[str, Any]:
+        got, x = exact(workload, balance, m, n, checkpoint), slowdown()
+        measured.append(m)
+        events.append(f"{workload.name.split()[0]} M={m}")
+        return {**got, "step_time_s": got["step_time_s"] * x,
+                "step_times": [t * x for t in got["step_times"]]}
+    result = validation.validate_simulator(SweepSettings(link="ideal"), measuring,
+                                           models=["transformer", "amoebanet"], ks=[2], ms=[1, 2],
+                                           checkpoints=("never",), rounds=3)
+    t, a = "Transformer-48", "AmoebaNet-D"
+    assert events == [f"calibrate {t}", f"calibrate {a}", f"{t} M=1", f"{t} M=2", f"{a} M=1", f"{a} M=2",
+                      f"calibrate {a}", f"{a} M=2", f"{a} M=1", f"calibrate {t}", f"{t} M=2", f"{t} M=1",
+                      f"calibrate {t}", f"{t} M=1", f"{t} M=2", f"calibrate {a}", f"{a} M=1", f"{a} M=2"]
+    for r in result["rows"]:
+        assert [r["error"][x] for x in ("value", "low", "high")] == pytest.approx([0, 0, 0], abs=1e-9)
+        assert r["unpaired_error"]["high"] == pytest.approx(1.0)
+        assert r["simulated_step_per_round_s"][1] == pytest.approx(2 * r["simulated_step_per_round_s"][0])
+    assert result["summary"]["met"] and not result["summary"]["unpaired"]["met"]
+    assert "Unpaired (all the steps against" in render_validation_summary(result)

@@ -348,11 +348,16 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
     rounds = max((r.get("measured_rounds") or 1 for r in rows), default=1)
     head += (" Each error is the median over the measured steps with its 95% interval"
              + (f" (every configuration measured in {rounds} rounds, the rounds interleaved across "
-                "configurations and the costs calibrated again before each, the simulation from "
-                "their median: steps and costs span the same host states over the whole validation)"
+                "configurations and each model's costs calibrated again in every round right before "
+                "its configurations; each round's steps against the simulation from that round's "
+                "costs, paired, as the host's speed drifts over minutes)"
                 if rounds > 1 else "")
              + "; the bounds of the median and the worst come from the intervals' ends, so a busy "
              "host widens them and can leave the verdict inconclusive.")
+    unpaired = summary.get("unpaired")
+    if rounds > 1 and unpaired and unpaired.get("configurations"):
+        head += (" Unpaired (all the steps against the simulation from the median of the rounds' "
+                 f"costs; the samples/s columns): {describe(unpaired)}.")
     if summary.get("exact_median_abs_error") is not None:
         head += (" The simulation draws every compute action's duration as this host's durations "
                  "vary (sim/jitter: each core switches between a fast and a 2x slower state every "

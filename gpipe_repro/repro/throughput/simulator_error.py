@@ -29,6 +29,17 @@ def error_figure(step_times: Sequence[float], simulated_step: float,
                      unit="", host_fast=host_fast)
 
 
+def paired_error_figure(rounds: Sequence[tuple[Sequence[float], float]],
+                        host_fast: float | None = None) -> Figure:
+    """The error with each round's measured steps against that round's own simulated step (from
+    the costs calibrated in that round): `rounds` is a (measured steps, simulated step) per round.
+    The host's speed, which drifts over minutes, then moves both sides of each ratio alike."""
+    if not rounds or any(s <= 0 or not steps for steps, s in rounds):
+        raise ValueError("need a positive simulated step and at least one measured step per round")
+    return Figure.of("simulated throughput / measured - 1",
+                     [t / s - 1 for steps, s in rounds for t in steps], unit="", host_fast=host_fast)
+
+
 def abs_bounds(error: Mapping[str, Any]) -> tuple[float, float]:
     """(lower, upper) bound of |error| from an error figure's JSON (unbounded: 0, inf)."""
     low, high = error.get("low"), error.get("high")

@@ -11,7 +11,12 @@ from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import HostWatch, fast_share, usable_cores
 from gpipe_repro.repro.throughput.measure import MeasureFn
 from gpipe_repro.repro.throughput.settings import MODELS, SweepSettings
-from gpipe_repro.repro.throughput.simulator_error import TARGETS, error_figure, summarize_errors
+from gpipe_repro.repro.throughput.simulator_error import (
+    TARGETS,
+    error_figure,
+    paired_error_figure,
+    summarize_errors,
+)
 from gpipe_repro.repro.throughput.workloads import PAPER_WORKLOADS, SCALED_WORKLOADS
 from gpipe_repro.sim.calibration import Calibration, calibrate
 from gpipe_repro.sim.jitter import measure_jitter
@@ -37,7 +42,10 @@ METHOD = ("measured_*: steps measured on this host's real stage processes (one p
           "simulated_*: the simulator from per-layer costs calibrated on this host, every compute "
           "action's duration drawn as durations vary in a pipeline here, the median of the drawn "
           "steps; exact_*: simulated with every action at its calibrated cost; replay_*: the "
-          "simulator replaying each measured step's own action durations")
+          "simulator replaying each measured step's own action durations; error (and exact_error): "
+          "each round's measured steps against the simulation from the costs calibrated in that "
+          "round (simulated_step_per_round_s), paired; unpaired_error, simulated_step_s and "
+          "relative_error: all the steps against the simulation from the median of the rounds' costs")
 
 
 def validation_ks(cores: int) -> list[int]:
@@ -126,21 +134,33 @@ def _runs_as_one(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "others_cpu": [r.get("others_cpu") for r in runs]}
 
 
-def _row(c: _Config, calib: Calibration, measured: dict[str, Any],
+def _row(c: _Config, calibs: Sequence[Calibration], runs: Sequence[dict[str, Any]],
          timelines: dict[str, Any]) -> dict[str, Any]:
-    """`c`'s row: simulated from `calib` against `measured` (:func:`_runs_as_one`), and the
-    measured timeline replayed."""
+    """`c`'s row from its measured `runs` (one per round) and its model's calibrations `calibs`
+    (one per round, or one for them all): the error pairs each round's measured steps with the
+    simulation from that round's calibration; the samples/s columns, the timeline and the replay
+    come from the median of the calibrations against all the steps (:func:`_runs_as_one`)."""
     cells, m, b, settings = len(c.balance), c.m, c.b, c.settings
-    sim = c.platform.simulate(calib, c.balance, m, m * b, settings, c.checkpoint)
+    measured = _runs_as_one(runs)
+
+    def simulated(calib: Calibration) -> Any:
+        return c.platform.simulate(calib, c.balance, m, m * b, settings, c.checkpoint)
+    sim = simulated(Calibration.median_of(list(calibs)))
+    per_round = [simulated(calibs[min(r, len(calibs) - 1)]) for r in range(len(runs))]
+    steps = [run.get("step_times") or [run["step_time_s"]] for run in runs]
+    error = paired_error_figure([(ts, s.step_time) for ts, s in zip(steps, per_round)],
+                                measured["host_fast"])
+    unpaired = error_figure(measured["step_times"], sim.step_time, measured["host_fast"])
+    exact = ([t / s.exact_step_time - 1 for ts, s in zip(steps, per_round) for t in ts]
+             if all(s.exact_step_time for s in per_round) else None)
     k = num_processes(settings.schedule, cells)
-    error = error_figure(measured["step_times"], sim.step_time, measured["host_fast"])
     meas_tp = m * b / measured["step_time_s"]
     replay = None
     if measured.get("timeline") is not None and measured["timeline"].num_stages == cells:
         replay = simulate(
             make_schedule(settings.schedule, cells, m, c.checkpoint, settings.recompute_ahead),
             replay_costs(measured["timeline"], measured["step_time_s"],
-                         [calib.at(b)[sum(c.balance[:s + 1]) - 1].output_bytes
+                         [calibs[0].at(b)[sum(c.balance[:s + 1]) - 1].output_bytes
                           for s in range(cells - 1)]),
             c.platform.link, m * b)
     if measured.get("timeline") is not None:
@@ -151,6 +171,7 @@ def _row(c: _Config, calib: Calibration, measured: dict[str, Any],
             "schedule": settings.schedule,
             "balance": c.balance, "microbatch": b, "batch": m * b,
             "simulated_step_s": sim.step_time,
+            "simulated_step_per_round_s": [s.step_time for s in per_round],
             "measured_step_s": measured["step_time_s"],
             "measured_step_times_s": measured["step_times"],
             "measured_rounds": measured["rounds"],
@@ -158,9 +179,9 @@ def _row(c: _Config, calib: Calibration, measured: dict[str, Any],
             "measured_throughput": meas_tp,
             "relative_error": sim.throughput / meas_tp - 1.0,
             "exact_step_s": sim.exact_step_time,
-            "exact_error": (m * b / sim.exact_step_time / meas_tp - 1.0
-                            if sim.exact_step_time else None),
-            "error": error.to_json(), "host_fast": measured["host_fast"],
+            "exact_error": statistics.median(exact) if exact else None,
+            "error": error.to_json(), "unpaired_error": unpaired.to_json(),
+            "host_fast": measured["host_fast"],
             "others_cpu_per_round": measured.get("others_cpu"),
             "replay_step_s": replay.step_time if replay else None,
             "replay_error": (replay.throughput / meas_tp - 1.0 if replay else None),
@@ -189,10 +210,13 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     of the configurations (the measurement kernel's rule): its figure is the median over all its
     measured steps, and its interval spans the host's states over the whole validation instead of
     one burst of consecutive steps. The costs are calibrated afresh (not read from the cache) by
-    default, once before each round: the cuts come from the first calibration, the simulation from
-    the median of all (:meth:`Calibration.median_of`), so that costs and measurements sample the
-    same spread of the host's states (on a host whose speed drifts, a calibration in one burst
-    before the measurements made 38 of 40 errors one sign)."""
+    default, once per round, each model right before its first configuration of the round: the cuts
+    come from the first calibration, and each round's measured steps are compared with the
+    simulation from that round's costs (a paired ratio per round, the measurement kernel's rule), so
+    that the host's speed, which drifts over minutes on this host, moves both sides of each ratio
+    (on a host whose speed drifts, a calibration in one burst before the measurements made 38 of 40
+    errors one sign; the median of all rounds' costs against all the steps is kept beside it as
+    ``unpaired_error``)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     names = list(schedules) if schedules else [settings.schedule]
@@ -237,25 +261,27 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                                                settings.objective, calib.uncertainty_at(b))
                     configs += _plan_cut(model, workloads[model], replace(settings, schedule=name),
                                          measures[name], platform, balance, b, ms, checkpoint)
-    # Every configuration once per round, in alternating order, and each model calibrated again
-    # before every round but the first: the measured steps and the costs they are compared with are
-    # both taken at moments spread over the whole validation, not one in a burst before the other.
+    # Every configuration once per round, in alternating order, and each model calibrated again in
+    # every round but the first, right before its first configuration of the round: each round's
+    # steps are compared with the costs of the same round, minutes apart at most, and over the rounds
+    # both span the host's states over the whole validation.
     runs: list[list[dict[str, Any]]] = [[] for _ in configs]
     for r in range(rounds):
-        if r > 0 and fresh_calibration:
-            for model in models:
-                calibrations[model].append(calibrated(model))
         order = range(len(configs)) if r % 2 == 0 else range(len(configs) - 1, -1, -1)
+        fresh: set[str] = set()
         for i in order:
+            model = configs[i].model
+            if r > 0 and fresh_calibration and model not in fresh:
+                calibrations[model].append(calibrated(model))
+                fresh.add(model)
             say(f"validating {configs[i].describe()} (round {r + 1} of {rounds})")
             runs[i].append(_measure_once(configs[i]))
-    # The cuts stay those of the first calibration (the runs measured them); the simulation uses the
-    # median of every round's costs.
-    pooled = {model: Calibration.median_of(cs) for model, cs in calibrations.items()}
-    rows = [_row(c, pooled[c.model], _runs_as_one(done), timelines) for c, done in zip(configs, runs)]
+    # The cuts stay those of the first calibration (the runs measured them).
+    rows = [_row(c, calibrations[c.model], done, timelines) for c, done in zip(configs, runs)]
     replays = [abs(r["replay_error"]) for r in rows if r["replay_error"] is not None]
     exact = [abs(r["exact_error"]) for r in rows if r["exact_error"] is not None]
     summary = {**summarize_errors([r["error"] for r in rows]),
+               "unpaired": summarize_errors([r["unpaired_error"] for r in rows]),
                "exact_median_abs_error": statistics.median(exact) if exact else None,
                "exact_max_abs_error": max(exact) if exact else None,
                "replay_median_abs_error": statistics.median(replays) if replays else None,
