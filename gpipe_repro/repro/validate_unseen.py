@@ -40,7 +40,12 @@ from gpipe_repro.report.records import (
     write_json,
     write_markdown,
 )
-from gpipe_repro.repro.throughput.simulator_error import describe, error_figure, summarize_errors
+from gpipe_repro.repro.throughput.simulator_error import (
+    describe,
+    error_figure,
+    paired_error_figure,
+    summarize_errors,
+)
 from gpipe_repro.sim.calibration import Calibration, calibrate
 from gpipe_repro.sim.jitter import measure_jitter
 from gpipe_repro.sim.own_model import (
@@ -149,9 +154,11 @@ def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps:
                   repeats: int, in_situ: bool, in_situ_m: int, seams: Seams = PUBLIC_SEAMS,
                   say: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Every configuration (model, checkpoint, M) measured `steps` steps once per round, `rounds`
-    rounds in alternating order, each model calibrated afresh before every round; its simulated
-    step from the median of its model's calibrations (:meth:`Calibration.median_of`), its cut from
-    the first, its in-situ correction (where `in_situ`) from a run of its own before its first
+    rounds in alternating order, each model calibrated afresh in every round right before its first
+    configuration of the round; its error pairs each round's measured steps with the simulation
+    from that round's calibration (``*_per_round_s``), its simulated step (and the unpaired error)
+    from the median of its model's calibrations (:meth:`Calibration.median_of`), its cut from the
+    first, its in-situ correction (where `in_situ`) from a run of its own before its first
     measurement. The public path's steps (calibrate, partition, correct in situ, simulate, measure),
     with the calibrations and the measured steps spread over the same stretch of the host's states
     instead of one calibration before them all and one burst per configuration."""
@@ -161,18 +168,20 @@ def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps:
     calibrations: dict[str, list[Calibration]] = {name: [] for name in names}
     balances: dict[int, list[int]] = {}
     situ_runs: dict[int, list[Any]] = {}
-    steps_of: dict[int, list[float]] = {i: [] for i in range(len(configs))}
+    steps_of: dict[int, list[list[float]]] = {i: [] for i in range(len(configs))}   # per round
     hosts: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(configs))}
     say("measuring how action durations vary in a pipeline on this host now")
     seams.variation()
     for r in range(rounds):
-        for name in names:
-            say(f"calibrating {name} at {sizes[name]} rows (round {r + 1} of {rounds})")
-            calibrations[name].append(seams.calibrate(workloads[name], sizes[name], repeats))
         order = range(len(configs)) if r % 2 == 0 else range(len(configs) - 1, -1, -1)
+        fresh: set[str] = set()
         for i in order:
             name, checkpoint, m = configs[i]
             microbatch = batch // m
+            if name not in fresh:
+                say(f"calibrating {name} at {sizes[name]} rows (round {r + 1} of {rounds})")
+                calibrations[name].append(seams.calibrate(workloads[name], sizes[name], repeats))
+                fresh.add(name)
             if i not in balances:
                 first = calibrations[name][0]
                 balances[i] = choose_partition(first.partition_costs(microbatch, checkpoint), K,
@@ -184,7 +193,7 @@ def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps:
             say(f"{name}: K={K} M={m} checkpoint={checkpoint} (round {r + 1} of {rounds})")
             got, host = seams.measure(workloads[name], balances[i], m=m, microbatch=microbatch,
                                       checkpoint=checkpoint, steps=steps)
-            steps_of[i] += got
+            steps_of[i].append(list(got))
             hosts[i].append(host)
     pooled = {name: Calibration.median_of(cs) for name, cs in calibrations.items()}
     rows = []
@@ -192,9 +201,13 @@ def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps:
         result = predict(workloads[name], pooled[name], balances[i], m=m, microbatch=batch // m,
                          checkpoint=checkpoint, in_situ_timelines=situ_runs.get(i),
                          in_situ_microbatches=in_situ_m, jitter=True)
-        attach_measurement(result, steps_of[i], worst_host(hosts[i]))
+        attach_measurement(result, [t for got in steps_of[i] for t in got], worst_host(hosts[i]))
         row = result.to_json()
         row["model"], row["rounds"] = name, rounds
+        row["measured_step_times_per_round_s"] = steps_of[i]
+        row["uncorrected_step_per_round_s"] = [
+            predict(workloads[name], cal, balances[i], m=m, microbatch=batch // m,
+                    checkpoint=checkpoint, jitter=True).step_time_s for cal in calibrations[name]]
         rows.append(row)
     return rows
 
@@ -226,9 +239,13 @@ def corrected_step(row: dict[str, Any]) -> float | None:
     return row["step_time_s"] if row.get("in_situ") else None
 
 
-def row_error(row: dict[str, Any], corrected: bool = False) -> Figure:
+def row_error(row: dict[str, Any], corrected: bool = False, paired: bool = True) -> Figure:
     """A configuration's error figure (uncorrected, or `corrected` in situ), from its measured steps
-    (or its median step alone)."""
+    (or its median step alone): uncorrected and measured in rounds, each round's steps against the
+    simulation from that round's calibration unless not `paired`."""
+    per_round = row.get("uncorrected_step_per_round_s")
+    if paired and not corrected and per_round:
+        return paired_error_figure(list(zip(row["measured_step_times_per_round_s"], per_round)))
     steps = row.get("measured_step_times_s") or [row["measured_step_time_s"]]
     simulated = corrected_step(row) if corrected else uncorrected_step(row)
     if simulated is None:
@@ -236,11 +253,12 @@ def row_error(row: dict[str, Any], corrected: bool = False) -> Figure:
     return error_figure(steps, simulated)
 
 
-def summarize(rows: Sequence[dict[str, Any]], corrected: bool = False) -> dict[str, Any]:
-    """Median and worst |error| (uncorrected, or `corrected` in situ) with their bounds and the
-    verdict, over the rows with micro-batches of >= 16 rows."""
-    return summarize_errors([row_error(r, corrected).to_json() for r in rows if r["microbatch"] >= 16
-                             and (not corrected or r.get("in_situ"))])
+def summarize(rows: Sequence[dict[str, Any]], corrected: bool = False,
+              paired: bool = True) -> dict[str, Any]:
+    """Median and worst |error| (uncorrected, or `corrected` in situ; :func:`row_error`) with their
+    bounds and the verdict, over the rows with micro-batches of >= 16 rows."""
+    return summarize_errors([row_error(r, corrected, paired).to_json() for r in rows
+                             if r["microbatch"] >= 16 and (not corrected or r.get("in_situ"))])
 
 
 IN_SITU_NOTE = (
@@ -304,6 +322,10 @@ def render(payload: dict[str, Any]) -> str:
                            body)
     summary = (f"Over micro-batches of >= 16 rows{', uncorrected' if corrected else ''}: "
                f"{describe(payload['summary'])}.")
+    unpaired = payload.get("summary_unpaired") or {}
+    if unpaired.get("configurations"):
+        summary += (" Unpaired (all the steps against the simulation from the median of the rounds' "
+                    f"costs, the simulated step ms column): {describe(unpaired)}.")
     if corrected:
         summary += (" In-situ corrected: "
                     f"{describe(payload.get('summary_in_situ') or {})}.")
@@ -311,13 +333,14 @@ def render(payload: dict[str, Any]) -> str:
     in_situ_m = config.get("in_situ_m", 1)
     note = f"{IN_SITU_NOTE.format(m=in_situ_m)}{_moved(payload)}\n\n" if corrected else ""
     rounds = config.get("rounds", 1)
-    how = (f"In {rounds} rounds: each model calibrated afresh before every round "
-           f"({config.get('repeats', 20)} timings a layer and action), every configuration run "
-           f"{config.get('steps', '?')} step(s) a round after 2 warm-up steps, the configurations' order "
-           "alternating from round to round; a configuration's simulated figures come from the median "
-           "of its model's calibrations (the in-situ factors divide by that median too), its cut from "
-           "the first, so that the costs and the measured steps sample the same stretch of the host's "
-           "states." if rounds > 1 else
+    how = (f"In {rounds} rounds: each model calibrated afresh in every round right before its "
+           f"configurations ({config.get('repeats', 20)} timings a layer and action), every "
+           f"configuration run {config.get('steps', '?')} step(s) a round after 2 warm-up steps, the "
+           "configurations' order alternating from round to round; the (uncorrected) error pairs each "
+           "round's measured steps with the simulation from that round's calibration, as the host's "
+           "speed drifts over minutes; the simulated step ms column (and the in-situ correction, "
+           "whose factors divide by it) comes from the median of the model's calibrations, the cut "
+           "from the first." if rounds > 1 else
            "Each configuration calibrated (or its calibration read from the cache) and measured "
            "in one burst of consecutive steps.")
     return ("# The simulator on models it was never tuned on\n\n"
@@ -388,10 +411,15 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
                "method": "measured_*: steps measured on this host's 2 real stage processes; "
                          "step_time_s and the uncorrected figures: simulated from per-layer costs "
                          "calibrated on this host, action durations drawn as they vary in a "
-                         "pipeline here; in_situ: simulated from costs corrected by a separate short "
-                         "run on the stage processes",
+                         "pipeline here; summary: in rounds, each round's measured steps against "
+                         "the simulation from that round's calibration (*_per_round_s), "
+                         "summary_unpaired: all against the median calibration; in_situ: "
+                         "simulated from costs corrected by a separate short run on the stage "
+                         "processes",
                "command": command, "config": config, "usable_cores": usable_cores(), "rows": rows,
                "summary": summarize(rows)}
+    if rounds > 1:
+        payload["summary_unpaired"] = summarize(rows, paired=False)
     if in_situ:
         payload["summary_in_situ"] = summarize(rows, corrected=True)
     folder = results_dir("throughput") if out is None else _own_folder(out)

@@ -74,6 +74,8 @@ class OwnModelResult:
     measured_step_times_s: list[float] | None = None
     in_situ: dict[str, Any] | None = None      # the uncorrected simulation, the factors, the run
     rounds: int = 1                            # measured rounds, each after a calibration of its own
+    measured_step_times_per_round_s: list[list[float]] | None = None   # in rounds: each round's steps,
+    uncorrected_step_per_round_s: list[float] | None = None           # and its simulated step
 
     @property
     def uncorrected_step_time_s(self) -> float:
@@ -82,7 +84,13 @@ class OwnModelResult:
 
     def error(self, corrected: bool = True) -> Figure | None:
         """The error of the (corrected, else the uncorrected) simulated throughput against each
-        measured step: its median and 95% interval; None without a measurement."""
+        measured step: its median and 95% interval; None without a measurement. Uncorrected and
+        measured in rounds: each round's steps against the simulation from that round's costs."""
+        per_round = self.uncorrected_step_per_round_s
+        if per_round and self.measured_step_times_per_round_s and not (corrected and self.in_situ):
+            return Figure.of(ERROR_NAME, [t / s - 1 for steps, s in
+                                          zip(self.measured_step_times_per_round_s, per_round)
+                                          for t in steps], unit="")
         steps = self.measured_step_times_s or (
             [self.measured_step_time_s] if self.measured_step_time_s is not None else [])
         if not steps:
@@ -115,7 +123,8 @@ class OwnModelResult:
         if self.measured_step_time_s is not None and error is not None:
             busy = _busy(self.measured_host)
             side = "optimistic" if error.value > 0 else "pessimistic"
-            spread = (f" in {self.rounds} rounds, the costs calibrated again before each"
+            spread = (f" in {self.rounds} rounds, the costs calibrated again before each, each "
+                      "round's steps against its own costs"
                       if self.rounds > 1 else "")
             lines.append(f"  measured on {self.K} stage processes: step "
                          f"{self.measured_step_time_s * 1e3:.1f} ms (median of "
@@ -170,12 +179,14 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
     micro-batches of `microbatch` examples (see the module docstring).
 
     `validate`: run the configuration on `k` real stage processes too (None: where `k` fits the
-    usable cores and the device is a CPU), `steps` steps in each of `rounds` rounds; before every
-    round but the first the costs at the micro-batch size are calibrated afresh, and the simulated
-    step comes from the median of all the calibrations (:meth:`Calibration.median_of`; the first
-    may be the cache's), the cut and the speedup over one device from the first: the costs and the measured
-    steps then sample the same stretch of the host's states instead of one calibration against one
-    burst of steps. With the in-situ correction its factors divide by that median. `in_situ`: correct
+    usable cores and the device is a CPU), `steps` steps in each of `rounds` rounds. With more
+    than one round the costs at the micro-batch size are calibrated afresh right before every round,
+    the error pairs each round's steps with the simulation from that round's costs (the host's speed
+    drifts over minutes; the first calibration, which gives the cut and the speedup over one device,
+    may be the cache's, from another hour), and the simulated step comes from the median of the
+    rounds' calibrations (:meth:`Calibration.median_of`): the costs and the measured steps sample
+    the same stretch of the host's states instead of one calibration against one burst of steps.
+    With the in-situ correction its factors divide by that median. `in_situ`: correct
     the stage costs from a short run of the chosen partition at `in_situ_microbatches` micro-batches
     per step (`in_situ_steps` steps) on the real stage processes (:mod:`gpipe_repro.sim.in_situ`; a
     CPU host with `k` cores), a run of its own, before and apart from the validation's. All options
@@ -202,16 +213,18 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
                      in_situ_timelines=timelines, in_situ_steps=in_situ_steps,
                      in_situ_microbatches=in_situ_microbatches, jitter=validate)
     if validate:
-        calibrations, steps_s, hosts = [calib], [], []
-        for r in range(rounds):
-            if r > 0:
+        # in rounds, each round's steps against the costs calibrated right before them (the first
+        # calibration may be the cache's, from another hour): a paired ratio per round
+        calibrations, steps_s, hosts = [], [], []
+        for _ in range(rounds):
+            if rounds > 1:
                 calibrations.append(calibrate(workload, [microbatch], method=method, device=device,
                                               threads=threads, repeats=repeats, use_cache=False,
                                               neighbours=neighbours))
             got, host = measure_steps(workload, balance, m=m, microbatch=microbatch,
                                       checkpoint=checkpoint, recompute_ahead=recompute_ahead,
                                       schedule=schedule, threads=threads, steps=steps)
-            steps_s += got
+            steps_s.append(list(got))
             hosts.append(host)
         if rounds > 1:
             first = result
@@ -224,8 +237,14 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
             # timed at the whole mini-batch too
             result.speedup = first.speedup
             result.single_device_step_time_s = first.single_device_step_time_s
-        attach_measurement(result, steps_s, worst_host(hosts))
+        attach_measurement(result, [t for got in steps_s for t in got], worst_host(hosts))
         result.rounds = rounds
+        if rounds > 1:
+            result.measured_step_times_per_round_s = steps_s
+            result.uncorrected_step_per_round_s = [
+                predict(workload, cal, balance, m=m, microbatch=microbatch, checkpoint=checkpoint,
+                        recompute_ahead=recompute_ahead, schedule=schedule, link=link,
+                        jitter=True).step_time_s for cal in calibrations]
     return result
 
 

@@ -192,3 +192,17 @@ def test_each_rounds_steps_are_compared_with_that_rounds_calibration(
         assert r["simulated_step_per_round_s"][1] == pytest.approx(2 * r["simulated_step_per_round_s"][0])
     assert result["summary"]["met"] and not result["summary"]["unpaired"]["met"]
     assert "Unpaired (all the steps against" in render_validation_summary(result)
+
+
+def test_errors_by_the_hosts_state_split_at_the_median_fast_share() -> None:
+    from gpipe_repro.repro.throughput.simulator_error import error_by_host_state
+
+    state = error_by_host_state([0.30, 0.20, 0.02, 0.04], [0.1, 0.2, 0.6, 0.8])
+    assert state is not None and state["fast_share_split"] == pytest.approx(0.4)
+    assert state["median_error_slower"] == pytest.approx(0.25)
+    assert state["median_error_faster"] == pytest.approx(0.03)
+    assert state["correlation"] < -0.9
+    assert error_by_host_state([0.1, 0.2, 0.3], [0.1, 0.2, 0.3]) is None          # too few rows
+    assert error_by_host_state([0.1, 0.2, 0.3, 0.4], [0.5] * 4) is None            # nothing varies
+    with pytest.raises(ValueError, match="one fast share per error"):
+        error_by_host_state([0.1], [0.1, 0.2])

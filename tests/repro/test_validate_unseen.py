@@ -110,10 +110,11 @@ def test_without_in_situ_the_page_keeps_its_columns(tmp_path: Path) -> None:
 
 def test_rounds_calibrate_every_model_before_each_round_and_alternate_the_order(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each round: every model calibrated afresh, then every configuration measured once, the
-    order reversed every other round; the simulated figure is the one of the median calibration
-    (the host drifts 10% slower a round here: the middle round's costs), the cut the first's, its
-    action durations drawn as this host's vary (a fixed variation here)."""
+    """Each round: every configuration measured once, the order reversed every other round, each
+    model calibrated afresh right before its first configuration of the round; the simulated step
+    is the one of the median calibration (the host drifts 10% slower a round here: the middle
+    round's costs), the error pairs each round's steps with that round's simulation, the cut is the
+    first's, its action durations drawn as this host's vary (a fixed variation here)."""
     from gpipe_repro.sim import platform
     from gpipe_repro.sim.calibration import calibrate
     from gpipe_repro.sim.jitter import Jitter
@@ -145,8 +146,12 @@ def test_rounds_calibrate_every_model_before_each_round_and_alternate_the_order(
     configs = [(n, m, "never") for n in names for m in (2, 8)]
     expected: list[tuple[Any, ...]] = [("variation",)]
     for r in range(3):
-        expected += [("calibrate", n, (32, 128), 5) for n in names]
-        expected += [("measure", *c) for c in (configs if r % 2 == 0 else configs[::-1])]
+        seen: set[str] = set()
+        for c in (configs if r % 2 == 0 else configs[::-1]):
+            if c[0] not in seen:
+                expected.append(("calibrate", c[0], (32, 128), 5))
+                seen.add(c[0])
+            expected.append(("measure", *c))
     assert log == expected
     assert "measured" in payload["method"] and "simulated" in payload["method"]
     rows = payload["rows"]
@@ -161,7 +166,14 @@ def test_rounds_calibrate_every_model_before_each_round_and_alternate_the_order(
         exact = predict(work, slower(base[name], 1.1), row["balance"], m=m, microbatch=256 // m,
                         checkpoint="never")
         assert row["step_time_s"] == pytest.approx(median.step_time_s, rel=1e-9)
+        per_round = [predict(work, slower(base[name], x), row["balance"], m=m, microbatch=256 // m,
+                             checkpoint="never", jitter=True).step_time_s for x in (1.0, 1.1, 1.2)]
+        assert row["uncorrected_step_per_round_s"] == pytest.approx(per_round, rel=1e-9)
+        paired = sorted(1.0 / s - 1 for s in per_round for _ in range(2))
+        assert vu.row_error(row).value == pytest.approx((paired[2] + paired[3]) / 2, rel=1e-9)
+        assert vu.row_error(row, paired=False).value == pytest.approx(1.0 / median.step_time_s - 1)
         assert row["step_time_s"] != pytest.approx(exact.step_time_s, rel=1e-3)
         assert row["speedup"] is None          # calibrated at the micro-batch sizes only
     page = (tmp_path / "validation_unseen.md").read_text()
-    assert "In 3 rounds: each model calibrated afresh before every round (5 timings" in page
+    assert "In 3 rounds: each model calibrated afresh in every round right before its configurations" in page
+    assert "Unpaired (all the steps against" in page and payload["summary_unpaired"]["configurations"]

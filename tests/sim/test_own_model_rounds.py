@@ -12,7 +12,7 @@ from gpipe_repro.sim.calibration import Calibration, calibrate
 from tests.calibrations import slower
 
 
-def test_each_round_after_the_first_calibrates_afresh_and_the_median_is_simulated(
+def test_each_round_calibrates_afresh_its_steps_are_paired_with_its_costs_and_the_median_is_simulated(
         monkeypatch: pytest.MonkeyPatch) -> None:
     work = Workload.create("tiny residual MLP", "gpipe_repro.repro.validate_unseen:residual_mlp",
                            "features", (16,), 10, width=16, blocks=2)
@@ -21,7 +21,7 @@ def test_each_round_after_the_first_calibrates_afresh_and_the_median_is_simulate
 
     def fake_calibrate(workload: Workload, sizes: list[int], **kw: Any) -> Calibration:
         log.append(("calibrate", tuple(sizes), kw.get("use_cache", True)))
-        factor = [1.0, 1.3, 1.1][sum(e[0] == "calibrate" for e in log) - 1]   # the host drifts
+        factor = [1.0, 1.3, 1.1, 1.2][sum(e[0] == "calibrate" for e in log) - 1]   # the host drifts
         return slower(base, factor)
 
     def fake_measure(workload: Workload, balance: list[int], **kw: Any) -> tuple[list[float], dict[str, Any]]:
@@ -33,13 +33,24 @@ def test_each_round_after_the_first_calibrates_afresh_and_the_median_is_simulate
     monkeypatch.setattr(own_model, "usable_cores", lambda: 2)
     result = own_model.simulate_model(work, k=2, m=2, microbatch=4, link="ideal", validate=True,
                                       steps=2, rounds=3)
-    assert log == [("calibrate", (4, 8), True), ("measure", 2), ("calibrate", (4,), False),
-                   ("measure", 2), ("calibrate", (4,), False), ("measure", 2)]
+    # the first calibration (the cut, the speedup) may come from the cache: every round its own
+    assert log == [("calibrate", (4, 8), True), ("calibrate", (4,), False), ("measure", 2),
+                   ("calibrate", (4,), False), ("measure", 2), ("calibrate", (4,), False),
+                   ("measure", 2)]
     assert result.rounds == 3 and len(result.measured_step_times_s or []) == 6
-    assert result.measured_host == {"idle_fraction_before": pytest.approx(0.9 - 0.06)}
-    median = own_model.predict(work, slower(base, 1.1), result.balance, m=2, microbatch=4,
+    assert result.measured_host == {"idle_fraction_before": pytest.approx(0.9 - 0.07)}
+    median = own_model.predict(work, slower(base, 1.2), result.balance, m=2, microbatch=4,
                                checkpoint=result.checkpoint, link="ideal")
     assert result.step_time_s == pytest.approx(median.step_time_s, rel=1e-12)
+    # each round's steps (0.8, 1.0, 1.2 s) against the simulation from that round's costs
+    per_round = [own_model.predict(work, slower(base, x), result.balance, m=2, microbatch=4,
+                                   checkpoint=result.checkpoint, link="ideal").step_time_s
+                 for x in (1.3, 1.1, 1.2)]
+    assert result.uncorrected_step_per_round_s == pytest.approx(per_round, rel=1e-12)
+    assert result.measured_step_times_per_round_s == [[pytest.approx(t)] * 2 for t in (0.8, 1.0, 1.2)]
+    paired = sorted(t / s - 1 for t, s in zip((0.8, 1.0, 1.2), per_round))
+    error = result.error()
+    assert error is not None and error.value == pytest.approx(paired[1], rel=1e-9)
     # the speedup's one-device step at the whole batch: the first calibration's
     first = own_model.predict(work, base, result.balance, m=2, microbatch=4,
                               checkpoint=result.checkpoint, link="ideal")
@@ -48,7 +59,7 @@ def test_each_round_after_the_first_calibrates_afresh_and_the_median_is_simulate
     text = result.describe()
     assert "median of 6 steps in 3 rounds, the costs calibrated again before each" in text
     # the least idle round decides, and the page says what it saw instead of "not clean"
-    assert "host busy or slow: idle 84%" in text and "the error's interval spans it" in text
+    assert "host busy or slow: idle 83%" in text and "the error's interval spans it" in text
 
 
 def test_rounds_below_one_are_refused_before_any_work() -> None:

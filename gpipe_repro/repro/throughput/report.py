@@ -358,6 +358,13 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
     if rounds > 1 and unpaired and unpaired.get("configurations"):
         head += (" Unpaired (all the steps against the simulation from the median of the rounds' "
                  f"costs; the samples/s columns): {describe(unpaired)}.")
+    state = summary.get("by_host_fast")
+    if state:
+        head += (" The errors go with the host's state during the runs (the speed probe's share of "
+                 f"fast readings around each run; correlation {state['correlation']:+.2f}): the "
+                 f"configurations run with the host fast less than {state['fast_share_split']:.0%} of "
+                 f"the time err by a median of {pct(state['median_error_slower'])}, the others "
+                 f"{pct(state['median_error_faster'])}.")
     if summary.get("exact_median_abs_error") is not None:
         head += (" The simulation draws every compute action's duration as this host's durations "
                  "vary (sim/jitter: each core switches between a fast and a 2x slower state every "

@@ -40,6 +40,25 @@ def paired_error_figure(rounds: Sequence[tuple[Sequence[float], float]],
                      [t / s - 1 for steps, s in rounds for t in steps], unit="", host_fast=host_fast)
 
 
+def error_by_host_state(errors: Sequence[float], fast: Sequence[float]) -> dict[str, float] | None:
+    """How configurations' errors go with the host's state during their runs (`fast`: the speed
+    probe's fast share, :func:`gpipe_repro.report.host.fast_share`): the Pearson correlation, and
+    the median error of the rows run with the host fast less often than the median row, and of the
+    others. None with fewer than 4 rows or nothing varying."""
+    if len(errors) != len(fast):
+        raise ValueError("one fast share per error")
+    if len(errors) < 4 or len(set(fast)) < 2 or len(set(errors)) < 2:
+        return None
+    cut = statistics.median(fast)
+    slower = [e for e, f in zip(errors, fast) if f < cut]
+    faster = [e for e, f in zip(errors, fast) if f >= cut]
+    if not slower:
+        return None
+    return {"correlation": statistics.correlation(list(fast), list(errors)), "fast_share_split": cut,
+            "median_error_slower": statistics.median(slower),
+            "median_error_faster": statistics.median(faster)}
+
+
 def abs_bounds(error: Mapping[str, Any]) -> tuple[float, float]:
     """(lower, upper) bound of |error| from an error figure's JSON (unbounded: 0, inf)."""
     low, high = error.get("low"), error.get("high")

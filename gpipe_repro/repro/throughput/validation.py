@@ -13,6 +13,7 @@ from gpipe_repro.repro.throughput.measure import MeasureFn
 from gpipe_repro.repro.throughput.settings import MODELS, SweepSettings
 from gpipe_repro.repro.throughput.simulator_error import (
     TARGETS,
+    error_by_host_state,
     error_figure,
     paired_error_figure,
     summarize_errors,
@@ -282,6 +283,8 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     exact = [abs(r["exact_error"]) for r in rows if r["exact_error"] is not None]
     summary = {**summarize_errors([r["error"] for r in rows]),
                "unpaired": summarize_errors([r["unpaired_error"] for r in rows]),
+               "by_host_fast": error_by_host_state([r["error"]["value"] for r in rows],
+                                                   [r["host_fast"] for r in rows]),
                "exact_median_abs_error": statistics.median(exact) if exact else None,
                "exact_max_abs_error": max(exact) if exact else None,
                "replay_median_abs_error": statistics.median(replays) if replays else None,
