@@ -94,6 +94,8 @@ def register(app: typer.Typer) -> None:
             rounds: Optional[int] = typer.Option(None, "--rounds", help="rounds: every configuration "
                                                  "measured once per round, the rounds interleaved "
                                                  "(default 3)"),
+            budget: Optional[float] = typer.Option(None, "--budget", help="seconds after which no "
+                                                   "round past the second starts (default: none)"),
             out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: "
                                                "results/throughput, under $GPIPE_REPRO_RESULTS when set)"),
             overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier validation (and "
@@ -112,7 +114,7 @@ def register(app: typer.Typer) -> None:
                                      "schedules": _names(schedules), "steps": steps, "rounds": rounds}
             validate_simulator.main(**{k: v for k, v in given.items() if v is not None},
                                     ks=int_list("--ks", ks), out=out, overwrite=overwrite, record=record,
-                                    render_only=render_only)
+                                    render_only=render_only, budget=budget)
         except (ValueError, OutputRefused) as e:
             raise typer.BadParameter(str(e)) from None
 
@@ -135,6 +137,9 @@ def register(app: typer.Typer) -> None:
                                        "--rounds 1` runs it, in one burst)"),
             repeats: int = typer.Option(20, "--repeats", min=1, help="timings a layer and action per "
                                         "calibration of a round (with --rounds > 1)"),
+            budget: Optional[float] = typer.Option(None, "--budget", min=1, help="seconds after which "
+                                                   "no round past the second starts (with --rounds > "
+                                                   "2; default: none)"),
             out: Optional[str] = typer.Option(None, "--out", help="output directory (default: "
                                               "results/throughput/)"),
             in_situ: bool = typer.Option(True, "--in-situ/--no-in-situ", help="also correct each "
@@ -151,6 +156,7 @@ def register(app: typer.Typer) -> None:
             options["models"] = _names(models)
         try:
             unseen.main(batch=batch_size, steps=steps, rounds=rounds, repeats=repeats, out=out,
+                        budget=budget,
                         in_situ=in_situ, in_situ_m=in_situ_m,
                         **options,
                         command=" ".join(["gpipe-repro validate-unseen", *given]) if given

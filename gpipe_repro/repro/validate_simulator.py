@@ -110,11 +110,12 @@ def main(*, models: Sequence[str] = MODELS, ms: Sequence[int] = VALIDATION_MS,
          ks: Sequence[int] | None = None,
          schedules: Sequence[str] = VALIDATION_SCHEDULES, steps: int = DEFAULTS.measure_steps,
          rounds: int = ROUNDS, out: Path | None = None, overwrite: bool = False, record: bool = False,
-         render_only: bool = False) -> None:
+         render_only: bool = False, budget: float | None = None) -> None:
     """Check the options and the output directory (before any work), validate, write.
 
     `out` defaults to results/throughput (under $GPIPE_REPRO_RESULTS when set); `record` lets the run
-    replace the results of record (what `make validate-sim` gives).
+    replace the results of record (what `make validate-sim` gives); `budget`: seconds after which
+    no round past the second starts (:func:`gpipe_repro.repro.throughput.simulator_error.another_round`).
 
     Raises:
         ValueError: an option this host or these models cannot take (the message names the fix).
@@ -129,6 +130,8 @@ def main(*, models: Sequence[str] = MODELS, ms: Sequence[int] = VALIDATION_MS,
         raise ValueError(f"--steps must be >= 1, got {steps}")
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    if budget is not None and not budget > 0:
+        raise ValueError(f"--budget must be > 0 seconds, got {budget}")
     cores = usable_cores()
     too_big = [k for k in (ks or []) if k > cores]
     if too_big:
@@ -156,7 +159,7 @@ def main(*, models: Sequence[str] = MODELS, ms: Sequence[int] = VALIDATION_MS,
             settings, measure, models=list(models), ks=list(ks) if ks else None, ms=list(ms),
             schedules=list(schedules),
             measure_schedule=lambda name: distributed_measure(replace(settings, schedule=name)),
-            progress=shown.update, rounds=rounds)
+            progress=shown.update, rounds=rounds, budget_s=budget)
     timelines = result.pop("timelines")
     if timelines:
         key = next((k for k in timelines if "_M4_always" in k), next(iter(timelines)))

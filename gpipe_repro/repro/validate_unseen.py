@@ -22,6 +22,7 @@ Results: results/throughput/validation_unseen.{md,json}.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ from gpipe_repro.report.records import (
     write_markdown,
 )
 from gpipe_repro.repro.throughput.simulator_error import (
+    another_round,
     describe,
     error_figure,
     paired_error_figure,
@@ -152,15 +154,18 @@ PUBLIC_SEAMS = Seams(_calibrate_afresh, in_situ_run, measure_steps, _variation_n
 
 def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps: int, rounds: int,
                   repeats: int, in_situ: bool, in_situ_m: int, seams: Seams = PUBLIC_SEAMS,
-                  say: Callable[[str], None] = print) -> list[dict[str, Any]]:
+                  say: Callable[[str], None] = print, budget_s: float | None = None,
+                  clock: Callable[[], float] | None = None) -> list[dict[str, Any]]:
     """Every configuration (model, checkpoint, M) measured `steps` steps once per round, `rounds`
     rounds in alternating order, each model calibrated afresh in every round right before its first
     configuration of the round; its error pairs each round's measured steps with the simulation
     from that round's calibration (``*_per_round_s``), its simulated step (and the unpaired error)
     from the median of its model's calibrations (:meth:`Calibration.median_of`), its cut from the
     first, its in-situ correction (where `in_situ`) from a run of its own before its first
-    measurement. The public path's steps (calibrate, partition, correct in situ, simulate, measure),
-    with the calibrations and the measured steps spread over the same stretch of the host's states
+    measurement. With `budget_s`, a round after the second starts only where one more round of
+    the mean length so far fits in it (:func:`another_round`); each row says the rounds it ran.
+    The public path's steps (calibrate, partition, correct in situ, simulate, measure), with the
+    calibrations and the measured steps spread over the same stretch of the host's states
     instead of one calibration before them all and one burst per configuration."""
     names = list(dict.fromkeys(name for name, _, _ in configs))
     workloads = {name: _workload(name) for name in names}
@@ -170,9 +175,12 @@ def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps:
     situ_runs: dict[int, list[Any]] = {}
     steps_of: dict[int, list[list[float]]] = {i: [] for i in range(len(configs))}   # per round
     hosts: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(configs))}
+    clock = clock or time.monotonic
+    started = clock()
     say("measuring how action durations vary in a pipeline on this host now")
     seams.variation()
-    for r in range(rounds):
+    r = 0
+    while another_round(r, rounds, clock() - started, budget_s):
         order = range(len(configs)) if r % 2 == 0 else range(len(configs) - 1, -1, -1)
         fresh: set[str] = set()
         for i in order:
@@ -195,6 +203,7 @@ def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps:
                                       checkpoint=checkpoint, steps=steps)
             steps_of[i].append(list(got))
             hosts[i].append(host)
+        r += 1
     pooled = {name: Calibration.median_of(cs) for name, cs in calibrations.items()}
     rows = []
     for i, (name, checkpoint, m) in enumerate(configs):
@@ -203,7 +212,7 @@ def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps:
                          in_situ_microbatches=in_situ_m, jitter=True)
         attach_measurement(result, [t for got in steps_of[i] for t in got], worst_host(hosts[i]))
         row = result.to_json()
-        row["model"], row["rounds"] = name, rounds
+        row["model"], row["rounds"] = name, r
         row["measured_step_times_per_round_s"] = steps_of[i]
         row["uncorrected_step_per_round_s"] = [
             predict(workloads[name], cal, balances[i], m=m, microbatch=batch // m,
@@ -333,6 +342,9 @@ def render(payload: dict[str, Any]) -> str:
     in_situ_m = config.get("in_situ_m", 1)
     note = f"{IN_SITU_NOTE.format(m=in_situ_m)}{_moved(payload)}\n\n" if corrected else ""
     rounds = config.get("rounds", 1)
+    asked = config.get("rounds_asked") or rounds
+    short = (f" ({rounds} of the {asked} rounds asked for: another would not have ended within the "
+             f"{config.get('budget_s'):g} s budget.)" if asked > rounds else "")
     how = (f"In {rounds} rounds: each model calibrated afresh in every round right before its "
            f"configurations ({config.get('repeats', 20)} timings a layer and action), every "
            f"configuration run {config.get('steps', '?')} step(s) a round after 2 warm-up steps, the "
@@ -352,7 +364,7 @@ def render(payload: dict[str, Any]) -> str:
             "model (`gpipe-repro throughput --model module:factory ... --k 2"
             f"{' --in-situ' if corrected else ''}`): calibrate on this host, "
             "partition, simulate, then run on 2 real stage processes (1 thread each) and compare. "
-            f"{how} "
+            f"{how}{short} "
             "The models (`gpipe_repro/repro/validate_unseen.py`) were written for this check; no "
             "cost-model constant was fitted to them. The simulated step is the median of steps "
             "whose compute actions' durations are drawn as they vary in a pipeline on this host "
@@ -369,6 +381,7 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
          checkpoints: Sequence[str] = ("never", "always"), models: Sequence[str] = tuple(MODELS),
          steps: int = 8, rounds: int = 1, repeats: int = 20, out: str | None = None,
          command: str = "make validate-unseen", in_situ: bool = True, in_situ_m: int = 1,
+         budget: float | None = None,
          run: Callable[..., dict[str, Any]] = run_config, seams: Seams = PUBLIC_SEAMS) -> dict[str, Any]:
     """Run every configuration, write the results (`command`: how the page says it was made;
     `in_situ`: also correct each from a short run of its own and report both errors).
@@ -382,6 +395,9 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
                          f"{usable_cores()} usable core(s)")
     if rounds < 1 or repeats < 1:
         raise SystemExit(f"--rounds {rounds}, --repeats {repeats}: both must be >= 1")
+    if budget is not None and not budget > 0:
+        raise SystemExit(f"--budget {budget}: give the seconds after which no round past the second "
+                         "starts, > 0")
     bad = [m for m in ms if m < 1 or batch % m]
     if bad:
         raise SystemExit(f"--ms {bad}: every M must divide --batch-size {batch}")
@@ -391,7 +407,7 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
     configs = [(name, checkpoint, m) for name in models for checkpoint in checkpoints for m in ms]
     if rounds > 1:
         rows = run_in_rounds(configs, batch=batch, steps=steps, rounds=rounds, repeats=repeats,
-                             in_situ=in_situ, in_situ_m=in_situ_m, seams=seams,
+                             in_situ=in_situ, in_situ_m=in_situ_m, seams=seams, budget_s=budget,
                              say=lambda line: print(line, flush=True))
         for row in rows:
             _print_row(row)
@@ -405,7 +421,9 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
             _print_row(row)
             rows.append(row)
     config = {"batch": batch, "ms": list(ms), "checkpoints": list(checkpoints), "models": list(models),
-              "steps": steps, "rounds": rounds, "repeats": repeats, "out": out, "in_situ": in_situ,
+              "steps": steps, "rounds": max((r.get("rounds", 1) for r in rows), default=rounds),
+              "rounds_asked": rounds, "budget_s": budget, "repeats": repeats, "out": out,
+              "in_situ": in_situ,
               "in_situ_m": in_situ_m}
     payload = {"experiment": "simulator vs real runs on models it was never tuned on",
                "method": "measured_*: steps measured on this host's 2 real stage processes; "

@@ -206,3 +206,45 @@ def test_errors_by_the_hosts_state_split_at_the_median_fast_share() -> None:
     assert error_by_host_state([0.1, 0.2, 0.3, 0.4], [0.5] * 4) is None            # nothing varies
     with pytest.raises(ValueError, match="one fast share per error"):
         error_by_host_state([0.1], [0.1, 0.2])
+    from gpipe_repro.repro.throughput.simulator_error import summarize_errors
+
+    page = render_validation_summary({"rows": [], "summary": {
+        **summarize_errors([]), "by_host_fast": state, "host_fast": 0.35, "host_fast_calibrating": 0.6}})
+    assert ("run with the host fast less than 40% of the time err by a median of +25.0%, the others "
+            "+3.0%; the host was fast 35% of the time around the runs and 60% around the calibrations"
+            in page)
+
+
+def test_a_round_past_the_second_starts_only_where_it_fits_the_budget() -> None:
+    from gpipe_repro.repro.throughput.simulator_error import another_round
+
+    assert another_round(0, 3, 999.0, 10.0) and another_round(1, 3, 999.0, 10.0)   # two at least
+    assert another_round(2, 3, 200.0, 300.0)          # 200 s + a round of 100 s fits in 300
+    assert not another_round(2, 3, 201.0, 300.0)      # 201 + 100.5 does not
+    assert another_round(2, 3, 1e6, None) and not another_round(3, 3, 0.0, None)
+    assert not another_round(1, 1, 0.0, 100.0)
+
+
+def test_validation_stops_after_the_second_round_when_a_third_would_not_fit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(validation, "calibrate", _calibrate)
+    monkeypatch.setattr(validation, "platform_for", lambda name, **kw: Platform(PRESETS["ideal"]))
+    monkeypatch.setattr(validation, "measure_jitter", lambda **kw: None)
+    monkeypatch.setattr(validation, "fast_share", lambda: 0.5)
+    now = [0.0]
+    exact = _fake_measure("gpipe", 1.0)
+
+    def measuring(*args: Any) -> dict[str, Any]:
+        now[0] += 50.0                     # each run takes 50 s: a round of 2 runs, 100 s
+        return exact(*args)
+    result = validation.validate_simulator(SweepSettings(link="ideal"), measuring, models=["transformer"],
+                                           ks=[2], ms=[1, 2], checkpoints=("never",), rounds=3,
+                                           budget_s=250.0, clock=lambda: now[0])
+    assert [r["measured_rounds"] for r in result["rows"]] == [2, 2]
+    assert (result["summary"]["rounds"], result["summary"]["rounds_asked"]) == (2, 3)
+    assert "2 of the 3 rounds asked for: another would not have ended within the 250 s budget" in (
+        render_validation_summary(result))
+    again = validation.validate_simulator(SweepSettings(link="ideal"), measuring, models=["transformer"],
+                                          ks=[2], ms=[1, 2], checkpoints=("never",), rounds=3,
+                                          budget_s=300.0, clock=lambda: now[0] - 400.0)
+    assert [r["measured_rounds"] for r in again["rows"]] == [3, 3]

@@ -177,3 +177,31 @@ def test_rounds_calibrate_every_model_before_each_round_and_alternate_the_order(
     page = (tmp_path / "validation_unseen.md").read_text()
     assert "In 3 rounds: each model calibrated afresh in every round right before its configurations" in page
     assert "Unpaired (all the steps against" in page and payload["summary_unpaired"]["configurations"]
+
+
+def test_rounds_stop_after_the_second_where_a_third_would_not_fit_the_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpipe_repro.sim import platform
+    from gpipe_repro.sim.calibration import calibrate
+    from gpipe_repro.sim.jitter import Jitter
+
+    monkeypatch.setattr(platform, "measure_jitter", lambda: Jitter((0.01,), ((1.0,),)))
+    now = [0.0]
+    monkeypatch.setattr(vu.time, "monotonic", lambda: now[0])
+
+    def fake_measure(workload: Workload, balance: list[int], *, m: int, microbatch: int,
+                     checkpoint: str, steps: int) -> tuple[list[float], dict[str, Any]]:
+        now[0] += 60.0                     # a round of 2 configurations: 120 s
+        return [1.0] * steps, {}
+    seams = vu.Seams(lambda w, sizes, repeats: calibrate(w, sizes, method="flops"),
+                     lambda *a, **k: pytest.fail("no in-situ run asked for"), fake_measure, lambda: None)
+    payload = vu.main(models=["conv net 6x32 on 16x16"], ms=[2, 8], checkpoints=["never"], steps=2,
+                      rounds=3, repeats=5, in_situ=False, out=str(tmp_path), seams=seams, budget=300)
+    assert [r["rounds"] for r in payload["rows"]] == [2, 2]
+    assert [len(r["measured_step_times_s"]) for r in payload["rows"]] == [4, 4]
+    assert (payload["config"]["rounds"], payload["config"]["rounds_asked"]) == (2, 3)
+    page = (tmp_path / "validation_unseen.md").read_text()
+    assert "In 2 rounds" in page and "(2 of the 3 rounds asked for: another would not have ended" in page
+    with pytest.raises(SystemExit, match="--budget -1"):
+        vu.main(models=["conv net 6x32 on 16x16"], ms=[2], rounds=3, budget=-1, seams=seams,
+                out=str(tmp_path))

@@ -354,6 +354,9 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
                 if rounds > 1 else "")
              + "; the bounds of the median and the worst come from the intervals' ends, so a busy "
              "host widens them and can leave the verdict inconclusive.")
+    if (summary.get("rounds_asked") or 0) > (summary.get("rounds") or 0) > 0:
+        head += (f" {summary['rounds']} of the {summary['rounds_asked']} rounds asked for: another "
+                 f"would not have ended within the {summary['budget_s']:g} s budget.")
     unpaired = summary.get("unpaired")
     if rounds > 1 and unpaired and unpaired.get("configurations"):
         head += (" Unpaired (all the steps against the simulation from the median of the rounds' "
@@ -364,7 +367,11 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
                  f"fast readings around each run; correlation {state['correlation']:+.2f}): the "
                  f"configurations run with the host fast less than {state['fast_share_split']:.0%} of "
                  f"the time err by a median of {pct(state['median_error_slower'])}, the others "
-                 f"{pct(state['median_error_faster'])}.")
+                 f"{pct(state['median_error_faster'])}"
+                 + (f"; the host was fast {summary['host_fast']:.0%} of the time around the runs and "
+                    f"{summary['host_fast_calibrating']:.0%} around the calibrations"
+                    if summary.get("host_fast_calibrating") is not None
+                    and summary.get("host_fast") is not None else "") + ".")
     if summary.get("exact_median_abs_error") is not None:
         head += (" The simulation draws every compute action's duration as this host's durations "
                  "vary (sim/jitter: each core switches between a fast and a 2x slower state every "

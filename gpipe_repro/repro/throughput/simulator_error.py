@@ -40,6 +40,22 @@ def paired_error_figure(rounds: Sequence[tuple[Sequence[float], float]],
                      [t / s - 1 for steps, s in rounds for t in steps], unit="", host_fast=host_fast)
 
 
+#: Rounds a validation keeps even when its time budget is spent (its intervals need them).
+MIN_ROUNDS = 2
+
+
+def another_round(done: int, asked: int, elapsed_s: float, budget_s: float | None) -> bool:
+    """Whether a validation that ran `done` of `asked` rounds in `elapsed_s` seconds starts another
+    one: always up to :data:`MIN_ROUNDS`, otherwise only where one more round of the mean length so
+    far ends within `budget_s` (None: no budget). On a host whose speed drifts by a third over
+    minutes, a fixed number of rounds ran out of its wall-clock limit in a slow hour."""
+    if done >= asked:
+        return False
+    if done < MIN_ROUNDS or budget_s is None:
+        return True
+    return elapsed_s + elapsed_s / done <= budget_s
+
+
 def error_by_host_state(errors: Sequence[float], fast: Sequence[float]) -> dict[str, float] | None:
     """How configurations' errors go with the host's state during their runs (`fast`: the speed
     probe's fast share, :func:`gpipe_repro.report.host.fast_share`): the Pearson correlation, and

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -13,6 +14,7 @@ from gpipe_repro.repro.throughput.measure import MeasureFn
 from gpipe_repro.repro.throughput.settings import MODELS, SweepSettings
 from gpipe_repro.repro.throughput.simulator_error import (
     TARGETS,
+    another_round,
     error_by_host_state,
     error_figure,
     paired_error_figure,
@@ -199,7 +201,8 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                        schedules: Sequence[str] | None = None,
                        measure_schedule: Callable[[str], MeasureFn] | None = None,
                        progress: Callable[[str], None] | None = None,
-                       rounds: int = 1) -> dict[str, Any]:
+                       rounds: int = 1, budget_s: float | None = None,
+                       clock: Callable[[], float] | None = None) -> dict[str, Any]:
     """Simulate and measure the same configurations; relative error of simulated throughput.
 
     Each schedule of `schedules` (default: ``settings.schedule`` only) is simulated and measured on
@@ -217,7 +220,8 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     that the host's speed, which drifts over minutes on this host, moves both sides of each ratio
     (on a host whose speed drifts, a calibration in one burst before the measurements made 38 of 40
     errors one sign; the median of all rounds' costs against all the steps is kept beside it as
-    ``unpaired_error``)."""
+    ``unpaired_error``). With `budget_s`, a round after the second starts only where one more round
+    of the mean length so far fits in it (:func:`another_round`), counted from the call."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     names = list(schedules) if schedules else [settings.schedule]
@@ -233,6 +237,8 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     measures = {n: (measure if n == settings.schedule or measure_schedule is None
                     else measure_schedule(n)) for n in names}
     say = progress or (lambda msg: None)
+    clock = clock or time.monotonic
+    started = clock()
     # compared with this host's measured steps: its action durations drawn as they vary here, the
     # variation measured now with the costs (the host's phases last minutes), not read from the cache
     if fresh_calibration:
@@ -243,12 +249,17 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
         raise ValueError("validation needs at least 2 usable cores (one stage process per core)")
     workloads = PAPER_WORKLOADS if settings.paper_size else SCALED_WORKLOADS
     timelines: dict[str, Any] = {}
+    calibration_fast: list[float] = []   # the host's fast share around each calibration
+
     def calibrated(model: str) -> Calibration:
-        return calibrate(workloads[model], [dict(settings.microbatch)[model]], method="time",
-                         device=settings.device, threads=settings.threads, repeats=settings.repeats,
-                         progress=say, use_cache=not fresh_calibration,
-                         neighbours=settings.busy_neighbours(), rounds=settings.calibration_rounds,
-                         max_rounds=settings.calibration_max_rounds)
+        before = fast_share()
+        calib = calibrate(workloads[model], [dict(settings.microbatch)[model]], method="time",
+                          device=settings.device, threads=settings.threads, repeats=settings.repeats,
+                          progress=say, use_cache=not fresh_calibration,
+                          neighbours=settings.busy_neighbours(), rounds=settings.calibration_rounds,
+                          max_rounds=settings.calibration_max_rounds)
+        calibration_fast.append((before + fast_share()) / 2)
+        return calib
 
     calibrations = {model: [calibrated(model)] for model in models}
     configs: list[_Config] = []
@@ -267,7 +278,8 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     # steps are compared with the costs of the same round, minutes apart at most, and over the rounds
     # both span the host's states over the whole validation.
     runs: list[list[dict[str, Any]]] = [[] for _ in configs]
-    for r in range(rounds):
+    r = 0
+    while another_round(r, rounds, clock() - started, budget_s):
         order = range(len(configs)) if r % 2 == 0 else range(len(configs) - 1, -1, -1)
         fresh: set[str] = set()
         for i in order:
@@ -277,6 +289,7 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                 fresh.add(model)
             say(f"validating {configs[i].describe()} (round {r + 1} of {rounds})")
             runs[i].append(_measure_once(configs[i]))
+        r += 1
     # The cuts stay those of the first calibration (the runs measured them).
     rows = [_row(c, calibrations[c.model], done, timelines) for c, done in zip(configs, runs)]
     replays = [abs(r["replay_error"]) for r in rows if r["replay_error"] is not None]
@@ -290,6 +303,8 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                "replay_median_abs_error": statistics.median(replays) if replays else None,
                "replay_max_abs_error": max(replays) if replays else None,
                "host_fast": statistics.fmean(r["host_fast"] for r in rows) if rows else None,
+               "host_fast_calibrating": statistics.fmean(calibration_fast),
+               "rounds": r, "rounds_asked": rounds, "budget_s": budget_s,
                "per_schedule": {n: _per_schedule([r for r in rows if r["schedule"] == n])
                                 for n in names},
                "not_validated": dict(NOT_VALIDATED)}
