@@ -39,13 +39,13 @@ def _python(module: str, *args: str) -> tuple[str, ...]:
 #: (name, entry point and options, wall-clock limit in seconds, folders under results/ it writes).
 #: The benchmarks' --budget is their measuring time; the limit leaves room for start-up, the rounds
 #: the stop rule needs at least, and output. Sized from make results on this host (seconds):
-#: throughput-table 703-760 (calibration, 300 s of rounds per model, then about 140 s of pages and
-#: charts), validate-sim 429-547 (3 rounds, calibrated in each), validate-unseen 359-411 (over 450
-#: in a slow hour: the two validations stop after their second round where a third would not fit
-#: their --budget),
-#: memory-table 95, bench-overhead 34-58, bench-runtime 153-157, bench-schedules 108-112,
-#: bench-replicas 80, replicas-plan 24-34, regression detector 63-75. ``--only`` (``make results
-#: ONLY=...``) reruns a part that ran out of time.
+#: throughput-table 703-760, 906 in a slow hour (calibration, at most 10 rounds per model in at most
+#: 270 s, then about 140 s of pages and charts), validate-sim 429-547 (3 rounds, calibrated in
+#: each), validate-unseen 308-411 (over 450 in a slow hour: the two validations stop after their
+#: second round where a third would not fit their --budget), memory-table 95, bench-overhead 34-58,
+#: bench-runtime 153-157, bench-schedules 108-112, bench-replicas 80, replicas-plan 24-34,
+#: regression detector 63-75. ``--only`` (``make results ONLY=...``) reruns a part that ran out of
+#: time.
 PARTS: tuple[Part, ...] = (
     Part("throughput-table", _python("experiments.throughput_table"), 860, ("throughput",),
          "K x M normalized throughput, measured and simulated"),
