@@ -132,9 +132,9 @@ def register(app: typer.Typer) -> None:
             steps: int = typer.Option(8, "--steps", min=1, help="measured steps per configuration "
                                       "(and round; their median and its interval)"),
             rounds: int = typer.Option(1, "--rounds", min=1, help="interleaved rounds: every model "
-                                       "calibrated afresh before each, every configuration measured "
-                                       "once in each (1: each configuration as `throughput --validate "
-                                       "--rounds 1` runs it, in one burst)"),
+                                       "calibrated afresh in each, every configuration measured once "
+                                       "in each, against that round's costs (1: each configuration as "
+                                       "`throughput --validate --rounds 1` runs it, in one burst)"),
             repeats: int = typer.Option(20, "--repeats", min=1, help="timings a layer and action per "
                                         "calibration of a round (with --rounds > 1)"),
             budget: Optional[float] = typer.Option(None, "--budget", min=1, help="seconds after which "
@@ -196,8 +196,9 @@ def register(app: typer.Typer) -> None:
             validate: Optional[bool] = typer.Option(None, "--validate/--no-validate", help="also run on K "
                                                     "stage processes (default: where K fits the host)"),
             rounds: int = typer.Option(3, "--rounds", help="with --validate: measured rounds of "
-                                       "--steps steps, the costs calibrated afresh before each but the "
-                                       "first; the simulation from their median"),
+                                       "--steps steps, the costs calibrated afresh before each (with "
+                                       "more than one), each round's steps against its own costs; "
+                                       "the simulated step from their median"),
             steps: int = typer.Option(4, "--steps", help="with --validate: measured steps per round"),
             in_situ: bool = typer.Option(False, "--in-situ", help="also correct the calibrated costs from "
                                          "a short run of the cut at one micro-batch per step on K stage "

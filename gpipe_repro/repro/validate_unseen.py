@@ -10,9 +10,10 @@ short M = 1 run of the cut on the stage processes (:mod:`gpipe_repro.sim.in_situ
 configuration run on K=2 real stage processes, apart from the correction's run. Mini-batch 256,
 M = 1, 2, 4, 8, 16 (micro-batches of 256 down to 16 rows), checkpoint "never" and "always": 30
 configurations, each with its uncorrected and its corrected error. With ``--rounds`` R > 1 the same
-steps run in R interleaved rounds (:func:`run_in_rounds`): each model calibrated afresh before every
-round, every configuration measured once a round, its simulation from the median of the
-calibrations, so that a calibration taken minutes before the measurements no longer biases them.
+steps run in R interleaved rounds (:func:`run_in_rounds`): each model calibrated afresh in every
+round right before its configurations, every configuration measured once a round, each round's steps
+against the simulation from that round's costs, so that a calibration taken minutes before the
+measurements no longer biases them (``--budget``: a third round only where it fits).
 Targets: median |error| <= 5%, worst <= 10% where micro-batches have >= 16 rows (all of
 these). Each configuration's error carries the interval its measured steps give it, and the verdict
 is met / not met / inconclusive from those intervals
@@ -388,7 +389,7 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
 
     `rounds` = 1: each configuration as ``gpipe-repro throughput --model ... --validate --rounds 1``
     runs it (`run`: its calibration from the cache where one was timed before, `steps` steps in one
-    burst). `rounds` > 1: :func:`run_in_rounds` (each model calibrated afresh before every round at
+    burst). `rounds` > 1: :func:`run_in_rounds` (each model calibrated afresh in every round at
     `repeats` timings a layer, `steps` steps per configuration and round)."""
     if usable_cores() < K:
         raise SystemExit(f"validation runs K={K} stage processes on one core each; this host has "
