@@ -172,6 +172,10 @@ def test_rounds_calibrate_every_model_before_each_round_and_alternate_the_order(
         paired = sorted(1.0 / s - 1 for s in per_round for _ in range(2))
         assert vu.row_error(row).value == pytest.approx((paired[2] + paired[3]) / 2, rel=1e-9)
         assert vu.row_error(row, paired=False).value == pytest.approx(1.0 / median.step_time_s - 1)
+        # equal steps against one simulation: no spread; against each round's own: the rounds' spread
+        unpaired, paired_figure = vu.row_error(row, paired=False), vu.row_error(row)
+        assert unpaired.low == pytest.approx(unpaired.high)
+        assert (paired_figure.low, paired_figure.high) == pytest.approx((paired[0], paired[-1]))
         assert row["step_time_s"] != pytest.approx(exact.step_time_s, rel=1e-3)
         assert row["speedup"] is None          # calibrated at the micro-batch sizes only
     page = (tmp_path / "validation_unseen.md").read_text()
