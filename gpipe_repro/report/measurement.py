@@ -193,6 +193,24 @@ class StopRule:
             raise ValueError(f"budget_s must be > 0, got {self.budget_s}")
 
 
+#: Rounds :func:`another_round` keeps even when its time budget is spent (its intervals need them).
+MIN_ROUNDS = 2
+
+
+def another_round(done: int, asked: int, elapsed_s: float, budget_s: float | None) -> bool:
+    """Whether rounds of minutes each (the validations': a calibration and every configuration per
+    round), `done` of `asked` run in `elapsed_s` seconds, start another one: always up to
+    :data:`MIN_ROUNDS`, otherwise only where one more round of the mean length so far ends within
+    `budget_s` (None: no budget). Unlike :class:`StopRule`'s budget, which ends rounds once it is
+    spent, this one is never overrun by a whole round: on a host whose speed drifts by a third over
+    minutes, a fixed number of such rounds ran out of its wall-clock limit in a slow hour."""
+    if done >= asked:
+        return False
+    if done < MIN_ROUNDS or budget_s is None:
+        return True
+    return elapsed_s + elapsed_s / done <= budget_s
+
+
 def round_order(names: Sequence[str], index: int, seed: int | None = None) -> list[str]:
     """The order of round `index`: `names` rotated by the round's index (each runs first equally
     often), or with a `seed` shuffled (the same seed and index: the same order in every process)."""

@@ -115,7 +115,7 @@ def main(*, models: Sequence[str] = MODELS, ms: Sequence[int] = VALIDATION_MS,
 
     `out` defaults to results/throughput (under $GPIPE_REPRO_RESULTS when set); `record` lets the run
     replace the results of record (what `make validate-sim` gives); `budget`: seconds after which
-    no round past the second starts (:func:`gpipe_repro.repro.throughput.simulator_error.another_round`).
+    no round past the second starts (:func:`gpipe_repro.report.measurement.another_round`).
 
     Raises:
         ValueError: an option this host or these models cannot take (the message names the fix).

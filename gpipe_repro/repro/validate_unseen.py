@@ -33,7 +33,7 @@ from torch import nn
 
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import usable_cores
-from gpipe_repro.report.measurement import Figure
+from gpipe_repro.report.measurement import Figure, another_round
 from gpipe_repro.report.records import (
     markdown_table,
     measured,
@@ -43,7 +43,6 @@ from gpipe_repro.report.records import (
     write_markdown,
 )
 from gpipe_repro.repro.throughput.simulator_error import (
-    another_round,
     describe,
     error_figure,
     paired_error_figure,

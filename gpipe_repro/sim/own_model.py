@@ -39,6 +39,7 @@ from gpipe_repro.report.host import HostWatch, busy_readings, is_clean, usable_c
 from gpipe_repro.report.measurement import Figure
 from gpipe_repro.sim import in_situ as situ
 from gpipe_repro.sim.calibration import Calibration, calibrate
+from gpipe_repro.sim.error import error_figure, paired_error_figure
 from gpipe_repro.sim.links import LINK_NAMES
 from gpipe_repro.sim.partition_choice import choose_partition
 from gpipe_repro.sim.platform import platform_for
@@ -88,15 +89,12 @@ class OwnModelResult:
         measured in rounds: each round's steps against the simulation from that round's costs."""
         per_round = self.uncorrected_step_per_round_s
         if per_round and self.measured_step_times_per_round_s and not (corrected and self.in_situ):
-            return Figure.of(ERROR_NAME, [t / s - 1 for steps, s in
-                                          zip(self.measured_step_times_per_round_s, per_round)
-                                          for t in steps], unit="")
+            return paired_error_figure(list(zip(self.measured_step_times_per_round_s, per_round)))
         steps = self.measured_step_times_s or (
             [self.measured_step_time_s] if self.measured_step_time_s is not None else [])
         if not steps:
             return None
-        simulated = self.step_time_s if corrected else self.uncorrected_step_time_s
-        return Figure.of(ERROR_NAME, [t / simulated - 1 for t in steps], unit="")
+        return error_figure(steps, self.step_time_s if corrected else self.uncorrected_step_time_s)
 
     def describe(self) -> str:
         """A few lines for a terminal."""
@@ -156,9 +154,6 @@ def _busy(host: dict[str, Any] | None) -> str:
         return ""
     return f" (host busy or slow: {busy_readings(host)}; the error's interval spans it)"
 
-
-#: What an error figure is: the simulated throughput's error against a measured step.
-ERROR_NAME = "simulated throughput / measured - 1"
 
 
 def _pct_cell(f: Figure) -> str:

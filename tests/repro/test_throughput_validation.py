@@ -216,7 +216,7 @@ def test_errors_by_the_hosts_state_split_at_the_median_fast_share() -> None:
 
 
 def test_a_round_past_the_second_starts_only_where_it_fits_the_budget() -> None:
-    from gpipe_repro.repro.throughput.simulator_error import another_round
+    from gpipe_repro.report.measurement import another_round
 
     assert another_round(0, 3, 999.0, 10.0) and another_round(1, 3, 999.0, 10.0)   # two at least
     assert another_round(2, 3, 200.0, 300.0)          # 200 s + a round of 100 s fits in 300

@@ -1,12 +1,13 @@
 """The simulator's error against measured steps, with the measurement's own uncertainty.
 
 A configuration's error is simulated throughput / measured - 1 = measured step / simulated step - 1,
-one sample per measured step; its figure is the median with a 95% interval
-(:class:`gpipe_repro.report.measurement.Figure`). Over configurations, the median and the worst
-|error| are bounded by the same statistics of the intervals' ends (the median of the rows' lower
-|error| bounds, the median of their upper bounds; likewise the largest). The verdict against the
-targets: ``met`` when the upper bounds are within them, ``not met`` when a lower bound exceeds one,
-``inconclusive`` otherwise: a busy host widens the intervals, it leaves no row out.
+one sample per measured step (:mod:`gpipe_repro.sim.error`: :func:`error_figure`, and
+:func:`paired_error_figure` for rounds each with its own calibration). Over configurations, the
+median and the worst |error| are bounded by the same statistics of the intervals' ends (the median
+of the rows' lower |error| bounds, the median of their upper bounds; likewise the largest). The
+verdict against the targets: ``met`` when the upper bounds are within them, ``not met`` when a lower
+bound exceeds one, ``inconclusive`` otherwise: a busy host widens the intervals, it leaves no row
+out.
 """
 from __future__ import annotations
 
@@ -15,45 +16,12 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpipe_repro.report.measurement import Figure
+from gpipe_repro.sim.error import error_figure, paired_error_figure
+
+__all__ = ["TARGETS", "abs_bounds", "describe", "error_by_host_state", "error_figure",
+           "paired_error_figure", "summarize_errors"]
 
 TARGETS = {"median": 0.05, "max": 0.10}
-
-
-def error_figure(step_times: Sequence[float], simulated_step: float,
-                 host_fast: float | None = None) -> Figure:
-    """The error of simulated throughput against each measured step (see the module docstring)."""
-    if simulated_step <= 0 or not step_times:
-        raise ValueError("need a positive simulated step and at least one measured step")
-    return Figure.of("simulated throughput / measured - 1", [t / simulated_step - 1 for t in step_times],
-                     unit="", host_fast=host_fast)
-
-
-def paired_error_figure(rounds: Sequence[tuple[Sequence[float], float]],
-                        host_fast: float | None = None) -> Figure:
-    """The error with each round's measured steps against that round's own simulated step (from
-    the costs calibrated in that round): `rounds` is a (measured steps, simulated step) per round.
-    The host's speed, which drifts over minutes, then moves both sides of each ratio alike."""
-    if not rounds or any(s <= 0 or not steps for steps, s in rounds):
-        raise ValueError("need a positive simulated step and at least one measured step per round")
-    return Figure.of("simulated throughput / measured - 1",
-                     [t / s - 1 for steps, s in rounds for t in steps], unit="", host_fast=host_fast)
-
-
-#: Rounds a validation keeps even when its time budget is spent (its intervals need them).
-MIN_ROUNDS = 2
-
-
-def another_round(done: int, asked: int, elapsed_s: float, budget_s: float | None) -> bool:
-    """Whether a validation that ran `done` of `asked` rounds in `elapsed_s` seconds starts another
-    one: always up to :data:`MIN_ROUNDS`, otherwise only where one more round of the mean length so
-    far ends within `budget_s` (None: no budget). On a host whose speed drifts by a third over
-    minutes, a fixed number of rounds ran out of its wall-clock limit in a slow hour."""
-    if done >= asked:
-        return False
-    if done < MIN_ROUNDS or budget_s is None:
-        return True
-    return elapsed_s + elapsed_s / done <= budget_s
 
 
 def error_by_host_state(errors: Sequence[float], fast: Sequence[float]) -> dict[str, float] | None:

@@ -10,11 +10,11 @@ from typing import Any
 from gpipe_repro.engine.schedule import cells_per_process, make_schedule, num_processes
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import HostWatch, fast_share, usable_cores
+from gpipe_repro.report.measurement import another_round
 from gpipe_repro.repro.throughput.measure import MeasureFn
 from gpipe_repro.repro.throughput.settings import MODELS, SweepSettings
 from gpipe_repro.repro.throughput.simulator_error import (
     TARGETS,
-    another_round,
     error_by_host_state,
     error_figure,
     paired_error_figure,
@@ -48,7 +48,9 @@ METHOD = ("measured_*: steps measured on this host's real stage processes (one p
           "simulator replaying each measured step's own action durations; error (and exact_error): "
           "each round's measured steps against the simulation from the costs calibrated in that "
           "round (simulated_step_per_round_s), paired; unpaired_error, simulated_step_s and "
-          "relative_error: all the steps against the simulation from the median of the rounds' costs")
+          "relative_error: all the steps against the simulation from the median of the rounds' "
+          "costs; host_fast*: the speed probe's share of fast readings on this host's cores "
+          "(measured) around the runs and around the calibrations")
 
 
 def validation_ks(cores: int) -> list[int]:
@@ -154,7 +156,7 @@ def _row(c: _Config, calibs: Sequence[Calibration], runs: Sequence[dict[str, Any
     error = paired_error_figure([(ts, s.step_time) for ts, s in zip(steps, per_round)],
                                 measured["host_fast"])
     unpaired = error_figure(measured["step_times"], sim.step_time, measured["host_fast"])
-    exact = ([t / s.exact_step_time - 1 for ts, s in zip(steps, per_round) for t in ts]
+    exact = (paired_error_figure([(ts, s.exact_step_time) for ts, s in zip(steps, per_round)])
              if all(s.exact_step_time for s in per_round) else None)
     k = num_processes(settings.schedule, cells)
     meas_tp = m * b / measured["step_time_s"]
@@ -182,7 +184,7 @@ def _row(c: _Config, calibs: Sequence[Calibration], runs: Sequence[dict[str, Any
             "measured_throughput": meas_tp,
             "relative_error": sim.throughput / meas_tp - 1.0,
             "exact_step_s": sim.exact_step_time,
-            "exact_error": statistics.median(exact) if exact else None,
+            "exact_error": exact.value if exact else None,
             "error": error.to_json(), "unpaired_error": unpaired.to_json(),
             "host_fast": measured["host_fast"],
             "others_cpu_per_round": measured.get("others_cpu"),
