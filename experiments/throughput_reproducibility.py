@@ -3,8 +3,10 @@
 Runs the simulated part of `make throughput-table` twice in a row (``--no-measure``), each with a
 calibration cache of its own (so each run calibrates afresh: the cache would otherwise hand the
 second run the first one's costs), then compares every simulated cell and every partition
-(:mod:`experiments.compare_throughput`). Target (the numbers issue): the same partitions, and every
-cell within 2%. The page also gives each run's calibration uncertainty per model (the relative
+(:mod:`experiments.compare_throughput`). As two consecutive `make throughput-table` runs do, the
+first keeps the cuts of the table of record where its costs cannot tell them from their best, and
+the second those of the first (:mod:`gpipe_repro.repro.throughput.kept_cuts`). Target (the numbers
+issue): the same partitions, and every cell within 2%. The page also gives each run's calibration uncertainty per model (the relative
 half-width of its per-layer intervals, :meth:`gpipe_repro.sim.calibration.Calibration.uncertainty_at`):
 a difference the size of that uncertainty is the calibration's noise, and a target tighter than it
 cannot be met by running the same calibration again.
@@ -32,11 +34,16 @@ COMMAND = "throughput-reproducibility"
 TARGET = TARGETS["idle"]
 
 
-def run_table(out: Path, cache: Path) -> dict[str, Any]:
-    """One simulated throughput table into `out`, calibrating into its own `cache`."""
+RECORD = Path("results") / "throughput" / "throughput_table.json"
+
+
+def run_table(out: Path, cache: Path, cuts_from: Path | None) -> dict[str, Any]:
+    """One simulated throughput table into `out`, calibrating into its own `cache`, keeping the cuts
+    of `cuts_from` where it cannot tell them from its best (every cut afresh where None)."""
     env = {**os.environ, "GPIPE_REPRO_CACHE": str(cache), "WANDB_MODE": "offline"}
+    cuts = ["--cuts-from", str(cuts_from)] if cuts_from is not None else ["--fresh-cuts"]
     cmd = [sys.executable, "-m", "experiments.throughput_table", "--no-measure", "--no-wandb",
-           "--out", str(out)]
+           "--out", str(out), *cuts]
     print(f"{COMMAND}: {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, env=env, check=True)
     return read_json(out / "throughput_table.json")
@@ -46,6 +53,12 @@ def uncertainties(table: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Per model, the calibration's relative uncertainty per micro-batch size."""
     return {model: {b: float(u) for b, u in (c.get("uncertainty") or {}).items()}
             for model, c in (table.get("calibration") or {}).items()}
+
+
+def kept_count(table: dict[str, Any]) -> int:
+    """How many of a table's cells kept the cut of the table before it."""
+    return sum(1 for t in ("table2", "table3") for rows in (table.get(t) or {}).values()
+               for r in rows if r.get("cut_kept"))
 
 
 def verdict(result: dict[str, Any]) -> str:
@@ -74,9 +87,12 @@ def page(result: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         f"Calibration uncertainty (relative half-width of the per-layer 95% intervals, per model): {unc}. "
         "A cell moves with the ratio of its bottleneck cell to the whole model, so differences of the "
         "size of these uncertainties are the calibration's own noise. Cuts within the larger of this "
-        f"uncertainty and {TIE_FLOOR:.0%} of the best are ties, broken by the most even cut in time "
-        "(sim/partition_choice); a partition flips where the cut that tie-break prefers crosses that "
-        "window's edge between the two runs, or where two cuts nearly equal in evenness trade places.",
+        f"uncertainty and {TIE_FLOOR:.0%} of the best are ties. As two consecutive `make "
+        "throughput-table` runs, run A keeps the cuts of the table of record and run B those of run A "
+        f"where they are among its ties ({kept_count(runs[0])} and {kept_count(runs[1])} of "
+        f"{len(rows)} cells kept); elsewhere the most even cut in time among the ties is chosen "
+        "(sim/partition_choice). A partition can then differ only where a kept cut left the window "
+        "of ties, or where no cut was kept and two nearly equally even cuts traded places.",
         markdown_table(["cell", "A", "B", "difference", "same partition"], rows,
                        align=["left", "right", "right", "right", "left"]),
         *([f"Cells in one run only (the verdict counts them as not reproduced): "
@@ -92,7 +108,9 @@ def main() -> None:
     """Two consecutive simulated throughput tables, cell by cell and partition by partition."""
     check_publish("throughput", "reproducibility", COMMAND)
     with tempfile.TemporaryDirectory(prefix="gpipe-repro-reproducibility-") as tmp:
-        runs = [run_table(Path(tmp) / name, Path(tmp) / f"cache-{name}") for name in "AB"]
+        first = Path(tmp) / "A"
+        runs = [run_table(first, Path(tmp) / "cache-A", RECORD if RECORD.is_file() else None),
+                run_table(Path(tmp) / "B", Path(tmp) / "cache-B", first / "throughput_table.json")]
     result = compare(runs[0], runs[1])
     payload = {"method": "simulated, twice, each from its own calibration", "target": TARGET,
                "verdict": verdict(result), "uncertainty": [uncertainties(t) for t in runs], **result}

@@ -51,6 +51,12 @@ def register(app: typer.Typer) -> None:
                                            help="replace an earlier throughput table in --out"),
             record: bool = typer.Option(False, "--record", help="may replace the results of record "
                                         "(what `make throughput-table` does)"),
+            cuts_from: Optional[Path] = typer.Option(
+                None, "--cuts-from", help="an earlier throughput_table.json whose cuts are kept where "
+                "the new calibration cannot tell them from its best (default: the table this run "
+                "replaces in --out)"),
+            fresh_cuts: bool = typer.Option(False, "--fresh-cuts", help="choose every cut from the "
+                                            "new costs alone"),
     ) -> None:
         """The paper's Tables 2 and 3: K x M normalized throughput, simulated and measured."""
         from gpipe_repro.engine.partition import OBJECTIVES
@@ -74,9 +80,12 @@ def register(app: typer.Typer) -> None:
             table.main(settings, out if out is not None else results_root() / "throughput",
                        overwrite=overwrite, record=record, wandb=wandb,
                        command={"prog": "gpipe-repro throughput-table", "record": record,
-                                "argv": [a for a in _given(ctx) if a != "--record"]})
+                                "argv": [a for a in _given(ctx) if a != "--record"]},
+                       cuts_from=cuts_from, fresh_cuts=fresh_cuts)
         except (OutputRefused, FileExistsError) as e:
             raise typer.BadParameter(str(e), param_hint="--out") from None
+        except table.CutsSourceError as e:
+            raise typer.BadParameter(str(e), param_hint="--cuts-from") from None
 
     @app.command("validate-sim", rich_help_panel=EXPERIMENTS)
     def validate_sim(

@@ -43,17 +43,29 @@ order; pooled identical layers make exact ties that rounding must not break)."""
 
 
 def choose_partition(costs: Sequence[float], k: int, objective: str = "bottleneck",
-                     uncertainty: float = 0.0) -> list[int]:
+                     uncertainty: float = 0.0, keep: Sequence[int] | None = None) -> list[int]:
     """The balance of `costs` (timed or counted) into `k` cells under `objective`: the exact
     :func:`gpipe_repro.engine.partition.partition`; with the bottleneck objective and a relative
     `uncertainty` > 0 (the calibration's), :func:`tie_break` among the cuts within it of the optimum,
-    or within :data:`TIE_FLOOR` where it is smaller."""
+    or within :data:`TIE_FLOOR` where it is smaller, unless `keep` (a cut chosen before, e.g. from
+    an earlier calibration) is one of those ties: then `keep` (see "The kept cut" above). A `keep`
+    that is not a cut of these layers into `k` cells is ignored."""
     if uncertainty < 0:
         raise ValueError(f"uncertainty must be >= 0 (a relative half-width), got {uncertainty}")
     best = partition(costs, k, objective)
     if objective != "bottleneck" or uncertainty == 0:
         return best
-    return tie_break(costs, k, max(cell_costs(costs, best)) * (1.0 + max(uncertainty, TIE_FLOOR)))
+    limit = max(cell_costs(costs, best)) * (1.0 + max(uncertainty, TIE_FLOOR))
+    if keep is not None and is_cut(keep, len(costs), k) and \
+            max(cell_costs(costs, keep)) <= limit * (1.0 + 1e-12):
+        return list(keep)
+    return tie_break(costs, k, limit)
+
+
+def is_cut(balance: Sequence[int], layers: int, k: int) -> bool:
+    """Whether `balance` cuts `layers` layers into `k` non-empty cells."""
+    return len(balance) == k and all(isinstance(n, int) and n >= 1 for n in balance) \
+        and sum(balance) == layers
 
 
 def tie_break(costs: Sequence[float], k: int, limit: float) -> list[int]:

@@ -44,11 +44,13 @@ def test_each_run_calibrates_into_its_own_cache(monkeypatch: pytest.MonkeyPatch,
         from gpipe_repro.report.records import write_json
         write_json(out / "throughput_table.json", table(3.5, [6, 6, 5, 7], 0.01))
     monkeypatch.setattr(module, "subprocess", SimpleNamespace(run=run))
-    first = module.run_table(tmp_path / "A", tmp_path / "cache-A")
-    second = module.run_table(tmp_path / "B", tmp_path / "cache-B")
+    first = module.run_table(tmp_path / "A", tmp_path / "cache-A", None)
+    second = module.run_table(tmp_path / "B", tmp_path / "cache-B", tmp_path / "A" / "throughput_table.json")
     assert first == second
     assert [c for _, c in calls] == [str(tmp_path / "cache-A"), str(tmp_path / "cache-B")]
     assert all("--no-measure" in cmd and "experiments.throughput_table" in cmd for cmd, _ in calls)
+    assert "--fresh-cuts" in calls[0][0]
+    assert calls[1][0][calls[1][0].index("--cuts-from") + 1] == str(tmp_path / "A" / "throughput_table.json")
 
 
 def test_refuses_a_dirty_tree_before_running(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,9 +67,11 @@ def test_silent_self_comparison_each_run_calibrates_into_a_cache_of_its_own(
     """The recipe the docs gave ran both tables on one calibration cache, so the second run read the
     first one's costs and the two always agreed: each run gets a cache of its own."""
     caches: list[Path] = []
+    kept_from: list[Path | None] = []
 
-    def run_table(out: Path, cache: Path) -> dict[str, Any]:
+    def run_table(out: Path, cache: Path, cuts_from: Path | None) -> dict[str, Any]:
         caches.append(cache)
+        kept_from.append(cuts_from)
         return table(3.5, [6, 6, 5, 7], 0.01)
     published: list[dict[str, Any]] = []
     monkeypatch.setattr(module, "check_publish", lambda *a, **k: None)
@@ -76,6 +80,8 @@ def test_silent_self_comparison_each_run_calibrates_into_a_cache_of_its_own(
     module.main()
     assert len(caches) == 2 and caches[0] != caches[1]
     assert published[0]["verdict"] == "met" and published[0]["method"].startswith("simulated")
+    # as two consecutive `make throughput-table` runs: A keeps the record's cuts, B those of A
+    assert kept_from[0] == module.RECORD and kept_from[1] is not None and kept_from[1].parent.name == "A"
 
 
 def test_a_cell_in_one_run_only_is_not_reproduced() -> None:

@@ -3,6 +3,7 @@ bandwidth, link serialization, recompute-ahead, and the schedule it consumes bei
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -227,7 +228,8 @@ def test_the_throughput_table_end_to_end_on_synthetic_costs(monkeypatch: pytest.
         per = {b: [LayerCost(forward=1e-3 * b, forward_nograd=1e-3 * b, recompute=1e-3 * b,
                              backward=2e-3 * b, optimizer=1e-5, forward_flops=1.0, flops=3.0,
                              params=1, output_bytes=100 * b, grad_bytes=100 * b)] * n for b in sizes}
-        return Calibration(workload.name, "time", "synthetic", [0] * n, per)
+        return Calibration(workload.name, "time", "synthetic", [0] * n, per,
+                           uncertainty={b: 0.01 for b in sizes})
 
     def fake_measure(workload: Any, balance: list[int], m: int, n: int, checkpoint: str) -> dict:
         cal = fake_calibrate(workload, [n // m])
@@ -282,6 +284,22 @@ def test_the_throughput_table_end_to_end_on_synthetic_costs(monkeypatch: pytest.
                                 "others_cpu_fraction_during": 0.5, "clean": False}}
     assert ("**The calibration ran on a busy host** (idle 40%, load 1.2, other processes 50% of the "
             "CPU during): per-layer costs") in tp.render_markdown(busy)
+    # A rerun keeps the cuts of the table it replaces where they are among its ties (uniform layers:
+    # every cut with the fewest layers in its largest cell ties), and says so; a cut of another
+    # model's layer count is chosen afresh.
+    earlier = json.loads(json.dumps(payload))
+    a8 = next(r for r in earlier["table2"]["amoebanet"] if (r["K"], r["M"]) == (8, 32))
+    alternative = sorted(a8["balance"], reverse=True)
+    assert alternative != a8["balance"]
+    a8["balance"] = alternative
+    t2 = next(r for r in earlier["table2"]["transformer"] if (r["K"], r["M"]) == (2, 4))
+    t2["balance"] = [24, 24]
+    rerun = tp.run_throughput_table(dataclasses.replace(settings, measure=False), previous=earlier)
+    again = {(r["K"], r["M"]): r for r in rerun["table2"]["amoebanet"]}
+    assert again[(8, 32)]["balance"] == alternative and again[(8, 32)]["cut_kept"]
+    assert all(r["cut_kept"] for r in again.values())
+    t2_again = next(r for r in rerun["table2"]["transformer"] if (r["K"], r["M"]) == (2, 4))
+    assert t2_again["balance"] == [25, 25] and not t2_again["cut_kept"]
 
 
 # ----------------------------------------------------------------------------- your own model

@@ -20,6 +20,16 @@ from gpipe_repro.repro.throughput.settings import SweepSettings
 from gpipe_repro.repro.throughput.table import plan_steps, run_throughput_table
 
 
+def display_path(path: str | os.PathLike[str]) -> str:
+    """`path` relative to the working directory where it lies under it (a page of record names
+    results/throughput/throughput_table.json, not the checkout's absolute place), else as given."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p)
+
+
 def has_measured(payload: dict[str, Any]) -> bool:
     """Whether a throughput payload holds any measured cell."""
     return any(r.get("measured") for table in ("table2", "table3")
@@ -146,11 +156,14 @@ def _host_label(meas: dict[str, Any] | None) -> str | None:
 
 
 def run_with_progress(settings: SweepSettings, out_dir: str | os.PathLike[str],
-                      log_wandb: bool = True, *, command: dict[str, Any] | None = None) -> dict[str, Any]:
+                      log_wandb: bool = True, *, command: dict[str, Any] | None = None,
+                      cuts_from: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """:func:`run_throughput_table` under a rich progress bar on a terminal (elsewhere a plain line at
     least every 30 s), then :func:`write_outputs`.
 
-    `command` ({"prog", "argv"}) is recorded in the payload, so the page says how it was made."""
+    `command` ({"prog", "argv"}) is recorded in the payload, so the page says how it was made.
+    `cuts_from`: an earlier throughput_table.json whose cuts are kept where the new costs cannot tell
+    them from their best (:mod:`gpipe_repro.repro.throughput.kept_cuts`); recorded in the payload."""
     check_overwrite(out_dir, measuring=settings.measure)
     import contextlib
 
@@ -184,7 +197,9 @@ def run_with_progress(settings: SweepSettings, out_dir: str | os.PathLike[str],
                 plain.update(message)
             started = True
 
-        payload = run_throughput_table(settings, step, measure)
+        previous = read_json(cuts_from) if cuts_from is not None else None
+        payload = run_throughput_table(settings, step, measure, previous=previous)
+        payload["cuts_from"] = None if cuts_from is None else display_path(cuts_from)
         if command is not None:
             payload["command"] = command
         step("writing results")

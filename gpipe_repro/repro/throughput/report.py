@@ -43,15 +43,29 @@ def measured_note(meas: dict[str, Any], normalized: bool = False) -> str:
     return busy_note(measured_host(meas))
 
 
-def calibration_uncertainty(calibrations: dict[str, Any]) -> str:
-    """How far the calibrated costs could move a cut: each model's share spread over rounds."""
+def calibration_uncertainty(calibrations: dict[str, Any], payload: dict[str, Any] | None = None) -> str:
+    """How far the calibrated costs could move a cut: each model's share spread over rounds; and,
+    given the table's `payload`, how many cuts were kept from the earlier table."""
     parts = [f"{model} {float(u):.1%} at micro-batch {size}" for model, c in calibrations.items()
              for size, u in (c.get("uncertainty") or {}).items()]
     return ("**Calibration uncertainty** (the median layer's 95% interval of its share of a round's "
             "cost, over interleaved rounds): " + ", ".join(parts) + ". Cuts whose simulated "
             f"bottleneck lies within it (or within {TIE_FLOOR:.0%}, where it is smaller) of the best "
-            "are ties, broken by the most even cut in time (least sum of squared cell costs), then the "
-            "smallest balance.")
+            "are ties: " + kept_cuts_note(payload or {}))
+
+
+def kept_cuts_note(payload: dict[str, Any]) -> str:
+    """Which rule chose the ties' cut: kept from the earlier table, or the tie-break."""
+    rule = ("the most even cut in time (least sum of squared cell costs), then the smallest balance, "
+            "chooses among them")
+    source = payload.get("cuts_from")
+    if not source:
+        return rule + " (every cut chosen afresh)."
+    rows = [r for table in ("table2", "table3") for rs in (payload.get(table) or {}).values() for r in rs]
+    kept = sum(1 for r in rows if r.get("cut_kept"))
+    return (f"where the cut of the table this one replaced (`{source}`) is one of them it is kept "
+            f"({kept} of {len(rows)} cells), so a rerun does not change a cut on its calibration's "
+            f"noise; elsewhere {rule}.")
 
 
 def generated_by(payload: dict[str, Any]) -> str:
@@ -138,7 +152,7 @@ def render_markdown(payload: dict[str, Any], validation: dict[str, Any] | None =
            + ": per-layer costs measured beside other processes, so the simulated cells may not "
            "reproduce on an idle host.", ""]
           if (payload.get("host") or {}).get("clean") is False else []),
-        *([calibration_uncertainty(payload["calibration"]), ""]
+        *([calibration_uncertainty(payload["calibration"], payload), ""]
           if any((c or {}).get("uncertainty") for c in (payload.get("calibration") or {}).values())
           else []),
         "**How to read.** Every number of ours is labelled: **bold\\*** = simulated (the pipeline "

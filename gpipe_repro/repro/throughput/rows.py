@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -33,6 +33,7 @@ class Row:
     flop_model: dict[str, Any] | None = None  # paper-size FLOP-cost simulation
     paper: float | None = None
     torchgpipe: float | None = None
+    cut_kept: bool = False           # the balance is the earlier table's (repro/throughput/kept_cuts)
 
     @property
     def bubble_theory(self) -> float:
@@ -54,8 +55,11 @@ def simulate_rows(model: str, calib: Calibration, settings: SweepSettings, platf
                   paper_values: dict[tuple[int, int], float] | None = None,
                   peer_values: dict[tuple[int, int], float] | None = None,
                   microbatch: Callable[[int], int] | None = None,
-                  batch: Callable[[int], int] | None = None) -> list[Row]:
-    """Partition and simulate every (K, M); normalize to `base` (default: smallest K, smallest M)."""
+                  batch: Callable[[int], int] | None = None,
+                  keep: Mapping[tuple[int, int, int], Sequence[int]] | None = None) -> list[Row]:
+    """Partition and simulate every (K, M); normalize to `base` (default: smallest K, smallest M).
+    `keep`: (K, M, micro-batch size) -> a cut chosen before, kept where it is still among the ties
+    of these costs (:func:`gpipe_repro.sim.partition_choice.choose_partition`)."""
     microbatch = microbatch or (lambda m: settings.microbatch_size(model, m))
     batch = batch or (lambda m: settings.batch_size(model, m))
     rows = []
@@ -63,12 +67,15 @@ def simulate_rows(model: str, calib: Calibration, settings: SweepSettings, platf
         for m in ms:
             b, n = microbatch(m), batch(m)
             costs = calib.partition_costs(b, settings.checkpoint)
-            balance = choose_partition(costs, k, settings.objective, calib.uncertainty_at(b))
+            earlier = (keep or {}).get((k, m, b))
+            balance = choose_partition(costs, k, settings.objective, calib.uncertainty_at(b),
+                                       keep=earlier)
             sim = platform.simulate(calib, balance, m, n, settings)
             rows.append(Row(model, k, m, b, n, balance, balance_efficiency(costs, balance),
                             sim.summary(),
                             paper=(paper_values or {}).get((k, m)),
-                            torchgpipe=(peer_values or {}).get((k, m))))
+                            torchgpipe=(peer_values or {}).get((k, m)),
+                            cut_kept=earlier is not None and list(earlier) == balance))
     normalize(rows, base or (min(ks), min(ms)))
     return rows
 

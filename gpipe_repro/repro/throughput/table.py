@@ -11,6 +11,7 @@ from gpipe_repro.repro.throughput.ablations import (
     objective_ablation,
     rematerialization_ablation,
 )
+from gpipe_repro.repro.throughput.kept_cuts import cuts_of
 from gpipe_repro.repro.throughput.measure import MeasureFn, distributed_measure, measurable_k, measure_rows
 from gpipe_repro.repro.throughput.rows import Row, attach_flop_model, flop_model_rows, simulate_rows
 from gpipe_repro.repro.throughput.schedules import ABLATION_K, ABLATION_MS, schedule_tradeoff
@@ -47,8 +48,11 @@ def mini_variant(settings: SweepSettings) -> SweepSettings:
 
 
 def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None] | None = None,
-                         measure: MeasureFn | None = None) -> dict[str, Any]:
-    """Calibrate, partition, simulate and measure Tables 2 and 3; return the results payload."""
+                         measure: MeasureFn | None = None,
+                         previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Calibrate, partition, simulate and measure Tables 2 and 3; return the results payload.
+    `previous`: an earlier table's payload whose cuts are kept where these costs cannot tell them
+    from their best (:mod:`gpipe_repro.repro.throughput.kept_cuts`)."""
     settings.validate()
     say = progress or (lambda msg: None)
     say(f"link model: {settings.link}")
@@ -69,7 +73,9 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
         table2[model] = simulate_rows(model, calibrations[model], settings, platform, settings.ks,
                                       settings.ms, base=(2, 1) if 2 in settings.ks and 1 in settings.ms
                                       else None, paper_values=table2_paper(model),
-                                      peer_values=table2_peer(model))
+                                      peer_values=table2_peer(model),
+                                      keep=cuts_of(previous, "table2", model, workloads[model].name,
+                                                   settings))
         say(f"FLOP model of {PAPER_WORKLOADS[model].name} on a TPUv3 core")
         attach_flop_model(table2[model], flop_model_rows(
             model, PAPER_WORKLOADS[model], "tpu-v3-core", platform_for("tpu-ici"), settings,
@@ -84,7 +90,9 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
         b = settings.microbatch_size(model, m3)
         calibrations3[model] = calibrate(workloads3[model], [b], progress=say, **calib_kw)
         table3[model] = simulate_rows(model, calibrations3[model], settings, pcie, settings.ks, [m3],
-                                      base=(min(settings.ks), m3), paper_values=table3_paper(model))
+                                      base=(min(settings.ks), m3), paper_values=table3_paper(model),
+                                      keep=cuts_of(previous, "table3", model, workloads3[model].name,
+                                                   settings))
         say(f"FLOP model of {PAPER_TABLE3_WORKLOADS[model].name} on a P100 with PCIe")
         attach_flop_model(table3[model], flop_model_rows(
             model, PAPER_TABLE3_WORKLOADS[model], "p100", pcie, settings, settings.ks, [m3],
