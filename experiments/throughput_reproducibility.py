@@ -6,8 +6,9 @@ second run the first one's costs), then compares every simulated cell and every 
 (:mod:`experiments.compare_throughput`). As two consecutive `make throughput-table` runs do, the
 first keeps the cuts of the table of record where its costs cannot tell them from their best, and
 the second those of the first (:mod:`gpipe_repro.repro.throughput.kept_cuts`). Target (the numbers
-issue): the same partitions, and every cell within 2%. The page also gives each run's calibration uncertainty per model (the relative
-half-width of its per-layer intervals, :meth:`gpipe_repro.sim.calibration.Calibration.uncertainty_at`):
+issue): the same partitions, and every cell within 2%. The page also gives each run's calibration
+uncertainty per model (the relative half-width of its per-layer intervals,
+:meth:`gpipe_repro.sim.calibration.Calibration.uncertainty_at`):
 a difference the size of that uncertainty is the calibration's noise, and a target tighter than it
 cannot be met by running the same calibration again.
 
@@ -28,7 +29,7 @@ import typer
 from experiments.compare_throughput import TARGETS, compare
 from gpipe_repro.report.records import read_json
 from gpipe_repro.repro.harness import check_publish, publish
-from gpipe_repro.sim.partition_choice import TIE_FLOOR
+from gpipe_repro.sim.partition_choice import KEEP_BAND, TIE_FLOOR
 
 COMMAND = "throughput-reproducibility"
 TARGET = TARGETS["idle"]
@@ -61,6 +62,13 @@ def kept_count(table: dict[str, Any]) -> int:
                for r in rows if r.get("cut_kept"))
 
 
+def largest_excess(table: dict[str, Any]) -> float:
+    """How far above the best cut of its own costs the slowest kept cut's bottleneck lies."""
+    return max((float(r.get("bottleneck_excess") or 0.0) for t in ("table2", "table3")
+                for rows in (table.get(t) or {}).values() for r in rows if r.get("cut_kept")),
+               default=0.0)
+
+
 def verdict(result: dict[str, Any]) -> str:
     met = (result["max_abs_difference"] <= TARGET and result["partitions_agree"]
            and not result["only_in_one"])
@@ -89,10 +97,12 @@ def page(result: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         "size of these uncertainties are the calibration's own noise. Cuts within the larger of this "
         f"uncertainty and {TIE_FLOOR:.0%} of the best are ties. As two consecutive `make "
         "throughput-table` runs, run A keeps the cuts of the table of record and run B those of run A "
-        f"where they are among its ties ({kept_count(runs[0])} and {kept_count(runs[1])} of "
-        f"{len(rows)} cells kept); elsewhere the most even cut in time among the ties is chosen "
-        "(sim/partition_choice). A partition can then differ only where a kept cut left the window "
-        "of ties, or where no cut was kept and two nearly equally even cuts traded places.",
+        f"while their bottleneck stays within {KEEP_BAND:g} windows of the best of its costs "
+        f"({kept_count(runs[0])} and {kept_count(runs[1])} of {len(rows)} cells kept; the largest "
+        f"kept bottleneck {largest_excess(runs[1]):.1%} above run B's best); elsewhere the most even "
+        "cut in time among the ties is chosen (sim/partition_choice). A partition can then differ "
+        "only where a kept cut left that band, or where no cut was kept and two nearly equally even "
+        "cuts traded places.",
         markdown_table(["cell", "A", "B", "difference", "same partition"], rows,
                        align=["left", "right", "right", "right", "left"]),
         *([f"Cells in one run only (the verdict counts them as not reproduced): "

@@ -37,6 +37,9 @@ from gpipe_repro.engine.partition import cell_costs, partition
 TIE_FLOOR = 0.03
 """The narrowest relative window of near-ties for timed costs (see the module docstring)."""
 
+KEEP_BAND = 2.0
+"""A kept cut stays while its bottleneck is within this many windows of ties of the optimum."""
+
 _EQUAL = 1e-9
 """Sums of squared cell costs within this relative distance are equal (a float sum depends on its
 order; pooled identical layers make exact ties that rounding must not break)."""
@@ -48,18 +51,26 @@ def choose_partition(costs: Sequence[float], k: int, objective: str = "bottlenec
     :func:`gpipe_repro.engine.partition.partition`; with the bottleneck objective and a relative
     `uncertainty` > 0 (the calibration's), :func:`tie_break` among the cuts within it of the optimum,
     or within :data:`TIE_FLOOR` where it is smaller, unless `keep` (a cut chosen before, e.g. from
-    an earlier calibration) is one of those ties: then `keep` (see "The kept cut" above). A `keep`
-    that is not a cut of these layers into `k` cells is ignored."""
+    an earlier calibration) is within :data:`KEEP_BAND` such windows of the optimum: then `keep`
+    (see "The kept cut" above). A `keep` that is not a cut of these layers into `k` cells is
+    ignored."""
     if uncertainty < 0:
         raise ValueError(f"uncertainty must be >= 0 (a relative half-width), got {uncertainty}")
     best = partition(costs, k, objective)
     if objective != "bottleneck" or uncertainty == 0:
         return best
-    limit = max(cell_costs(costs, best)) * (1.0 + max(uncertainty, TIE_FLOOR))
+    optimum, window = max(cell_costs(costs, best)), max(uncertainty, TIE_FLOOR)
     if keep is not None and is_cut(keep, len(costs), k) and \
-            max(cell_costs(costs, keep)) <= limit * (1.0 + 1e-12):
+            max(cell_costs(costs, keep)) <= optimum * (1.0 + KEEP_BAND * window) * (1.0 + 1e-12):
         return list(keep)
-    return tie_break(costs, k, limit)
+    return tie_break(costs, k, optimum * (1.0 + window))
+
+
+def bottleneck_excess(costs: Sequence[float], balance: Sequence[int]) -> float:
+    """How much slower `balance`'s bottleneck cell is than the optimal cut's (relative; 0 at the
+    optimum): what a tie-break or a kept cut gave up on these costs."""
+    k = len(balance)
+    return max(cell_costs(costs, balance)) / max(cell_costs(costs, partition(costs, k))) - 1.0
 
 
 def is_cut(balance: Sequence[int], layers: int, k: int) -> bool:

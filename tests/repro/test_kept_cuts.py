@@ -47,8 +47,9 @@ def _calibration(costs: list[float], uncertainty: float) -> Calibration:
 
 
 def test_rows_keep_an_earlier_cut_among_the_ties_and_say_so() -> None:
-    """[1, 2] costs 3.05 at the bottleneck against the best [2, 1]'s 3.01: within the window of ties,
-    so an earlier [1, 2] is kept (and the row says so); without it the tie-break chooses."""
+    """[1, 2] costs 3.05 at the bottleneck against the best [2, 1]'s 3.01: within the band a kept cut
+    may stay in, so an earlier [1, 2] is kept (the row says so, and by how much its bottleneck
+    exceeds the best); without it the tie-break chooses."""
     calib = _calibration([3.0, 0.05, 2.96], 0.02)
     settings = replace(SETTINGS, checkpoint="never", ks=(2,), ms=(4,), microbatch=(("mlp", 4),))
     plat = platform_for("ideal")
@@ -59,6 +60,8 @@ def test_rows_keep_an_earlier_cut_among_the_ties_and_say_so() -> None:
     other = [1, 2] if fresh.balance == [2, 1] else [2, 1]
     kept = row({(2, 4, 4): other})
     assert (kept.balance, kept.cut_kept, fresh.cut_kept) == (other, True, False)
+    excess = {round(kept.bottleneck_excess, 4), round(fresh.bottleneck_excess, 4)}
+    assert excess == {0.0, round(3.05 / 3.01 - 1, 4)}
     assert row({(2, 4, 8): other}).balance == fresh.balance       # another micro-batch size: not it
     far = _calibration([3.0, 0.5, 2.0], 0.02)                     # [2, 1] 17% slower: replaced
     out = simulate_rows("mlp", far, settings, plat, [2], [4], base=(2, 4), keep={(2, 4, 4): [2, 1]})[0]
@@ -66,10 +69,11 @@ def test_rows_keep_an_earlier_cut_among_the_ties_and_say_so() -> None:
 
 
 def test_the_page_says_where_the_cuts_came_from() -> None:
-    rows = [{"cut_kept": True}, {"cut_kept": False}]
+    rows = [{"cut_kept": True, "bottleneck_excess": 0.012}, {"cut_kept": False, "bottleneck_excess": 0.02}]
     note = kept_cuts_note({"cuts_from": "results/throughput/throughput_table.json",
                            "table2": {"mlp": rows}, "table3": {}})
-    assert "`results/throughput/throughput_table.json`" in note and "(1 of 2 cells)" in note
+    assert "`results/throughput/throughput_table.json`" in note
+    assert "(1 of 2 cells kept, the largest bottleneck 1.2% above the best of these costs)" in note
     assert "every cut chosen afresh" in kept_cuts_note({"cuts_from": None})
 
 

@@ -4,7 +4,8 @@ Two consecutive `make throughput-table` runs calibrate afresh, and where two cut
 calibration's noise of each other no rule on the costs alone chooses the same one every time
 (:mod:`gpipe_repro.sim.partition_choice`, "The kept cut"). So a run reads the cuts of the table it
 replaces (the results of record for `make throughput-table`, or ``--cuts-from FILE``) and keeps
-each one that is still among the ties of its own costs; a cut is only taken from a table of the same
+each one whose bottleneck stays within twice the window of ties of its own costs' optimum
+(:data:`gpipe_repro.sim.partition_choice.KEEP_BAND`); a cut is only taken from a table of the same
 model (its workload's name), micro-batch size, re-materialization and objective, and the row says
 whether its cut was kept (``cut_kept``).
 """

@@ -12,7 +12,7 @@ from gpipe_repro.report.host import is_clean
 from gpipe_repro.repro.throughput.settings import SweepSettings
 from gpipe_repro.sim.calibration import Calibration, calibrate
 from gpipe_repro.sim.devices import DEVICES
-from gpipe_repro.sim.partition_choice import choose_partition
+from gpipe_repro.sim.partition_choice import bottleneck_excess, choose_partition
 from gpipe_repro.sim.platform import Platform
 from gpipe_repro.sim.simulator import theoretical_bubble
 
@@ -34,6 +34,7 @@ class Row:
     paper: float | None = None
     torchgpipe: float | None = None
     cut_kept: bool = False           # the balance is the earlier table's (repro/throughput/kept_cuts)
+    bottleneck_excess: float = 0.0   # its bottleneck cell over the optimal cut's, minus 1 (these costs)
 
     @property
     def bubble_theory(self) -> float:
@@ -58,8 +59,8 @@ def simulate_rows(model: str, calib: Calibration, settings: SweepSettings, platf
                   batch: Callable[[int], int] | None = None,
                   keep: Mapping[tuple[int, int, int], Sequence[int]] | None = None) -> list[Row]:
     """Partition and simulate every (K, M); normalize to `base` (default: smallest K, smallest M).
-    `keep`: (K, M, micro-batch size) -> a cut chosen before, kept where it is still among the ties
-    of these costs (:func:`gpipe_repro.sim.partition_choice.choose_partition`)."""
+    `keep`: (K, M, micro-batch size) -> a cut chosen before, kept where its bottleneck is still within
+    the kept-cut band of these costs' optimum (:func:`gpipe_repro.sim.partition_choice.choose_partition`)."""
     microbatch = microbatch or (lambda m: settings.microbatch_size(model, m))
     batch = batch or (lambda m: settings.batch_size(model, m))
     rows = []
@@ -75,7 +76,8 @@ def simulate_rows(model: str, calib: Calibration, settings: SweepSettings, platf
                             sim.summary(),
                             paper=(paper_values or {}).get((k, m)),
                             torchgpipe=(peer_values or {}).get((k, m)),
-                            cut_kept=earlier is not None and list(earlier) == balance))
+                            cut_kept=earlier is not None and list(earlier) == balance,
+                            bottleneck_excess=bottleneck_excess(costs, balance)))
     normalize(rows, base or (min(ks), min(ms)))
     return rows
 
