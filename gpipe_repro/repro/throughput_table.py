@@ -86,11 +86,11 @@ def earlier_table(out: Path, cuts_from: Path | None, fresh_cuts: bool) -> Path |
     try:
         data = read_json(cuts_from)
     except (OSError, ValueError) as e:
-        raise CutsSourceError(f"--cuts-from {cuts_from}: cannot read a throughput table there ({e}); give "
-                         "the throughput_table.json of an earlier `gpipe-repro throughput-table` run, "
-                         "or --fresh-cuts") from None
+        raise CutsSourceError(f"--cuts-from {cuts_from}: cannot read a throughput table there ({e}); "
+                              "give the throughput_table.json of an earlier `gpipe-repro "
+                              "throughput-table` run, or --fresh-cuts") from None
     if not isinstance(data, dict) or not is_table(data):
-        raise CutsSourceError(f"--cuts-from {cuts_from} is not a throughput table (it has no table2, table3 "
-                         "and settings): give the throughput_table.json of an earlier "
-                         "`gpipe-repro throughput-table` run, or --fresh-cuts")
+        raise CutsSourceError(f"--cuts-from {cuts_from} is not a throughput table (it has no table2, "
+                              "table3 and settings): give the throughput_table.json of an earlier "
+                              "`gpipe-repro throughput-table` run, or --fresh-cuts")
     return cuts_from
