@@ -42,7 +42,7 @@ from gpipe_repro.engine.arguments import (
 from gpipe_repro.engine.batchnorm import BatchStatisticsInEval, DeferredBatchNorm, commit_all
 from gpipe_repro.engine.layer_costs import layer_costs
 from gpipe_repro.engine.loss_scaler import LossScaler, restore_scaler, saved_scaler
-from gpipe_repro.engine.losses import exact_mean, loss_weights
+from gpipe_repro.engine.losses import UndeclaredReduction, exact_mean, loss_weights
 from gpipe_repro.engine.partition import check_balance, partition
 from gpipe_repro.engine.placement import RUNTIMES, move_cell, place_stages, split_cells
 from gpipe_repro.engine.runtime import Runtime, build_runtime
@@ -213,6 +213,9 @@ class GPipe(nn.Module):
         self.loss_reduction = declared_reduction(loss_fn) or loss_reduction or "mean"
         # cross-entropy's mean divides by the weight of the targets that count (engine.losses)
         stage_loss, self._loss_denominator = exact_mean(loss_fn)
+        # a loss that declares no reduction is assumed a per-row mean: checked during the first step
+        if loss_fn is not None and declared_reduction(loss_fn) is None and loss_reduction is None:
+            stage_loss = UndeclaredReduction(stage_loss, checked_calls=2 * micro_batches * replicas)
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.precision = precision
         self.loss_scaler = LossScaler(enabled=precision == "fp16")

@@ -20,10 +20,18 @@ then weighted by 1 / that denominator, so the step's loss and gradients are the 
 padding and class weights included, and the gradients flowing back have the mean's magnitude (a sum
 form would scale them by the batch, which fp16's loss scale would pay for). A mini-batch whose every
 target is ignored has a NaN loss, as PyTorch's.
+
+A loss that declares no reduction (a function, or a module without ``.reduction``) and returns a
+0-dim tensor is combined as a mean over rows unless the caller says otherwise (``loss_reduction=``).
+That assumption is checked during the first step (:class:`UndeclaredReduction`), because
+when it is wrong the step silently differs from full-batch training: a summing function would train
+on half the loss at M=2, and a function's mean over the targets that count (``F.cross_entropy`` with
+padding marked -100) weighs a micro-batch by its rows, not by its tokens.
 """
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,7 +40,12 @@ from torch import nn
 
 from gpipe_repro.engine.precision import upcast
 
-__all__ = ["exact_mean", "denominator", "weighted_loss", "loss_weights"]
+__all__ = ["exact_mean", "denominator", "weighted_loss", "loss_weights", "UndeclaredReduction",
+           "refuse_ignored_targets", "IGNORED_TARGET"]
+
+IGNORED_TARGET = -100
+"""The class index ``F.cross_entropy`` and ``F.nll_loss`` ignore by default (and transformers' labels
+use for padding)."""
 
 _MeanLoss = nn.CrossEntropyLoss | nn.NLLLoss
 
@@ -107,3 +120,88 @@ def loss_weights(sizes: Sequence[int], targets: Sequence[Any], reduction: str,
         weight = total.div(total).div_(total)
         return [weight] * len(sizes)
     return [s / n for s in sizes] if reduction == "mean" else [1.0] * len(sizes)
+
+
+class UndeclaredReduction:
+    """`loss_fn`, whose reduction nobody declared, checked over its first `checked_calls` calls (the
+    caller gives two steps' worth: a micro-batch's loss may be computed again at its recompute) to
+    be the per-row mean the pipeline then assumes (see the module docstring), wherever it returns a
+    0-dim tensor (a ``(sum, count)`` result is exact and ends the checks):
+
+    - integer targets holding :data:`IGNORED_TARGET`: a function's mean over the targets that count
+      (``F.cross_entropy``'s) would weigh each micro-batch by its rows, not by its counted targets;
+    - on the first call, its first row repeated twice must give that row's loss again: a sum gives
+      twice it (pass ``loss_reduction="sum"``), and a loss that is neither a mean nor a sum over
+      rows is changed by micro-batching (``loss_reduction`` accepts combining micro-batches as
+      given). A probe that cannot run (a tuple output, rows that do not match the target's, a loss
+      that fails on other row counts) checks nothing.
+
+    Each raises ValueError saying what to change; the micro-batch's loss is not used, so the step
+    changes nothing. Each targets check reads the device once, during the first step only."""
+
+    def __init__(self, loss_fn: Callable[..., Any], checked_calls: int) -> None:
+        self.loss_fn = loss_fn
+        self.calls_left = checked_calls
+        self.probed = False
+
+    def __call__(self, output: Any, target: Any) -> Any:
+        result = self.loss_fn(output, target)
+        if self.calls_left > 0:
+            self.calls_left -= 1
+            if not (isinstance(result, torch.Tensor) and result.dim() == 0):
+                self.calls_left = 0     # (sum, count): exact whatever the targets
+                return result
+            refuse_ignored_targets(target)
+            if not self.probed:
+                self.probed = True
+                self._probe_rows(output, target)
+        return result
+
+    def _probe_rows(self, output: Any, target: Any) -> None:
+        if not (isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)) or \
+                not _real(output) or not _real(target) or output.dim() == 0 or target.dim() == 0 or \
+                output.shape[0] != target.shape[0]:
+            return
+        with torch.no_grad():
+            try:
+                one = self.loss_fn(output[:1].detach(), target[:1])
+                two = self.loss_fn(torch.cat([output[:1].detach()] * 2), torch.cat([target[:1]] * 2))
+            except Exception:     # a loss tied to its batch's rows (a closure over per-row weights)
+                return
+            if not (isinstance(one, torch.Tensor) and isinstance(two, torch.Tensor)) \
+                    or one.dim() != 0 or two.dim() != 0:
+                return
+            one_value, two_value = float(one.float()), float(two.float())
+        if not (math.isfinite(one_value) and math.isfinite(two_value)) or one_value == 0.0:
+            return
+        ratio = two_value / one_value
+        if abs(ratio - 1.0) <= 1e-2:
+            return
+        if abs(ratio - 2.0) <= 2e-2:
+            raise ValueError("loss_fn declares no reduction and sums over its rows (one row repeated "
+                             "twice gives twice its loss), but micro-batch losses are combined as "
+                             "means: pass loss_reduction='sum' (or give the loss a .reduction)")
+        raise ValueError(f"loss_fn declares no reduction and is neither a mean nor a sum over its rows "
+                         f"(one row repeated twice gives {ratio:.3g} times its loss), so splitting a "
+                         "mini-batch into micro-batches changes it: pass loss_reduction='mean' or "
+                         "'sum' to combine micro-batch losses that way anyway, or return "
+                         "(sum, count)")
+
+
+def refuse_ignored_targets(targets: Any) -> None:
+    """ValueError if integer `targets` (a tensor) hold :data:`IGNORED_TARGET` (see
+    :class:`UndeclaredReduction`). One read of the device."""
+    if isinstance(targets, torch.Tensor) and _real(targets) and not targets.is_floating_point() \
+            and targets.dtype != torch.bool and bool((targets == IGNORED_TARGET).any()):
+        raise ValueError(
+            f"loss_fn declares no reduction and the targets hold {IGNORED_TARGET} (positions "
+            "cross-entropy ignores): a function's mean over the targets that count would weigh each "
+            "micro-batch by its rows, not by its counted targets, and the step would differ from "
+            "full-batch training. Use nn.CrossEntropyLoss(ignore_index=-100) (the engine divides by "
+            "the whole mini-batch's count), or return (sum, count), or pass loss_reduction='mean' to "
+            "weigh micro-batches by their rows anyway")
+
+
+def _real(t: torch.Tensor) -> bool:
+    """Whether `t` holds values (not a meta or fake tensor of a shape trace)."""
+    return t.device.type != "meta" and type(t).__name__ != "FakeTensor"

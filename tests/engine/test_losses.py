@@ -135,3 +135,65 @@ def test_a_mini_batch_whose_every_target_is_ignored_has_a_nan_loss_as_pytorchs()
     pipe = GPipe([nn.Linear(5, 3)], micro_batches=2, loss_fn=nn.CrossEntropyLoss(),
                  optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     assert math.isnan(pipe.train_step(x, y))
+
+
+def _sgd(ps: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(ps, lr=0.5, momentum=0.9)
+
+
+def test_silent_half_loss_a_summing_function_was_combined_as_a_mean() -> None:
+    """A function declares no reduction, so the engine combined its micro-batch losses as means: a
+    summing function trained on 1/M of its loss (half at M=2). Its first micro-batch now tells: a
+    sum is refused, saying to pass loss_reduction='sum', which then equals plain training."""
+    def summed(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, y, reduction="sum")
+    layers = list(_model())
+    x, y = torch.randn(8, 6), torch.randint(0, 5, (8,))
+    pipe = GPipe(copy.deepcopy(layers), partitions=2, micro_batches=2, loss_fn=summed, optimizer=_sgd)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    with pytest.raises(ValueError, match="sums over its rows.*loss_reduction='sum'"):
+        pipe.train_step(x, y)
+    assert all(torch.equal(p, q) for p, q in zip(pipe.parameters(), before))   # nothing changed
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    expected = _plain(ref, [(x, y)], summed)
+    pipe = GPipe(copy.deepcopy(layers), partitions=2, micro_batches=2, loss_fn=summed,
+                 loss_reduction="sum", optimizer=_sgd)
+    assert pipe.train_step(x, y) == pytest.approx(expected[0], rel=1e-5)
+    for p, q in zip(pipe.unpartitioned().parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_silent_row_weighting_a_function_token_mean_with_ignored_targets() -> None:
+    """F.cross_entropy's mean counts the targets other than -100; as a function it declares nothing,
+    and the engine weighed each micro-batch by its rows (0.9346 against 0.9863 with the padding in one
+    micro-batch). Such targets are now refused before any work, naming the losses that are exact."""
+    def token_mean(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, y)
+    x, y = _batches(token=False)[0]
+    pipe = GPipe(list(_model()), partitions=2, micro_batches=3, loss_fn=token_mean, optimizer=_sgd)
+    with pytest.raises(ValueError, match="targets hold -100.*nn.CrossEntropyLoss"):
+        pipe.train_step(x, y)
+    assert pipe.step == 0
+    # declared, the caller owns the weighting; the stock loss is exact (tested above)
+    GPipe(list(_model()), partitions=2, micro_batches=3, loss_fn=token_mean, loss_reduction="mean",
+          optimizer=_sgd).train_step(x, y)
+
+
+def test_a_mean_function_trains_as_plain_pytorch_and_a_batch_coupled_loss_is_refused() -> None:
+    def mean(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, y)
+    layers = list(_model())
+    x, y = torch.randn(9, 6), torch.randint(0, 5, (9,))
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    expected = _plain(ref, [(x, y)], mean)
+    pipe = GPipe(copy.deepcopy(layers), partitions=3, micro_batches=3, loss_fn=mean, optimizer=_sgd)
+    assert pipe.train_step(x, y) == pytest.approx(expected[0], rel=1e-5)
+    for p, q in zip(pipe.unpartitioned().parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+    def batch_logsumexp(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:   # couples the rows
+        return torch.logsumexp(out[:, 0], 0)
+    pipe = GPipe(copy.deepcopy(layers), partitions=2, micro_batches=3, loss_fn=batch_logsumexp,
+                 optimizer=_sgd)
+    with pytest.raises(ValueError, match="neither a mean nor a sum over its rows"):
+        pipe.train_step(x, y)
