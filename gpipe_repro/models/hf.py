@@ -17,9 +17,11 @@ is the final norm. Anything else is refused (:func:`refusal`) before any work, b
 encoder-decoders, bases with other parts (Bloom's embedding norm, BioGPT's offset positions, OPT's
 decoder wrapper), blocks that need more than a mask and positions (MPT's ALiBi) or no mask (RWKV), layer
 types other than full and sliding attention (Mamba, Jamba, Qwen3-Next, Llama 4's chunks), a router
-loss added to the loss. A model that passes is then run once on a short padded batch beside its
-layers (:func:`causal_lm_layers`, ``check``): a forward that does more than what is read off the
-model (CTRL's scaled sinusoids) is refused too.
+loss added to the loss. A model that passes is then run on a short batch beside its layers, padded,
+unpadded and without a mask, and in training where its config asks for dropout
+(:func:`causal_lm_layers`, ``check``): a forward that does more than what is read off the model
+(CTRL's scaled sinusoids, a dropout applied as a function of an attribute no flattener knows) is
+refused too.
 
 The layers are ``embeddings`` (token ids, or ``(input_ids, attention_mask)``, to hidden states),
 ``block_i`` (one decoder layer each) and ``head`` (final norm, ``lm_head``, logits). Between layers
@@ -33,7 +35,9 @@ own copy of the parameter-free rotary module (a module object may sit in one lay
 may live on different devices). Each family's scalings are kept, read off the model: the embedding
 multiplier (Granite's ``embedding_multiplier``; Gemma's sqrt(hidden) is inside its embedding module),
 the logit soft-capping (``config.final_logit_softcapping``, Gemma 2/3), the logit scale (Cohere's
-``logit_scale``) and the logit divisor (Granite's ``config.logits_scaling``).
+``logit_scale``) and the logit divisor (Granite's ``config.logits_scaling``); so are StarCoder2's
+embedding dropout (a float attribute its forward applies as a function) and Doge's mask, built as a
+tensor even without padding (its forward's ``allow_is_causal_skip=False``).
 
 With ``config.tie_word_embeddings`` the first and the last layer share one ``nn.Parameter`` (cut
 into different cells, GPipe keeps a copy in each and sums their gradients).
@@ -74,13 +78,14 @@ def _positions(hidden: torch.Tensor) -> torch.Tensor:
 
 class TokenEmbedding(nn.Module):
     """``input_ids`` or ``(input_ids, attention_mask)`` -> hidden, or ``(hidden, attention_mask)``:
-    token embedding, times the family's multiplier, plus absolute positions, dropout."""
+    token embedding, times the family's multiplier, plus absolute positions, dropout (a module, or
+    the probability a base model applies as a function: StarCoder2's ``embedding_dropout``)."""
 
     def __init__(self, tokens: nn.Module, positions: nn.Module | None, dropout: nn.Module | None,
-                 multiplier: float | None) -> None:
+                 multiplier: float | None, dropout_p: float | None = None) -> None:
         super().__init__()
         self.tokens, self.positions, self.dropout = tokens, positions, dropout
-        self.multiplier = multiplier
+        self.multiplier, self.dropout_p = multiplier, dropout_p
 
     def forward(self, batch: Any) -> Any:
         ids, mask = _hidden_and_mask(batch)
@@ -91,20 +96,26 @@ class TokenEmbedding(nn.Module):
             hidden = hidden + self.positions(_positions(hidden))
         if self.dropout is not None:
             hidden = self.dropout(hidden)
+        if self.dropout_p:
+            hidden = nn.functional.dropout(hidden, p=self.dropout_p, training=self.training)
         return hidden if mask is None else (hidden, mask)
 
 
 class DecoderBlock(nn.Module):
     """One decoder layer: hidden (or ``(hidden, attention_mask)``) -> the same. Builds its causal
-    mask and, with a rotary module, its cos/sin as the base model's forward does for it."""
+    mask and, with a rotary module, its cos/sin as the base model's forward does for it;
+    `materialize_mask`: always a mask tensor, never None for "causal, no padding" (Doge adds its
+    dynamic mask onto it: ``allow_is_causal_skip=False`` in its forward)."""
 
-    def __init__(self, block: nn.Module, config: Any, layer_type: str, rotary: nn.Module | None) -> None:
+    def __init__(self, block: nn.Module, config: Any, layer_type: str, rotary: nn.Module | None,
+                 materialize_mask: bool = False) -> None:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         super().__init__()
         self.block = block
         self.config = config
         self.layer_type = layer_type
+        self.materialize_mask = materialize_mask
         self.make_mask: Callable[..., Any] = (create_sliding_window_causal_mask
                                               if layer_type == "sliding_attention" else create_causal_mask)
         # its own copy: a module object belongs to one layer (the config stays shared)
@@ -120,9 +131,10 @@ class DecoderBlock(nn.Module):
         positions = _positions(hidden)
         # the mask is built without position_ids: they are always arange here, and given, transformers
         # looks for packed sequences with a data-dependent check that meta tensors (planning) cannot run
+        skip = {"allow_is_causal_skip": False} if self.materialize_mask else {}
         kwargs: dict[str, Any] = {
             "attention_mask": self.make_mask(config=self.config, inputs_embeds=hidden, attention_mask=mask,
-                                             cache=None, position_ids=None)}
+                                             cache=None, position_ids=None, **skip)}
         if self.takes_position_ids:
             kwargs["position_ids"] = positions
         if self.rotary is not None:
@@ -179,6 +191,7 @@ def _scalings(model: Any, base: nn.Module) -> dict[str, float | None] | str:
     """The family's scalings read off the model (see the module docstring), or why they cannot be
     kept: one that is not a plain number (a learned tensor would be a parameter outside the layers)."""
     found = {"multiplier": getattr(base, "embedding_multiplier", None),
+             "embedding_dropout": getattr(base, "embedding_dropout", None),
              "scale": getattr(model, "logit_scale", None),
              "divisor": getattr(model.config, "logits_scaling", None),
              "softcap": getattr(model.config, "final_logit_softcapping", None)}
@@ -186,6 +199,17 @@ def _scalings(model: Any, base: nn.Module) -> dict[str, float | None] | str:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             return f"its {role} ({type(value).__name__}) is not a number"
     return {role: None if value is None else float(value) for role, value in found.items()}
+
+
+def _materializes_mask(base: nn.Module) -> bool:
+    """Whether the base model's forward asks for a mask tensor even without padding
+    (``allow_is_causal_skip=False``: Doge adds its dynamic mask onto the causal one), read from its
+    source; False where the source is not available (the logits check then tells)."""
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return False
+    return "allow_is_causal_skip=False" in source.replace(" ", "")
 
 
 def _base_parts(model: Any) -> dict[str, Any] | str:
@@ -292,9 +316,11 @@ def causal_lm_layers(model: Any, *, check: bool = True) -> nn.Sequential:
     config = model.config
     blocks = list(parts["blocks"])[:getattr(config, "num_hidden_layers", None) or len(parts["blocks"])]
     layers: dict[str, nn.Module] = {"embeddings": TokenEmbedding(
-        parts["tokens"], parts["positions"], parts["dropout"], scalings["multiplier"])}
+        parts["tokens"], parts["positions"], parts["dropout"], scalings["multiplier"],
+        scalings["embedding_dropout"])}
+    materialize = _materializes_mask(model.base_model)
     for i, (block, kind) in enumerate(zip(blocks, _layer_types(config, len(blocks)))):
-        layers[f"block_{i}"] = DecoderBlock(block, config, kind, parts["rotary"])
+        layers[f"block_{i}"] = DecoderBlock(block, config, kind, parts["rotary"], materialize)
     layers["head"] = LMHead(parts["norm"], parts["head"], scalings["scale"], scalings["divisor"],
                             scalings["softcap"])
     sequence = nn.Sequential()
@@ -306,8 +332,12 @@ def causal_lm_layers(model: Any, *, check: bool = True) -> nn.Sequential:
 
 
 def _check_same_logits(model: Any, layers: nn.Sequential) -> None:
-    """Raise ValueError unless `layers` give `model`'s logits on a short padded batch (see
-    :func:`causal_lm_layers`). Skipped for weights without values (meta or fake tensors)."""
+    """Raise ValueError unless `layers` give `model`'s logits (see :func:`causal_lm_layers`) on a short
+    batch given three ways: padded with its mask, unpadded with a mask of ones, and token ids alone
+    (a family may build its mask differently when nothing is padded: Doge's dynamic mask); and,
+    where the config asks for dropout, unless the layers are random in training exactly where the
+    model is (a dropout the forward applies as a function, outside any module, would otherwise be
+    lost). Skipped for weights without values (meta or fake tensors)."""
     weight = next(model.parameters(), None)
     if weight is None or weight.device.type == "meta" or type(weight).__name__ == "FakeTensor":
         return
@@ -315,30 +345,75 @@ def _check_same_logits(model: Any, layers: nn.Sequential) -> None:
     length = 8 if not isinstance(window, int) or window > 62 else max(8, window + 2)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (2, length), generator=g).to(weight.device)
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
+    padded = torch.ones_like(ids)
+    padded[1, :2] = 0
+    modes = {m: m.training for m in (*model.modules(), *layers.modules())}
     try:
-        with torch.no_grad():
-            expected = model(input_ids=ids, attention_mask=mask).logits
-            got: Any = (ids, mask)
-            try:
-                for layer in layers:
-                    got = layer(got)
-            except Exception as e:   # the block takes its inputs otherwise than the family's forward
-                raise ValueError(f"{type(model).__name__} ({model.config.model_type}) cannot be pipelined "
-                                 f"by causal_lm_layers: its blocks fail when called as the flattener "
-                                 f"calls them ({type(e).__name__}: {e})") from e
+        model.eval()
+        layers.eval()
+        for mask in (padded, torch.ones_like(ids), None):
+            expected, got = _both_logits(model, layers, ids, mask)
+            kept = (mask if mask is not None else torch.ones_like(ids)).bool()
+            expected, got = expected[kept].float(), got[kept].float()
+            tolerance = 1e-4 * max(1.0, float(expected.abs().max()))
+            if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=tolerance):
+                diff = (got - expected).abs().max() if got.shape == expected.shape else "shape"
+                given = ("padded, with its mask" if mask is padded else
+                         "without padding, with a mask of ones" if mask is not None else "without a mask")
+                raise ValueError(f"{_family(model)} cannot be pipelined by causal_lm_layers: its forward "
+                                 f"computes something the layers do not (largest logit difference {diff} "
+                                 f"on a test batch {given}); it is not embed -> blocks -> norm -> head "
+                                 "with the scalings read off the model")
+        dropouts = _dropout_settings(model.config)
+        if dropouts:
+            model.train()
+            layers.train()
+            random_model = _varies_with_seed(lambda: _both_logits(model, layers, ids, padded)[0],
+                                             weight.device)
+            random_layers = _varies_with_seed(lambda: _both_logits(model, layers, ids, padded)[1],
+                                              weight.device)
+            if random_model != random_layers:
+                raise ValueError(f"{_family(model)} cannot be pipelined by causal_lm_layers: in training "
+                                 f"its forward is {'' if random_model else 'not '}random and the layers "
+                                 f"are {'' if random_layers else 'not '}(its config asks for "
+                                 f"{', '.join(dropouts)}): a dropout the forward applies outside its "
+                                 "modules is not read off the model; set those to 0 to pipeline it")
     finally:
         for m, training in modes.items():
             m.training = training
-    kept = mask.bool()
-    expected, got = expected[kept].float(), got[kept].float()
-    tolerance = 1e-4 * max(1.0, float(expected.abs().max()))
-    if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=tolerance):
-        diff = (got - expected).abs().max() if got.shape == expected.shape else "shape"
-        raise ValueError(f"{type(model).__name__} ({model.config.model_type}) cannot be pipelined by "
-                         f"causal_lm_layers: its forward computes something the layers do not "
-                         f"(largest logit difference {diff} on a test batch); it is not "
-                         "embed -> blocks -> norm -> head with the scalings read off the model")
+
+
+def _family(model: Any) -> str:
+    return f"{type(model).__name__} ({model.config.model_type})"
+
+
+def _both_logits(model: Any, layers: nn.Sequential, ids: torch.Tensor,
+                 mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`model`'s logits and the layers', without gradients."""
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        got: Any = ids if mask is None else (ids, mask)
+        try:
+            for layer in layers:
+                got = layer(got)
+        except Exception as e:   # the block takes its inputs otherwise than the family's forward
+            raise ValueError(f"{_family(model)} cannot be pipelined by causal_lm_layers: its blocks fail "
+                             f"when called as the flattener calls them ({type(e).__name__}: {e})") from e
+    return expected, got
+
+
+def _dropout_settings(config: Any) -> list[str]:
+    """The config's dropout probabilities above 0, as ``name=value``."""
+    return [f"{k}={v}" for k, v in sorted(vars(config).items())
+            if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0]
+
+
+def _varies_with_seed(run: Callable[[], torch.Tensor], device: torch.device) -> bool:
+    """Whether `run` gives different results under two seeds (the caller's RNG states kept, the CPU's
+    and `device`'s)."""
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        torch.manual_seed(1)
+        first = run()
+        torch.manual_seed(2)
+        second = run()
+    return not torch.equal(first, second)

@@ -272,3 +272,68 @@ def test_a_model_on_the_meta_device_is_flattened_without_running() -> None:
     assert len(layers) == 6
     assert sum(p.numel() for p in layers.parameters()) == sum(p.numel() for p in model.parameters())
     assert all(p.device.type == "meta" for p in layers.parameters())
+
+
+def _step_equals_reference(model: Any, ids: torch.Tensor, mask: torch.Tensor | None,
+                           labels: torch.Tensor, **gpipe: Any) -> None:
+    expected_loss, expected = reference_gradients(model, ids, mask, labels)
+    loss, got = pipeline_gradients(model, (ids, mask) if mask is not None else ids, labels, **gpipe)
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"gradient of {name}: {m}")  # type: ignore[misc]
+
+
+def test_silent_wrong_mask_doge_without_padding() -> None:
+    """Doge adds its dynamic mask onto a causal mask it always materializes; built the usual way, a
+    batch without padding got no mask at all, and the step trained on another function (logits off
+    by 0.2, one step's weights by 6e-2) while the padded check passed. Unpadded, with a mask of ones
+    or none, the step now equals the model's own; and the check tries those batches, so a family that
+    builds its mask otherwise is refused rather than trained."""
+    from gpipe_repro.models import hf
+
+    ids, _, _ = padded_batch()
+    ids = torch.randint(3, VOCAB, ids.shape, generator=torch.Generator().manual_seed(2))
+    for mask in (torch.ones_like(ids), None):
+        _step_equals_reference(tiny_model("doge", tie=False), ids, mask, ids.clone(), partitions=2,
+                               micro_batches=3)
+    original = hf._materializes_mask
+    try:
+        hf._materializes_mask = lambda base: False     # the mask built as for every other family
+        with pytest.raises(ValueError, match="doge.*without padding"):
+            causal_lm_layers(tiny_model("doge"))
+    finally:
+        hf._materializes_mask = original
+
+
+def test_silent_lost_dropout_starcoder2_embedding_dropout() -> None:
+    """StarCoder2 drops out its embeddings with a function of a float attribute, not a module: the
+    layers had no such dropout and trained deterministically where the model is random. The layers
+    now apply it (equal to the model's forward under one seed, in training), and the check refuses a
+    model whose forward is random in training where the layers are not."""
+    from gpipe_repro.models import hf
+
+    model = tiny_model("starcoder2")      # every dropout 0, then the embeddings' only
+    model.config.embedding_dropout = model.model.embedding_dropout = 0.5
+    layers = causal_lm_layers(model)
+    ids, mask, _ = padded_batch()
+    model.train()
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        torch.manual_seed(3)
+        got: Any = (ids, mask)
+        for layer in layers.train():
+            got = layer(got)
+    torch.testing.assert_close(got, expected)
+    original = hf._scalings
+
+    def without_embedding_dropout(model: Any, base: Any) -> Any:
+        found = original(model, base)
+        return {**found, "embedding_dropout": None} if isinstance(found, dict) else found
+    try:
+        hf._scalings = without_embedding_dropout
+        with pytest.raises(ValueError, match="random and the layers are not.*embedding_dropout=0.5"):
+            causal_lm_layers(model)
+    finally:
+        hf._scalings = original
