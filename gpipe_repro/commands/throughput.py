@@ -272,13 +272,18 @@ def register(app: typer.Typer) -> None:
         problem = simulate_model.preflight(workload, microbatch or 8, options=dict(workload.options))
         if problem is not None:
             raise typer.BadParameter(problem)
+        options: dict[str, Any] = dict(
+            k=k, m=m, microbatch=microbatch or 8, checkpoint=checkpoint or "except_last",
+            objective=objective, link=link or "gloo-loopback", validate=validate, in_situ=in_situ,
+            in_situ_steps=in_situ_steps, in_situ_microbatches=in_situ_m)
+        from gpipe_repro.sim.own_model import check_options
+        try:   # a setting to change (exit code 2), before the calibration's work
+            check_options(workload, schedule="gpipe", device="cpu", **options)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
         try:
-            simulate_model.main(workload, out=out, k=k, m=m, microbatch=microbatch or 8,
-                                checkpoint=checkpoint or "except_last", recompute_ahead=recompute_ahead,
-                                objective=objective, link=link or "gloo-loopback", method=method,
-                                repeats=repeats, validate=validate, in_situ=in_situ,
-                                in_situ_steps=in_situ_steps, in_situ_microbatches=in_situ_m,
-                                rounds=rounds, steps=steps)
+            simulate_model.main(workload, out=out, recompute_ahead=recompute_ahead, method=method,
+                                repeats=repeats, rounds=rounds, steps=steps, **options)
         except ValueError as e:
             raise typer.Exit(_error(str(e))) from None
 

@@ -79,7 +79,9 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in [
 
 def get_family(name: str) -> ModelFamily:
     if name not in FAMILIES:
-        raise ValueError(f"unknown model family {name!r}; choose one of {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown model family {name!r}; choose one of {', '.join(FAMILIES)}, or a "
+                         f"Hugging Face causal LM as hf:<model_type> (e.g. hf:{name.lower()}) or "
+                         "hf:path/to/config.json")
     return FAMILIES[name]
 
 

@@ -180,6 +180,8 @@ def own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     (["--model", "{m}:tied", "--input-shape", "32"], "layers 0 and 2 are the same module object"),
     (["--model", "{m}:layers", "--input-shape", "32", "--classes", "500"],
      "does not fit its targets (features, --classes 500)"),
+    # more cells than layers: a setting to change (exit code 2), not a failed simulation (1)
+    (["--model", "{m}:layers", "--input-shape", "32", "--k", "6"], "k=6 cells for a model of 5 layers"),
 ])
 def test_own_model_mistakes_are_usage_errors_before_the_timing(own_model: str, args: list[str], says: str,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
