@@ -130,19 +130,24 @@ class UndeclaredReduction:
 
     - integer targets holding :data:`IGNORED_TARGET`: a function's mean over the targets that count
       (``F.cross_entropy``'s) would weigh each micro-batch by its rows, not by its counted targets;
-    - on the first call, its first row repeated twice must give that row's loss again: a sum gives
-      twice it (pass ``loss_reduction="sum"``), and a loss that is neither a mean nor a sum over
-      rows is changed by micro-batching (``loss_reduction`` accepts combining micro-batches as
-      given). A probe that cannot run (a tuple output, rows that do not match the target's, a loss
-      that fails on other row counts) checks nothing.
+    - two rows of the micro-batch (its first and last; one row: repeated twice): a per-row mean of
+      both is the mean of each one's loss. Where instead it is their sum, it is refused (pass
+      ``loss_reduction="sum"``); where it is neither (class weights, a mean over a mask, padding
+      marked otherwise, statistics of the batch), micro-batching changes the loss, and it is refused
+      too (``loss_reduction`` accepts combining micro-batches as given, ``(sum, count)`` makes a
+      masked mean exact). Two rows that agree (no padding in either, equal class weights) cannot
+      tell, so the check runs on every micro-batch of the first step; one whose rows cannot be cut
+      (no output tensor with the target's rows, a loss that fails on fewer rows) is skipped. The
+      probe's memory is the loss of two rows, whatever the micro-batch;
+    - a loss that is not finite where the outputs are: a mean over no counted target (a micro-batch
+      or row all padding), which the full batch's mean is not.
 
     Each raises ValueError saying what to change; the micro-batch's loss is not used, so the step
-    changes nothing. Each targets check reads the device once, during the first step only."""
+    changes nothing. Each check reads the device, during the first step only."""
 
     def __init__(self, loss_fn: Callable[..., Any], checked_calls: int) -> None:
         self.loss_fn = loss_fn
         self.calls_left = checked_calls
-        self.probed = False
 
     def __call__(self, output: Any, target: Any) -> Any:
         result = self.loss_fn(output, target)
@@ -152,40 +157,87 @@ class UndeclaredReduction:
                 self.calls_left = 0     # (sum, count): exact whatever the targets
                 return result
             refuse_ignored_targets(target)
-            if not self.probed:
-                self.probed = True
-                self._probe_rows(output, target)
+            self._probe_rows(output, target, result)
         return result
 
-    def _probe_rows(self, output: Any, target: Any) -> None:
-        if not (isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)) or \
-                not _real(output) or not _real(target) or output.dim() == 0 or target.dim() == 0 or \
-                output.shape[0] != target.shape[0]:
+    def _probe_rows(self, output: Any, target: Any, result: torch.Tensor) -> None:
+        if not isinstance(target, torch.Tensor) or not _real(target) or target.dim() == 0 or \
+                not _real(result):
             return
+        n = target.shape[0]
+        if not any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == n
+                   for t in _tensors(output)):
+            return
+        if not math.isfinite(float(result.detach().float())):
+            self._refuse_not_finite(output, "a micro-batch")
+            return
+        # Two rows (the first and the last), each alone and together: the probe's own memory is the
+        # loss of two rows, whatever the micro-batch's size (it runs at the step's peak).
+        pair = [0, 0] if n == 1 else [0, n - 1]
         with torch.no_grad():
             try:
-                one = self.loss_fn(output[:1].detach(), target[:1])
-                two = self.loss_fn(torch.cat([output[:1].detach()] * 2), torch.cat([target[:1]] * 2))
+                if n == 1:     # the row alone, and twice: a mean gives its loss again, a sum twice it
+                    parts = [result.detach()]
+                else:
+                    parts = [self.loss_fn(_rows(output, [i], n), target[[i]]) for i in pair]
+                both = self.loss_fn(_rows(output, pair, n), target[pair])
             except Exception:     # a loss tied to its batch's rows (a closure over per-row weights)
                 return
-            if not (isinstance(one, torch.Tensor) and isinstance(two, torch.Tensor)) \
-                    or one.dim() != 0 or two.dim() != 0:
+            if not all(isinstance(p, torch.Tensor) and p.dim() == 0 for p in (*parts, both)):
                 return
-            one_value, two_value = float(one.float()), float(two.float())
-        if not (math.isfinite(one_value) and math.isfinite(two_value)) or one_value == 0.0:
+            values = [float(p.float()) for p in parts] * (2 if n == 1 else 1)
+            whole = float(both.float())
+        if not all(math.isfinite(v) for v in (whole, *values)):
+            self._refuse_not_finite(output, "one row of a micro-batch")
             return
-        ratio = two_value / one_value
-        if abs(ratio - 1.0) <= 1e-2:
+        as_mean, as_sum = sum(values) / 2, sum(values)
+        low = result.dtype in (torch.float16, torch.bfloat16) or any(
+            t.dtype in (torch.float16, torch.bfloat16) for t in _tensors(output))
+        tolerance = (2e-2 if low else 1e-4) * max(abs(whole), *(abs(v) for v in values), 1e-30)
+        if abs(whole - as_mean) <= tolerance:
             return
-        if abs(ratio - 2.0) <= 2e-2:
-            raise ValueError("loss_fn declares no reduction and sums over its rows (one row repeated "
-                             "twice gives twice its loss), but micro-batch losses are combined as "
-                             "means: pass loss_reduction='sum' (or give the loss a .reduction)")
-        raise ValueError(f"loss_fn declares no reduction and is neither a mean nor a sum over its rows "
-                         f"(one row repeated twice gives {ratio:.3g} times its loss), so splitting a "
-                         "mini-batch into micro-batches changes it: pass loss_reduction='mean' or "
-                         "'sum' to combine micro-batch losses that way anyway, or return "
-                         "(sum, count)")
+        if abs(whole - as_sum) <= tolerance:
+            raise ValueError("loss_fn declares no reduction and sums over its rows (two rows' loss is "
+                             "the sum of each one's), but micro-batch losses are combined as means: "
+                             "pass loss_reduction='sum' (or give the loss a .reduction)")
+        raise ValueError(f"loss_fn declares no reduction and is not a mean over its rows: two rows "
+                         f"together give {whole:.6g}, neither the mean {as_mean:.6g} nor the sum "
+                         f"{as_sum:.6g} of each one's loss (class weights, a mean over a mask, padding, "
+                         "or statistics of the batch), so splitting a mini-batch into micro-batches "
+                         "changes it. Return (sum, count) to make a masked mean exact, use "
+                         "nn.CrossEntropyLoss / nn.NLLLoss (the engine makes their weighted mean "
+                         "exact), or pass loss_reduction='mean' or 'sum' to combine micro-batch "
+                         "losses that way anyway")
+
+    @staticmethod
+    def _refuse_not_finite(output: Any, where: str) -> None:
+        """ValueError where the outputs are finite: then the loss divided by no counted target."""
+        if not all(bool(torch.isfinite(t).all()) for t in _tensors(output) if t.is_floating_point()):
+            return     # the outputs overflowed (fp16's loss scale handles it): nothing to tell
+        raise ValueError(f"loss_fn declares no reduction and gave a loss that is not finite on {where} "
+                         "whose outputs are: a mean over the targets that count, where those rows have "
+                         "none (all padding), so it is not a per-row mean and splitting a mini-batch "
+                         "into micro-batches changes it. Return (sum, count) to make a masked mean "
+                         "exact, or use nn.CrossEntropyLoss(ignore_index=...) (the engine divides by "
+                         "the whole mini-batch's count)")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of `value` (a tensor, or tuples and lists of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _rows(value: Any, rows: Any, n: int) -> Any:
+    """`value` with every tensor of `n` rows cut to `rows` (detached), the rest as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()[rows] if value.dim() > 0 and value.shape[0] == n else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows(v, rows, n) for v in value)
+    return value
 
 
 def refuse_ignored_targets(targets: Any) -> None:

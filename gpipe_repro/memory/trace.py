@@ -32,6 +32,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gpipe_repro.engine import boundary
+from gpipe_repro.engine.arguments import declared_reduction
 from gpipe_repro.engine.gpipe import GPipe
 from gpipe_repro.engine.local_runtime import LocalRuntime, LocalTransport
 from gpipe_repro.engine.schedule import Action, ActionKind
@@ -152,9 +153,11 @@ def trace_step(layers: Sequence[nn.Module], sample: Any, target: Any,
             stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
         if fake:
             stack.enter_context(_skip_same_device_moves())
+        # the reduction declared, so the first step's check of an undeclared one (engine/losses.py,
+        # two rows' extra loss) does not add to the memory traced
         pipe = GPipe(layer_list, partitions=partitions, micro_batches=micro_batches,
                      checkpoint=checkpoint, balance=balance, loss_fn=loss_fn, optimizer=optimizer,
-                     schedule=schedule)
+                     schedule=schedule, loss_reduction=declared_reduction(loss_fn) or "mean")
         tracker = MemoryTracker(round_to=round_to)
         transport = TrackingTransport(pipe.devices, tracker)
         assert isinstance(pipe.runtime, LocalRuntime)

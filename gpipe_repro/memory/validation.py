@@ -107,6 +107,7 @@ def validate_cuda(work: Workload, micro_batches: int = 4, checkpoint: str = "exc
     with the data included."""
     import copy
 
+    from gpipe_repro.engine.arguments import declared_reduction
     from gpipe_repro.engine.gpipe import GPipe
     from gpipe_repro.memory.profile import rmsprop_foreach
     from gpipe_repro.memory.trace import prime_optimizer
@@ -114,7 +115,8 @@ def validate_cuda(work: Workload, micro_batches: int = 4, checkpoint: str = "exc
     sample = work.sample.to(device) if isinstance(work.sample, torch.Tensor) else work.sample
     target = work.target.to(device)
     pipe = GPipe(layers, partitions=1, micro_batches=micro_batches, checkpoint=checkpoint,
-                 loss_fn=work.loss_fn, optimizer=rmsprop_foreach)
+                 loss_fn=work.loss_fn, optimizer=rmsprop_foreach,   # declared: no first-step check
+                 loss_reduction=declared_reduction(work.loss_fn) or "mean")
     prime_optimizer(pipe.optimizers[0])
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

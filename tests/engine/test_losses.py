@@ -195,5 +195,47 @@ def test_a_mean_function_trains_as_plain_pytorch_and_a_batch_coupled_loss_is_ref
         return torch.logsumexp(out[:, 0], 0)
     pipe = GPipe(copy.deepcopy(layers), partitions=2, micro_batches=3, loss_fn=batch_logsumexp,
                  optimizer=_sgd)
-    with pytest.raises(ValueError, match="neither a mean nor a sum over its rows"):
+    with pytest.raises(ValueError, match="not a mean over its rows"):
         pipe.train_step(x, y)
+
+
+def test_silent_weighting_functions_that_are_no_per_row_mean_passed_the_first_check() -> None:
+    """A second review found losses the row-repeating probe let through, each training on another
+    function: class weights in F.cross_entropy (1.5817 vs 1.5791), padding marked 0 (a micro-batch all
+    padding gave NaN), a mean over a float mask (1.155 vs 1.069), and sums it skipped (a tuple
+    output: 6.41 vs 25.6; a first row of loss 0). Each micro-batch of the first step is now cut in
+    two rows, alone and together, whose losses a per-row mean averages."""
+    F = nn.functional
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(1, 5, (8,), generator=g)
+    weights = torch.tensor([0.2, 1.0, 3.0, 0.5, 1.5])
+    padded = y.clone()
+    padded[:2] = 0                                   # the first micro-batch (of 4) all padding
+    mask = torch.tensor([1, 1, 1, 0, 1, 0, 1, 1])
+    first_zero = torch.randn(8, 5, generator=g)
+
+    class Pair(nn.Module):
+        def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return h, h * 2
+
+    cases: list[tuple[Any, Any, list[nn.Module], str]] = [
+        (lambda o, t: F.cross_entropy(o, t, weight=weights), y, [], "not a mean over its rows"),
+        (lambda o, t: F.cross_entropy(o, t, ignore_index=0), padded, [], "not finite on a micro-batch"),
+        (lambda o, t: (F.cross_entropy(o, t, reduction="none") * t.float()).sum() / t.float().sum(),
+         mask, [], "not a mean over its rows|not finite on one row"),
+        (lambda o, t: F.cross_entropy(o[0] + o[1], t, reduction="sum"), y, [Pair()], "sums over its rows"),
+        (lambda o, t: ((o - t) ** 2).sum(), first_zero, [], "sums over its rows"),
+    ]
+    first_zero[0] = 0.0
+    for loss_fn, target, extra, says in cases:
+        layers = [*_model(), *extra]
+        if target is first_zero:             # a first row whose loss is 0
+            target = target.clone()
+            with torch.no_grad():
+                target[0] = nn.Sequential(*_model())(x[:1])[0]
+        pipe = GPipe(layers, partitions=2, micro_batches=4 if target is not mask else 2,
+                     loss_fn=loss_fn, optimizer=_sgd)
+        before = [p.detach().clone() for p in pipe.parameters()]
+        with pytest.raises(ValueError, match=says):
+            pipe.train_step(x, target)
+        assert all(torch.equal(p, q) for p, q in zip(pipe.parameters(), before)) and pipe.step == 0
