@@ -85,13 +85,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
+def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float | None = None,
                  grace: float = 2.0, job_timeout: float | None = None, threads: int = 1,
                  start_method: str = "forkserver", env: dict[str, str] | None = None,
                  forward_signals: bool = True) -> list[Any]:
     """Run ``fn(*args)`` in `nprocs` stage processes on this host; return their results by rank.
 
-    `timeout`: communication timeout inside the job (seconds; see the module docstring). `grace`:
+    `timeout`: communication timeout inside the job (seconds; see the module docstring; default
+    $GPIPE_REPRO_TIMEOUT_S, else :data:`~gpipe_repro.distributed.launch_env.DEFAULT_TIMEOUT_S`). `grace`:
     seconds the others get to exit after the first failure before they are killed. `job_timeout`:
     kill everything and fail after this many seconds (None: no limit). `threads`: intra-op threads per
     process on CPU. `env`: extra environment variables for the children. `forward_signals`: pass a
@@ -100,6 +101,8 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if timeout is None:
+        timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)

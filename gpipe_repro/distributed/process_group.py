@@ -62,7 +62,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
 
     `backend`: "gloo" or "nccl"; default $GPIPE_REPRO_BACKEND, else :func:`choose_backend`.
     `timeout_s`: seconds before a communication op with a silent peer fails (default
-    $GPIPE_REPRO_TIMEOUT_S, else 30).
+    $GPIPE_REPRO_TIMEOUT_S, else :data:`~gpipe_repro.distributed.launch_env.DEFAULT_TIMEOUT_S`).
     `threads`: intra-op threads on CPU (default $GPIPE_REPRO_THREADS, else 1; 0 leaves torch's
     default).
     """

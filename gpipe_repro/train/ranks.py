@@ -34,9 +34,6 @@ if TYPE_CHECKING:
     from gpipe_repro.train.config import RunConfig
     from gpipe_repro.train.loop import RunSummary, Task
 
-# Seconds a stage process waits for a silent peer (`RunConfig.timeout`, `--timeout`). Longer than the
-# runtime's 30 s default: rank 0 writes checkpoints and evaluates while the others wait.
-TRAINING_TIMEOUT_S = 600.0
 
 
 def _dist() -> Any:

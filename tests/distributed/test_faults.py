@@ -350,3 +350,24 @@ def test_a_pipeline_says_it_cannot_step_again_after_a_failed_step() -> None:
     for rank, message in enumerate(messages):
         assert f"rank {rank}: this distributed pipeline cannot run another step after a failed one" \
             in message and "start it again" in message, message
+
+
+def _timeout_seen() -> str:
+    from gpipe_repro.distributed.launch_env import TIMEOUT_ENV
+    return os.environ[TIMEOUT_ENV]
+
+
+def test_silent_override_the_callers_timeout_variable_reaches_the_stages(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """launch_local wrote its own default (30 s) over a GPIPE_REPRO_TIMEOUT_S the caller had set, and
+    the library's default contradicted docs/distributed.md's 600 s: a peer computing, compiling or
+    checkpointing for half a minute failed its neighbours. The variable now reaches the stages, an
+    explicit timeout= wins, and the default is the documented 600 s."""
+    from gpipe_repro.distributed.launch_env import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
+    from gpipe_repro.distributed.launcher import launch_local
+    assert DEFAULT_TIMEOUT_S == 600.0
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert launch_local(_timeout_seen, 1) == ["600.0"]
+    monkeypatch.setenv(TIMEOUT_ENV, "7")
+    assert launch_local(_timeout_seen, 1) == ["7.0"]
+    assert launch_local(_timeout_seen, 1, timeout=3) == ["3"]
