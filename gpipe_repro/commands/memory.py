@@ -112,14 +112,14 @@ def _print_plan(plan: Any, budget: float, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from gpipe_repro.memory.planner import GiB
+    from gpipe_repro.memory.planner import gib
     cats = {"params": "param", "grads": "grad", "optimizer": "optim", "stash": "stash",
             "activations": "activ", "data": "data"}
     table = Table("device", "layers", "peak", *cats.values(), "when", "fits",
                   title=title, caption="GiB; 'when': the action at the device's peak")
     for name, s, layers in _device_rows(plan):
-        table.add_row(name, str(layers), f"{s.peak / GiB:.2f}",
-                      *[f"{s.parts.get(c, 0) / GiB:.2f}" for c in cats], s.peak_at,
+        table.add_row(name, str(layers), gib(s.peak),
+                      *[gib(s.parts.get(c, 0)) for c in cats], s.peak_at,
                       "yes" if s.peak <= budget else "NO")
     Console().print(table)
 
@@ -150,7 +150,7 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
 
         from gpipe_repro.memory.advice import what_would_fit, why
-        from gpipe_repro.memory.planner import GiB
+        from gpipe_repro.memory.planner import GiB, gib
         partitions, micro_batches, batch, json_out = k, m, batch_size, out
         positive("--k", partitions, "devices")
         positive("--m", micro_batches, "micro-batches")
@@ -182,7 +182,7 @@ def register(app: typer.Typer) -> None:
                           soft_wrap=True)
         advice: list[str] = []
         if plan.fits(budget):
-            console.print(f"[green]fits[/green]: largest device peak {plan.max_peak / GiB:.2f} GiB "
+            console.print(f"[green]fits[/green]: largest device peak {gib(plan.max_peak)} GiB "
                           f"of {memory:g} GiB")
         else:
             console.print(f"[red]does not fit[/red]: {why(plan, budget)}")
@@ -243,11 +243,15 @@ def register(app: typer.Typer) -> None:
 
         from gpipe_repro.memory.advice import what_would_fit, why
         from gpipe_repro.memory.autoplan import schedule_verdict, search
-        from gpipe_repro.memory.planner import GiB
+        from gpipe_repro.memory.planner import GiB, gib
         from gpipe_repro.sim.links import get_link
         work, planner = _planner(family, batch, list(ctx.args), attention)
         budget = memory * GiB
-        cands = search(planner, devices, budget, get_link(link), tflops * 1e12, ms, schedules=names)
+        from gpipe_repro.memory.profile import LayerNotTraceable
+        try:
+            cands = search(planner, devices, budget, get_link(link), tflops * 1e12, ms, schedules=names)
+        except LayerNotTraceable as e:
+            raise typer.BadParameter(f"{family}: {e}") from None
         console = Console()
         console.print(f"{work.describe()}: {planner.parameters:,} parameters, "
                       f"{planner.num_layers} layers; {devices} devices of {memory:g} GiB, "
@@ -258,7 +262,7 @@ def register(app: typer.Typer) -> None:
         for c in cands[:top]:
             cuts = ",".join(map(str, c.balance)) if len(c.balance) <= 8 else f"{len(c.balance)} cells"
             table.add_row(str(c.partitions), str(c.micro_batches), c.schedule, c.checkpoint,
-                          "yes" if c.fits else "no", f"{c.max_peak / GiB:.2f}" if c.max_peak else "-",
+                          "yes" if c.fits else "no", gib(c.max_peak) if c.max_peak else "-",
                           f"{c.throughput:.1f}" if c.fits else "-",
                           f"{c.bubble:.2f}" if c.fits else "-", cuts)
         console.print(table)
@@ -267,7 +271,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"[green]choose[/green] K={best.partitions}, M={best.micro_batches}, "
                           f"schedule={best.schedule}, checkpoint={best.checkpoint}, "
                           f"balance={best.balance}: {best.throughput:.1f} samples/s, largest device "
-                          f"peak {best.max_peak / GiB:.2f} GiB", soft_wrap=True)
+                          f"peak {gib(best.max_peak)} GiB", soft_wrap=True)
         verdict = schedule_verdict(cands, names, budget)
         if len(names) > 1:
             console.print("schedules (best fitting configuration of each):")

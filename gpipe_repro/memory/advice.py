@@ -9,11 +9,11 @@ offers, each alone: re-materialization, more micro-batches (a smaller working se
 from __future__ import annotations
 
 from gpipe_repro.memory.compose import PERSISTENT
-from gpipe_repro.memory.planner import GiB, MemoryPlan, MemoryPlanner
+from gpipe_repro.memory.planner import MemoryPlan, MemoryPlanner, gib
 
 
 def _gib(x: float) -> str:
-    return f"{x / GiB:.2f} GiB"
+    return f"{gib(x)} GiB"
 
 
 def why(plan: MemoryPlan, budget: float) -> str:

@@ -59,6 +59,13 @@ from gpipe_repro.sim.tied import layer_ties
 GiB = 2 ** 30
 
 
+def gib(nbytes: float) -> str:
+    """`nbytes` in GiB, as a number: two decimals from 1 GiB up, three significant digits below (a
+    budget of 0.01 GiB and a peak of 0.0129 must not both print as 0.01)."""
+    x = nbytes / GiB
+    return f"{x:.2f}" if abs(x) >= 1 else f"{x:.3g}"
+
+
 def _data_bytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value)
                if isinstance(t, torch.Tensor))

@@ -29,6 +29,7 @@ attention matrix, as XLA did on the paper's TPUs). Kernel-internal workspaces ar
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
@@ -370,14 +371,36 @@ def _group_tensors(value: Any, sig: ValueSig) -> dict[int, torch.Tensor]:
     return out
 
 
+class LayerNotTraceable(ValueError):
+    """A layer whose step cannot run on fake tensors, so the planner cannot measure it."""
+
+
 def profile_layer(layer: nn.Module, in_sig: ValueSig, optimizer: OptimizerFactory | None = rmsprop,
                   attention: str = "fused", flops: bool = False, name: str | None = None) -> LayerProfile:
     """Measure `layer` on an input of signature `in_sig` (see the module docstring). FLOPs are
-    counted only with ``flops=True`` (it costs a third more time)."""
+    counted only with ``flops=True`` (it costs a third more time).
+
+    Raises :class:`LayerNotTraceable`, naming the layer and the cause, where its forward, backward or
+    optimizer step fails on fake tensors (a kernel whose output shape depends on the values, or
+    whose fake version refuses the dtype: mixture-of-experts routing and grouped matmuls)."""
     p = _Profiler(layer, in_sig, optimizer, attention, flops)
-    first = p.forward_backward()
-    nograd = p.forward_nograd()
-    opt_state, opt_peak = p.optimizer_step()
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)   # torch logs the failing op's traceback before raising
+    try:
+        first = p.forward_backward()
+        nograd = p.forward_nograd()
+        opt_state, opt_peak = p.optimizer_step()
+    except Exception as e:  # noqa: BLE001 - any kernel's failure on fake tensors is the cause to name
+        inner = getattr(layer, "block", None)
+        what = type(layer).__name__ + (f" ({type(inner).__name__})" if isinstance(inner, nn.Module) else "")
+        cause = " ".join(str(e).split())[:300]
+        raise LayerNotTraceable(
+            f"{name or what} cannot be run on fake tensors ({type(e).__name__}: {cause}); the memory "
+            "planner measures every layer without real data or memory, so a model with such a layer "
+            "(e.g. mixture-of-experts routing or grouped matmuls) cannot be planned here") from e
+    finally:
+        fake_log.setLevel(level)
     original = _unique_params(layer)
     skip = {id(b) for m in layer.modules() if isinstance(m, LossLayer) for b in m.buffers()}
     return LayerProfile(

@@ -141,3 +141,31 @@ def test_a_parameter_tied_across_cells_is_counted_on_each_device_holding_a_copy(
             assert abs(planned - r.peak) <= 0.05 * r.peak, (k, s.stage)
         assert tied.state == untied.state, "each device holds its own copy"
         assert tied.parameters == untied.parameters - 512 * 64
+
+
+class _Positives(torch.nn.Module):
+    """Keeps the positive entries: an output whose shape depends on the values."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[x > 0].sum().expand(x.shape[0], 1) + x
+
+
+def test_a_layer_that_cannot_run_on_fake_tensors_is_named_not_a_traceback() -> None:
+    """`gpipe-repro plan hf:mixtral ...` printed a 600-line traceback from the experts' grouped matmul
+    on fake tensors (exit code 1, which means 'does not fit'). The profile now names the layer and
+    the cause, and `plan` / `fit` make it a one-line usage error (exit code 2)."""
+    from typer.testing import CliRunner
+
+    from gpipe_repro.cli import app
+    from gpipe_repro.memory.profile import LayerNotTraceable
+    x = torch.randn(4, 8)
+    with pytest.raises(LayerNotTraceable, match="_Positives cannot be run on fake tensors"):
+        profile_layer(_Positives(), microbatch_sig(x, 4).with_requires_grad(None))
+    pytest.importorskip("transformers")
+    sizes = ["--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--intermediate", "32",
+             "--vocab", "64"]
+    for command in (["fit", "hf:mixtral", *sizes], ["plan", "hf:mixtral", *sizes, "--devices", "2"]):
+        result = CliRunner().invoke(app, command, terminal_width=400)
+        assert result.exit_code == 2, result.output
+        assert "MixtralDecoderLayer) cannot be run on fake tensors" in " ".join(
+            result.output.replace("│", " ").split()), result.output
