@@ -57,6 +57,10 @@ def register(app: typer.Typer) -> None:
                 "replaces in --out)"),
             fresh_cuts: bool = typer.Option(False, "--fresh-cuts", help="choose every cut from the "
                                             "new costs alone"),
+            time_limit: Optional[float] = typer.Option(
+                None, "--time-limit", min=60.0, help="seconds the whole table may take: the measured "
+                "rounds share what calibrating left, ending sooner with wider intervals (make results "
+                "gives its part's limit)"),
     ) -> None:
         """The paper's Tables 2 and 3: K x M normalized throughput, simulated and measured."""
         from gpipe_repro.engine.partition import OBJECTIVES
@@ -75,7 +79,8 @@ def register(app: typer.Typer) -> None:
         positive("--minibatch", minibatch)
         settings = table.sweep_settings(paper_size=paper_size, device=device, link=link, policy=policy,
                                         minibatch=minibatch, objective=objective, checkpoint=checkpoint,
-                                        recompute_ahead=recompute_ahead, method=method, measure=measure)
+                                        recompute_ahead=recompute_ahead, method=method, measure=measure,
+                                        time_limit_s=time_limit)
         try:
             table.main(settings, out if out is not None else results_root() / "throughput",
                        overwrite=overwrite, record=record, wandb=wandb,

@@ -33,12 +33,12 @@ DEFAULTS = SweepSettings(ks=(2, 4, 8), ms=(1, 4, 32), policy="micro", checkpoint
 
 def sweep_settings(*, paper_size: bool, device: str, link: str | None, policy: str, minibatch: int,
                    objective: str, checkpoint: str, recompute_ahead: bool, method: str,
-                   measure: bool) -> SweepSettings:
+                   measure: bool, time_limit_s: float | None = None) -> SweepSettings:
     """The sweep's settings: DEFAULTS with the command line's choices (the link and the threads
     follow the device)."""
     settings = replace(DEFAULTS, device=device, policy=policy, minibatch=minibatch, objective=objective,
                        checkpoint=checkpoint, recompute_ahead=recompute_ahead, method=method,
-                       measure=measure, paper_size=paper_size,
+                       measure=measure, paper_size=paper_size, time_limit_s=time_limit_s,
                        link=link or ("nvlink" if device == "cuda" else "gloo-loopback"))
     if paper_size:
         settings = replace(settings, microbatch=tuple(PAPER_MICROBATCH.items()))

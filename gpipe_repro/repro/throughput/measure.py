@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from gpipe_repro.distributed.measure import measure_pipeline
@@ -21,6 +22,20 @@ CELL_RULE = StopRule(min_rounds=5, max_rounds=10, budget_s=270.0, tolerance=0.03
 this project's host 10 rounds take about 250 s per model; the budget bounds a slow hour's rounds,
 in which `make throughput-table` took 906 s of the 860 its part of `make results` has."""
 
+
+
+#: Seconds a table keeps, after its measured rounds, for the schedule ablation, pages and charts.
+AFTER_MEASURING_S = 160.0
+
+
+def round_budget(rule: StopRule, time_limit_s: float | None, elapsed_s: float, models_left: int) -> StopRule:
+    """`rule` with its time budget cut to this model's share of what a table limited to
+    `time_limit_s` seconds has left after `elapsed_s` (less :data:`AFTER_MEASURING_S`), shared by the
+    `models_left` models still to measure; at least 30 s (the rounds' intervals need a few)."""
+    if time_limit_s is None:
+        return rule
+    share = (time_limit_s - elapsed_s - AFTER_MEASURING_S) / max(1, models_left)
+    return replace(rule, budget_s=max(30.0, min(rule.budget_s, share)))
 
 
 def measurable_k(settings: SweepSettings) -> int:

@@ -35,6 +35,8 @@ class SweepSettings:
     paper_size: bool = False
     measure: bool = True
     measure_steps: int = 4
+    time_limit_s: float | None = None   # the whole table's wall-clock: the measured rounds share
+                                        # what calibrating and simulating left (measure.round_budget)
 
     def microbatch_size(self, model: str, m: int) -> int:
         if self.policy == "mini":

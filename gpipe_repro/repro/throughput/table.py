@@ -1,6 +1,7 @@
 """The whole sweep: calibrate, partition, simulate and measure Tables 2 and 3 into one payload."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
@@ -12,7 +13,14 @@ from gpipe_repro.repro.throughput.ablations import (
     rematerialization_ablation,
 )
 from gpipe_repro.repro.throughput.kept_cuts import cuts_of
-from gpipe_repro.repro.throughput.measure import MeasureFn, distributed_measure, measurable_k, measure_rows
+from gpipe_repro.repro.throughput.measure import (
+    CELL_RULE,
+    MeasureFn,
+    distributed_measure,
+    measurable_k,
+    measure_rows,
+    round_budget,
+)
 from gpipe_repro.repro.throughput.rows import Row, attach_flop_model, flop_model_rows, simulate_rows
 from gpipe_repro.repro.throughput.schedules import ABLATION_K, ABLATION_MS, schedule_tradeoff
 from gpipe_repro.repro.throughput.settings import MODELS, SweepSettings
@@ -54,6 +62,7 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
     `previous`: an earlier table's payload whose cuts are kept where these costs cannot tell them
     from their best (:mod:`gpipe_repro.repro.throughput.kept_cuts`)."""
     settings.validate()
+    started = time.monotonic()
     say = progress or (lambda msg: None)
     say(f"link model: {settings.link}")
     platform = platform_for(settings.link)
@@ -98,15 +107,7 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
             model, PAPER_TABLE3_WORKLOADS[model], "p100", pcie, settings, settings.ks, [m3],
             PAPER_MICROBATCH[model]))
 
-    timelines: dict[str, dict[tuple[int, int], Any]] = {}
-    measure = measure if measure is not None else (distributed_measure(settings)
-                                                   if settings.measure else None)
-    if measure is not None:
-        for model in MODELS:
-            timelines[model] = measure_rows(table2[model], workloads[model], measure,
-                                            measurable_k(settings), settings.checkpoint, say,
-                                            base=(2, 1))
-
+    # before the measured rounds, which share what time the table has left (settings.time_limit_s)
     fixed_minibatch = None
     if settings.policy == "micro":
         mini = mini_variant(settings)
@@ -115,6 +116,17 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
         fixed_minibatch = [r.to_json() for r in simulate_rows(
             "transformer", calib_mini, mini, platform, settings.ks, settings.ms,
             paper_values=table2_paper("transformer"))]
+
+    timelines: dict[str, dict[tuple[int, int], Any]] = {}
+    measure = measure if measure is not None else (distributed_measure(settings)
+                                                   if settings.measure else None)
+    if measure is not None:
+        for i, model in enumerate(MODELS):
+            rule = round_budget(CELL_RULE, settings.time_limit_s, time.monotonic() - started,
+                                len(MODELS) - i)
+            timelines[model] = measure_rows(table2[model], workloads[model], measure,
+                                            measurable_k(settings), settings.checkpoint, say,
+                                            base=(2, 1), rule=rule)
 
     curves = bubble_curves(calibrations["transformer"], settings, platform, "transformer",
                            ks=settings.ks)
