@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe_repro.engine.boundary import tensors
 from gpipe_repro.engine.precision import upcast
 
 __all__ = ["exact_mean", "denominator", "weighted_loss", "loss_weights", "UndeclaredReduction",
@@ -166,7 +167,7 @@ class UndeclaredReduction:
             return
         n = target.shape[0]
         if not any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == n
-                   for t in _tensors(output)):
+                   for t in tensors(output)):
             return
         if not math.isfinite(float(result.detach().float())):
             self._refuse_not_finite(output, "a micro-batch")
@@ -192,7 +193,7 @@ class UndeclaredReduction:
             return
         as_mean, as_sum = sum(values) / 2, sum(values)
         low = result.dtype in (torch.float16, torch.bfloat16) or any(
-            t.dtype in (torch.float16, torch.bfloat16) for t in _tensors(output))
+            t.dtype in (torch.float16, torch.bfloat16) for t in tensors(output))
         tolerance = (2e-2 if low else 1e-4) * max(abs(whole), *(abs(v) for v in values), 1e-30)
         if abs(whole - as_mean) <= tolerance:
             return
@@ -212,7 +213,7 @@ class UndeclaredReduction:
     @staticmethod
     def _refuse_not_finite(output: Any, where: str) -> None:
         """ValueError where the outputs are finite: then the loss divided by no counted target."""
-        if not all(bool(torch.isfinite(t).all()) for t in _tensors(output) if t.is_floating_point()):
+        if not all(bool(torch.isfinite(t).all()) for t in tensors(output) if t.is_floating_point()):
             return     # the outputs overflowed (fp16's loss scale handles it): nothing to tell
         raise ValueError(f"loss_fn declares no reduction and gave a loss that is not finite on {where} "
                          "whose outputs are: a mean over the targets that count, where those rows have "
@@ -220,15 +221,6 @@ class UndeclaredReduction:
                          "into micro-batches changes it. Return (sum, count) to make a masked mean "
                          "exact, or use nn.CrossEntropyLoss(ignore_index=...) (the engine divides by "
                          "the whole mini-batch's count)")
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors of `value` (a tensor, or tuples and lists of them)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _rows(value: Any, rows: Any, n: int) -> Any:
