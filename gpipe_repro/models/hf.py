@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe_repro.models.hf_check import check_same_function
 from gpipe_repro.models.hf_config import hf_config
 
 __all__ = ["CausalLMLoss", "causal_lm_layers", "hf_config", "refusal", "TokenEmbedding", "DecoderBlock",
@@ -327,93 +328,5 @@ def causal_lm_layers(model: Any, *, check: bool = True) -> nn.Sequential:
     for name, layer in layers.items():
         sequence.add_module(name, layer)
     if check:
-        _check_same_logits(model, sequence)
+        check_same_function(model, sequence)
     return sequence
-
-
-def _check_same_logits(model: Any, layers: nn.Sequential) -> None:
-    """Raise ValueError unless `layers` give `model`'s logits (see :func:`causal_lm_layers`) on a short
-    batch given three ways: padded with its mask, unpadded with a mask of ones, and token ids alone
-    (a family may build its mask differently when nothing is padded: Doge's dynamic mask); and,
-    where the config asks for dropout, unless the layers are random in training exactly where the
-    model is (a dropout the forward applies as a function, outside any module, would otherwise be
-    lost). Skipped for weights without values (meta or fake tensors)."""
-    weight = next(model.parameters(), None)
-    if weight is None or weight.device.type == "meta" or type(weight).__name__ == "FakeTensor":
-        return
-    window = getattr(model.config, "sliding_window", None)
-    length = 8 if not isinstance(window, int) or window > 62 else max(8, window + 2)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (2, length), generator=g).to(weight.device)
-    padded = torch.ones_like(ids)
-    padded[1, :2] = 0
-    modes = {m: m.training for m in (*model.modules(), *layers.modules())}
-    try:
-        model.eval()
-        layers.eval()
-        for mask in (padded, torch.ones_like(ids), None):
-            expected, got = _both_logits(model, layers, ids, mask)
-            kept = (mask if mask is not None else torch.ones_like(ids)).bool()
-            expected, got = expected[kept].float(), got[kept].float()
-            tolerance = 1e-4 * max(1.0, float(expected.abs().max()))
-            if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=tolerance):
-                diff = (got - expected).abs().max() if got.shape == expected.shape else "shape"
-                given = ("padded, with its mask" if mask is padded else
-                         "without padding, with a mask of ones" if mask is not None else "without a mask")
-                raise ValueError(f"{_family(model)} cannot be pipelined by causal_lm_layers: its forward "
-                                 f"computes something the layers do not (largest logit difference {diff} "
-                                 f"on a test batch {given}); it is not embed -> blocks -> norm -> head "
-                                 "with the scalings read off the model")
-        dropouts = _dropout_settings(model.config)
-        if dropouts:
-            model.train()
-            layers.train()
-            random_model = _varies_with_seed(lambda: _both_logits(model, layers, ids, padded)[0],
-                                             weight.device)
-            random_layers = _varies_with_seed(lambda: _both_logits(model, layers, ids, padded)[1],
-                                              weight.device)
-            if random_model != random_layers:
-                raise ValueError(f"{_family(model)} cannot be pipelined by causal_lm_layers: in training "
-                                 f"its forward is {'' if random_model else 'not '}random and the layers "
-                                 f"are {'' if random_layers else 'not '}(its config asks for "
-                                 f"{', '.join(dropouts)}): a dropout the forward applies outside its "
-                                 "modules is not read off the model; set those to 0 to pipeline it")
-    finally:
-        for m, training in modes.items():
-            m.training = training
-
-
-def _family(model: Any) -> str:
-    return f"{type(model).__name__} ({model.config.model_type})"
-
-
-def _both_logits(model: Any, layers: nn.Sequential, ids: torch.Tensor,
-                 mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`model`'s logits and the layers', without gradients."""
-    with torch.no_grad():
-        expected = model(input_ids=ids, attention_mask=mask).logits
-        got: Any = ids if mask is None else (ids, mask)
-        try:
-            for layer in layers:
-                got = layer(got)
-        except Exception as e:   # the block takes its inputs otherwise than the family's forward
-            raise ValueError(f"{_family(model)} cannot be pipelined by causal_lm_layers: its blocks fail "
-                             f"when called as the flattener calls them ({type(e).__name__}: {e})") from e
-    return expected, got
-
-
-def _dropout_settings(config: Any) -> list[str]:
-    """The config's dropout probabilities above 0, as ``name=value``."""
-    return [f"{k}={v}" for k, v in sorted(vars(config).items())
-            if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0]
-
-
-def _varies_with_seed(run: Callable[[], torch.Tensor], device: torch.device) -> bool:
-    """Whether `run` gives different results under two seeds (the caller's RNG states kept, the CPU's
-    and `device`'s)."""
-    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-        torch.manual_seed(1)
-        first = run()
-        torch.manual_seed(2)
-        second = run()
-    return not torch.equal(first, second)

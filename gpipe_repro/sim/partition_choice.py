@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from gpipe_repro.engine.partition import cell_costs, partition
+from gpipe_repro.engine.partition import cell_costs, check_balance, partition
 
 TIE_FLOOR = 0.03
 """The narrowest relative window of near-ties for timed costs (see the module docstring)."""
@@ -74,9 +74,13 @@ def bottleneck_excess(costs: Sequence[float], balance: Sequence[int]) -> float:
 
 
 def is_cut(balance: Sequence[int], layers: int, k: int) -> bool:
-    """Whether `balance` cuts `layers` layers into `k` non-empty cells."""
-    return len(balance) == k and all(isinstance(n, int) and n >= 1 for n in balance) \
-        and sum(balance) == layers
+    """Whether `balance` cuts `layers` layers into `k` non-empty cells
+    (:func:`gpipe_repro.engine.partition.check_balance` accepts it)."""
+    try:
+        check_balance(balance, layers, k)
+    except ValueError:
+        return False
+    return True
 
 
 def tie_break(costs: Sequence[float], k: int, limit: float) -> list[int]:
