@@ -52,19 +52,26 @@ def clock_offset(group: dist.ProcessGroup | None = None) -> tuple[float, float]:
     return (0.0 if len(set(hosts)) == 1 else estimate), estimate
 
 
-def merge_timelines(per_rank: list[tuple[float, list[tuple[str, int | None, float, float]]]],
-                    meta: dict[str, Any]) -> Timeline:
-    """One Timeline from each rank's (step start, [(kind, micro-batch, start, end)]), all on one
-    clock: times become seconds from the earliest step start, receives get ``ready``."""
+def merge_timelines(per_rank: list[tuple[float, list[tuple[str, int | None, float, float, int | None]]]],
+                    meta: dict[str, Any], ranks_per_pipeline: int | None = None) -> Timeline:
+    """One Timeline from each rank's (step start, [(kind, micro-batch, start, end, cell)]), all on
+    one clock: times become seconds from the earliest step start, receives get ``ready`` (from the
+    send of the same replica's neighbouring stage; ranks come in replicas of `ranks_per_pipeline`,
+    by default one). A cell (the schedule's stage, where a rank runs several) stays on its event."""
+    per_pipeline = ranks_per_pipeline or len(per_rank)
     origin = min(start for start, _ in per_rank)
-    events = [Event(stage, kind, mb, s - origin, e - origin)
-              for stage, (_, evs) in enumerate(per_rank) for kind, mb, s, e in evs]
-    send_start = {(e.stage, e.kind, e.microbatch): e.start for e in events
+    events = [Event(rank, kind, mb, s - origin, e - origin, cell=cell)
+              for rank, (_, evs) in enumerate(per_rank) for kind, mb, s, e, cell in evs]
+
+    def position(e: Event) -> tuple[int, int]:      # (replica, the schedule's stage)
+        return e.stage // per_pipeline, (e.stage % per_pipeline if e.cell is None else e.cell)
+
+    send_start = {(*position(e), e.kind, e.microbatch): e.start for e in events
                   if e.kind in (ActionKind.SEND_ACT.value, ActionKind.SEND_GRAD.value)}
     for e in events:
+        replica, stage = position(e)
         if e.kind == ActionKind.RECV_ACT.value:
-            e.ready = send_start.get((e.stage - 1, ActionKind.SEND_ACT.value, e.microbatch))
+            e.ready = send_start.get((replica, stage - 1, ActionKind.SEND_ACT.value, e.microbatch))
         elif e.kind == ActionKind.RECV_GRAD.value:
-            e.ready = send_start.get((e.stage + 1, ActionKind.SEND_GRAD.value, e.microbatch))
+            e.ready = send_start.get((replica, stage + 1, ActionKind.SEND_GRAD.value, e.microbatch))
     return Timeline(len(per_rank), events, meta)
-

@@ -357,7 +357,9 @@ class DistributedRuntime:
 
     def _gather_timeline(self, start: float, schedule: Schedule) -> Timeline:
         events = sorted((e for ex in self.executors for e in ex.events), key=lambda e: e.start)
-        mine = (start, [(e.kind, e.microbatch, e.start, e.end) for e in events],
+        several = len(self.executors) > 1
+        mine = (start, [(e.kind, e.microbatch, e.start, e.end, e.stage if several else None)
+                        for e in events],
                 (self._offset, self._offset_estimate))
         everyone: list[Any] = [None] * self.layout.world_size
         dist.all_gather_object(everyone, mine, group=self.control)
@@ -367,7 +369,8 @@ class DistributedRuntime:
             "stages": self.num_stages, "replicas": self.layout.replicas,
             "microbatches": schedule.num_microbatches,
             "clock_offset_applied_s": [o[0] for _, _, o in everyone],
-            "clock_offset_estimated_s": [o[1] for _, _, o in everyone]})
+            "clock_offset_estimated_s": [o[1] for _, _, o in everyone]},
+            ranks_per_pipeline=self.layout.stages)
 
     def _check_link_order(self, schedule: Schedule) -> None:
         """NCCL matches messages between two ranks in order (tags are ignored): check every process

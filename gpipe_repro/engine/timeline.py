@@ -43,6 +43,15 @@ class Event:
     start: float
     end: float
     ready: float | None = None  # receives: when the matching send started (data could flow)
+    # Under interleaved and V schedules, where each row `stage` is a process running several of the
+    # schedule's stages (cells): the schedule's stage of this action. None where each process runs
+    # one stage.
+    cell: int | None = None
+
+    @property
+    def schedule_stage(self) -> int:
+        """The stage of the schedule this action belongs to (its cell)."""
+        return self.stage if self.cell is None else self.cell
 
     @property
     def duration(self) -> float:

@@ -241,13 +241,15 @@ def _simulate_once(schedule: Schedule, costs: PipelineCosts, link: LinkModel, ba
         return vary(seconds) if vary is not None and a.kind in COMPUTE else seconds
 
     sim_events = run_dataflow(schedule, varied, transfer)
+    several = len(schedule.programs()) < schedule.num_stages      # processes run several cells
     send_start = {e.action.peer(): e.start for e in sim_events if e.action.kind in (A.SEND_ACT, A.SEND_GRAD)}
     shift = costs.setup
     events = []
     for e in sim_events:
         a = e.action
         ready = send_start[a] + shift if a.kind in (A.RECV_ACT, A.RECV_GRAD) else None
-        events.append(Event(row[a.stage], a.kind.value, a.microbatch, e.start + shift, e.end + shift, ready))
+        events.append(Event(row[a.stage], a.kind.value, a.microbatch, e.start + shift, e.end + shift, ready,
+                            cell=a.stage if several else None))
     timeline = Timeline(len(schedule.programs()), events, {"runtime": "simulator", "schedule": schedule.name,
                                                            "link": link.name, "batch_size": batch_size})
     step = timeline.makespan + costs.teardown
@@ -284,7 +286,7 @@ def replay_costs(timeline: Timeline, step_time: float,
     measurement is what the simulator gets wrong about *how* actions interleave, whatever the
     machine's speed was at the time.
     """
-    k = timeline.num_stages
+    k = 1 + max(e.schedule_stage for e in timeline.events)   # cells: a process may run several
     m_count = 1 + max(e.microbatch for e in timeline.events if e.microbatch is not None)
     table: dict[str, list[list[float]]] = {kind: [[0.0] * m_count for _ in range(k)]
                                            for kind in ("forward", "recompute", "backward",
@@ -292,10 +294,10 @@ def replay_costs(timeline: Timeline, step_time: float,
     optimizer = [0.0] * k
     for e in timeline.events:
         if e.kind in table and e.microbatch is not None:
-            table[e.kind][e.stage][e.microbatch] = e.duration
+            table[e.kind][e.schedule_stage][e.microbatch] = e.duration
         elif e.kind == ActionKind.OPTIMIZER_STEP.value:
-            optimizer[e.stage] = e.duration
-    first = [timeline.stage_events(s)[0].start for s in range(k)]
+            optimizer[e.schedule_stage] = e.duration
+    first = [timeline.stage_events(s)[0].start for s in range(timeline.num_stages)]
     sizes = list(boundary_bytes) or [0.0] * (k - 1)      # bytes crossing each boundary
     nbytes = [[float(sizes[s])] * m_count for s in range(k - 1)]
     backward = [[b + i + w for b, i, w in zip(*rows)] for rows in

@@ -90,3 +90,32 @@ def test_silent_measured_steps_paid_for_collecting_the_start_up_heap() -> None:
     # where the stage processes call it: right before the first measured step
     source = open(measure.__file__).read()
     assert 'if i == config["warmup"]:\n            settle_garbage_collector()' in source
+
+
+def test_an_interleaved_run_is_replayed_cell_by_cell() -> None:
+    """Interleaved and V schedules run several cells per process: a timeline row is a process, so
+    the replay (simulating the measured step with its own action durations) could not tell the cells
+    apart and validate-sim left those schedules unreplayed. Each event now keeps its cell; receives
+    find their sends between cells, and the replay simulates the same cells and steps."""
+    from gpipe_repro.engine.schedule import make_schedule
+    from gpipe_repro.sim.links import get_link
+    from gpipe_repro.sim.simulator import replay_costs, simulate
+
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(24, 32, generator=g), torch.randint(0, 5, (24,), generator=g))
+    m = 4
+    for name in ("interleaved", "zb-v"):
+        result = measure_pipeline(small_mlp, [1, 1, 1, 1], m, batch, schedule=name, steps=2,
+                                  warmup=1, timeout=30)
+        timeline = result.timeline
+        assert timeline.num_stages == 2
+        assert sorted({e.cell for e in timeline.events}) == [0, 1, 2, 3]
+        receives = [e for e in timeline.events if e.kind.startswith("recv")]
+        assert receives and all(e.ready is not None and e.ready <= e.end for e in receives), name
+        costs = replay_costs(timeline, result.median_step_time)
+        assert costs.num_stages == 4
+        forwards = [e for e in timeline.events if e.kind == "forward"]
+        assert sum(map(sum, costs.forward)) == sum(e.duration for e in forwards)
+        replay = simulate(make_schedule(name, 4, m, "never", False), costs, get_link("ideal"), 24)
+        assert replay.timeline.num_stages == 2
+        assert 0 < replay.step_time <= 1.5 * result.median_step_time

@@ -477,3 +477,22 @@ def test_a_model_file_in_the_current_directory_is_found(tmp_path: Path,
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     work = Workload.create("here", "here_model_for_test:mlp", "features", (16,), 5)
     assert len(work.build("meta")) == 3
+
+
+def test_replaying_an_interleaved_timeline_reproduces_its_step() -> None:
+    """A process of an interleaved (or V) schedule runs several cells; the replay reads each cell's
+    durations off its events' cells, so a simulated step replays to itself, cell by cell."""
+    for name in ("interleaved", "zb-v"):
+        sched = make_schedule(name, 4, 4, "never", recompute_ahead=False)
+        per_cell = [[1.0, 1.5, 1.0, 2.0], [0.5, 0.7, 0.5, 0.9], [2.0, 2.5, 2.0, 3.0], [1.0] * 4]
+        costs = PipelineCosts(forward=per_cell, forward_nograd=per_cell, recompute=per_cell,
+                              backward=[[2 * t for t in row] for row in per_cell],
+                              optimizer=[0.3, 0.2, 0.1, 0.4], boundary_bytes=[[100.0] * 4] * 3,
+                              grad_bytes=[[100.0] * 4] * 3, setup=0.05, teardown=0.07)
+        link = LinkModel("l", 0.01, 1e4, send_overhead=0.002, recv_overhead=0.001)
+        original = simulate(sched, costs, link, 4)
+        assert original.timeline.num_stages == 2
+        assert {e.cell for e in original.timeline.events} == {0, 1, 2, 3}
+        replayed = simulate(sched, replay_costs(original.timeline, original.step_time, [100.0] * 3),
+                            link, 4)
+        assert replayed.step_time == pytest.approx(original.step_time), name

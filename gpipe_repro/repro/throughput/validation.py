@@ -30,9 +30,9 @@ from gpipe_repro.sim.simulator import replay_costs, simulate
 VALIDATION_MS = (1, 2, 4, 8, 16)
 VALIDATION_CHECKPOINTS = ("always", "never")
 VALIDATION_TARGETS = TARGETS
-#: Schedules validated against real runs. Interleaved 1F1B runs K processes of v = 2 cells each: its
-#: cut has K*v cells, and its measured timeline has a row per process, so it is not replayed (the
-#: replay reads each cell's action durations).
+#: Schedules validated against real runs (interleaved 1F1B and zb-v run K processes of v = 2 cells
+#: each: their cut has K*v cells, and the replay reads each cell's action durations off the events'
+#: cells).
 VALIDATION_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v")
 NOT_VALIDATED: dict[str, str] = {}
 
@@ -161,7 +161,8 @@ def _row(c: _Config, calibs: Sequence[Calibration], runs: Sequence[dict[str, Any
     k = num_processes(settings.schedule, cells)
     meas_tp = m * b / measured["step_time_s"]
     replay = None
-    if measured.get("timeline") is not None and measured["timeline"].num_stages == cells:
+    if (measured.get("timeline") is not None
+            and 1 + max(e.schedule_stage for e in measured["timeline"].events) == cells):
         replay = simulate(
             make_schedule(settings.schedule, cells, m, c.checkpoint, settings.recompute_ahead),
             replay_costs(measured["timeline"], measured["step_time_s"],
