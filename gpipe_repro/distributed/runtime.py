@@ -224,7 +224,8 @@ class DistributedRuntime:
         out = None
         tail = self.executors[-1]
         if tail.is_last:
-            out = microbatch.join([tail.outputs[i] for i in range(len(microbatches))])
+            out = microbatch.join([tail.outputs[i] for i in range(len(microbatches))],
+                                  [microbatch.batch_size(mb) for mb in microbatches])
         box = [None if out is None else boundary.map_tensors(out, lambda t: t.cpu())]
         if self.groups is None:
             dist.broadcast_object_list(box, src=self.process_of[-1], group=self.control)

@@ -31,8 +31,8 @@ from gpipe_repro.engine.schedule import (
     num_processes,
 )
 
-__all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_running_statistics",
-           "check_sample_target", "compile_options", "declared_reduction"]
+__all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_materialized",
+           "check_running_statistics", "check_sample_target", "compile_options", "declared_reduction"]
 
 BATCHNORM_STATS = ("per_replica", "synchronized")   # GPipe(batchnorm_stats=...), with replicas
 
@@ -53,11 +53,24 @@ def as_layers(layers: nn.Sequential | Sequence[nn.Module]) -> list[nn.Module]:
         if not isinstance(layer, nn.Module):
             raise TypeError(f"layer {i} is a {type(layer).__name__}, not an nn.Module")
         if id(layer) in seen:
+            share = ("a new one whose parameters are set to the first's (``b.weight = a.weight``: a "
+                     "parameter held by several layers stays one parameter, in one cell or across "
+                     "cells)" if any(True for _ in layer.parameters()) else "a new instance of it")
             raise ValueError(f"layers {seen[id(layer)]} and {i} are the same module object; a pipeline "
-                             "runs each layer once per micro-batch, so give each position its own "
-                             "module (copy.deepcopy it), or share weights inside one layer")
+                             f"runs each layer once per micro-batch, so give each position {share}")
         seen[id(layer)] = i
     return out
+
+
+def check_materialized(layers: Sequence[nn.Module]) -> None:
+    """Refuse lazy parameters where the partitioner must size the layers (no `balance` given)."""
+    for i, layer in enumerate(layers):
+        lazy = next((name for name, p in layer.named_parameters() if nn.parameter.is_lazy(p)), None)
+        if lazy is not None:
+            raise ValueError(f"layer {i}'s parameter {lazy} is lazy (not yet materialized: nn.Lazy* "
+                             "modules leave it until their first forward), so the partitioner cannot "
+                             "size the layer: run the model once on a sample batch before GPipe(...), "
+                             "or give the cut as balance=[...]")
 
 
 def declared_reduction(loss_fn: Any) -> str | None:
@@ -184,22 +197,43 @@ def compile_options(compile: Any, schedule: Schedule) -> dict[str, Any] | None:
 
 
 def check_running_statistics(layers: Sequence[nn.Module], micro_batches: int, checkpoint: str) -> None:
-    """Refuse an InstanceNorm that tracks running statistics where the pipeline would update them
-    otherwise than full-batch training: once per micro-batch (M > 1) and again on each recompute.
-    GPipe defers BatchNorm's statistics to one update per step (DeferredBatchNorm); InstanceNorm's
-    are not deferred."""
+    """Refuse a layer known to change its state in every training forward where the pipeline would
+    do so otherwise than full-batch training: once per micro-batch (M > 1) and again on each
+    recompute. GPipe defers BatchNorm's statistics to one update per step (DeferredBatchNorm); an
+    InstanceNorm's running statistics and spectral normalization's power iteration (both of
+    ``torch.nn.utils.spectral_norm`` and ``torch.nn.utils.parametrizations.spectral_norm``) are not
+    deferred. Any other layer that changes a buffer in its forward is refused by the stage executor
+    when it first does (:class:`~gpipe_repro.engine.stage.StageExecutor`)."""
     if micro_batches == 1 and checkpoint != "always":
         return
     for i, layer in enumerate(layers):
-        for mod in layer.modules():
-            if isinstance(mod, nn.modules.instancenorm._InstanceNorm) and mod.track_running_stats:
-                raise ValueError(
-                    f"layer {i} holds an {type(mod).__name__} with track_running_stats=True: it updates "
-                    "its running statistics on every forward, so with micro_batches="
-                    f"{micro_batches} and checkpoint={checkpoint!r} it would update them once per "
-                    "micro-batch and again on each recompute, unlike full-batch training. Use "
-                    "track_running_stats=False (InstanceNorm's default), or micro_batches=1 with "
-                    "checkpoint='never' or 'except_last'")
+        for name, mod in layer.named_modules():
+            what = _stateful_forward(mod)
+            if what is None:
+                continue
+            where = f"layer {i} (" + (f"{name}: " if name else "") + f"{type(mod).__name__})"
+            raise ValueError(
+                f"{where} {what} in every training forward, so with micro_batches="
+                f"{micro_batches} and checkpoint={checkpoint!r} it would do so once per micro-batch and "
+                "again on each recompute, unlike full-batch training. "
+                + ("Use track_running_stats=False (InstanceNorm's default), or "
+                   if isinstance(mod, nn.modules.instancenorm._InstanceNorm) else "Use ")
+                + "micro_batches=1 with checkpoint='never' or 'except_last'")
+
+
+def _stateful_forward(mod: nn.Module) -> str | None:
+    """What `mod` updates in each training forward, if it is one of the known such layers."""
+    from torch.nn.utils import parametrizations, parametrize
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    if isinstance(mod, nn.modules.instancenorm._InstanceNorm) and mod.track_running_stats:
+        return "with track_running_stats=True updates its running statistics"
+    if any(isinstance(hook, SpectralNorm) for hook in mod._forward_pre_hooks.values()):
+        return "runs spectral normalization's power iteration (torch.nn.utils.spectral_norm)"
+    lists: Any = getattr(mod, "parametrizations", None) if parametrize.is_parametrized(mod) else None
+    if lists is not None and any(isinstance(p, parametrizations._SpectralNorm)
+                                 for plist in lists.values() for p in plist):
+        return "runs spectral normalization's power iteration (parametrizations.spectral_norm)"
+    return None
 
 
 def batch_key(inputs: Any, targets: Any) -> Any:

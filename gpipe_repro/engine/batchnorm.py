@@ -20,6 +20,7 @@ such a model's batch as one micro-batch (:class:`BatchStatisticsInEval`).
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Sequence
 
@@ -29,7 +30,7 @@ from torch import nn
 
 from gpipe_repro.engine.recompute import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "commit_all", "commit_many"]
+__all__ = ["DeferredBatchNorm", "check_batchnorms", "commit_all", "commit_many"]
 
 
 class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -127,8 +128,11 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     @classmethod
     def convert(cls, module: nn.Module) -> nn.Module:
-        """Return `module` with every BatchNorm{1,2,3}d replaced by a DeferredBatchNorm (in place for
-        children)."""
+        """`module` with every BatchNorm{1,2,3}d replaced by a DeferredBatchNorm holding the same
+        parameters and running statistics. `module` itself is left as it is: a module with a BatchNorm
+        inside comes back as a shallow copy whose children are the same modules but for the
+        replaced ones (so the caller's model still runs as a plain BatchNorm model, and what the
+        pipeline trains and commits lands in its tensors)."""
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
                 module, (cls, nn.SyncBatchNorm)):
             new = cls(module.num_features, module.eps, module.momentum, module.affine,
@@ -140,9 +144,50 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
                 new.num_batches_tracked = module.num_batches_tracked
             new.train(module.training)
             return new
-        for name, child in module.named_children():
-            setattr(module, name, cls.convert(child))
-        return module
+        children = {name: cls.convert(child) for name, child in module.named_children()}
+        if all(children[name] is child for name, child in module.named_children()):
+            return module
+        converted = copy.copy(module)
+        converted._modules = dict(module._modules)
+        converted._modules.update(children)
+        return converted
+
+
+def check_batchnorms(layers: Sequence[nn.Module]) -> None:
+    """Refuse, before any work, a BatchNorm that :meth:`DeferredBatchNorm.convert` cannot stand in for
+    exactly: one module used at two places (plain training updates its running statistics once per
+    use, in order; one deferred commit per step cannot), a subclass with a ``forward`` of its own
+    (the replacement would drop it), and ``nn.SyncBatchNorm`` (it reduces over processes inside its
+    forward, which the pipeline runs per micro-batch and again per recompute)."""
+    seen: dict[int, str] = {}
+    for i, layer in enumerate(layers):
+        for name, mod in layer.named_modules(remove_duplicate=False):
+            if not isinstance(mod, nn.modules.batchnorm._BatchNorm):
+                continue
+            where = f"layer {i} (" + (f"{name}: " if name else "") + f"{type(mod).__name__})"
+            if isinstance(mod, nn.SyncBatchNorm):
+                raise ValueError(
+                    f"{where} is an nn.SyncBatchNorm, which reduces its statistics over processes "
+                    "inside each forward (per micro-batch, and again per recompute in a pipeline). Use "
+                    "a plain BatchNorm: GPipe commits its statistics once per step from the whole "
+                    "mini-batch, and with replicas batchnorm_stats='synchronized' merges them over the "
+                    "replicas (nn.SyncBatchNorm has the same parameters and buffers)")
+            if not isinstance(mod, DeferredBatchNorm) and (
+                    type(mod).forward is not nn.modules.batchnorm._BatchNorm.forward):
+                raise ValueError(
+                    f"{where} subclasses a BatchNorm with a forward of its own; GPipe replaces "
+                    "BatchNorms by DeferredBatchNorm (one statistics update per step) and would drop "
+                    "that forward. Move the extra computation into a module of its own around a plain "
+                    "BatchNorm, or pass deferred_batchnorm=False (the BatchNorm then updates its "
+                    "statistics once per micro-batch and recompute)")
+            if mod.track_running_stats and id(mod) in seen:
+                raise ValueError(
+                    f"{where} is the same BatchNorm module as {seen[id(mod)]}: plain training updates "
+                    "its running statistics once per use, in order, and a pipeline's one deferred "
+                    "update per step cannot. Give each use its own BatchNorm (to share the affine "
+                    "weights, set the second's weight and bias to the first's), or "
+                    "track_running_stats=False")
+            seen[id(mod)] = where
 
 
 @torch.compiler.disable

@@ -34,12 +34,18 @@ from gpipe_repro.engine.arguments import (
     as_layers,
     batch_key,
     check_arguments,
+    check_materialized,
     check_running_statistics,
     check_sample_target,
     compile_options,
     declared_reduction,
 )
-from gpipe_repro.engine.batchnorm import BatchStatisticsInEval, DeferredBatchNorm, commit_all
+from gpipe_repro.engine.batchnorm import (
+    BatchStatisticsInEval,
+    DeferredBatchNorm,
+    check_batchnorms,
+    commit_all,
+)
 from gpipe_repro.engine.layer_costs import layer_costs
 from gpipe_repro.engine.loss_scaler import LossScaler, restore_scaler, saved_scaler
 from gpipe_repro.engine.losses import UndeclaredReduction, exact_mean, loss_weights
@@ -170,10 +176,15 @@ class GPipe(nn.Module):
             clip_grad_norm=clip_grad_norm, precision=precision, schedule=schedule,
             recompute_ahead=recompute_ahead, seed=seed, runtime=runtime, objective=objective,
             replicas=replicas, batchnorm_stats=batchnorm_stats, bucket_cap_mb=bucket_cap_mb, devices=devices)
+        if deferred_batchnorm:
+            check_batchnorms(layer_list)
+        check_running_statistics(layer_list, micro_batches, checkpoint)
         compiled = compile_options(compile, training_schedule)
         placement = place_stages(runtime=runtime, schedule=schedule, partitions=partitions,
                                  checkpoint=checkpoint, replicas=replicas)
         measured_loss = check_sample_target(sample, sample_target, loss_fn, cost)
+        if balance is None and partitions > 1:
+            check_materialized(layer_list)
         if balance is None:   # measured costs differ between processes: rank 0's cut wins
             balance = placement.same_on_every_rank(
                 [len(layer_list)] if partitions == 1 else
@@ -188,7 +199,7 @@ class GPipe(nn.Module):
             layer_list = [DeferredBatchNorm.convert(layer) for layer in layer_list]
         cells = split_cells(layer_list, balance)
         self.ties = untie(cells)   # a parameter held by several cells: one copy per cell (engine.tied)
-        check_running_statistics(layer_list, micro_batches, checkpoint)
+        placement.check_same_weights(cells, self.ties)
         self._eval_batch_statistics = BatchStatisticsInEval(layer_list)
         # runtime="distributed": this process's index in its pipeline: its stage, or with
         # "interleaved" its first stage (it runs stages rank, rank + K, ...: `self.stages_here`).

@@ -129,7 +129,8 @@ class LocalRuntime:
     def forward(self, schedule: Schedule, step: int, microbatches: list[Any], config: StepConfig) -> Any:
         self._run(schedule, step, microbatches, None, None, config)
         last = self.executors[-1]
-        return microbatch.join([last.outputs[i] for i in range(len(microbatches))])
+        return microbatch.join([last.outputs[i] for i in range(len(microbatches))],
+                               [microbatch.batch_size(mb) for mb in microbatches])
 
     def move_to(self, devices: Sequence[torch.device]) -> None:
         self.devices[:] = devices

@@ -11,6 +11,7 @@ micro-batch.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -83,13 +84,28 @@ def _select(value: Any, m: int, i: int) -> Any:
     return value
 
 
-def join(values: list[Any]) -> Any:
-    """Concatenate micro-batch outputs back into one batch (inverse of :func:`split`)."""
+def join(values: list[Any], sizes: Sequence[int] | None = None, where: str = "") -> Any:
+    """Concatenate micro-batch outputs back into one batch (inverse of :func:`split`). With the
+    micro-batches' `sizes`, every tensor must be per example (its dim 0 the micro-batch's rows): a
+    tensor that is not (a mean over the batch, a constant matrix) has no batch to join, and is
+    refused rather than returned as the first micro-batch's or concatenated."""
     first = values[0]
+    if len(values) == 1:
+        return first
     if isinstance(first, torch.Tensor):
+        if sizes is not None:
+            bad = next(((i, v) for i, v in enumerate(values) if v.dim() == 0 or v.shape[0] != sizes[i]),
+                       None)
+            if bad is not None:
+                raise ValueError(
+                    f"the model's output{where} has shape {tuple(bad[1].shape)} on a micro-batch of "
+                    f"{sizes[bad[0]]} examples: pipelined inference joins the micro-batches' outputs "
+                    "along dim 0, so every output tensor must be per example (dim 0 the batch). "
+                    "Reduce over the batch after pipe(x), or run it with micro_batches=1")
         return torch.cat(values) if first.dim() > 0 else first
     if isinstance(first, (tuple, list)):
-        return rebuild(first, [join([v[j] for v in values]) for j in range(len(first))])
+        return rebuild(first, [join([v[j] for v in values], sizes, f"{where}[{j}]")
+                               for j in range(len(first))])
     return first
 
 

@@ -79,6 +79,45 @@ class Placement:
                              f"pass the same {what} everywhere (or leave it out where the engine "
                              "chooses it: rank 0's choice is used)")
 
+    def check_same_weights(self, cells: Sequence[nn.Module], ties: Sequence[Any]) -> None:
+        """Raise ValueError on every rank (a collective with the distributed runtime) unless the
+        processes that hold the same weights built them alike: the replicas of a stage (its cell's
+        parameters and buffers) and the holders of a parameter tied across processes (each keeps
+        its own copy, :mod:`~gpipe_repro.engine.tied`). Otherwise they would train from different
+        values with nothing to say so (DDP broadcasts rank 0's weights; the engine leaves the model
+        as given, and checks). A rank's weights of cells it does not run are not compared (they
+        may be left unloaded). Compared: each tensor's float64 sum."""
+        if self.plugin is None:
+            return
+        names, tensors = [], []
+        for s in self.stages_here:
+            for name, t in [*cells[s].named_parameters(), *cells[s].named_buffers()]:
+                names.append(f"cell {s}'s {name}")
+                tensors.append(t)
+        for tie in ties:
+            for c, name in tie.holders:
+                if c in self.stages_here:
+                    names.append(f"the tied parameter {tie.holders[0][1]} (cell {tie.holders[0][0]})")
+                    tensors.append(cells[c].get_parameter(name))
+        kept = [(n, t) for n, t in zip(names, tensors)
+                if t.device.type != "meta" and not nn.parameter.is_lazy(t)]
+        sums = (torch.stack([t.detach().double().sum() for _, t in kept]).cpu().tolist()
+                if kept else [])
+        mine: dict[str, float] = {}
+        for (name, _), value in zip(kept, sums):
+            mine.setdefault(name, value)
+        every = self.plugin.gather_object(mine)
+        first: dict[str, tuple[int, float]] = {}
+        for rank, theirs in enumerate(every):
+            for name, value in theirs.items():
+                seen = first.setdefault(name, (rank, value))
+                if seen[1] != value and not (value != value and seen[1] != seen[1]):   # NaN alike
+                    raise ValueError(
+                        f"ranks {seen[0]} and {rank} hold {name} with different values: the processes "
+                        "holding the same weights (the replicas of a stage, the copies of a tied "
+                        "parameter) must start equal. Seed every rank alike before building the model "
+                        "(torch.manual_seed) or load the same weights everywhere")
+
 
 def place_stages(*, runtime: str, schedule: str, partitions: int, checkpoint: str,
                  replicas: int) -> Placement:

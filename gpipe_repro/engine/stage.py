@@ -101,6 +101,7 @@ class StageExecutor:
         self.config = StepConfig()
         self.agreement: Agreement | None = None
         self.input_guard = InputGuard(stage, first_layer, len(cell))
+        self._buffers_checked: set[str] = set()   # actions checked for changing buffers
         # Micro-batches whose backward is split (BACKWARD_INPUT / BACKWARD_WEIGHT) this step.
         self.split_microbatches: frozenset[int] = frozenset()
         self.checkpointed: frozenset[int] = frozenset()
@@ -225,8 +226,12 @@ class StageExecutor:
                 raise RuntimeError("stage 0 was given no input micro-batches")
             self.inputs[m] = boundary.to_device(self.microbatches[m], self.device)
         keep_graph = self.training and m not in self.checkpointed
+        first = self.training and "forward" not in self._buffers_checked
+        watched = self._buffer_versions() if first else None
         with torch.set_grad_enabled(keep_graph):
             out = self._run(self.inputs[m], m)
+        if watched is not None:
+            self._check_buffers(watched, "forward")
         if not self.training:
             self.inputs.pop(m)
         if keep_graph:
@@ -241,6 +246,37 @@ class StageExecutor:
             self.outbox[(ActionKind.SEND_ACT, m)] = cast_boundary(boundary.detach(out),
                                                                   self.config.precision)
 
+    def _buffer_versions(self) -> list[tuple[str, torch.Tensor, int]]:
+        """The cell's buffers and their version counters, but BatchNorms' (DeferredBatchNorm changes
+        its statistics at the update; a plain one, deferred_batchnorm=False, per forward by choice)."""
+        norms = {id(b) for mod in self.cell.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)
+                 for b in mod.buffers(recurse=False)}
+        return [(name, b, b._version) for name, b in self.cell.named_buffers() if id(b) not in norms]
+
+    def _check_buffers(self, watched: list[tuple[str, torch.Tensor, int]], action: str) -> None:
+        """After the first training forward (or recompute) of this executor: refuse a layer that
+        changed a buffer in it where this pipeline runs it more often than full-batch training does:
+        a forward with M > 1 micro-batches, any recompute (a layer skips its side effects there by
+        asking :func:`~gpipe_repro.engine.recompute.is_recomputing`). The known such layers are
+        refused at construction (:func:`~gpipe_repro.engine.arguments.check_running_statistics`)."""
+        self._buffers_checked.add(action)
+        changed = [name for name, b, version in watched if b._version != version]
+        assert self._schedule is not None
+        m_count = self._schedule.num_microbatches
+        if not changed or (action == "forward" and m_count == 1):
+            return
+        index, buffer = changed[0].split(".", 1)
+        where = f"layer {self.first_layer + int(index)} ({type(self.cell[int(index)]).__name__})"
+        if action == "recompute":
+            raise ValueError(f"{where} changed its buffer {buffer!r} when its forward was recomputed "
+                             "(re-materialization), which full-batch training does not run: skip the "
+                             "change where gpipe_repro.is_recomputing() is true, or use "
+                             "checkpoint='never'")
+        raise ValueError(
+            f"{where} changed its buffer {buffer!r} in its forward: with micro_batches={m_count} the "
+            "pipeline runs that forward once per micro-batch, full-batch training once per step. "
+            "Update the buffer once per step (outside the forward), or use micro_batches=1")
+
     def _send_act(self, m: int | None) -> None:
         assert m is not None
         self.transport.send_activation(self.stage, m, self.outbox.pop((ActionKind.SEND_ACT, m)))
@@ -251,8 +287,11 @@ class StageExecutor:
 
     def _recompute(self, m: int | None) -> None:
         assert m is not None
+        watched = self._buffer_versions() if "recompute" not in self._buffers_checked else None
         with torch.enable_grad(), recomputing():
             self.graphs[m] = self._run(self.inputs[m], m, recompute=True)
+        if watched is not None:
+            self._check_buffers(watched, "recompute")
 
     def _backward(self, m: int | None) -> None:
         assert m is not None

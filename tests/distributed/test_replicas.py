@@ -224,3 +224,27 @@ def check_reducer_sums_into_its_buckets(steps: int) -> list[str]:
 def test_reducer_sums_into_its_buckets_and_keeps_presence() -> None:
     results = launch_local(check_reducer_sums_into_its_buckets, 2, 3, timeout=30)
     assert results == [["step 0", "step 1", "step 2"]] * 2
+
+
+def build_with_rank_seeded_weights(k: int, r: int, tie: bool) -> None:
+    torch.manual_seed(int(os.environ["RANK"]))          # each rank its own weights
+    layers = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    if tie:
+        layers[2].weight = layers[0].weight
+    GPipe(layers, partitions=k, micro_batches=2, runtime="distributed", replicas=r,
+          loss_fn=nn.CrossEntropyLoss())
+
+
+@pytest.mark.parametrize("k, r, tie, message", [
+    (1, 2, False, r"ranks 0 and 1 hold cell 0's 0.weight with different values"),
+    (2, 1, True, r"ranks 0 and 1 hold the tied parameter 0.weight \(cell 0\) with different values"),
+])
+def test_silent_replicas_and_tied_copies_built_with_different_weights_are_refused(
+        k: int, r: int, tie: bool, message: str) -> None:
+    """Each rank keeps only its own cells: replicas seeded per rank trained from different weights for
+    good (every rank reporting the same loss), and so did the copies of a parameter tied across two
+    ranks. Refused at construction on every rank; a K=2 pipeline whose untied cells differ from
+    another rank's copy of them is fine (each rank uses only its own)."""
+    with pytest.raises(JobFailed, match=message):
+        launch_local(build_with_rank_seeded_weights, k * r, k, r, tie, timeout=30)
+    launch_local(build_with_rank_seeded_weights, 2, 2, 1, False, timeout=30)

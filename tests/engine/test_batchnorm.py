@@ -3,6 +3,8 @@ the whole mini-batch (the reference is torch's own nn.BatchNorm2d), on both of i
 taken from the normalization itself in float32/float64; a separate float32 pass in other dtypes)."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -60,7 +62,7 @@ def test_instance_norm_tracking_running_statistics_is_refused_where_the_pipeline
         return [nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, track_running_stats=True), nn.Flatten(),
                 nn.LazyLinear(2)]
     for m, mode in [(2, "never"), (1, "always")]:
-        with pytest.raises(ValueError, match="InstanceNorm2d with track_running_stats=True.*once per "
+        with pytest.raises(ValueError, match=r"InstanceNorm2d\) with track_running_stats=True.*once per "
                                              "micro-batch and again on each recompute"):
             GPipe(layers(), partitions=2, balance=[2, 2], micro_batches=m, checkpoint=mode)
     GPipe(layers(), partitions=2, balance=[2, 2], micro_batches=1, checkpoint="except_last")
@@ -122,3 +124,90 @@ def test_a_stage_commits_all_its_batchnorms_at_once_as_plain_batchnorms_would() 
         assert int(bn.num_batches_tracked) == 2 and bn.pending_statistics() is None
     assert untracked.pending_statistics() is None
     assert int(idle.num_batches_tracked) == 0 and torch.equal(idle.running_mean, torch.zeros(3))
+
+
+def _sgd_pipe(layers: Any, **kw: Any) -> Any:
+    from gpipe_repro import GPipe
+    return GPipe(layers, loss_fn=nn.CrossEntropyLoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                 **kw)
+
+
+def test_silent_batchnorm_subclass_with_its_own_forward_is_refused() -> None:
+    """A BatchNorm subclass with a forward of its own was replaced by DeferredBatchNorm, its forward
+    dropped: loss and weights differed from plain training even at M=1."""
+    class Scaled(nn.BatchNorm1d):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2.0 + 1.0
+    with pytest.raises(ValueError, match=r"layer 1 \(Scaled\) subclasses a BatchNorm with a forward of "
+                                         "its own.*deferred_batchnorm=False"):
+        _sgd_pipe([nn.Linear(4, 4), Scaled(4), nn.Linear(4, 3)], partitions=2, micro_batches=1)
+    _sgd_pipe([nn.Linear(4, 4), Scaled(4), nn.Linear(4, 3)], partitions=2, micro_batches=1,
+              deferred_batchnorm=False)
+
+    class Plain(nn.BatchNorm1d):            # a subclass that keeps BatchNorm's forward converts
+        pass
+    _sgd_pipe([nn.Linear(4, 4), Plain(4), nn.Linear(4, 3)], partitions=2, micro_batches=2)
+
+
+def test_silent_batchnorm_shared_by_two_layers_is_refused() -> None:
+    """One BatchNorm module used by two layers: plain training updates its running statistics twice
+    per forward, in order; two deferred copies over the same buffers each multiplied them by
+    (1 - momentum) before either added its mean (running_mean off by 0.015 in one cell; across
+    processes each would keep only its own update)."""
+    class Block(nn.Module):
+        def __init__(self, bn: nn.Module) -> None:
+            super().__init__()
+            self.lin, self.bn = nn.Linear(4, 4), bn
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.bn(self.lin(x)))
+    bn = nn.BatchNorm1d(4)
+    for balance in ([2, 1], [1, 2]):
+        with pytest.raises(ValueError, match=r"layer 1 \(bn: BatchNorm1d\) is the same BatchNorm module "
+                                             r"as layer 0 \(bn: BatchNorm1d\)"):
+            _sgd_pipe([Block(bn), Block(bn), nn.Linear(4, 3)], partitions=2, balance=balance,
+                      micro_batches=1)
+    shared = nn.BatchNorm1d(4, track_running_stats=False)    # no statistics to update: fine
+    _sgd_pipe([Block(shared), Block(shared), nn.Linear(4, 3)], partitions=2, micro_batches=2)
+
+
+def test_silent_sync_batchnorm_updated_its_statistics_per_micro_batch_is_refused() -> None:
+    """nn.SyncBatchNorm was neither converted nor refused: with the local runtime it updated its
+    running statistics once per micro-batch and again per recompute."""
+    with pytest.raises(ValueError, match=r"layer 1 \(SyncBatchNorm\) is an nn.SyncBatchNorm.*"
+                                         "batchnorm_stats='synchronized'"):
+        _sgd_pipe([nn.Linear(4, 4), nn.SyncBatchNorm(4), nn.Linear(4, 3)], partitions=2,
+                  micro_batches=1, checkpoint="always")
+
+
+def test_wrapping_a_model_leaves_it_a_plain_batchnorm_model() -> None:
+    """GPipe replaced the BatchNorms nested in the user's own modules in place: a train-mode forward
+    of the user's model afterwards never updated their running statistics and kept a pending entry
+    per call. The pipeline now converts a shallow copy; the user's modules keep their BatchNorms,
+    whose tensors the pipeline trains and commits into."""
+    import copy
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.lin(x))
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), nn.ReLU(), nn.Linear(4, 3))
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    pipe = _sgd_pipe(model, partitions=2, micro_batches=1)     # M=1: BatchNorm's batch is the whole
+    assert type(model[0].bn) is nn.BatchNorm1d
+    assert type(pipe.cells[0][0].bn) is DeferredBatchNorm
+    pipe.train_step(x, y)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    nn.CrossEntropyLoss()(reference(x), y).backward()
+    optimizer.step()
+    for (name, mine), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(mine, theirs, msg=name)
+    before = model[0].bn.running_mean.clone()
+    model.train()(x)                                   # the user's own forward: a plain BatchNorm
+    assert not torch.equal(model[0].bn.running_mean, before)
+    assert not pipe.cells[0][0].bn._pending
