@@ -22,10 +22,10 @@ def _split_list(value: str | None) -> tuple[str, ...] | None:
 
 
 def print_summary(manifest: Manifest, temperature: float, title: str) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from gpipe_repro.data.language_sampling import temperature_probabilities
+    from gpipe_repro.report.terminal import table_console
 
     sizes = manifest.sizes("train")
     probs = temperature_probabilities(sizes, temperature)
@@ -41,7 +41,7 @@ def print_summary(manifest: Manifest, temperature: float, title: str) -> None:
         info = manifest.languages[lang]
         table.add_row(lang, f"{info['train']:,}", f"{info['valid']:,}", f"{info['test']:,}",
                       info["resource"], f"{probs[lang]:.4f}", str(origins.get(lang, "")))
-    console = Console()
+    console = table_console()
     console.print(table)
     high = [lang for lang, info in manifest.languages.items() if info["resource"] == "high"]
     totals = {split: sum(info[split] for info in manifest.languages.values())

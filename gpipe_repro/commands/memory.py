@@ -109,10 +109,10 @@ def _device_rows(plan: Any) -> list[tuple[str, Any, int]]:
 
 
 def _print_plan(plan: Any, budget: float, title: str) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from gpipe_repro.memory.planner import gib
+    from gpipe_repro.report.terminal import table_console
     cats = {"params": "param", "grads": "grad", "optimizer": "optim", "stash": "stash",
             "activations": "activ", "data": "data"}
     table = Table("device", "layers", "peak", *cats.values(), "when", "fits",
@@ -121,7 +121,7 @@ def _print_plan(plan: Any, budget: float, title: str) -> None:
         table.add_row(name, str(layers), gib(s.peak),
                       *[gib(s.parts.get(c, 0)) for c in cats], s.peak_at,
                       "yes" if s.peak <= budget else "NO")
-    Console().print(table)
+    table_console().print(table)
 
 
 def register(app: typer.Typer) -> None:
@@ -147,10 +147,9 @@ def register(app: typer.Typer) -> None:
             ) -> None:
         """Does the model fit on K devices of --memory GiB with M micro-batches? Each device's peak.
         Exit code 0 if it fits, 1 if it does not."""
-        from rich.console import Console
-
         from gpipe_repro.memory.advice import what_would_fit, why
         from gpipe_repro.memory.planner import GiB, gib
+        from gpipe_repro.report.terminal import table_console
         partitions, micro_batches, batch, json_out = k, m, batch_size, out
         positive("--k", partitions, "devices")
         positive("--m", micro_batches, "micro-batches")
@@ -164,7 +163,7 @@ def register(app: typer.Typer) -> None:
         except ValueError as e:
             raise typer.BadParameter(str(e)) from e
         budget = memory * GiB
-        console = Console()
+        console = table_console()
         console.print(f"{work.describe()}: {planner.parameters:,} parameters, "
                       f"{planner.num_layers} layers", soft_wrap=True)
         _print_plan(plan, budget, f"K={partitions}, M={micro_batches}, checkpoint={checkpoint}, "
@@ -238,27 +237,32 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(f"--schedules takes names from {','.join(sorted(SCHEDULES))} "
                                      f"separated by commas, got {schedules!r}")
         _check_json_out(json_out, "plan", overwrite)
-        from rich.console import Console
         from rich.table import Table
 
         from gpipe_repro.memory.advice import what_would_fit, why
         from gpipe_repro.memory.autoplan import schedule_verdict, search
         from gpipe_repro.memory.planner import GiB, gib
+        from gpipe_repro.report.terminal import table_console
         from gpipe_repro.sim.links import get_link
         work, planner = _planner(family, batch, list(ctx.args), attention)
+        if ms is not None and max(ms) > planner.batch:
+            raise typer.BadParameter(f"--m candidates must be at most the batch size {planner.batch}, got "
+                                     f"{micro_batches}: use a larger --batch-size or smaller M")
         budget = memory * GiB
         from gpipe_repro.memory.profile import LayerNotTraceable
         try:
             cands = search(planner, devices, budget, get_link(link), tflops * 1e12, ms, schedules=names)
         except LayerNotTraceable as e:
             raise typer.BadParameter(f"{family}: {e}") from None
-        console = Console()
+        console = table_console()
         console.print(f"{work.describe()}: {planner.parameters:,} parameters, "
                       f"{planner.num_layers} layers; {devices} devices of {memory:g} GiB, "
                       f"{tflops:g} TFLOP/s, link {link} (simulated)", soft_wrap=True)
+        several = [x for x in names if cells_per_process(x) > 1]
         table = Table("K", "M", "schedule", "checkpoint", "fits", "peak GiB", "samples/s", "bubble",
-                      "balance", title="fastest configurations that fit",
-                      caption="interleaved, zb-v: 2 cells per device, peak = the sum of their peaks")
+                      "balance", title="fastest configurations, those that fit first",
+                      caption=(f"{', '.join(several)}: 2 cells per device, peak = the sum of their "
+                               "peaks") if several else None)
         for c in cands[:top]:
             cuts = ",".join(map(str, c.balance)) if len(c.balance) <= 8 else f"{len(c.balance)} cells"
             table.add_row(str(c.partitions), str(c.micro_batches), c.schedule, c.checkpoint,

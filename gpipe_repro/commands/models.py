@@ -89,12 +89,12 @@ def register(app: typer.Typer) -> None:
                                                       "Face config.json"),
                expand: bool = typer.Option(False, "--expand", help="one row per layer")) -> None:
         """List the model families, or show a model's layers, parameters and parameter memory."""
-        from rich.console import Console
         from rich.table import Table
 
         from gpipe_repro.models import BYTES_PER_PARAM, FAMILIES, get_family, model_size
+        from gpipe_repro.report.terminal import table_console
 
-        console = Console()
+        console = table_console()
         if family is None:
             table = Table("family", "description", "default size", title="model families")
             for f in FAMILIES.values():

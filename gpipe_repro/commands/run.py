@@ -25,7 +25,7 @@ from typing import Any, NoReturn, Optional
 
 import typer
 
-from gpipe_repro.commands.options import PIPELINE_HELP, pipeline_options
+from gpipe_repro.commands.options import PIPELINE_HELP, pipeline_options, positive
 
 # Fewer examples than this per micro-batch and per-micro-batch BatchNorm statistics are noise
 # (with 2 examples AmoebaNet stays at chance level).
@@ -191,6 +191,9 @@ def register(app: typer.Typer) -> None:
         if preset == "list":
             print(describe_presets())
             return
+        positive("--image-size", image_size, "pixels")
+        positive("--L", L, "normal cells")
+        positive("--F", F, "filters")
 
         def build() -> tuple[Any, Any]:
             run_config, task_config = get_preset(preset)

@@ -99,11 +99,13 @@ def not_applicable(schedule: str, partitions: int, micro_batches: int, num_layer
         return f"unknown schedule {schedule!r} (choose from {', '.join(sorted(SCHEDULES))})"
     if partitions == 1 and schedule != "gpipe":
         return "on one device every schedule is gpipe's"
-    if schedule == "interleaved" and micro_batches % partitions:
-        return f"M={micro_batches} is not a multiple of K={partitions}"
     per = cells_per_process(schedule)
     if per > 1 and per * partitions > num_layers:
         return f"{per}K={per * partitions} cells but only {num_layers} layers"
+    try:         # the schedule's own rules (interleaved's M a multiple of K, DualPipeV's M >= 2K, ...)
+        make_schedule(schedule, per * partitions, micro_batches, "never")
+    except ValueError as e:
+        return str(e).split(";")[0]
     return ""
 
 

@@ -13,9 +13,11 @@ A family is a transformers ``model_type`` ("llama", "mistral", "qwen2", "gemma2"
 config class's defaults fill in what is not given. The size options have one name for every family
 and go to the attribute the family's config has (``hidden`` is GPT-2's ``n_embd`` and LLaMA's
 ``hidden_size``); any other keyword is a config attribute, given as is. An option the family's config
-does not have is an error, not a silently ignored attribute. Values derived from the sizes (the
-per-layer attention types, ``head_dim`` where the family derives it) are derived by the config
-class itself, so a ``config.json`` whose depth is changed gets its ``layer_types`` rebuilt.
+does not have is an error, not a silently ignored attribute. Sizes not given follow the given ones in
+the base config's proportions (a new width scales the intermediate one and sets the head size, a new
+head count keeps the query heads per key-value head); other values derived from the sizes (the
+per-layer attention types) are derived by the config class itself, so a ``config.json`` whose depth
+is changed gets its ``layer_types`` rebuilt.
 """
 from __future__ import annotations
 
@@ -79,6 +81,7 @@ def hf_config(family_or_path: str | os.PathLike[str], *, layers: int | None = No
     sizes = {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
              "head_dim": head_dim, "intermediate": intermediate, "vocab": vocab,
              "positions": positions, "tie": tie}
+    sizes.update(_in_proportion(config_class(**values), sizes))
     given: dict[str, Any] = {}
     for option, value in sizes.items():
         if value is None:
@@ -98,3 +101,28 @@ def hf_config(family_or_path: str | os.PathLike[str], *, layers: int | None = No
             "layer_types" not in config:
         values.pop("layer_types", None)   # one type per layer: the config class derives them again
     return config_class(**{**values, **given})
+
+
+def _in_proportion(base: Any, sizes: dict[str, Any]) -> dict[str, int]:
+    """The sizes that follow the given ones, where not given themselves, in `base`'s proportions: a
+    new width or head count gives the head size hidden / heads (where the family has one), the
+    intermediate width base's multiple of the hidden one, and a new head count base's number of
+    query heads per key-value head. Without this, `hidden=256, heads=4` on qwen3 kept its head size
+    128, 32 key-value heads and an intermediate width of 22016."""
+    def read(option: str) -> Any:
+        return next((getattr(base, a) for a in SIZE_OPTIONS[option]
+                     if isinstance(getattr(base, a, None), int)), None)
+    out: dict[str, int] = {}
+    hidden, heads = sizes["hidden"] or read("hidden"), sizes["heads"] or read("heads")
+    changed = sizes["hidden"] is not None or sizes["heads"] is not None
+    if (changed and sizes["head_dim"] is None and read("head_dim") and hidden and heads
+            and hidden % heads == 0):
+        out["head_dim"] = hidden // heads
+    base_hidden, base_inner = read("hidden"), read("intermediate")
+    if sizes["hidden"] is not None and sizes["intermediate"] is None and base_hidden and base_inner:
+        out["intermediate"] = max(1, round(sizes["hidden"] * base_inner / base_hidden))
+    base_heads, base_kv = read("heads"), read("kv_heads")
+    if sizes["heads"] is not None and sizes["kv_heads"] is None and base_heads and base_kv:
+        per_group = base_heads // base_kv if base_heads % base_kv == 0 else 1
+        out["kv_heads"] = sizes["heads"] // per_group if sizes["heads"] % per_group == 0 else sizes["heads"]
+    return out

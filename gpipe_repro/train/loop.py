@@ -117,6 +117,15 @@ class _Run:
     holds one; rank 0 alone prints and writes (`self.writer`)."""
 
     def __init__(self, task: Task, config: RunConfig) -> None:
+        self.directory: RunDirectory | None = None
+        try:
+            self._set_up(task, config)
+        except BaseException:
+            if self.directory is not None and not config.resume:
+                self.directory.abandon()        # a new run that never started leaves nothing behind
+            raise
+
+    def _set_up(self, task: Task, config: RunConfig) -> None:
         self.task, self.config = task, config
         # -- where: resume checks come first, before anything is built
         self.rank = ranks.join(config)                     # None unless --runtime distributed

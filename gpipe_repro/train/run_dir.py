@@ -159,6 +159,8 @@ class RunDirectory:
         check_run_dir(path, task, resume=resume, overwrite=overwrite)
         self.path, self.task = path, task
         present = _files(path) if path.is_dir() else set()
+        # a directory this run claimed (runs/<name>-N) or created: nothing of anyone else's in it
+        self.claimed = not path.exists() or (not present and path.parent.resolve() == RUNS_DIR.resolve())
         owner, ours = run_owner(path) if present else (None, set())
         if owner == task:     # a run killed before its manifest listed them: still the run's kinds
             ours |= {f for f in present if is_run_file(f)}
@@ -167,6 +169,16 @@ class RunDirectory:
         self.foreign = (present - ours) if present else set()
         path.mkdir(parents=True, exist_ok=True)
         self.update()
+
+    def abandon(self) -> None:
+        """A new run that failed before its first step (a bad option found while building the model,
+        say): remove the files it wrote, and the directory if it claimed it, rather than leave a run
+        of nothing behind."""
+        for rel in sorted(_files(self.path) - self.foreign):
+            if is_run_file(rel) or rel == MANIFEST:
+                (self.path / rel).unlink(missing_ok=True)
+        if self.claimed and not any(self.path.iterdir()):
+            self.path.rmdir()
 
     def update(self) -> None:
         """Rewrite the manifest: every file of the run's own kinds (:func:`is_run_file`) now under

@@ -109,10 +109,10 @@ def write_outputs(summary: RunSummary, task: Task, config: RunConfig, record: di
 
 
 def print_summary(summary: RunSummary, metrics: dict[str, dict[str, Any]]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from gpipe_repro.report.records import format_record
+    from gpipe_repro.report.terminal import table_console
 
     table = Table(title=f"{Path(summary.run_dir).name}: {summary.status}, "
                         f"{summary.steps}/{summary.total_steps} steps")
@@ -120,5 +120,5 @@ def print_summary(summary: RunSummary, metrics: dict[str, dict[str, Any]]) -> No
     table.add_column("value", justify="right")
     for key, value in metrics.items():
         table.add_row(key, format_record(value, 4))
-    Console().print(table)
+    table_console().print(table)
     print(f"run directory: {summary.run_dir}")

@@ -118,3 +118,23 @@ def test_pipeline_replaces_its_own_files_only_with_overwrite(no_launch: None, tm
     # with --overwrite the checks pass and the (refused) launch is reached
     result = CliRunner().invoke(app, ["pipeline", "--out", str(tmp_path / "d"), "--overwrite"])
     assert isinstance(result.exception, AssertionError) and "stage processes" in str(result.exception)
+
+
+def test_silent_plan_with_m_larger_than_the_batch_said_nothing_fits() -> None:
+    """`plan -m 64 --batch-size 32` answered "nothing fits in 1e+05 GiB (no cut meets the memory
+    cap)", exit 1: every candidate was M > batch. It is a usage error that says so."""
+    _usage_error(["plan", *TINY[:-1], "32", "-m", "64", "--memory", "100000"],
+                 says="--m candidates must be at most the batch size 32, got 64")
+
+
+def test_plan_searches_only_the_micro_batches_a_schedule_can_run(tmp_path: Path) -> None:
+    """dualpipe-v needs M >= 2K: the search asked it for M=1 and crashed with a traceback. Each
+    schedule's own rules now decide which (K, M) it is a candidate for."""
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["plan", *TINY, "--devices", "4", "--schedules",
+                                      "dualpipe-v,interleaved", "--out", str(out)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    rows = json.loads(out.read_text())["candidates"]
+    assert rows and all(r["micro_batches"] >= 2 * r["partitions"] for r in rows
+                        if r["schedule"] == "dualpipe-v")
+    assert all(r["micro_batches"] % r["partitions"] == 0 for r in rows if r["schedule"] == "interleaved")

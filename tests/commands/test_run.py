@@ -225,3 +225,24 @@ def test_a_run_command_cannot_redeclare_a_shared_option() -> None:
     for command, message in ((clashing, r"\['k'\]"), (without_pipeline, "pipeline")):
         with pytest.raises(TypeError, match=message):
             pipeline_options()(command)
+
+
+@pytest.mark.parametrize("option", [["--genotype", "Z"], ["--optimizer", "foo"], ["--k", "20"]])
+def test_a_run_refused_while_building_its_model_leaves_no_run_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, option: list[str]) -> None:
+    """Options found wrong only once the model or the optimizer is built (a genotype, an optimizer, a
+    K above the layer count) left runs/amoebanet-smoke-N holding nothing but its manifest, and the
+    run counter went up each time. The run removes what it wrote, and the directory it claimed; an
+    empty directory of the user's given with --out stays."""
+    monkeypatch.chdir(tmp_path)
+    args = ["run", "amoebanet", "--preset", "smoke", "--wandb", "disabled", *option]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    result = CliRunner().invoke(app, [*args, "--out", str(mine)])
+    assert result.exit_code == 2, result.output
+    assert mine.is_dir() and not any(mine.iterdir())
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "new")])
+    assert result.exit_code == 2 and not (tmp_path / "new").exists()

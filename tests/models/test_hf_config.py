@@ -64,3 +64,17 @@ def test_a_path_without_a_config_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 4}))
     with pytest.raises(ValueError, match="no model_type"):
         hf_config(tmp_path)
+
+
+def test_silent_sizes_not_given_kept_the_familys_full_size_ones() -> None:
+    """`fit hf:qwen3 --hidden 256 --heads 4` planned a model with Qwen3's head size 128, 32 key-value
+    heads (refused: 32 does not divide 4) and an intermediate width of 22016: 147M parameters for a
+    "hidden 256" model, unlike the one `run causal-lm` builds. Sizes not given now follow the given
+    ones in the family's proportions."""
+    qwen3 = hf_config("qwen3", layers=4, hidden=256, heads=4)
+    assert (qwen3.head_dim, qwen3.num_key_value_heads) == (64, 4)
+    assert qwen3.intermediate_size == round(256 * 22016 / 4096)     # LLaMA-style: 5.375 x hidden
+    llama3 = hf_config("llama", hidden=4096, heads=32, kv_heads=8, intermediate=14336)
+    assert (llama3.num_key_value_heads, llama3.intermediate_size) == (8, 14336)   # given: kept
+    mistral = hf_config("mistral", hidden=512, heads=16)              # 4 query heads per kv head
+    assert (mistral.num_key_value_heads, mistral.head_dim) == (4, 32)
