@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import typer
 
-from gpipe_repro.commands.options import HELP, check_out_files, positive
+from gpipe_repro.commands.options import HELP, check_out_files, positive, positive_number
 
 LAUNCHERS = ("local", "torchrun")
 COMMAND = "pipeline"
@@ -150,6 +150,12 @@ def register(app: typer.Typer) -> None:
         positive("--steps", steps, "training steps")
         positive("--blocks", blocks)
         positive("--width", width)
+        positive("--threads", threads, "intra-op threads per stage process")
+        positive_number("--timeout", timeout, "seconds")
+        from gpipe_repro.engine.schedule import CHECKPOINT_MODES
+        if checkpoint not in CHECKPOINT_MODES:
+            raise typer.BadParameter(f"--checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got "
+                                     f"{checkpoint!r}")
         if batch < micro_batches:
             raise typer.BadParameter(f"--batch-size {batch} < --m {micro_batches}: every micro-batch needs "
                                      "an example")

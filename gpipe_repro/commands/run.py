@@ -32,12 +32,14 @@ from gpipe_repro.commands.options import PIPELINE_HELP, pipeline_options, positi
 MIN_BATCHNORM_MICRO_BATCH = 8
 
 
-def follow_micro_batches(run_config: Any, options: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+def follow_micro_batches(run_config: Any, options: dict[str, Any], *,
+                         batchnorm: bool = True) -> tuple[dict[str, Any], str | None]:
     """The batch (and length) to use when `--m` is given without `--batch-size`.
 
-    The mini-batch grows with M so that every micro-batch keeps at least MIN_BATCHNORM_MICRO_BATCH
-    examples (as the paper grew its batch with M), and never shrinks below the preset's. The
-    learning rate follows the batch (the task's linear scaling rule, Goyal et al. 2017). A larger
+    With `batchnorm` (AmoebaNet) the mini-batch grows with M so that every micro-batch keeps at
+    least MIN_BATCHNORM_MICRO_BATCH examples (as the paper grew its batch with M), and never shrinks
+    below the preset's; the learning rate follows the batch (the task's linear scaling rule, Goyal
+    et al. 2017). Without, it grows only where M exceeds it, to one row per micro-batch. A larger
     batch takes fewer steps per epoch, so a preset given in epochs gets half an epoch more per
     doubling of the batch (measured for the cpu preset: M=32, batch 256 reaches 90.1% top-1 in 7
     epochs and 85.2% in 6). Returns (the options to change, a note to print)."""
@@ -46,13 +48,14 @@ def follow_micro_batches(run_config: Any, options: dict[str, Any]) -> tuple[dict
     m, batch = options.get("m"), options.get("batch_size")
     if m is None or batch is not None or m == run_config.micro_batches:
         return {}, None
-    new = max(run_config.batch_size, m * MIN_BATCHNORM_MICRO_BATCH)
+    new = max(run_config.batch_size, m * (MIN_BATCHNORM_MICRO_BATCH if batchnorm else 1))
     if new == run_config.batch_size:
         return {}, None
     changes: dict[str, Any] = {"batch_size": new}
     note = (f"mini-batch {new} = M {m} x {new // m} examples per micro-batch (the preset's batch is "
-            f"{run_config.batch_size}): the batch follows --m so that BatchNorm, computed per micro-batch, "
-            "sees enough examples; the learning rate scales with the batch")
+            f"{run_config.batch_size}): the batch follows --m so that "
+            + ("BatchNorm, computed per micro-batch, sees enough examples; the learning rate scales "
+               "with the batch" if batchnorm else "every micro-batch has a row"))
     if run_config.steps is None and run_config.epochs is not None and options.get("steps") is None \
             and options.get("epochs") is None:
         epochs = round(run_config.epochs + 0.5 * math.log2(new / run_config.batch_size), 2)
@@ -78,16 +81,17 @@ def check_batchnorm_micro_batches(config: Any, *, uses_batchnorm: bool, allow: b
             "--small-micro-batches runs it anyway")
 
 
-def apply_pipeline_options(run_config: Any, options: dict[str, Any], *, task: str = "run") -> Any:
+def apply_pipeline_options(run_config: Any, options: dict[str, Any], *, task: str | None = None) -> Any:
     """The preset's RunConfig with the options given on the command line (None = not given).
     `--epochs` replaces a preset's step count; `--steps` wins over both. The run directory is
-    resolved here (`gpipe_repro.train.run_dir.resolve_run_dir`): a fresh one unless told otherwise."""
+    resolved here (`gpipe_repro.train.run_dir.resolve_run_dir`): a fresh one unless told otherwise;
+    with the `task`'s name (``Task.name``) it is also checked here, before the task builds its data."""
     import dataclasses
 
     from gpipe_repro.engine.schedule import SCHEDULES, cells_per_process
-    from gpipe_repro.train.run_dir import resolve_run_dir
+    from gpipe_repro.train.run_dir import check_run_dir, resolve_run_dir
 
-    followed, note = follow_micro_batches(run_config, options)
+    followed, note = follow_micro_batches(run_config, options, batchnorm=task in (None, "amoebanet"))
     if note is not None:
         options = {**options, **followed}
         print(f"note: {note}")
@@ -115,6 +119,9 @@ def apply_pipeline_options(run_config: Any, options: dict[str, Any], *, task: st
         config = dataclasses.replace(config, epochs=options["epochs"], steps=None)
     out = resolve_run_dir(config.name, out=options["out"], record=options.get("record", False),
                           resume=options["resume"])
+    if task is not None:
+        check_run_dir(out, task, resume=options["resume"],
+                      overwrite=bool(options.get("overwrite") or options.get("record")))
     return dataclasses.replace(config, out_dir=str(out), resume=options["resume"],
                                progress=options["progress"],
                                overwrite=bool(options.get("overwrite") or options.get("record")))
@@ -134,19 +141,25 @@ def run_task(build: Callable[[], tuple[Callable[[], Any], Any]]) -> Any:
     message and exit code 2 (a failed distributed job: 1, the launcher has named the failing rank)."""
     from gpipe_repro.data.images import DatasetUnavailableError
     from gpipe_repro.train.ranks import launch
+    from gpipe_repro.train.run_dir import release_unused_claims
 
     try:
         task_factory, run_config = build()
         summary = launch(task_factory, run_config)
     except (DatasetUnavailableError, FileExistsError, FileNotFoundError, NotImplementedError,
             ValueError, OSError) as e:
+        release_unused_claims()
         fail(str(e))
     except RuntimeError as e:
+        release_unused_claims()
         if type(e).__name__ == "JobFailed":
             raise typer.Exit(1) from e
         fail(str(e))
     except FloatingPointError as e:    # the run diverged: not a usage error, exit code 1
         fail(str(e), code=1)
+    except BaseException:
+        release_unused_claims()
+        raise
     code = exit_code_of(summary)
     if code:
         raise typer.Exit(code)
@@ -199,7 +212,7 @@ def register(app: typer.Typer) -> None:
             run_config, task_config = get_preset(preset)
             task_config = task_config.replace(dataset=dataset, image_size=image_size, L=L, F=F,
                                               genotype=genotype)
-            config = apply_pipeline_options(run_config, pipeline)
+            config = apply_pipeline_options(run_config, pipeline, task=AmoebaNetTask.name)
             check_batchnorm_micro_batches(config, uses_batchnorm=True, allow=small_micro_batches)
             return functools.partial(AmoebaNetTask, task_config), config
 

@@ -71,7 +71,8 @@ def causal_lm(
             kv_heads=kv_heads, intermediate=intermediate, tie_embeddings=tie_embeddings,
             seq_len=seq_len, text=text, data_dir=data_dir, warmup_steps=warmup_steps)
         task_config.model_config()               # a bad size or file: refused before the data work
-        return functools.partial(CausalLMTask, task_config), apply_pipeline_options(run_config, pipeline)
+        config = apply_pipeline_options(run_config, pipeline, task=CausalLMTask.name)  # before the data
+        return functools.partial(CausalLMTask, task_config), config
 
     run_task(build)
 

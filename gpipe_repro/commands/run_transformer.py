@@ -68,7 +68,8 @@ def transformer(
                                                  help="the paper's fix: feed-forward init / L"),
     logit_clip: Optional[float] = typer.Option(None, help="the paper's fix: clamp logits to [-c, c]"),
     tie_embeddings: Optional[bool] = typer.Option(None, "--tie-embeddings/--untie-embeddings",
-                                                  help="share embedding and output matrix (K=1 only)"),
+                                                  help="share embedding and output matrix (across cells: "
+                                                  "each holding cell keeps an equal copy)"),
     beam: Optional[int] = typer.Option(None, help="beam size for BLEU (1: greedy)"),
     eval_sentences: Optional[int] = typer.Option(None, help="test sentences per language scored"),
     pipeline: dict[str, Any],
@@ -114,11 +115,7 @@ def transformer(
                 print(f"note: using the corpus's own {built}-piece vocabulary (built by `gpipe-repro corpus "
                       f"build`) instead of the preset's {task_config.vocab_size}; --vocab-size chooses")
                 task_config = dataclasses.replace(task_config, vocab_size=built)
-        run_config = apply_pipeline_options(run_config, pipeline)
-        if task_config.tie_embeddings and run_config.partitions > 1:
-            raise ValueError("--tie-embeddings shares one matrix between the first layer and the "
-                             f"last, which land in different cells with --k {run_config.partitions}: "
-                             "use --untie-embeddings, or --k 1")
+        run_config = apply_pipeline_options(run_config, pipeline, task=TranslationTask.name)
         return functools.partial(TranslationTask, task_config), run_config
 
     run_task(build)

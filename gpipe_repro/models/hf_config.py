@@ -100,6 +100,12 @@ def hf_config(family_or_path: str | os.PathLike[str], *, layers: int | None = No
     if config_class.attribute_map.get("num_hidden_layers", "num_hidden_layers") in given and \
             "layer_types" not in config:
         values.pop("layer_types", None)   # one type per layer: the config class derives them again
+    vocab_size = given.get(config_class.attribute_map.get("vocab_size", "vocab_size"))
+    if isinstance(vocab_size, int):    # a smaller vocabulary: special tokens past its end are dropped
+        for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = values.get(token, getattr(defaults, token, None))
+            if token not in config and isinstance(value, int) and value >= vocab_size:
+                given[token] = None
     return config_class(**{**values, **given})
 
 

@@ -148,16 +148,20 @@ def causal_lm_layers_of(config: Any) -> nn.Sequential:
     """The config's ``*ForCausalLM`` (random init, fp32, on the default device: under
     ``torch.device("meta")`` without weights) as the pipeline's layers; a family with no causal-LM
     model, or one the layers refuse, is a :class:`ConfigError` with the reason."""
-    from transformers import AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
 
     from gpipe_repro.models.hf import causal_lm_layers
     family = config.model_type
-    try:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    except ValueError:
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ConfigError(f"hf:{family} has no causal-LM model in transformers (AutoModelForCausalLM "
                           f"does not take a {type(config).__name__}): use a decoder-only family "
-                          f"({', '.join(FAMILIES)}, ...)") from None
+                          f"({', '.join(FAMILIES)}, ...)")
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except (ValueError, AssertionError, RuntimeError) as e:   # the model's own checks of its sizes
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"hf:{family}: transformers could not build the model at these sizes "
+                          f"({reason}); change the size options") from None
     try:
         return causal_lm_layers(model)
     except ValueError as e:

@@ -220,9 +220,23 @@ def fresh_run_dir(name: str, base: Path = RUNS_DIR) -> Path:
         candidate = base / (name if n == 0 else f"{name}-{n + 1}")
         try:
             candidate.mkdir()
+            _claimed.append(candidate)
             return candidate
         except FileExistsError:
             n += 1
+
+
+_claimed: list[Path] = []   # the directories fresh_run_dir claimed in this process
+
+
+def release_unused_claims() -> None:
+    """Remove the directories :func:`fresh_run_dir` claimed in this process that are still empty: a
+    run refused after its directory was chosen (a size transformers rejects, too small micro-batches)
+    leaves no empty runs/<name>-N behind."""
+    while _claimed:
+        path = _claimed.pop()
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
 
 
 def check_run_name(name: str) -> None:

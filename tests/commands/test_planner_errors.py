@@ -138,3 +138,16 @@ def test_plan_searches_only_the_micro_batches_a_schedule_can_run(tmp_path: Path)
     assert rows and all(r["micro_batches"] >= 2 * r["partitions"] for r in rows
                         if r["schedule"] == "dualpipe-v")
     assert all(r["micro_batches"] % r["partitions"] == 0 for r in rows if r["schedule"] == "interleaved")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["pipeline", "--checkpoint", "foo"], "--checkpoint must be one of always, except_last, never"),
+    (["pipeline", "--timeout", "0"], "--timeout must be a number > 0 seconds"),
+    (["pipeline", "--threads", "0"], "--threads must be >= 1"),
+])
+def test_pipeline_options_are_checked_before_any_process_starts(no_launch: None, args: list[str],
+                                                                says: str) -> None:
+    """--checkpoint foo started the stage processes and failed in them with two tracebacks;
+    --timeout 0 printed c10d's C++ stack; --threads 0 was accepted."""
+    _usage_error(args, says=says)
+

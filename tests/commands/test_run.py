@@ -246,3 +246,25 @@ def test_a_run_refused_while_building_its_model_leaves_no_run_directory(
     assert mine.is_dir() and not any(mine.iterdir())
     result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "new")])
     assert result.exit_code == 2 and not (tmp_path / "new").exists()
+
+
+def test_a_language_model_batch_follows_m_only_where_it_must(launched: list[Any]) -> None:
+    """`run causal-lm --m 100` grew the batch from 4 to 800 rows with a note about BatchNorm (the
+    model has none) and a learning rate that scales (it stays): without BatchNorm the batch grows only
+    to one row per micro-batch, and the note says so."""
+    result = CliRunner().invoke(app, ["run", "causal-lm", "--preset", "smoke", "--m", "100",
+                                      "--wandb", "disabled"])
+    assert result.exit_code == 0, result.output
+    assert launched[-1].batch_size == 100 and launched[-1].micro_batches == 100
+    assert "every micro-batch has a row" in result.output and "BatchNorm" not in result.output
+
+
+def test_a_run_checks_its_out_before_building_its_data(launched: list[Any], tmp_path: Path) -> None:
+    """`run causal-lm --out <another task's run>` built the offline corpus for 45 s before refusing."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    result = CliRunner().invoke(app, ["run", "causal-lm", "--preset", "smoke", "--out", str(other),
+                                      "--wandb", "disabled"])
+    assert result.exit_code == 2 and "is not a previous training run" in result.output
+    assert not launched

@@ -421,9 +421,10 @@ def test_run_transformer_command(data_dir: Path, tmp_path: Path) -> None:
     assert summary["status"] == "finished" and summary["steps"] == 3
     assert summary["config"]["task"]["L"] == 1 and summary["config"]["run"]["micro_batches"] == 4
     assert "eval_bleu_low" in summary["metrics"] and summary["balance"] and len(summary["balance"]) == 2
-    refused = CliRunner().invoke(app, common + ["--k", "2", "--tie-embeddings", "--out",
-                                                str(tmp_path / "tied")])
-    assert refused.exit_code == 2 and "untie" in refused.output
+    tied = CliRunner().invoke(app, common + ["--k", "2", "--m", "4", "--steps", "2", "--tie-embeddings",
+                                             "--out", str(tmp_path / "tied")])    # across the cells
+    assert tied.exit_code == 0, tied.output
+    assert read_json(tmp_path / "tied" / "summary.json")["config"]["task"]["tie_embeddings"] is True
 
 
 # ------------------------------------------------------------------------------ the experiment

@@ -78,7 +78,7 @@ class TranslationConfig:
     d_model: int = 1024
     head_dim: int = 64
     dropout: float = 0.1
-    tie_embeddings: bool = False        # True only with K=1 (tied weights must share a cell)
+    tie_embeddings: bool = False        # the embedding and the output matrix one parameter
     scale_ff_init: bool = True          # the paper's fix: feed-forward init scaled by 1/L
     logit_clip: float | None = None     # the paper's fix: clamp logits to [-c, c]
     # -- recipe
