@@ -138,8 +138,17 @@ def read_local_file(path: str | os.PathLike[str],
         raise ValueError(f"{path}: unsupported format; use one of {sorted(LOCAL_FORMATS)}")
     if not path.is_file():
         raise FileNotFoundError(f"local corpus file not found: {path}")
-    table = datasets.load_dataset(kind, data_files=[str(path)], split="train",
-                                  cache_dir=None if cache_dir is None else str(cache_dir))
+    try:
+        table = datasets.load_dataset(kind, data_files=[str(path)], split="train",
+                                      cache_dir=None if cache_dir is None else str(cache_dir))
+    except Exception as e:  # noqa: BLE001 - datasets wraps the readers' errors (pyarrow's, pandas')
+        causes, cause = [], e
+        while cause is not None and len(causes) < 5:
+            causes.append(cause)
+            cause = cause.__cause__ or cause.__context__
+        reason = (str(causes[-1]).strip().splitlines() or [type(causes[-1]).__name__])[0]
+        raise ValueError(f"{path} could not be read as {path.suffix.lstrip('.')} ({reason}): check the "
+                         "file; each row needs the columns language, source and target") from None
     absent = [c for c in LOCAL_COLUMNS if c not in table.column_names]
     if absent:
         raise ValueError(f"{path} lacks column(s) {absent}; it has {table.column_names}, "

@@ -175,12 +175,15 @@ def _check_training_checkpoint(checkpoint: Any, path: Path) -> dict[str, Any]:
 
 def load_latest_checkpoint(directory: str | os.PathLike[str], *,
                            warn: Callable[[str], None] | None = None) -> tuple[dict[str, Any], Path]:
-    """The newest readable training checkpoint in `directory` and its path.
+    """The newest readable training checkpoint in `directory` and its path; the temporary file of a
+    save cut short by a killed process is removed.
 
     A newer file that cannot be read (cut short, empty, foreign) is skipped with a warning naming it,
     and the next older one is used. No checkpoint at all, or none readable, raises naming the
     directory (FileNotFoundError / CheckpointError)."""
     directory = Path(directory)
+    for leftover in directory.glob(".step-*.pt.*.tmp"):   # a save the killed run never finished
+        leftover.unlink(missing_ok=True)
     found = list_checkpoints(directory)
     if not found:
         raise FileNotFoundError(f"--resume: no checkpoint in {directory} (nothing to continue): check "
@@ -300,8 +303,9 @@ def check_resumable(saved: dict[str, Any], config: RunConfig, task: Task) -> lis
                          "run (leave out --resume, or another --name / --out)")
     length = [f"{k} {run.get(k)!r} -> {getattr(config, k)!r}" for k in ("steps", "epochs")
               if run.get(k) != getattr(config, k)]
-    return [f"the run's length changes ({', '.join(length)}); the learning-rate schedule follows the "
-            "new length from here"] if length else []
+    return [f"the run's length changes ({', '.join(length)}); what depends on the length (the "
+            "learning-rate schedule, AmoebaNet's drop-path ramp) follows the new one from here, so the "
+            "steps to come differ from a run given this length from the start"] if length else []
 
 
 # ----------------------------------------------------------------------------- Ctrl-C

@@ -510,3 +510,13 @@ def test_a_stopped_build_can_be_rebuilt(tmp_path: Path) -> None:
     (corpus / "manifest.json").unlink()
     manifest = build_local_corpus(corpus, [two], cache_dir=tmp_path / "hf")
     assert sorted(manifest.files) == files
+
+
+def test_a_malformed_local_file_is_one_error_naming_it(tmp_path: Path) -> None:
+    """`corpus build --source local` on a broken JSONL file printed pyarrow's error through three
+    tracebacks (265 lines, exit 1): it is one ValueError naming the file and the reason."""
+    from gpipe_repro.data.corpus_builders import read_local_file
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"bad json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl could not be read as jsonl \(.*\): check the file"):
+        read_local_file(bad, cache_dir=tmp_path / "cache")

@@ -147,6 +147,19 @@ def test_an_unreadable_latest_checkpoint_is_named_and_the_older_one_used(tmp_pat
     assert len(warnings) == 1 and str(latest) in warnings[0] and "step-00000002.pt" in warnings[0]
 
 
+def test_resuming_removes_the_temporary_file_of_a_save_a_kill_cut_short(tmp_path: Path) -> None:
+    """After `kill -9` during a save, checkpoints/.step-00000008.pt.<random>.tmp stayed through a
+    successful --resume and was listed among the run's files."""
+    directory = tmp_path / "checkpoints"
+    save_checkpoint(checkpoint_path(directory, 4), fake_state(4), keep_last=None)
+    leftover = directory / ".step-00000008.pt.nrh3um82.tmp"
+    leftover.write_bytes(b"")
+    mine = directory / ".notes.tmp"            # not the checkpoint writer's: stays
+    mine.write_text("x")
+    checkpoint, path = load_latest_checkpoint(directory)
+    assert checkpoint["step"] == 4 and not leftover.exists() and mine.exists()
+
+
 def test_no_readable_checkpoint_lists_every_file_and_what_to_do(tmp_path: Path) -> None:
     directory = tmp_path / "checkpoints"
     directory.mkdir()
