@@ -142,7 +142,8 @@ def read_local_file(path: str | os.PathLike[str],
         table = datasets.load_dataset(kind, data_files=[str(path)], split="train",
                                       cache_dir=None if cache_dir is None else str(cache_dir))
     except Exception as e:  # noqa: BLE001 - datasets wraps the readers' errors (pyarrow's, pandas')
-        causes, cause = [], e
+        causes: list[BaseException] = []
+        cause: BaseException | None = e
         while cause is not None and len(causes) < 5:
             causes.append(cause)
             cause = cause.__cause__ or cause.__context__
