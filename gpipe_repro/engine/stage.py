@@ -101,7 +101,8 @@ class StageExecutor:
         self.config = StepConfig()
         self.agreement: Agreement | None = None
         self.input_guard = InputGuard(stage, first_layer, len(cell))
-        self._buffers_checked: set[str] = set()   # actions checked for changing buffers
+        # the checks of layers changing their buffers (_check_buffers): forwards seen, recompute seen
+        self._forwards_checked, self._changed_by_forward, self._recompute_checked = 0, False, False
         # Micro-batches whose backward is split (BACKWARD_INPUT / BACKWARD_WEIGHT) this step.
         self.split_microbatches: frozenset[int] = frozenset()
         self.checkpointed: frozenset[int] = frozenset()
@@ -226,12 +227,14 @@ class StageExecutor:
                 raise RuntimeError("stage 0 was given no input micro-batches")
             self.inputs[m] = boundary.to_device(self.microbatches[m], self.device)
         keep_graph = self.training and m not in self.checkpointed
-        first = self.training and "forward" not in self._buffers_checked
-        watched = self._buffer_versions() if first else None
+        assert self._schedule is not None
+        watch = (self.training and self._schedule.num_microbatches > 1
+                 and self._forwards_checked < 2)
+        before = self._buffer_snapshot() if watch else None
         with torch.set_grad_enabled(keep_graph):
             out = self._run(self.inputs[m], m)
-        if watched is not None:
-            self._check_buffers(watched, "forward")
+        if before is not None:
+            self._check_buffers(before, "forward")
         if not self.training:
             self.inputs.pop(m)
         if keep_graph:
@@ -246,24 +249,37 @@ class StageExecutor:
             self.outbox[(ActionKind.SEND_ACT, m)] = cast_boundary(boundary.detach(out),
                                                                   self.config.precision)
 
-    def _buffer_versions(self) -> list[tuple[str, torch.Tensor, int]]:
-        """The cell's buffers and their version counters, but BatchNorms' (DeferredBatchNorm changes
-        its statistics at the update; a plain one, deferred_batchnorm=False, per forward by choice)."""
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """The cell's buffers but BatchNorms' (DeferredBatchNorm changes its statistics at the update;
+        a plain one, deferred_batchnorm=False, per forward by the user's choice)."""
         norms = {id(b) for mod in self.cell.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)
                  for b in mod.buffers(recurse=False)}
-        return [(name, b, b._version) for name, b in self.cell.named_buffers() if id(b) not in norms]
+        return {name: b for name, b in self.cell.named_buffers() if id(b) not in norms}
 
-    def _check_buffers(self, watched: list[tuple[str, torch.Tensor, int]], action: str) -> None:
-        """After the first training forward (or recompute) of this executor: refuse a layer that
-        changed a buffer in it where this pipeline runs it more often than full-batch training does:
-        a forward with M > 1 micro-batches, any recompute (a layer skips its side effects there by
-        asking :func:`~gpipe_repro.engine.recompute.is_recomputing`). The known such layers are
-        refused at construction (:func:`~gpipe_repro.engine.arguments.check_running_statistics`)."""
-        self._buffers_checked.add(action)
-        changed = [name for name, b, version in watched if b._version != version]
-        assert self._schedule is not None
-        m_count = self._schedule.num_microbatches
-        if not changed or (action == "forward" and m_count == 1):
+    def _buffer_snapshot(self) -> dict[str, torch.Tensor]:
+        return {name: b.detach().clone() for name, b in self._buffers().items()}
+
+    def _check_buffers(self, before: dict[str, torch.Tensor], action: str) -> None:
+        """Refuse a layer whose state its forward changes where this pipeline runs that forward more
+        often than full-batch training does: the first two forwards of a step of M > 1 micro-batches
+        both change a buffer (a counter, a running average, a power iteration: a second run changes
+        it again; a value the forward sets from the input's shape, as rotary embeddings do, is set
+        once), or the first recompute changes one (a layer skips its side effects there by asking
+        :func:`~gpipe_repro.engine.recompute.is_recomputing`). The known such layers are refused at
+        construction (:func:`~gpipe_repro.engine.arguments.check_running_statistics`)."""
+        now = self._buffers()
+        changed = [name for name, old in before.items() if name not in now or now[name].shape != old.shape
+                   or not torch.equal(now[name], old)]
+        if action == "recompute":
+            self._recompute_checked = True
+        else:
+            self._forwards_checked += 1
+            if self._forwards_checked == 1:
+                self._changed_by_forward = bool(changed)
+                return
+            if not self._changed_by_forward:
+                changed = []
+        if not changed:
             return
         index, buffer = changed[0].split(".", 1)
         where = f"layer {self.first_layer + int(index)} ({type(self.cell[int(index)]).__name__})"
@@ -272,10 +288,12 @@ class StageExecutor:
                              "(re-materialization), which full-batch training does not run: skip the "
                              "change where gpipe_repro.is_recomputing() is true, or use "
                              "checkpoint='never'")
+        assert self._schedule is not None
         raise ValueError(
-            f"{where} changed its buffer {buffer!r} in its forward: with micro_batches={m_count} the "
-            "pipeline runs that forward once per micro-batch, full-batch training once per step. "
-            "Update the buffer once per step (outside the forward), or use micro_batches=1")
+            f"{where} changes its buffer {buffer!r} in every forward: with micro_batches="
+            f"{self._schedule.num_microbatches} the pipeline runs that forward once per micro-batch, "
+            "full-batch training once per step. Update the buffer once per step (outside the forward), "
+            "or use micro_batches=1")
 
     def _send_act(self, m: int | None) -> None:
         assert m is not None
@@ -287,11 +305,11 @@ class StageExecutor:
 
     def _recompute(self, m: int | None) -> None:
         assert m is not None
-        watched = self._buffer_versions() if "recompute" not in self._buffers_checked else None
+        before = self._buffer_snapshot() if not self._recompute_checked else None
         with torch.enable_grad(), recomputing():
             self.graphs[m] = self._run(self.inputs[m], m, recompute=True)
-        if watched is not None:
-            self._check_buffers(watched, "recompute")
+        if before is not None:
+            self._check_buffers(before, "recompute")
 
     def _backward(self, m: int | None) -> None:
         assert m is not None

@@ -41,11 +41,18 @@ def check_same_function(model: Any, layers: nn.Sequential) -> None:
             expected, got = _both_logits(model, layers, ids, mask)
             kept = (mask if mask is not None else torch.ones_like(ids)).bool()
             expected, got = expected[kept].float(), got[kept].float()
-            tolerance = 1e-4 * max(1.0, float(expected.abs().max()))
-            if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=tolerance):
+            tolerance = 1e-4 * max(1.0, float(expected.nan_to_num(0.0, 0.0, 0.0).abs().max()))
+            if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=tolerance,
+                                                                 equal_nan=True):
                 diff = (got - expected).abs().max() if got.shape == expected.shape else "shape"
                 given = ("padded, with its mask" if mask is padded else
                          "without padding, with a mask of ones" if mask is not None else "without a mask")
+                if not bool(expected.isfinite().all()):
+                    raise ValueError(f"{_family(model)}: the model's own forward gives non-finite logits "
+                                     f"on a test batch {given} (and the layers differ from it), so whether "
+                                     "the layers compute its function cannot be checked: run it in a "
+                                     "precision and attention implementation that keep a padded row "
+                                     "finite")
                 raise ValueError(f"{_family(model)} cannot be pipelined by causal_lm_layers: its forward "
                                  f"computes something the layers do not (largest logit difference {diff} "
                                  f"on a test batch {given}); it is not embed -> blocks -> norm -> head "
@@ -77,7 +84,14 @@ def _both_logits(model: Any, layers: nn.Sequential, ids: torch.Tensor,
                  mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`model`'s logits and the layers', without gradients."""
     with torch.no_grad():
-        expected = model(input_ids=ids, attention_mask=mask).logits
+        try:
+            expected = model(input_ids=ids, attention_mask=mask).logits
+        except Exception as e:  # noqa: BLE001 - the model's own code, before any layer of ours
+            reason = (str(e).strip().splitlines() or [""])[0]
+            raise ValueError(f"{_family(model)}: the model's own forward failed on a test batch of "
+                             f"{tuple(ids.shape)} token ids {'with' if mask is not None else 'without'} "
+                             f"a mask ({type(e).__name__}: {reason}), before any pipelining: check its "
+                             "config (sizes the family cannot take together)") from e
         got: Any = ids if mask is None else (ids, mask)
         try:
             for layer in layers:

@@ -337,3 +337,35 @@ def test_silent_lost_dropout_starcoder2_embedding_dropout() -> None:
             causal_lm_layers(model)
     finally:
         hf._scalings = original
+
+
+def test_rotary_frequencies_set_in_the_forward_are_not_a_changing_state() -> None:
+    """Phi-3's LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini) sets its inv_freq buffer in every forward
+    from the sequence length: the check of layers whose forward changes their state refused it at
+    M > 1 ("changed its buffer 'rotary.inv_freq'"). A value the forward sets alike each time is not
+    a state that repeats; the step equals the model's own."""
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+            "long_factor": [4.0, 3.0, 2.0, 1.5]}
+    model = tiny_model("phi3", max_position_embeddings=64, original_max_position_embeddings=8,
+                       rope_parameters=rope)
+    ids, mask, labels = padded_batch()
+    expected_loss, expected = reference_gradients(model, ids, mask, labels)
+    loss, got = pipeline_gradients(model, (ids, mask), labels, partitions=2, micro_batches=3,
+                                   checkpoint="always")
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6)
+
+
+def test_a_model_whose_own_forward_fails_or_gives_nan_is_named_as_such() -> None:
+    """The check that the layers compute the model's function blamed the family for what the
+    model's own forward did: GPT-J at a head size below its rotary width raised transformers' raw
+    size mismatch, and a float64 eager model's NaN logits on a left-padded row read as "computes
+    something the layers do not (largest logit difference nan)"."""
+    config = transformers.AutoConfig.for_model("gptj", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                               n_positions=64)                # rotary_dim 64 > head 8
+    with pytest.raises(ValueError, match=r"GPTJForCausalLM \(gptj\): the model's own forward failed on "
+                                         "a test batch"):
+        causal_lm_layers(transformers.AutoModelForCausalLM.from_config(config))
+    model = tiny_model("llama", attn_implementation="eager").double()
+    assert len(causal_lm_layers(model)) == 4          # its NaN rows are the layers' too: accepted
