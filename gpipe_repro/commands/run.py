@@ -115,6 +115,10 @@ def apply_pipeline_options(run_config: Any, options: dict[str, Any], *, task: st
         timeline_every=options["timeline_every"], name=options["name"], wandb=options["wandb"],
         timeout=options.get("timeout"), precision=options.get("precision"),
         clip_grad_norm=options.get("clip_grad_norm"))
+    if options["launcher"] is not None and config.runtime == "local":
+        raise ValueError(f"--launcher {options['launcher']} starts the stage processes of --runtime "
+                         "distributed, and this run's runtime is local: add --runtime distributed, or "
+                         "leave out --launcher")
     if options["epochs"] is not None and options["steps"] is None:
         config = dataclasses.replace(config, epochs=options["epochs"], steps=None)
     out = resolve_run_dir(config.name, out=options["out"], record=options.get("record", False),

@@ -268,3 +268,10 @@ def test_a_run_checks_its_out_before_building_its_data(launched: list[Any], tmp_
                                       "--wandb", "disabled"])
     assert result.exit_code == 2 and "is not a previous training run" in result.output
     assert not launched
+
+
+def test_a_launcher_without_the_distributed_runtime_is_refused(launched: list[Any]) -> None:
+    """`--launcher torchrun` with the local runtime was silently ignored."""
+    result = CliRunner().invoke(app, ["run", "amoebanet", "--preset", "smoke", "--runtime", "local",
+                                      "--launcher", "torchrun", "--wandb", "disabled"])
+    assert result.exit_code == 2 and "add --runtime distributed" in result.output and not launched
