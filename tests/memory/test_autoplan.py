@@ -40,7 +40,8 @@ def test_search_chooses_the_schedule_and_says_why_the_others_lost() -> None:
 
 def test_what_does_not_apply_is_said_and_skipped() -> None:
     planner = _tiny()
-    assert "not a multiple of K=2" in not_applicable("interleaved", 2, 3, 4)
+    assert "M=3 is not a multiple of 2" in not_applicable("interleaved", 2, 3, 4)   # the schedule's words
+    assert "M >= 2K" in not_applicable("dualpipe-v", 2, 3, 8)
     assert "only 4 layers" in not_applicable("interleaved", 4, 4, 4)
     assert "gpipe's" in not_applicable("zb-h1", 1, 4, 4)
     assert not_applicable("1f1b", 2, 3, 4) == ""
