@@ -250,11 +250,14 @@ class StageExecutor:
                                                                   self.config.precision)
 
     def _buffers(self) -> dict[str, torch.Tensor]:
-        """The cell's buffers but BatchNorms' (DeferredBatchNorm changes its statistics at the update;
-        a plain one, deferred_batchnorm=False, per forward by the user's choice)."""
+        """The cell's buffers with values but BatchNorms' (DeferredBatchNorm changes its statistics at
+        the update; a plain one, deferred_batchnorm=False, per forward by the user's choice). Meta and
+        fake tensors (the memory planner's traces) have no values to compare."""
+        from torch._subclasses.fake_tensor import is_fake
         norms = {id(b) for mod in self.cell.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)
                  for b in mod.buffers(recurse=False)}
-        return {name: b for name, b in self.cell.named_buffers() if id(b) not in norms}
+        return {name: b for name, b in self.cell.named_buffers()
+                if id(b) not in norms and b.device.type != "meta" and not is_fake(b)}
 
     def _buffer_snapshot(self) -> dict[str, torch.Tensor]:
         return {name: b.detach().clone() for name, b in self._buffers().items()}

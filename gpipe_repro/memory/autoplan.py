@@ -159,6 +159,10 @@ def evaluate(planner: MemoryPlanner, partitions: int, micro_batches: int, checkp
         if cand.max_peak <= budget or cells == 1:
             break
         cap -= (cand.max_peak - budget) / per_device
+        if cap <= 0:      # what stays on a device whatever its layers (weights, state) overflows
+            cand.note = (f"does not fit: the largest device needs {cand.max_peak / 2**30:.3g} GiB of "
+                         f"{budget / 2**30:.3g}")
+            break
     if plan is None or cand.max_peak > budget:
         cand.note = cand.note or "does not fit"
         return cand

@@ -292,10 +292,12 @@ def check_resumable(saved: dict[str, Any], config: RunConfig, task: Task) -> lis
     that is returned as a note for the caller to print, not refused."""
     run = saved["run"]
     run = {"replicas": 1, **run}          # checkpoints from before --replicas: one pipeline
-    diffs = [f"{k}: saved {run.get(k)!r}, now {getattr(config, k)!r}" for k in RESUME_MUST_MATCH
+    def shown(value: Any) -> str:       # None: the option was not given, the task's own choice
+        return "not given (the task's default)" if value is None else repr(value)
+    diffs = [f"{k}: saved {shown(run.get(k))}, now {shown(getattr(config, k))}" for k in RESUME_MUST_MATCH
              if run.get(k) != getattr(config, k) and not (k == "balance" and getattr(config, k) is None)]
     now = task.config()
-    diffs += [f"{k}: saved {saved['task'].get(k)!r}, now {now.get(k)!r}"
+    diffs += [f"{k}: saved {shown(saved['task'].get(k))}, now {shown(now.get(k))}"
               for k in sorted(set(now) | set(saved["task"])) if saved["task"].get(k) != now.get(k)]
     if diffs:
         raise ValueError("cannot resume: the checkpoint was made with different settings:\n  "

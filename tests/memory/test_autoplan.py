@@ -54,3 +54,11 @@ def test_what_does_not_apply_is_said_and_skipped() -> None:
     assert not tight.fits and tight.note
     with pytest.raises(ValueError, match="unknown schedule.*choose from"):
         search(planner, 2, 1e12, PRESETS["ideal"], 1e12, schedules=["fifo"])
+
+
+def test_a_budget_below_what_stays_on_a_device_is_said_in_gib() -> None:
+    """`plan-replicas --memory 0.01` read "the cap per device is -1.833e+09": the search lowered its
+    memory cap below zero and the partitioner quoted it in raw bytes."""
+    cand = evaluate(_tiny(), 2, 4, "never", 1.0, PRESETS["ideal"], 1e12)
+    assert not cand.fits and cand.note.startswith("does not fit: the largest device needs")
+    assert "cap per device is -" not in cand.note
