@@ -21,6 +21,23 @@ def _pipe(layers: Any, **kw: Any) -> GPipe:
                  **kw)
 
 
+def _assert_trains_as_plain(layers: list[nn.Module], *, steps: int, **gpipe: Any) -> None:
+    """`steps` pipelined SGD steps leave every parameter and buffer as plain full-batch training of a
+    copy of the same layers does."""
+    reference = copy.deepcopy(nn.Sequential(*layers))
+    pipe = _pipe(layers, partitions=2, **gpipe)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(steps):
+        x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+        pipe.train_step(x, y)
+        optimizer.zero_grad()
+        nn.CrossEntropyLoss()(reference(x), y).backward()
+        optimizer.step()
+    for (name, mine), theirs in zip(nn.Sequential(*layers).state_dict().items(),
+                                    reference.state_dict().values()):
+        torch.testing.assert_close(mine, theirs, msg=name)
+
+
 class Counter(nn.Module):
     """Counts its training forwards in a buffer; skips recomputes when asked to."""
 
@@ -47,19 +64,8 @@ def test_silent_spectral_norm_power_iteration_per_micro_batch_and_recompute_is_r
                 _pipe([wrap(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 3)], partitions=2,
                       micro_batches=m, checkpoint=mode)
     torch.manual_seed(0)
-    layers = [spectral_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 3)]
-    reference = copy.deepcopy(nn.Sequential(*layers))
-    pipe = _pipe(layers, partitions=2, micro_batches=1, checkpoint="never")
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for _ in range(2):
-        x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
-        pipe.train_step(x, y)
-        optimizer.zero_grad()
-        nn.CrossEntropyLoss()(reference(x), y).backward()
-        optimizer.step()
-    for (name, mine), theirs in zip(nn.Sequential(*layers).state_dict().items(),
-                                    reference.state_dict().values()):
-        torch.testing.assert_close(mine, theirs, msg=name)
+    _assert_trains_as_plain([spectral_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 3)], steps=2,
+                            micro_batches=1, checkpoint="never")
 
 
 def test_silent_layer_changing_a_buffer_in_its_forward_is_refused_at_its_first_step() -> None:
@@ -103,17 +109,8 @@ def test_a_buffer_the_forward_sets_alike_each_time_is_accepted() -> None:
     """A value set from the input's shape is set once, however often the forward runs: the first
     forward changes it, the second does not, so M > 1 and recomputes give full-batch training."""
     torch.manual_seed(0)
-    layers = [ShapeCache(), nn.ReLU(), nn.Linear(4, 3)]
-    reference = copy.deepcopy(nn.Sequential(*layers))
-    pipe = _pipe(layers, partitions=2, micro_batches=4, checkpoint="always")
-    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-    pipe.train_step(x, y)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    nn.CrossEntropyLoss()(reference(x), y).backward()
-    optimizer.step()
-    for (name, mine), theirs in zip(nn.Sequential(*layers).state_dict().items(),
-                                    reference.state_dict().values()):
-        torch.testing.assert_close(mine, theirs, msg=name)
+    _assert_trains_as_plain([ShapeCache(), nn.ReLU(), nn.Linear(4, 3)], steps=1, micro_batches=4,
+                            checkpoint="always")
 
 
 def test_silent_pipelined_inference_of_an_output_that_is_not_per_example_is_refused() -> None:
