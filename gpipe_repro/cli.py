@@ -55,4 +55,8 @@ def main() -> None:
     except ModuleNotFoundError:
         print(MISSING_CLI, file=sys.stderr)
         sys.exit(2)
-    __getattr__("app")()
+    try:
+        __getattr__("app")()
+    except KeyboardInterrupt:   # a Ctrl-C no command turned into a graceful stop: one line, not a trace
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)

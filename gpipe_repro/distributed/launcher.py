@@ -112,16 +112,18 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float
         # The launcher holds the only write end: when it dies, every stage reads EOF (see _child).
         lifeline_r, lifeline_w = ctx.Pipe(duplex=False)
         try:
-            for rank in range(nprocs):
-                child_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
-                             "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
-                             "MASTER_PORT": str(port), TIMEOUT_ENV: str(timeout), THREADS_ENV: str(threads),
-                             ERROR_FILE_ENV: os.path.join(tmp, f"error{rank}.json"), **(env or {})}
-                p = ctx.Process(  # type: ignore[attr-defined]
-                    target=_child, args=(child_env, os.path.join(tmp, f"result{rank}.pkl"), fn, args,
-                                         lifeline_r), name=f"gpipe-stage-{rank}", daemon=True)
-                p.start()
-                procs.append(p)
+            with _sigint_held():
+                for rank in range(nprocs):
+                    child_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
+                                 "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
+                                 "MASTER_PORT": str(port), TIMEOUT_ENV: str(timeout),
+                                 THREADS_ENV: str(threads),
+                                 ERROR_FILE_ENV: os.path.join(tmp, f"error{rank}.json"), **(env or {})}
+                    p = ctx.Process(  # type: ignore[attr-defined]
+                        target=_child, args=(child_env, os.path.join(tmp, f"result{rank}.pkl"), fn, args,
+                                             lifeline_r), name=f"gpipe-stage-{rank}", daemon=True)
+                    p.start()
+                    procs.append(p)
             lifeline_r.close()
             with _forwarding(procs, forward_signals):
                 failure = _watch(procs, tmp, grace, job_timeout)
@@ -141,10 +143,34 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float
         return results
 
 
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """While the stage processes start: SIGINT blocked in this thread, so that the processes it
+    starts (the forkserver while it imports torch, a spawned stage while it unpickles) inherit it
+    blocked and a Ctrl-C does not print their tracebacks; the launcher gets it once they are
+    started (and ends them), each stage takes SIGINT back when it begins (:func:`_child`)."""
+    held = threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask")
+    if held:
+        # multiprocessing starts its resource tracker with SIGINT blocked and unblocks it after: started
+        # first, it leaves the mask alone when the forkserver starts
+        from multiprocessing import resource_tracker
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        if held:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _child(env: dict[str, str], result_path: str, fn: Callable[..., Any], args: tuple,
            lifeline: Any = None) -> None:
     os.environ.update(env)
     os.setpgrp()    # this stage and what it starts (wandb-core) form one group, signalled together
+    if hasattr(signal, "pthread_sigmask"):    # blocked while the launcher started it (_sigint_held):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)    # drop a Ctrl-C meant for the launcher,
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # then take SIGINT as usual
     if lifeline is not None:
         threading.Thread(target=_die_with_launcher, args=(lifeline,), daemon=True,
                          name="gpipe-lifeline").start()

@@ -371,3 +371,20 @@ def test_silent_override_the_callers_timeout_variable_reaches_the_stages(
     monkeypatch.setenv(TIMEOUT_ENV, "7")
     assert launch_local(_timeout_seen, 1) == ["7.0"]
     assert launch_local(_timeout_seen, 1, timeout=3) == ["3"]
+
+
+def sigint_state() -> tuple[bool, bool]:
+    """(SIGINT blocked, SIGINT's handler is Python's KeyboardInterrupt) in this stage process."""
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    return blocked, signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="POSIX signal masks")
+def test_stages_start_with_sigint_held_and_take_it_back() -> None:
+    """A Ctrl-C while a distributed run started printed some 75 lines of KeyboardInterrupt tracebacks
+    from the forkserver importing torch. The launcher holds SIGINT while it starts the processes (they
+    inherit it held); each stage takes it back when it begins, and the launcher's own mask is as it
+    was."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    assert launch_local(sigint_state, 2, timeout=30) == [(False, True), (False, True)]
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
