@@ -101,8 +101,7 @@ class Placement:
                     tensors.append(cells[c].get_parameter(name))
         kept = [(n, t) for n, t in zip(names, tensors)
                 if t.device.type != "meta" and not nn.parameter.is_lazy(t)]
-        sums = (torch.stack([t.detach().double().sum() for _, t in kept]).cpu().tolist()
-                if kept else [])
+        sums = torch.stack([_fingerprint(t) for _, t in kept]).cpu().tolist() if kept else []
         mine: dict[str, float] = {}
         for (name, _), value in zip(kept, sums):
             mine.setdefault(name, value)
@@ -117,6 +116,13 @@ class Placement:
                         "holding the same weights (the replicas of a stage, the copies of a tied "
                         "parameter) must start equal. Seed every rank alike before building the model "
                         "(torch.manual_seed) or load the same weights everywhere")
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's sum in float64, accumulated without a float64 copy of it (an 8B model's embedding
+    would be 4 GiB more on its device)."""
+    x = t.detach()
+    return (torch.view_as_real(x) if x.is_complex() else x).sum(dtype=torch.float64)
 
 
 def place_stages(*, runtime: str, schedule: str, partitions: int, checkpoint: str,
