@@ -195,4 +195,3 @@ def pipeline_options(*, batch_size_help: Optional[str] = None) -> Callable[[Call
         run_command.__annotations__ = {p.name: p.annotation for p in parameters}
         return run_command
     return decorate
-

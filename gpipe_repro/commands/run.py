@@ -81,17 +81,20 @@ def check_batchnorm_micro_batches(config: Any, *, uses_batchnorm: bool, allow: b
             "--small-micro-batches runs it anyway")
 
 
-def apply_pipeline_options(run_config: Any, options: dict[str, Any], *, task: str | None = None) -> Any:
+def apply_pipeline_options(run_config: Any, options: dict[str, Any], *, task: str | None = None,
+                           batchnorm: bool = False) -> Any:
     """The preset's RunConfig with the options given on the command line (None = not given).
     `--epochs` replaces a preset's step count; `--steps` wins over both. The run directory is
     resolved here (`gpipe_repro.train.run_dir.resolve_run_dir`): a fresh one unless told otherwise;
-    with the `task`'s name (``Task.name``) it is also checked here, before the task builds its data."""
+    with the `task`'s name (``Task.name``) it is also checked here, before the task builds its data.
+    `batchnorm`: the model normalizes per micro-batch, so the batch follows `--m` by BatchNorm's rule
+    (:func:`follow_micro_batches`)."""
     import dataclasses
 
     from gpipe_repro.engine.schedule import SCHEDULES, cells_per_process
     from gpipe_repro.train.run_dir import check_run_dir, resolve_run_dir
 
-    followed, note = follow_micro_batches(run_config, options, batchnorm=task in (None, "amoebanet"))
+    followed, note = follow_micro_batches(run_config, options, batchnorm=batchnorm)
     if note is not None:
         options = {**options, **followed}
         print(f"note: {note}")
@@ -152,18 +155,15 @@ def run_task(build: Callable[[], tuple[Callable[[], Any], Any]]) -> Any:
         summary = launch(task_factory, run_config)
     except (DatasetUnavailableError, FileExistsError, FileNotFoundError, NotImplementedError,
             ValueError, OSError) as e:
-        release_unused_claims()
         fail(str(e))
     except RuntimeError as e:
-        release_unused_claims()
         if type(e).__name__ == "JobFailed":
             raise typer.Exit(1) from e
         fail(str(e))
     except FloatingPointError as e:    # the run diverged: not a usage error, exit code 1
         fail(str(e), code=1)
-    except BaseException:
+    finally:   # a run refused or failed before writing anything leaves no empty runs/<name>-N
         release_unused_claims()
-        raise
     code = exit_code_of(summary)
     if code:
         raise typer.Exit(code)
@@ -216,7 +216,7 @@ def register(app: typer.Typer) -> None:
             run_config, task_config = get_preset(preset)
             task_config = task_config.replace(dataset=dataset, image_size=image_size, L=L, F=F,
                                               genotype=genotype)
-            config = apply_pipeline_options(run_config, pipeline, task=AmoebaNetTask.name)
+            config = apply_pipeline_options(run_config, pipeline, task=AmoebaNetTask.name, batchnorm=True)
             check_batchnorm_micro_batches(config, uses_batchnorm=True, allow=small_micro_batches)
             return functools.partial(AmoebaNetTask, task_config), config
 

@@ -31,7 +31,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
+
+from gpipe_repro.engine.traced import has_values
 
 __all__ = ["AGREEMENT_FIELDS", "StepConfig", "Contribution", "Agreement", "stage_contribution",
            "host_value"]
@@ -191,11 +192,7 @@ def stage_contribution(device: torch.device, loss_sum: torch.Tensor | None, coun
 def host_value(t: torch.Tensor) -> float:
     """A 0-dim tensor's value as a Python number (a host read: waits for the device); NaN without
     data (fake or meta tensors: the memory planner's)."""
-    return float(t) if _has_data(t) else math.nan
-
-
-def _has_data(t: torch.Tensor) -> bool:
-    return not (t.device.type == "meta" or is_fake(t))
+    return float(t) if has_values(t) else math.nan
 
 
 class Agreement:
@@ -246,7 +243,7 @@ class Agreement:
             skip = ((total.nonfinite > 0) | ~torch.isfinite(sq_norm)).double()
         if counted:
             count = total.count
-            if skip is not None and _has_data(count):   # fp16: one read for both
+            if skip is not None and has_values(count):   # fp16: one read for both
                 count_value, skip_value = torch.stack([count, skip]).tolist()
                 skipped = skip_value > 0
             else:

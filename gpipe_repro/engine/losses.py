@@ -40,6 +40,7 @@ from torch import nn
 
 from gpipe_repro.engine.boundary import tensors
 from gpipe_repro.engine.precision import upcast
+from gpipe_repro.engine.traced import has_values
 
 __all__ = ["exact_mean", "denominator", "weighted_loss", "loss_weights", "UndeclaredReduction",
            "refuse_ignored_targets", "IGNORED_TARGET"]
@@ -58,7 +59,7 @@ def denominator(loss: _MeanLoss, target: torch.Tensor) -> torch.Tensor:
     N x ...."""
     if target.is_floating_point():
         return _number(target.numel() // target.shape[1] if target.dim() > 1 else 1, target)
-    if target.device.type == "meta" or type(target).__name__ == "FakeTensor":
+    if not has_values(target):
         return _number(target.numel(), target)   # shapes only (the memory planner's trace)
     kept = target != loss.ignore_index
     if loss.weight is None:
@@ -162,8 +163,8 @@ class UndeclaredReduction:
         return result
 
     def _probe_rows(self, output: Any, target: Any, result: torch.Tensor) -> None:
-        if not isinstance(target, torch.Tensor) or not _real(target) or target.dim() == 0 or \
-                not _real(result):
+        if not isinstance(target, torch.Tensor) or not has_values(target) or target.dim() == 0 or \
+                not has_values(result):
             return
         n = target.shape[0]
         if not any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == n
@@ -235,7 +236,7 @@ def _rows(value: Any, rows: Any, n: int) -> Any:
 def refuse_ignored_targets(targets: Any) -> None:
     """ValueError if integer `targets` (a tensor) hold :data:`IGNORED_TARGET` (see
     :class:`UndeclaredReduction`). One read of the device."""
-    if isinstance(targets, torch.Tensor) and _real(targets) and not targets.is_floating_point() \
+    if isinstance(targets, torch.Tensor) and has_values(targets) and not targets.is_floating_point() \
             and targets.dtype != torch.bool and bool((targets == IGNORED_TARGET).any()):
         raise ValueError(
             f"loss_fn declares no reduction and the targets hold {IGNORED_TARGET} (positions "
@@ -244,8 +245,3 @@ def refuse_ignored_targets(targets: Any) -> None:
             "full-batch training. Use nn.CrossEntropyLoss(ignore_index=-100) (the engine divides by "
             "the whole mini-batch's count), or return (sum, count), or pass loss_reduction='mean' to "
             "weigh micro-batches by their rows anyway")
-
-
-def _real(t: torch.Tensor) -> bool:
-    """Whether `t` holds values (not a meta or fake tensor of a shape trace)."""
-    return t.device.type != "meta" and type(t).__name__ != "FakeTensor"

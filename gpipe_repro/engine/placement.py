@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from gpipe_repro.engine.schedule import num_processes, owner_of_cells
+from gpipe_repro.engine.traced import has_values
 
 __all__ = ["RUNTIMES", "Placement", "place_stages", "runtime_plugin", "split_cells", "move_cell"]
 
@@ -89,22 +90,16 @@ class Placement:
         may be left unloaded). Compared: each tensor's float64 sum."""
         if self.plugin is None:
             return
-        names, tensors = [], []
-        for s in self.stages_here:
-            for name, t in [*cells[s].named_parameters(), *cells[s].named_buffers()]:
-                names.append(f"cell {s}'s {name}")
-                tensors.append(t)
-        for tie in ties:
-            for c, name in tie.holders:
-                if c in self.stages_here:
-                    names.append(f"the tied parameter {tie.holders[0][1]} (cell {tie.holders[0][0]})")
-                    tensors.append(cells[c].get_parameter(name))
-        kept = [(n, t) for n, t in zip(names, tensors)
-                if t.device.type != "meta" and not nn.parameter.is_lazy(t)]
+        held = [(f"cell {s}'s {name}", t) for s in self.stages_here
+                for name, t in [*cells[s].named_parameters(), *cells[s].named_buffers()]]
+        held += [(f"the tied parameter {tie.holders[0][1]} (cell {tie.holders[0][0]})",
+                  cells[c].get_parameter(name)) for tie in ties for c, name in tie.holders
+                 if c in self.stages_here]
+        kept = [(n, t) for n, t in held if has_values(t) and not nn.parameter.is_lazy(t)]
         sums = torch.stack([_fingerprint(t) for _, t in kept]).cpu().tolist() if kept else []
         mine: dict[str, float] = {}
         for (name, _), value in zip(kept, sums):
-            mine.setdefault(name, value)
+            mine.setdefault(name, value)     # a process holding two copies of a tie: they are equal
         every = self.plugin.gather_object(mine)
         first: dict[str, tuple[int, float]] = {}
         for rank, theirs in enumerate(every):

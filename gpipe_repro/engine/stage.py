@@ -44,6 +44,7 @@ from gpipe_repro.engine.recompute import recomputing
 from gpipe_repro.engine.rng import seed_layer, step_key
 from gpipe_repro.engine.schedule import Action, ActionKind, Schedule, ScheduleError
 from gpipe_repro.engine.timeline import Event
+from gpipe_repro.engine.traced import has_values
 
 __all__ = ["LossFn", "Transport", "StageExecutor"]
 
@@ -253,11 +254,10 @@ class StageExecutor:
         """The cell's buffers with values but BatchNorms' (DeferredBatchNorm changes its statistics at
         the update; a plain one, deferred_batchnorm=False, per forward by the user's choice). Meta and
         fake tensors (the memory planner's traces) have no values to compare."""
-        from torch._subclasses.fake_tensor import is_fake
         norms = {id(b) for mod in self.cell.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)
                  for b in mod.buffers(recurse=False)}
         return {name: b for name, b in self.cell.named_buffers()
-                if id(b) not in norms and b.device.type != "meta" and not is_fake(b)}
+                if id(b) not in norms and has_values(b)}
 
     def _buffer_snapshot(self) -> dict[str, torch.Tensor]:
         return {name: b.detach().clone() for name, b in self._buffers().items()}

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from gpipe_repro.engine.partition import partition
 from gpipe_repro.engine.schedule import SCHEDULES, Schedule, cells_per_process, make_schedule, owner_of_cells
 from gpipe_repro.memory.compose import boundary_bytes, boundary_grad_bytes
-from gpipe_repro.memory.planner import MemoryPlan, MemoryPlanner
+from gpipe_repro.memory.planner import MemoryPlan, MemoryPlanner, gib
 from gpipe_repro.sim.links import LinkModel
 from gpipe_repro.sim.simulator import PipelineCosts, Simulation, simulate
 from gpipe_repro.sim.tied import cell_ties, with_tied_allreduce
@@ -160,8 +160,7 @@ def evaluate(planner: MemoryPlanner, partitions: int, micro_batches: int, checkp
             break
         cap -= (cand.max_peak - budget) / per_device
         if cap <= 0:      # what stays on a device whatever its layers (weights, state) overflows
-            cand.note = (f"does not fit: the largest device needs {cand.max_peak / 2**30:.3g} GiB of "
-                         f"{budget / 2**30:.3g}")
+            cand.note = f"does not fit: the largest device needs {gib(cand.max_peak)} GiB of {gib(budget)}"
             break
     if plan is None or cand.max_peak > budget:
         cand.note = cand.note or "does not fit"

@@ -159,8 +159,7 @@ class RunDirectory:
         check_run_dir(path, task, resume=resume, overwrite=overwrite)
         self.path, self.task = path, task
         present = _files(path) if path.is_dir() else set()
-        # a directory this run claimed (runs/<name>-N) or created: nothing of anyone else's in it
-        self.claimed = not path.exists() or (not present and path.parent.resolve() == RUNS_DIR.resolve())
+        self.created = not path.exists()     # by this run: removed again if it never starts
         owner, ours = run_owner(path) if present else (None, set())
         if owner == task:     # a run killed before its manifest listed them: still the run's kinds
             ours |= {f for f in present if is_run_file(f)}
@@ -172,12 +171,13 @@ class RunDirectory:
 
     def abandon(self) -> None:
         """A new run that failed before its first step (a bad option found while building the model,
-        say): remove the files it wrote, and the directory if it claimed it, rather than leave a run
-        of nothing behind."""
+        say): remove the files it wrote, and the directory if it created it, rather than leave a run
+        of nothing behind (a runs/<name>-N that :func:`fresh_run_dir` claimed goes with
+        :func:`release_unused_claims`)."""
         for rel in sorted(_files(self.path) - self.foreign):
             if is_run_file(rel) or rel == MANIFEST:
                 (self.path / rel).unlink(missing_ok=True)
-        if self.claimed and not any(self.path.iterdir()):
+        if self.created and not any(self.path.iterdir()):
             self.path.rmdir()
 
     def update(self) -> None:
