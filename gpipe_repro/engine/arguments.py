@@ -203,7 +203,7 @@ def check_running_statistics(layers: Sequence[nn.Module], micro_batches: int, ch
     InstanceNorm's running statistics and spectral normalization's power iteration (both of
     ``torch.nn.utils.spectral_norm`` and ``torch.nn.utils.parametrizations.spectral_norm``) are not
     deferred. Any other layer that changes a buffer in its forward is refused by the stage executor
-    when it first does (:class:`~gpipe_repro.engine.stage.StageExecutor`)."""
+    when it first does (:class:`~gpipe_repro.engine.layer_state.BufferWatch`)."""
     if micro_batches == 1 and checkpoint != "always":
         return
     for i, layer in enumerate(layers):

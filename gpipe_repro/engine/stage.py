@@ -38,13 +38,13 @@ from gpipe_repro.engine.backward_split import LayerCuts, cuts_layers, split_by_l
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_many
 from gpipe_repro.engine.compiled import compiled_runner
 from gpipe_repro.engine.feeding import GuardedInput, InputGuard
+from gpipe_repro.engine.layer_state import BufferWatch
 from gpipe_repro.engine.losses import weighted_loss
 from gpipe_repro.engine.precision import autocast, cast_boundary
 from gpipe_repro.engine.recompute import recomputing
 from gpipe_repro.engine.rng import seed_layer, step_key
 from gpipe_repro.engine.schedule import Action, ActionKind, Schedule, ScheduleError
 from gpipe_repro.engine.timeline import Event
-from gpipe_repro.engine.traced import has_values
 
 __all__ = ["LossFn", "Transport", "StageExecutor"]
 
@@ -102,8 +102,7 @@ class StageExecutor:
         self.config = StepConfig()
         self.agreement: Agreement | None = None
         self.input_guard = InputGuard(stage, first_layer, len(cell))
-        # the checks of layers changing their buffers (_check_buffers): forwards seen, recompute seen
-        self._forwards_checked, self._changed_by_forward, self._recompute_checked = 0, False, False
+        self.buffer_watch = BufferWatch(cell, first_layer)   # layers whose forward changes their state
         # Micro-batches whose backward is split (BACKWARD_INPUT / BACKWARD_WEIGHT) this step.
         self.split_microbatches: frozenset[int] = frozenset()
         self.checkpointed: frozenset[int] = frozenset()
@@ -229,13 +228,12 @@ class StageExecutor:
             self.inputs[m] = boundary.to_device(self.microbatches[m], self.device)
         keep_graph = self.training and m not in self.checkpointed
         assert self._schedule is not None
-        watch = (self.training and self._schedule.num_microbatches > 1
-                 and self._forwards_checked < 2)
-        before = self._buffer_snapshot() if watch else None
+        m_count = self._schedule.num_microbatches
+        before = self.buffer_watch.before_forward(m_count) if self.training else None
         with torch.set_grad_enabled(keep_graph):
             out = self._run(self.inputs[m], m)
         if before is not None:
-            self._check_buffers(before, "forward")
+            self.buffer_watch.after(before, "forward", m_count)
         if not self.training:
             self.inputs.pop(m)
         if keep_graph:
@@ -250,54 +248,6 @@ class StageExecutor:
             self.outbox[(ActionKind.SEND_ACT, m)] = cast_boundary(boundary.detach(out),
                                                                   self.config.precision)
 
-    def _buffers(self) -> dict[str, torch.Tensor]:
-        """The cell's buffers with values but BatchNorms' (DeferredBatchNorm changes its statistics at
-        the update; a plain one, deferred_batchnorm=False, per forward by the user's choice). Meta and
-        fake tensors (the memory planner's traces) have no values to compare."""
-        norms = {id(b) for mod in self.cell.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)
-                 for b in mod.buffers(recurse=False)}
-        return {name: b for name, b in self.cell.named_buffers()
-                if id(b) not in norms and has_values(b)}
-
-    def _buffer_snapshot(self) -> dict[str, torch.Tensor]:
-        return {name: b.detach().clone() for name, b in self._buffers().items()}
-
-    def _check_buffers(self, before: dict[str, torch.Tensor], action: str) -> None:
-        """Refuse a layer whose state its forward changes where this pipeline runs that forward more
-        often than full-batch training does: the first two forwards of a step of M > 1 micro-batches
-        both change a buffer (a counter, a running average, a power iteration: a second run changes
-        it again; a value the forward sets from the input's shape, as rotary embeddings do, is set
-        once), or the first recompute changes one (a layer skips its side effects there by asking
-        :func:`~gpipe_repro.engine.recompute.is_recomputing`). The known such layers are refused at
-        construction (:func:`~gpipe_repro.engine.arguments.check_running_statistics`)."""
-        now = self._buffers()
-        changed = [name for name, old in before.items() if name not in now or now[name].shape != old.shape
-                   or not torch.equal(now[name], old)]
-        if action == "recompute":
-            self._recompute_checked = True
-        else:
-            self._forwards_checked += 1
-            if self._forwards_checked == 1:
-                self._changed_by_forward = bool(changed)
-                return
-            if not self._changed_by_forward:
-                changed = []
-        if not changed:
-            return
-        index, buffer = changed[0].split(".", 1)
-        where = f"layer {self.first_layer + int(index)} ({type(self.cell[int(index)]).__name__})"
-        if action == "recompute":
-            raise ValueError(f"{where} changed its buffer {buffer!r} when its forward was recomputed "
-                             "(re-materialization), which full-batch training does not run: skip the "
-                             "change where gpipe_repro.is_recomputing() is true, or use "
-                             "checkpoint='never'")
-        assert self._schedule is not None
-        raise ValueError(
-            f"{where} changes its buffer {buffer!r} in every forward: with micro_batches="
-            f"{self._schedule.num_microbatches} the pipeline runs that forward once per micro-batch, "
-            "full-batch training once per step. Update the buffer once per step (outside the forward), "
-            "or use micro_batches=1")
-
     def _send_act(self, m: int | None) -> None:
         assert m is not None
         self.transport.send_activation(self.stage, m, self.outbox.pop((ActionKind.SEND_ACT, m)))
@@ -308,11 +258,12 @@ class StageExecutor:
 
     def _recompute(self, m: int | None) -> None:
         assert m is not None
-        before = self._buffer_snapshot() if not self._recompute_checked else None
+        before = self.buffer_watch.before_recompute()
         with torch.enable_grad(), recomputing():
             self.graphs[m] = self._run(self.inputs[m], m, recompute=True)
         if before is not None:
-            self._check_buffers(before, "recompute")
+            assert self._schedule is not None
+            self.buffer_watch.after(before, "recompute", self._schedule.num_microbatches)
 
     def _backward(self, m: int | None) -> None:
         assert m is not None
