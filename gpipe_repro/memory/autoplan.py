@@ -80,7 +80,7 @@ def _costs(planner: MemoryPlanner, balance: Sequence[int], micro_batches: int,
             cell = profs[a:a + k] + ([profs[-1]] if s == len(balance) - 1 else [])
             fwd[s].append(sum(p.fwd_flops for p in cell) / flops_per_second)
             bwd[s].append(sum(p.bwd_flops for p in cell) / flops_per_second)
-            # zero-bubble split: the input gradient's share (sim.simulator.input_share's rule)
+            # zero-bubble split: the input gradient's share (sim.calibration.costs.input_share's rule)
             bwd_input[s].append(sum(p.bwd_flops * (0.5 if p.param_bytes else 1.0) for p in cell)
                                 / flops_per_second)
             sent[s].append(float(boundary_bytes(cell[-1].out_sig)))

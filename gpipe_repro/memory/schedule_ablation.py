@@ -25,8 +25,8 @@ from gpipe_repro.memory.planner import MemoryPlanner
 from gpipe_repro.sim.links import LinkModel
 from gpipe_repro.sim.simulator import Simulation
 
-#: ``cut(schedule, cells)``: layers per cell for that schedule.
-CutFn = Callable[[str, int], Sequence[int]]
+#: ``cut(schedule)``: layers per cell for that schedule (its cells: ``schedule.num_stages``).
+CutFn = Callable[[Schedule], Sequence[int]]
 #: ``simulate_step(schedule, balance)``: one simulated step of that schedule on that cut.
 StepFn = Callable[[Schedule, Sequence[int]], Simulation]
 
@@ -42,7 +42,7 @@ def schedule_ablation(planner: MemoryPlanner, *, devices: int, micro_batches: in
 
     The step is simulated by ``simulate_step(schedule, balance)`` if given, else over FLOP-model
     costs at ``flops_per_second`` across ``link`` (both then required). The cut is
-    ``cut(schedule_name, cells)`` if given, else the planner's memory-balanced one."""
+    ``cut(schedule)`` if given, else the planner's memory-balanced one."""
     if simulate_step is None and (link is None or flops_per_second is None):
         raise ValueError("schedule_ablation needs link= and flops_per_second= (the FLOP model), or "
                          "simulate_step= (your own costs)")
@@ -58,7 +58,7 @@ def schedule_ablation(planner: MemoryPlanner, *, devices: int, micro_batches: in
                                "method": "simulated"}
         try:
             sched = make_schedule(name, cells, micro_batches, checkpoint)
-            balance = list(cut(name, cells)) if cut is not None else None
+            balance = list(cut(sched)) if cut is not None else None
             plan = planner.plan(cells, micro_batches, checkpoint, balance=balance, schedule=name)
         except ValueError as e:
             row["note"] = str(e)

@@ -33,6 +33,8 @@ import math
 from collections.abc import Sequence
 
 from gpipe_repro.engine.partition import cell_costs, check_balance, partition
+from gpipe_repro.engine.schedule import Schedule
+from gpipe_repro.sim.calibration.costs import Calibration
 
 TIE_FLOOR = 0.03
 """The narrowest relative window of near-ties for timed costs (see the module docstring)."""
@@ -46,24 +48,83 @@ order; pooled identical layers make exact ties that rounding must not break)."""
 
 
 def choose_partition(costs: Sequence[float], k: int, objective: str = "bottleneck",
-                     uncertainty: float = 0.0, keep: Sequence[int] | None = None) -> list[int]:
+                     uncertainty: float = 0.0, keep: Sequence[int] | None = None,
+                     first: Sequence[float] | None = None) -> list[int]:
     """The balance of `costs` (timed or counted) into `k` cells under `objective`: the exact
     :func:`gpipe_repro.engine.partition.partition`; with the bottleneck objective and a relative
     `uncertainty` > 0 (the calibration's), :func:`tie_break` among the cuts within it of the optimum,
     or within :data:`TIE_FLOOR` where it is smaller, unless `keep` (a cut chosen before, e.g. from
     an earlier calibration) is within :data:`KEEP_BAND` such windows of the optimum: then `keep`
     (see "The kept cut" above). A `keep` that is not a cut of these layers into `k` cells is
-    ignored."""
+    ignored.
+
+    `first`: the layers' costs as the first cell runs them, where that differs from `costs` (a
+    zero-bubble schedule's first cell takes no input gradient and runs each backward whole; the
+    others run both halves of the split, which cost more: :func:`choose_cut`). The bottleneck
+    objective only; its exact optimum, and the tie-break, then count the first cell by `first`."""
     if uncertainty < 0:
         raise ValueError(f"uncertainty must be >= 0 (a relative half-width), got {uncertainty}")
-    best = partition(costs, k, objective)
-    if objective != "bottleneck" or uncertainty == 0:
-        return best
-    optimum, window = max(cell_costs(costs, best)), max(uncertainty, TIE_FLOOR)
+    if first is not None and objective != "bottleneck":
+        raise ValueError(f"costs that differ on the first cell are balanced by the bottleneck "
+                         f"objective only, not {objective!r}")
+    if first is not None and len(first) != len(costs):
+        raise ValueError(f"{len(first)} first-cell costs for {len(costs)} layers")
+    if first is None:
+        best = partition(costs, k, objective)
+        if objective != "bottleneck" or uncertainty == 0:
+            return best
+        optimum = max(cell_costs(costs, best))
+    else:
+        optimum = _bottleneck_with_first(costs, first, k)
+        if uncertainty == 0:
+            return tie_break(costs, k, optimum, first)
+    window = max(uncertainty, TIE_FLOOR)
     if keep is not None and is_cut(keep, len(costs), k) and \
-            max(cell_costs(costs, keep)) <= optimum * (1.0 + KEEP_BAND * window) * (1.0 + 1e-12):
+            max(_cells(costs, keep, first)) <= optimum * (1.0 + KEEP_BAND * window) * (1.0 + 1e-12):
         return list(keep)
-    return tie_break(costs, k, optimum * (1.0 + window))
+    return tie_break(costs, k, optimum * (1.0 + window), first)
+
+
+def choose_cut(calibration: Calibration, size: int, checkpoint: str, schedule: Schedule,
+               objective: str = "bottleneck", keep: Sequence[int] | None = None) -> list[int]:
+    """The cut of `calibration`'s layers at micro-batch `size` into `schedule`'s cells, balancing what
+    each cell runs: where the schedule splits backwards (:attr:`Schedule.splits_backward`: zb-h1,
+    zb-v, DualPipeV), every cell but the first by both halves of the split and the first by whole
+    backwards (it takes no input gradient), so the costlier split does not leave the later cells the
+    bottleneck on a cut balanced for whole backwards; else :meth:`Calibration.partition_costs`.
+    Ties and kept cuts as :func:`choose_partition`, within the calibration's own uncertainty."""
+    uncertainty = calibration.uncertainty_at(size)
+    whole = calibration.partition_costs(size, checkpoint)
+    if not schedule.splits_backward or objective != "bottleneck" or schedule.num_stages == 1:
+        return choose_partition(whole, schedule.num_stages, objective, uncertainty, keep)
+    return choose_partition(calibration.partition_costs(size, checkpoint, split=True),
+                            schedule.num_stages, objective, uncertainty, keep, first=whole)
+
+
+def _cells(costs: Sequence[float], balance: Sequence[int], first: Sequence[float] | None) -> list[float]:
+    """Each cell's cost, the first counted by `first` where given."""
+    out = cell_costs(costs, balance)
+    if first is not None:
+        out[0] = float(sum(first[:balance[0]]))
+    return out
+
+
+def _bottleneck_with_first(costs: Sequence[float], first: Sequence[float], k: int) -> float:
+    """The least bottleneck of a cut into `k` cells whose first cell costs `first` per layer: for
+    each first cell in turn, the exact optimum of the rest (:func:`partition`)."""
+    n = len(costs)
+    if k < 1 or k > n:
+        raise ValueError(f"cannot cut {n} layers into {k} cells")
+    if k == 1:
+        return float(sum(first))
+    best, head = math.inf, 0.0
+    for e in range(1, n - k + 2):
+        head += float(first[e - 1])
+        if head >= best:
+            break
+        rest = costs[e:]
+        best = min(best, max(head, max(cell_costs(rest, partition(rest, k - 1)))))
+    return best
 
 
 def bottleneck_excess(costs: Sequence[float], balance: Sequence[int]) -> float:
@@ -83,19 +144,21 @@ def is_cut(balance: Sequence[int], layers: int, k: int) -> bool:
     return True
 
 
-def tie_break(costs: Sequence[float], k: int, limit: float) -> list[int]:
+def tie_break(costs: Sequence[float], k: int, limit: float,
+              first: Sequence[float] | None = None) -> list[int]:
     """Among the cuts of `costs` into `k` cells whose every cell costs at most `limit`: the most even
     in time (least sum of squared cell costs; sums within a relative 1e-9 are equal), then the
     lexicographically smallest balance. Exact (dynamic programming over (first layer, cells left),
-    O(n^2 k))."""
+    O(n^2 k)). `first`: the first cell's costs per layer, where they differ (:func:`choose_partition`)."""
     n = len(costs)
-    prefix = [0.0]
-    for c in costs:
+    prefix, head = [0.0], [0.0]
+    for c, f in zip(costs, first if first is not None else costs):
         prefix.append(prefix[-1] + float(c))
+        head.append(head[-1] + float(f))
     slack = limit * (1.0 + 1e-12)
 
     def cell(i: int, e: int) -> float:
-        return prefix[e] - prefix[i]
+        return head[e] if i == 0 else prefix[e] - prefix[i]
     # best[j][i]: least sum of squared cell costs cutting layers i.. into j cells within the limit
     best = [[math.inf] * (n + 1) for _ in range(k + 1)]
     best[0][n] = 0.0

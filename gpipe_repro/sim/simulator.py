@@ -32,7 +32,7 @@ from gpipe_repro.engine.microbatch import split_sizes
 from gpipe_repro.engine.partition import check_balance
 from gpipe_repro.engine.schedule import COMPUTE, Action, ActionKind, Schedule
 from gpipe_repro.engine.timeline import Event, Timeline
-from gpipe_repro.sim.calibration.costs import Calibration, LayerCost
+from gpipe_repro.sim.calibration.costs import Calibration, LayerCost, split_input, split_weight
 from gpipe_repro.sim.jitter import DRAWS, Jitter
 from gpipe_repro.sim.links import LinkModel
 
@@ -52,7 +52,7 @@ class PipelineCosts:
     setup: float = 0.0     # seconds from the step's start to the first action (runtime's own cost)
     teardown: float = 0.0  # seconds from the last action to the step's end (e.g. loss broadcast)
     # The zero-bubble split: seconds of BACKWARD_INPUT per [stage][microbatch]; BACKWARD_WEIGHT gets
-    # the rest of `backward`. None: half of `backward` (see :func:`input_share`).
+    # the rest of `backward`. None: half of `backward` (see calibration.costs.input_share).
     backward_input: Sequence[Sequence[float]] | None = None
     # Extra seconds per [stage][microbatch] of a backward that adds into existing parameter
     # gradients: every BACKWARD (or BACKWARD_WEIGHT) of a stage but its first in the step, which
@@ -96,30 +96,6 @@ def stage_costs(calibration: Calibration, balance: Sequence[int],
     return PipelineCosts(per_mb("forward"), per_mb("forward_nograd"), per_mb("recompute"),
                          per_mb("backward"), optimizer, boundary, grads, setup, teardown,
                          split(split_input), per_mb("accumulate"), split(split_weight))
-
-
-def split_input(cost: LayerCost) -> float:
-    """A layer's BACKWARD_INPUT: measured where the calibration timed the split, else its
-    :func:`input_share` of the backward."""
-    return cost.backward_input if cost.backward_input is not None else cost.backward * input_share(cost)
-
-
-def split_weight(cost: LayerCost) -> float:
-    """A layer's BACKWARD_WEIGHT into existing gradients: measured, else the rest of the backward
-    plus the accumulation."""
-    if cost.backward_weight is not None:
-        return cost.backward_weight
-    return cost.backward * (1.0 - input_share(cost)) + cost.accumulate
-
-
-def input_share(cost: LayerCost) -> float:
-    """The share of a layer's measured backward time that is its input gradient (the rest is its
-    weight gradient), for the zero-bubble split (Qi et al., ICLR 2024). A FLOP-model approximation,
-    not a measurement: a layer without parameters has only an input gradient (1.0); for a matmul
-    or convolution the input gradient and the weight gradient each cost the forward's FLOPs
-    (dX = dY W^T, dW = X^T dY: Qi et al. section 2, T_B = T_W), so 0.5. Layers mixing the two
-    (normalization, attention) are counted at 0.5 too."""
-    return 1.0 if cost.params == 0 else 0.5
 
 
 @dataclass

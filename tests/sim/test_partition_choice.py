@@ -192,3 +192,64 @@ def test_a_kept_cut_outside_the_ties_or_not_a_cut_of_these_layers_is_replaced() 
     assert bottleneck_excess([3.0, 0.15, 2.6], [2, 1]) == pytest.approx(0.05)
     # without an uncertainty the choice is the exact optimum, kept cut or not
     assert choose_partition(near, 2, keep=[2, 1]) == partition(near, 2) == [1, 2]
+
+
+def _brute_force_with_first(costs: list[float], first: list[float], k: int,
+                            limit: float | None = None) -> tuple[float, list[int]]:
+    """Every cut into k cells, the first cell counted by `first`: the least bottleneck, and among the
+    cuts within `limit` (the optimum where None) the most even, then the smallest balance."""
+    from itertools import combinations
+
+    n = len(costs)
+
+    def cells(b: list[int]) -> list[float]:
+        out = [sum(costs[i] for i in range(sum(b[:j]), sum(b[:j + 1]))) for j in range(len(b))]
+        out[0] = sum(first[:b[0]])
+        return out
+    cuts = [[e - s for s, e in zip((0, *c), (*c, n))] for c in combinations(range(1, n), k - 1)]
+    optimum = min(max(cells(b)) for b in cuts)
+    cap = (optimum if limit is None else limit) * (1 + 1e-12)
+    within = [b for b in cuts if max(cells(b)) <= cap]
+    least = min(sum(c * c for c in cells(b)) for b in within)
+    return optimum, min(b for b in within if sum(c * c for c in cells(b)) <= least * (1 + 1e-9))
+
+
+def test_first_cell_costs_are_the_brute_force_optimum_and_tie_break() -> None:
+    rng = random.Random(1)
+    for _ in range(40):
+        n, k = rng.randint(2, 9), rng.randint(1, 4)
+        if k > n:
+            continue
+        costs = [rng.uniform(0.5, 2.0) for _ in range(n)]
+        first = [c / rng.uniform(1.0, 1.8) for c in costs]     # a first cell runs them cheaper
+        optimum, evenest = _brute_force_with_first(costs, first, k)
+        got = choose_partition(costs, k, first=first)
+        assert got == evenest
+        window = max(0.02, TIE_FLOOR)
+        _, within = _brute_force_with_first(costs, first, k, optimum * (1 + window))
+        assert choose_partition(costs, k, uncertainty=0.02, first=first) == within
+
+
+def test_zero_bubble_cut_balanced_whole_backwards_left_the_split_cells_the_bottleneck() -> None:
+    # zb-h1's first cell runs each backward whole (its input takes no gradient), the others both
+    # halves of the split, which cost more here (1.5 against 1.0 per layer): the cut of whole
+    # backwards, [5, 5], left the second cell at 7.5 against 5; the cut of what each cell runs
+    # gives the first cell 6 layers (6.0 against 6.0)
+    from gpipe_repro.engine.schedule import make_schedule
+    from gpipe_repro.sim.calibration import Calibration, LayerCost
+    from gpipe_repro.sim.partition_choice import choose_cut
+
+    layer = LayerCost(forward=0.0, forward_nograd=0.0, recompute=0.0, backward=1.0, optimizer=0.0,
+                      forward_flops=0.0, flops=0.0, params=1, output_bytes=4, grad_bytes=4,
+                      backward_input=0.8, backward_weight=0.7)
+    calib = Calibration("ten layers", "time", "test", [0] * 10, {4: [layer] * 10})
+    for name in ("zb-h1", "zb-v", "dualpipe-v"):
+        sched = make_schedule(name, 2, 4, "never")
+        assert sched.splits_backward
+        assert choose_cut(calib, 4, "never", sched) == [6, 4]
+    for name in ("gpipe", "1f1b", "interleaved"):
+        sched = make_schedule(name, 2, 4, "never")
+        assert not sched.splits_backward
+        assert choose_cut(calib, 4, "never", sched) == [5, 5]
+    with pytest.raises(ValueError, match="bottleneck objective only"):
+        choose_partition([1.0] * 4, 2, "variance", first=[1.0] * 4)

@@ -45,6 +45,14 @@ class Schedule:
                 owner[a.stage] = p
         return owner
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether some stage runs its backwards split into input and weight halves (zero bubble).
+        Stage 0 runs each of them whole at its W (its input takes no gradient), so a partition
+        balances its first cell by whole backwards and the others by both halves
+        (:func:`gpipe_repro.sim.partition_choice.choose_cut`)."""
+        return any(a.kind is ActionKind.BACKWARD_INPUT for actions in self.stages for a in actions)
+
     def checkpointed(self, stage: int) -> frozenset[int]:
         """Micro-batches whose forward on `stage` is re-materialized (it has a RECOMPUTE)."""
         return frozenset(a.microbatch for a in self.stages[stage]

@@ -30,7 +30,7 @@ from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.records import markdown_table
 from gpipe_repro.repro.throughput.settings import SweepSettings
 from gpipe_repro.sim.calibration import Calibration
-from gpipe_repro.sim.partition_choice import choose_partition
+from gpipe_repro.sim.partition_choice import choose_cut
 from gpipe_repro.sim.platform import Platform
 from gpipe_repro.sim.simulator import Simulation, simulate, stage_costs
 
@@ -51,10 +51,8 @@ def schedule_tradeoff(calib: Calibration, workload: Workload, settings: SweepSet
     if microbatch not in calib.costs:
         raise ValueError(f"the calibration has no costs at micro-batch size {microbatch} (it has "
                          f"{sorted(calib.costs)}): calibrate that size first")
-    per_layer = calib.partition_costs(microbatch, settings.checkpoint)
-
-    def cut(name: str, cells: int) -> list[int]:
-        return choose_partition(per_layer, cells, settings.objective, calib.uncertainty_at(microbatch))
+    def cut(sched: Schedule) -> list[int]:
+        return choose_cut(calib, microbatch, settings.checkpoint, sched, settings.objective)
 
     rows: list[dict[str, Any]] = []
     for m in ms:

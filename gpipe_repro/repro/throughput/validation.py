@@ -23,7 +23,7 @@ from gpipe_repro.repro.throughput.simulator_error import (
 from gpipe_repro.repro.throughput.workloads import PAPER_WORKLOADS, SCALED_WORKLOADS
 from gpipe_repro.sim.calibration import Calibration, calibrate
 from gpipe_repro.sim.jitter import measure_jitter
-from gpipe_repro.sim.partition_choice import choose_partition
+from gpipe_repro.sim.partition_choice import choose_cut
 from gpipe_repro.sim.platform import Platform, platform_for
 from gpipe_repro.sim.simulator import replay_costs, simulate
 
@@ -272,8 +272,9 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
             for k in ks:
                 for name in names:
                     cells = k * cells_per_process(name)
-                    balance = choose_partition(calib.partition_costs(b, checkpoint), cells,
-                                               settings.objective, calib.uncertainty_at(b))
+                    # the cut of this schedule's cells (a zero-bubble one's split costs more)
+                    balance = choose_cut(calib, b, checkpoint,
+                                         make_schedule(name, cells, cells, checkpoint), settings.objective)
                     configs += _plan_cut(model, workloads[model], replace(settings, schedule=name),
                                          measures[name], platform, balance, b, ms, checkpoint)
     # Every configuration once per round, in alternating order, and each model calibrated again in

@@ -31,6 +31,30 @@ class LayerCost:
                                           # model's first layer, whose input takes no gradient)
 
 
+def split_input(cost: LayerCost) -> float:
+    """A layer's BACKWARD_INPUT: measured where the calibration timed the split, else its
+    :func:`input_share` of the backward."""
+    return cost.backward_input if cost.backward_input is not None else cost.backward * input_share(cost)
+
+
+def split_weight(cost: LayerCost) -> float:
+    """A layer's BACKWARD_WEIGHT into existing gradients: measured, else the rest of the backward
+    plus the accumulation."""
+    if cost.backward_weight is not None:
+        return cost.backward_weight
+    return cost.backward * (1.0 - input_share(cost)) + cost.accumulate
+
+
+def input_share(cost: LayerCost) -> float:
+    """The share of a layer's measured backward time that is its input gradient (the rest is its
+    weight gradient), for the zero-bubble split (Qi et al., ICLR 2024). A FLOP-model approximation,
+    not a measurement: a layer without parameters has only an input gradient (1.0); for a matmul
+    or convolution the input gradient and the weight gradient each cost the forward's FLOPs
+    (dX = dY W^T, dW = X^T dY: Qi et al. section 2, T_B = T_W), so 0.5. Layers mixing the two
+    (normalization, attention) are counted at 0.5 too."""
+    return 1.0 if cost.params == 0 else 0.5
+
+
 #: LayerCost's fields that are counted, not timed: equal in every calibration of one model.
 COUNTED = frozenset({"forward_flops", "flops", "params", "output_bytes", "grad_bytes"})
 
@@ -65,14 +89,18 @@ class Calibration:
         where unknown (fewer than 3 rounds) or exact (FLOPs)."""
         return self.uncertainty.get(size, 0.0)
 
-    def partition_costs(self, size: int, checkpoint: str = "always") -> list[float]:
+    def partition_costs(self, size: int, checkpoint: str = "always", split: bool = False) -> list[float]:
         """Per-layer cost the partitioner balances: the seconds of the actions one micro-batch runs
         through the layer (checkpointed forward + recompute + backward under re-materialization,
         forward + backward without), the backward adding into existing gradients as all of a step's
-        micro-batches but the first do."""
+        micro-batches but the first do. `split`: the backward as a cell of a zero-bubble schedule
+        runs it, its input half and its weight half (:func:`split_input`, :func:`split_weight`),
+        which together cost more than one backward (two walks of the graph)."""
+        def backward(c: LayerCost) -> float:
+            return split_input(c) + split_weight(c) if split else c.backward + c.accumulate
         if checkpoint == "never":
-            return [c.forward + c.backward + c.accumulate for c in self.at(size)]
-        return [c.forward_nograd + c.recompute + c.backward + c.accumulate for c in self.at(size)]
+            return [c.forward + backward(c) for c in self.at(size)]
+        return [c.forward_nograd + c.recompute + backward(c) for c in self.at(size)]
 
     def to_json(self) -> dict[str, Any]:
         return {"workload": self.workload, "method": self.method, "device": self.device,
