@@ -25,7 +25,8 @@ __all__ = ["split_backward_input", "full_backward", "LayerCuts",
 
 
 def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor],
-                         params: Container[int] | Sequence[torch.Tensor]) -> Callable[[], None]:
+                         params: Container[int] | Sequence[torch.Tensor],
+                         only: Sequence[torch.Tensor] | None = None) -> Callable[[], None]:
     """Compute the input gradients of ``outs`` (seeded with ``grads``) into ``leaves[i].grad`` now;
     return the function that later computes the parameters' gradients into ``p.grad``.
 
@@ -37,13 +38,14 @@ def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], le
     split cannot keep plain training's gradients, the whole backward runs now and nothing later,
     which is correct, only not split: the graph reaches a leaf other than `params` and `leaves` (a
     tensor a layer captured, another cell's weight a loss reads), or a parameter through a path that
-    never meets the input's."""
+    never meets the input's. `only`: where the whole backward runs now, it writes these tensors'
+    gradients only (a measurement's: :func:`gpipe_repro.engine.layer_costs.measure_layer`)."""
     leaves = _distinct_leaves(leaves)
     cell = params if not isinstance(params, Sequence) else {id(p) for p in params}
     roots = [get_gradient_edge(t).node for t in outs if t.requires_grad]
     groups = _param_groups(roots, {id(t) for t in leaves}, cell)
     if groups is None:
-        torch.autograd.backward(outs, grads)
+        torch.autograd.backward(outs, grads, inputs=only)
         return lambda: None
     # Pre-hooks keep the gradient arriving at each join node in the input pass, after any hook on
     # the node's outputs has run (a GradientEdge among the pass's inputs would take it before).

@@ -46,10 +46,10 @@ from gpipe_repro.engine.batchnorm import (
     check_batchnorms,
     commit_all,
 )
-from gpipe_repro.engine.layer_costs import layer_costs
+from gpipe_repro.engine.layer_costs import cut_layers
 from gpipe_repro.engine.loss_scaler import LossScaler, restore_scaler, saved_scaler
 from gpipe_repro.engine.losses import UndeclaredReduction, exact_mean, loss_weights
-from gpipe_repro.engine.partition import check_balance, partition
+from gpipe_repro.engine.partition import check_balance
 from gpipe_repro.engine.placement import RUNTIMES, move_cell, place_stages, split_cells
 from gpipe_repro.engine.runtime import Runtime, build_runtime
 from gpipe_repro.engine.schedule import Schedule, gpipe_schedule, make_schedule
@@ -188,7 +188,8 @@ class GPipe(nn.Module):
         if balance is None:   # measured costs differ between processes: rank 0's cut wins
             balance = placement.same_on_every_rank(
                 [len(layer_list)] if partitions == 1 else
-                partition(layer_costs(layer_list, cost, sample, loss=measured_loss), partitions, objective))
+                cut_layers(layer_list, partitions, objective, cost, sample, measured_loss,
+                           training_schedule.splits_backward))
         check_balance(balance, len(layer_list), partitions)
         balance = [int(n) for n in balance]
         # a cut given per rank (one's own measured partition, say) must be the same everywhere

@@ -39,9 +39,12 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_repro.engine import boundary
+from gpipe_repro.engine.backward_split import split_backward_input
+from gpipe_repro.engine.partition import partition
 
 __all__ = ["METHODS", "layer_inputs", "measure_layer", "measure_layers", "likeness", "layer_flops",
-           "layer_flop_counts", "param_bytes", "activation_bytes", "layer_costs"]
+           "layer_flop_counts", "param_bytes", "activation_bytes", "layer_costs", "split_layer_costs",
+           "cut_layers"]
 
 METHODS = ("time", "flops", "params", "activations")
 
@@ -100,10 +103,24 @@ def _backward(out: Any, layer: nn.Module, leaves: Any, loss: Loss | None) -> Non
         torch.autograd.backward(s, inputs=inputs)
 
 
+def _split_backward(out: Any, layer: nn.Module, leaves: Any) -> None:
+    """The backward of a measured forward as a zero-bubble stage runs it: its input half
+    (:func:`gpipe_repro.engine.backward_split.split_backward_input`), then its weight half, into
+    `layer`'s parameters and the input `leaves` only (as :func:`_backward`)."""
+    s = _floating_sum(out)
+    if s is None:
+        return
+    params = [p for p in layer.parameters() if p.requires_grad]
+    inputs = [t for t in boundary.tensors(leaves) if t.requires_grad]
+    if params or inputs:
+        split_backward_input([s], [torch.ones_like(s)], inputs, params, only=params + inputs)()
+
+
 def measure_layer(layer: nn.Module, x: Any, device: torch.device | str = "cpu", repeats: int = 5,
-                  warmup: int = 2, loss: Loss | None = None) -> tuple[float, float]:
+                  warmup: int = 2, loss: Loss | None = None, split: bool = False) -> tuple[float, float]:
     """Median (forward, backward) seconds of a copy of `layer` on input `x` on `device`; with
-    `loss`, the layer and its loss (the target already on `device`)."""
+    `loss`, the layer and its loss (the target already on `device`); `split`: the backward split
+    into its input and weight halves, as a zero-bubble schedule's stage runs it."""
     device = torch.device(device)
     layer = copy.deepcopy(layer).to(device).train()
     fwd, bwd = [], []
@@ -115,7 +132,10 @@ def measure_layer(layer: nn.Module, x: Any, device: torch.device | str = "cpu", 
         out = _with_loss(layer(inp), loss)
         _sync(device)
         t1 = time.perf_counter()
-        _backward(out, layer, leaves, loss)
+        if split:
+            _split_backward(out, layer, leaves)
+        else:
+            _backward(out, layer, leaves, loss)
         _sync(device)
         t2 = time.perf_counter()
         if i >= warmup:
@@ -126,7 +146,7 @@ def measure_layer(layer: nn.Module, x: Any, device: torch.device | str = "cpu", 
 
 
 def measure_layers(layers: Sequence[nn.Module], inputs: Sequence[Any], device: torch.device | str = "cpu",
-                   rounds: int = 5, loss: Loss | None = None) -> list[tuple[float, float]]:
+                   rounds: int = 5, loss: Loss | None = None, split: bool = False) -> list[tuple[float, ...]]:
     """Median (forward, backward) seconds of each layer over `rounds` interleaved rounds: a round
     times every layer once (a fresh copy, one untimed call first), forward order and reverse in
     turn. A host whose speed drifts or flips between states (a shared VM, a GPU changing clocks)
@@ -134,23 +154,26 @@ def measure_layers(layers: Sequence[nn.Module], inputs: Sequence[Any], device: t
     back hands a whole slow spell to whichever layer was on. Layers alike (:func:`likeness`: the
     same module, parameters and input shapes, as a Transformer's blocks) share the median of all
     their readings: one cost, not costs apart by the host's noise, which moved the cut between runs.
-    `loss`: timed with the last layer (which then is like no other)."""
+    `loss`: timed with the last layer (which then is like no other). `split`: each round also times
+    the backward split into its input and weight halves (:func:`measure_layer`), right after the
+    whole one, and each layer's figures are (forward, backward, split backward)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    samples: list[list[tuple[float, float]]] = [[] for _ in layers]
+    samples: list[list[tuple[float, ...]]] = [[] for _ in layers]
     order = list(range(len(layers)))
     last = len(layers) - 1
     for r in range(rounds):
         for i in (order if r % 2 == 0 else order[::-1]):
-            samples[i].append(measure_layer(layers[i], inputs[i], device, repeats=1, warmup=1,
-                                            loss=loss if i == last else None))
-    pooled: dict[Any, list[tuple[float, float]]] = {}
+            at = loss if i == last else None
+            whole = measure_layer(layers[i], inputs[i], device, repeats=1, warmup=1, loss=at)
+            samples[i].append(whole + measure_layer(layers[i], inputs[i], device, repeats=1, warmup=1,
+                                                    loss=at, split=True)[1:] if split else whole)
+    pooled: dict[Any, list[tuple[float, ...]]] = {}
     keys = [likeness(layer, x) + (("loss",) if loss is not None and i == last else ())
             for i, (layer, x) in enumerate(zip(layers, inputs))]
     for key, s in zip(keys, samples):
         pooled.setdefault(key, []).extend(s)
-    return [(statistics.median(f for f, _ in pooled[k]), statistics.median(b for _, b in pooled[k]))
-            for k in keys]
+    return [tuple(statistics.median(col) for col in zip(*pooled[k])) for k in keys]
 
 
 def likeness(layer: nn.Module, x: Any) -> tuple[Any, ...]:
@@ -234,6 +257,19 @@ def layer_costs(layers: Sequence[nn.Module], method: str | Sequence[float] | Non
                                              loss=_loss_on(loss, torch.device(device)))]
 
 
+def split_layer_costs(layers: Sequence[nn.Module], sample: Any, device: torch.device | str = "cpu",
+                      repeats: int = 5, loss: Loss | None = None) -> tuple[list[float], list[float]]:
+    """Measured seconds per layer of a zero-bubble schedule's cells, from the same interleaved rounds
+    (:func:`measure_layers`): (forward + both halves of the split backward, as the cells after the
+    first run them; forward + whole backward, as the first runs them: its input takes no
+    gradient). The partitioner's `costs` and `first` (:func:`gpipe_repro.engine.partition.partition`)."""
+    if sample is None:
+        raise ValueError("measuring the split backward needs a sample input batch (sample=...)")
+    timed = measure_layers(layers, layer_inputs(layers, sample), device, rounds=repeats,
+                           loss=_loss_on(loss, torch.device(device)), split=True)
+    return [f + s for f, _, s in timed], [f + b for f, b, _ in timed]
+
+
 def _loss_on(loss: Loss | None, device: torch.device) -> Loss | None:
     """`loss` with its target on `device`, and a loss module (its buffers: a class weight) copied
     there, as the last stage holds them."""
@@ -241,3 +277,17 @@ def _loss_on(loss: Loss | None, device: torch.device) -> Loss | None:
         return None
     fn = copy.deepcopy(loss[0]).to(device) if isinstance(loss[0], nn.Module) else loss[0]
     return fn, boundary.to_device(loss[1], device)
+
+
+def cut_layers(layers: Sequence[nn.Module], partitions: int, objective: str,
+               cost: str | Sequence[float] | None, sample: Any, loss: Loss | None,
+               splits_backward: bool) -> list[int]:
+    """GPipe's automatic cut: :func:`partition` of :func:`layer_costs`; for a schedule that splits
+    backwards (zb-h1, zb-v, DualPipeV) with costs by time and the bottleneck objective, of what
+    each cell runs (:func:`split_layer_costs`: the first cell whole backwards, the others both
+    halves), as the harness cuts them (:func:`gpipe_repro.sim.partition_choice.choose_cut`)."""
+    method = cost if cost is not None or sample is None else "time"
+    if splits_backward and method == "time" and sample is not None and objective == "bottleneck":
+        split, whole = split_layer_costs(layers, sample, loss=loss)
+        return partition(split, partitions, objective, first=whole)
+    return partition(layer_costs(layers, cost, sample, loss=loss), partitions, objective)

@@ -57,8 +57,14 @@ def check_balance(balance: Sequence[int], num_layers: int, partitions: int | Non
 
 
 def partition(costs: Sequence[float], partitions: int, objective: str = "bottleneck",
-              memory: Sequence[float] | None = None, memory_cap: float | None = None) -> list[int]:
-    """Return a balance (layers per cell) of `costs` into `partitions` cells under `objective`."""
+              memory: Sequence[float] | None = None, memory_cap: float | None = None,
+              first: Sequence[float] | None = None) -> list[int]:
+    """Return a balance (layers per cell) of `costs` into `partitions` cells under `objective`.
+
+    `first`: the layers' costs as the first cell runs them, where they differ from `costs` (a
+    zero-bubble schedule's first cell takes no input gradient and runs each backward whole, the
+    others both halves of the split, :attr:`Schedule.splits_backward`). The bottleneck objective
+    only: the least bottleneck with the first cell counted by `first`, then the most even."""
     n = len(costs)
     if partitions < 1:
         raise ValueError(f"partitions must be >= 1, got {partitions}")
@@ -78,6 +84,14 @@ def partition(costs: Sequence[float], partitions: int, objective: str = "bottlen
             raise ValueError(f"objective {objective!r} ignores costs and cannot honour a memory cap; "
                              "use 'bottleneck' or 'variance'")
     costs = [float(c) for c in costs]
+    if first is not None:
+        if objective != "bottleneck" or memory is not None:
+            raise ValueError("first-cell costs are balanced by the bottleneck objective, without a "
+                             f"memory cap (got objective={objective!r}"
+                             f"{', a memory cap' if memory is not None else ''})")
+        if len(first) != n or any(c < 0 for c in first):
+            raise ValueError(f"first needs one cost >= 0 per layer ({n}), got {len(first)}")
+        return _min_bottleneck_first(costs, [float(c) for c in first], partitions)
     if objective == "equal":
         return [n // partitions + (1 if i < n % partitions else 0) for i in range(partitions)]
     if objective == "greedy":
@@ -224,6 +238,28 @@ def _min_squares(costs: list[float], k: int, cap: float | None, memory: Sequence
         balance.append(i - t)
         i = t
     return balance[::-1]
+
+
+def _min_bottleneck_first(costs: list[float], first: list[float], k: int) -> list[int]:
+    """The bottleneck cut whose first cell costs `first` per layer: each first cell in turn, the rest
+    cut by :func:`_min_bottleneck`; the least (bottleneck, sum of squared cell costs), the first
+    such."""
+    n = len(costs)
+    if k == 1:
+        return [n]
+    best: tuple[float, float] | None = None
+    balance: list[int] = []
+    head = 0.0
+    for e in range(1, n - k + 2):
+        head += first[e - 1]
+        if best is not None and head > best[0]:
+            break       # costs are >= 0: a longer first cell only costs more
+        rest = _min_bottleneck(costs[e:], k - 1, None, None)
+        cells = [head, *cell_costs(costs[e:], rest)]
+        key = (max(cells), sum(c * c for c in cells))
+        if best is None or key < best:
+            best, balance = key, [e, *rest]
+    return balance
 
 
 def _crossing(prefix: list[float], target: float) -> int:

@@ -110,21 +110,8 @@ def _cells(costs: Sequence[float], balance: Sequence[int], first: Sequence[float
 
 
 def _bottleneck_with_first(costs: Sequence[float], first: Sequence[float], k: int) -> float:
-    """The least bottleneck of a cut into `k` cells whose first cell costs `first` per layer: for
-    each first cell in turn, the exact optimum of the rest (:func:`partition`)."""
-    n = len(costs)
-    if k < 1 or k > n:
-        raise ValueError(f"cannot cut {n} layers into {k} cells")
-    if k == 1:
-        return float(sum(first))
-    best, head = math.inf, 0.0
-    for e in range(1, n - k + 2):
-        head += float(first[e - 1])
-        if head >= best:
-            break
-        rest = costs[e:]
-        best = min(best, max(head, max(cell_costs(rest, partition(rest, k - 1)))))
-    return best
+    """The least bottleneck of a cut into `k` cells whose first cell costs `first` per layer."""
+    return max(_cells(costs, partition(costs, k, first=first), first))
 
 
 def bottleneck_excess(costs: Sequence[float], balance: Sequence[int]) -> float:

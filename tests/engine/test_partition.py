@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -297,3 +298,80 @@ def test_sample_target_is_refused_by_a_cost_that_does_not_run_the_loss() -> None
         with pytest.raises(ValueError, match=f"used only by cost='time' or 'flops'.*{shown}"):
             GPipe([nn.Linear(4, 4), nn.Linear(4, 4)], partitions=2, optimizer=None, loss_fn=nn.MSELoss(),
                   cost=cost, sample=torch.randn(2, 4), sample_target=torch.randn(2, 4))
+
+
+def test_zero_bubble_auto_cut_balanced_whole_backwards_left_the_split_cells_the_bottleneck(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPipe(sample=x, schedule="zb-h1") cuts for what each cell runs: the first by whole backwards
+    (its input takes no gradient), the others by both halves of the split. Ten alike layers whose
+    split backward costs 2.0 against 1.0 whole (forward 1.0): [5, 5] left the second cell at 15
+    against 10; the cut of what each cell runs is [6, 4] (12 against 12)."""
+    import torch
+    from torch import nn
+
+    from gpipe_repro import GPipe
+    from gpipe_repro.engine import layer_costs
+
+    def timed(layer: nn.Module, x: object, *args: object, split: bool = False,
+              **kw: object) -> tuple[float, float]:
+        return 1.0, 2.0 if split else 1.0
+    monkeypatch.setattr(layer_costs, "measure_layer", timed)
+    layers = [nn.Linear(4, 4) for _ in range(10)]
+    x = torch.randn(4, 4)
+
+    def cut(schedule: str) -> list[int]:
+        return GPipe(layers, partitions=2, micro_batches=2, loss_fn=nn.MSELoss(), optimizer=None,
+                     sample=x, schedule=schedule).balance
+    assert cut("zb-h1") == [6, 4]
+    assert cut("1f1b") == cut("gpipe") == [5, 5]
+
+
+def test_first_cell_costs_give_the_brute_force_bottleneck() -> None:
+    from itertools import combinations
+
+    rng = random.Random(3)
+    for _ in range(60):
+        n, k = rng.randint(1, 9), rng.randint(1, 4)
+        if k > n:
+            continue
+        costs = [rng.uniform(0.0, 2.0) for _ in range(n)]
+        first = [c * rng.uniform(0.3, 1.0) for c in costs]
+        got = partition(costs, k, first=first)
+        assert len(got) == k and sum(got) == n and min(got) >= 1
+
+        def worst(b: list[int]) -> float:
+            cells = cell_costs(costs, b)
+            cells[0] = sum(first[:b[0]])
+            return max(cells)
+        cuts = [[e - s for s, e in zip((0, *c), (*c, n))] for c in combinations(range(1, n), k - 1)]
+        assert worst(got) <= min(worst(b) for b in cuts) * (1 + 1e-12)
+    with pytest.raises(ValueError, match="bottleneck objective"):
+        partition([1.0, 1.0], 2, "variance", first=[1.0, 1.0])
+    with pytest.raises(ValueError, match="one cost >= 0 per layer"):
+        partition([1.0, 1.0], 2, first=[1.0])
+
+
+def test_measuring_the_split_backward_writes_no_gradient_outside_the_layer() -> None:
+    """The split's timing runs the input and the weight half on a copy of the layer; a loss that
+    reads a tensor of the caller's requiring a gradient (a closure's) keeps it untouched, and the
+    layer given is not modified."""
+    import torch
+    from torch import nn
+
+    from gpipe_repro.engine import layer_costs
+
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    scale = torch.ones(2, requires_grad=True)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out * scale - target) ** 2).mean()
+    before = [p.detach().clone() for p in layer.parameters()]
+    f, b = layer_costs.measure_layer(layer, x, repeats=2, warmup=1, loss=(loss_fn, y), split=True)
+    assert f > 0 and b > 0
+    assert scale.grad is None
+    assert all(p.grad is None and torch.equal(p, q) for p, q in zip(layer.parameters(), before))
+    split, whole = layer_costs.split_layer_costs([nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)], x,
+                                                 repeats=1)
+    assert len(split) == len(whole) == 3 and all(c > 0 for c in split + whole)
