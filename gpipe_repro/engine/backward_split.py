@@ -80,12 +80,60 @@ def split_backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor], le
 
 
 def _group_through_autograd(group: dict[str, Any], retain_graph: bool) -> None:
+    """A group's parameter gradients from its join nodes: :func:`_group_from_branches` where every
+    join node can be called directly, else :func:`_group_from_join_nodes`."""
+    if all(callable(node) for node in group["intermediates"]):
+        _group_from_branches(group, retain_graph)
+    else:
+        _group_from_join_nodes(group, retain_graph)
+
+
+def _group_from_branches(group: dict[str, Any], retain_graph: bool) -> None:
+    """A group's parameter gradients from its join nodes (PyTorch pipelining's
+    ``stage_backward_weight``, with one difference). Each join node's own backward is called on the
+    gradient it kept in the input pass, directly: a node called so runs no hook, where seeding
+    autograd at the node (as PyTorch's does) ran again every hook on the tensor it made, which the
+    input pass had run (a user's gradient hook on an activation ran twice per micro-batch, the
+    second time on what it had already returned). Autograd then walks from the node's parameter
+    branches only (``group["branches"]``: the children off the input's path), which reach no other
+    join node, so none is counted twice (a parameter that is a branch itself is one too: its own
+    hooks run once, there). The graph is kept for the groups still to run (`retain_graph`)."""
+    params = list(group["params"])
+    edges, seeds = [], []
+    for node, kept in zip(group["intermediates"], group["grads"]):
+        if all(g is None for g in kept):
+            continue
+        with torch.no_grad():
+            got = node(*kept)
+        if isinstance(got, torch.Tensor):
+            got = (got,)
+        for j, kid, nr in group["branches"][node]:
+            g = got[j]
+            if g is None:
+                continue
+            edges.append(GradientEdge(kid, nr))
+            seeds.append(_as_input_of(g, kid, nr))
+    if not edges:
+        return
+    got = torch.autograd.grad(edges, [GradientEdge(acc, 0) for acc in params], seeds,
+                              retain_graph=retain_graph, allow_unused=True)
+    for acc, g in zip(params, got):
+        if g is not None:
+            p = acc.variable
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad += g
+
+
+def _group_from_join_nodes(group: dict[str, Any], retain_graph: bool) -> None:
     """A group's parameter gradients by one autograd call from its join nodes, seeded with what
-    each received in the input pass (PyTorch pipelining's ``stage_backward_weight``, with two
-    differences). Every join node is pinned to its kept gradient by a pre-hook, not only where the
-    group has several (where a walk from one join node reaches another, which must not add to it):
-    a hook on a node's outputs, which ran in the input pass, must not run again on what it made.
-    And the graph is kept for the groups still to run (`retain_graph`): one group's walk may pass
+    each received in the input pass (PyTorch pipelining's ``stage_backward_weight``): for a group
+    whose join node cannot be called directly (a custom ``autograd.Function``'s), where
+    :func:`_group_from_branches` cannot start. A hook on a tensor a join node made runs again here
+    (the gradient stays right: every join node is pinned to its kept gradient by a pre-hook, which
+    runs after such hooks, so a walk from one join node that reaches another does not add to it).
+    The graph is kept for the groups still to run (`retain_graph`): one group's walk may pass
     through another's join node, which would otherwise be freed before that group starts there."""
     edges, seeds = [], []
     for node, kept in zip(group["intermediates"], group["grads"]):
@@ -111,6 +159,18 @@ def _group_through_autograd(group: dict[str, Any], retain_graph: bool) -> None:
                 p.grad = g
             else:
                 p.grad += g
+
+
+def _as_input_of(grad: torch.Tensor, node: Any, nr: int) -> torch.Tensor:
+    """`grad` as autograd's engine hands it to input `nr` of `node` (its ``validate_outputs``): a
+    node's backward called directly returns a broadcast input's gradient at the broadcast shape,
+    which the engine sums back to the input's, and casts it to the input's dtype and device."""
+    meta = node._input_metadata[nr]
+    if tuple(grad.shape) != tuple(meta.shape):
+        grad = grad.sum_to_size(meta.shape)
+    if grad.dtype != meta.dtype or grad.device != meta.device:
+        grad = grad.to(device=meta.device, dtype=meta.dtype)
+    return grad
 
 
 _ACCUMULATE: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
@@ -161,15 +221,17 @@ def _param_groups(roots: list[Any], inputs: set[int], cell: Container[int]) -> l
         return None
     group_of: dict[Any, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
-    for node, kids in kids_of.items():
+    branches: dict[Any, list[tuple[int, Any, int]]] = {}   # join node -> (position, child, its input)
+    for node in kids_of:
         if node not in on_path:
             continue
-        for kid in kids:
-            if kid in on_path:
+        for j, (kid, nr) in enumerate(node.next_functions):
+            if kid is None or kid in on_path:
                 continue
             params = params_below(kid)
             if not params:
                 continue
+            branches.setdefault(node, []).append((j, kid, nr))
             if node not in group_of and params.isdisjoint(group_of):   # a join of its own
                 group: dict[str, Any] = {"params": set(params), "intermediates": [node]}
                 groups.append(group)
@@ -188,6 +250,8 @@ def _param_groups(roots: list[Any], inputs: set[int], cell: Container[int]) -> l
             group_of[node] = group
             for acc in params:
                 group_of[acc] = group
+    for group in groups:
+        group["branches"] = {node: branches[node] for node in group["intermediates"]}
     return groups
 
 

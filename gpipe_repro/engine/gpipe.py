@@ -226,7 +226,9 @@ class GPipe(nn.Module):
         # cross-entropy's mean divides by the weight of the targets that count (engine.losses)
         stage_loss, self._loss_denominator = exact_mean(loss_fn)
         # a loss that declares no reduction is assumed a per-row mean: checked during the first step
-        if loss_fn is not None and declared_reduction(loss_fn) is None and loss_reduction is None:
+        # (one micro-batch on one replica is the whole batch: any loss is then plain training's)
+        if loss_fn is not None and declared_reduction(loss_fn) is None and loss_reduction is None \
+                and micro_batches * replicas > 1:
             stage_loss = UndeclaredReduction(stage_loss, checked_calls=2 * micro_batches * replicas)
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.precision = precision

@@ -63,6 +63,10 @@ class Transport(Protocol):
         ...
 
 
+# PyTorch's error for batch statistics over a single value per channel (BatchNorm on one row)
+_ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"
+
+
 class StageExecutor:
     """Runs one cell's share of a schedule (see the module docstring).
 
@@ -373,6 +377,16 @@ class StageExecutor:
         except RuntimeError as e:
             guard.caught_by_autograd(cut or entry, training, m, e)   # a cut's layer raised, or the cell
             raise
+        except ValueError as e:
+            if _ONE_VALUE_PER_CHANNEL not in str(e):
+                raise
+            rows = [t.shape[0] for t in boundary.tensors(entry.value) if t.dim() > 0][:1]
+            raise ValueError(
+                f"layer {first + i} ({type(self.cell[i]).__name__.replace('Deferred', '')}) of cell "
+                f"{self.stage} got micro-batch "
+                f"{m} of {rows[0] if rows else 'so few'} row(s): normalizing by the batch's statistics "
+                "needs more than one value per channel in training, and micro-batches of one row "
+                "have one. Use fewer micro-batches (M at most half the batch) or a larger batch") from e
         guard.settle(entry, training, m)
         if cuts is not None:
             self.cuts[m] = cuts.close(h)

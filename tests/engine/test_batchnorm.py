@@ -211,3 +211,21 @@ def test_wrapping_a_model_leaves_it_a_plain_batchnorm_model() -> None:
     model.train()(x)                                   # the user's own forward: a plain BatchNorm
     assert not torch.equal(model[0].bn.running_mean, before)
     assert not pipe.cells[0][0].bn._pending
+
+
+def test_one_row_micro_batches_under_batchnorm_name_the_layer_and_the_fix() -> None:
+    """BatchNorm1d on (rows, features) cannot take batch statistics of one row; M equal to the batch
+    raised PyTorch's own 'Expected more than 1 value per channel' from inside the pipeline. The
+    error now names the layer, the cell and the micro-batch, and says to use fewer micro-batches."""
+    from torch import nn
+
+    from gpipe_repro import GPipe
+
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    pipe = GPipe(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 3)), partitions=2,
+                 micro_batches=4, loss_fn=nn.MSELoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                 balance=[1, 2])
+    with pytest.raises(ValueError, match=r"layer 1 \(BatchNorm\) of cell 1 got micro-batch 0 of 1 "
+                                         r"row.*fewer micro-batches"):
+        pipe.train_step(x, y)
+    assert pipe.step == 0

@@ -239,3 +239,25 @@ def test_silent_weighting_functions_that_are_no_per_row_mean_passed_the_first_ch
         with pytest.raises(ValueError, match=says):
             pipe.train_step(x, target)
         assert all(torch.equal(p, q) for p, q in zip(pipe.parameters(), before)) and pipe.step == 0
+
+
+def test_one_micro_batch_takes_any_loss_as_plain_training() -> None:
+    """At M=1 on one replica the micro-batch is the whole batch, so any loss is plain training's:
+    a function ignoring a class (the first row's target, so its probe of single rows read NaN) was
+    refused all the same; it now trains equal to the plain model. At M=2 it is still refused."""
+    def ignore_background(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, y, ignore_index=0)
+    layers = list(_model())
+    x, y = torch.randn(8, 6), torch.tensor([0, 1, 2, 3, 1, 2, 3, 0])
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    expected = _plain(ref, [(x, y), (x, y)], ignore_background)
+    pipe = GPipe(copy.deepcopy(layers), partitions=2, micro_batches=1, loss_fn=ignore_background,
+                 optimizer=_sgd)
+    got = [pipe.train_step(x, y) for _ in range(2)]
+    assert got == pytest.approx(expected, rel=1e-6)
+    for p, q in zip(pipe.unpartitioned().parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+    pipe = GPipe(copy.deepcopy(layers), partitions=2, micro_batches=2, loss_fn=ignore_background,
+                 optimizer=_sgd)
+    with pytest.raises(ValueError):
+        pipe.train_step(x, y)

@@ -4,6 +4,7 @@ training equal per parameter to plain training (the independent reference, tests
 in every checkpoint mode."""
 from __future__ import annotations
 
+import copy
 import textwrap
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from gpipe_repro import GPipe
 from gpipe_repro.engine.interpreter import run_dataflow
 from gpipe_repro.engine.schedule import ActionKind, Schedule, ScheduleError, make_schedule
 from tests.engine.test_equivalence import MODELS, data
@@ -533,3 +535,84 @@ def test_silent_split_lost_a_weights_gradient_through_an_output_that_skips_the_i
     assert_same_training(layers, None, None, nn.CrossEntropyLoss(), partitions=2, micro_batches=3,
                          checkpoint="never", batches=batches, optimizer=sgd_momentum, schedule=schedule,
                          balance=[1, 4] if schedule == "zb-h1" else None)
+
+
+class GatedWithHook(nn.Module):
+    """A linear gated by a parameter (its join node is a multiplication, no weight kernel's), with a
+    gradient hook on the gated activation that records what it sees and doubles it."""
+
+    def __init__(self, seen: list[float]) -> None:
+        super().__init__()
+        self.lin, self.gate, self.seen = nn.Linear(4, 4), nn.Parameter(torch.linspace(0.5, 1.5, 4)), seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * self.gate
+        if h.requires_grad:
+            h.register_hook(self._hook)
+        return torch.tanh(h)
+
+    def _hook(self, g: torch.Tensor) -> torch.Tensor:
+        self.seen.append(round(float(g.norm()), 6))
+        return g * 2
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_hook_rerun_the_weight_half_ran_an_activations_gradient_hook_a_second_time(schedule: str) -> None:
+    """The weight half started autograd at the join node, which ran the hooks on the tensor it made
+    again: a gradient hook ran twice per micro-batch, the second time on what it had returned
+    (gradients stayed right). The join node's backward is now called directly. Reference: plain
+    PyTorch on each micro-batch, the same hook, no engine code."""
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    seen: list[float] = []
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), GatedWithHook(seen), nn.Linear(4, 4), nn.Tanh()]
+    ref = [copy.deepcopy(layer) for layer in layers]
+    plain: list[float] = []
+    ref[1].seen = plain
+    for layer in [*layers, *ref]:
+        layer.double()
+    model = nn.Sequential(*ref)
+    for rows in (slice(0, 4), slice(4, 8)):
+        (nn.functional.mse_loss(model(x[rows]), y[rows]) / 2).backward()
+    k = 2 if schedule == "zb-h1" else 4
+    pipe = GPipe(layers, partitions=k, micro_batches=2, schedule=schedule, checkpoint="never",
+                 balance=[1] * 4 if k == 4 else [1, 3], loss_fn=nn.MSELoss(), optimizer=None)
+    pipe.train_step(x, y)
+    assert sorted(seen) == sorted(plain) and len(seen) == 2
+    for p, q in zip(pipe.unpartitioned().parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+class ScaleFn(torch.autograd.Function):
+    """x * w by a custom Function: its backward node cannot be called directly, so its group's weight
+    half starts autograd at the node (PyTorch pipelining's way)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+def test_a_custom_functions_join_node_trains_equal_to_plain_training() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.linspace(0.5, 1.5, 4, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(ScaleFn.apply(x, self.w))
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4).double(), Scaled(), nn.Linear(4, 4).double()]
+    model = nn.Sequential(*copy.deepcopy(layers))
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    nn.functional.mse_loss(model(x), y).backward()
+    pipe = GPipe(layers, partitions=2, micro_batches=3, schedule="zb-h1", checkpoint="never",
+                 balance=[1, 2], loss_fn=nn.MSELoss(), optimizer=None)
+    pipe.train_step(x, y)
+    for p, q in zip(pipe.unpartitioned().parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
