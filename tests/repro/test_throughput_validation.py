@@ -248,3 +248,26 @@ def test_validation_stops_after_the_second_round_when_a_third_would_not_fit(
                                           ks=[2], ms=[1, 2], checkpoints=("never",), rounds=3,
                                           budget_s=300.0, clock=lambda: now[0] - 400.0)
     assert [r["measured_rounds"] for r in again["rows"]] == [3, 3]
+
+
+def test_zero_bubble_is_compared_with_1f1b_step_by_step_within_each_round() -> None:
+    """validate-sim's page answers the schedules issue's question: each schedule that splits
+    backwards against 1F1B of the same model, checkpoint mode and M, their measured steps paired
+    in order (both were measured in every round), 1F1B's time over its."""
+    from gpipe_repro.repro.throughput.report import render_validation_summary
+    from gpipe_repro.repro.throughput.validation import zero_bubble_against_1f1b
+
+    def row(schedule: str, cells: int, steps: list[float], m: int = 8) -> dict[str, object]:
+        return {"model": "mlp", "checkpoint": "never", "M": m, "schedule": schedule, "cells": cells,
+                "balance": [1] * cells, "measured_step_times_s": steps}
+    rows = [row("1f1b", 2, [1.0, 1.2, 1.1, 1.0]), row("zb-h1", 2, [0.8, 1.0, 1.0, 0.9]),
+            row("gpipe", 2, [2.0, 2.0, 2.0, 2.0]), row("zb-v", 4, [2.0, 2.4, 2.2, 2.0]),
+            row("zb-h1", 2, [1.0, 1.0, 1.0], m=2)]            # no 1f1b at M=2: no row
+    got = zero_bubble_against_1f1b(rows)
+    assert [(g["schedule"], g["M"]) for g in got] == [("zb-h1", 8), ("zb-v", 8)]
+    zb = got[0]["ratio"]
+    assert zb["samples"] == pytest.approx([1.25, 1.2, 1.1, 1.0 / 0.9])
+    assert zb["verdict"] == "met" and got[1]["ratio"]["verdict"] == "not met"
+    page = render_validation_summary({"rows": [], "summary": {
+        "median_abs_error": 0.0, "max_abs_error": 0.0, "zero_bubble": got}})
+    assert "met on 1 of 2" in page and "| zb-v" in page

@@ -407,7 +407,21 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
             f"{p['median_abs_error'] * 100:.1f}%" for name, p in per.items()) + "."
     for name, why in (summary.get("not_validated") or {}).items():
         head += f" `{name}` is not validated: {why}."
-    return head + "\n\n" + markdown_table(
+    page = head + "\n\n" + markdown_table(
         ["model", "K", "M", "checkpoint", "schedule", "measured samples/s", "simulated samples/s",
          "error [95% interval]", "replay error", "host fast"], body)
+    versus = summary.get("zero_bubble") or []
+    if versus:
+        figures = [Figure.from_json(v["ratio"]) for v in versus]
+        met = sum(f.verdict == "met" for f in figures)
+        page += ("\n\nZero bubble against 1F1B, measured in the same rounds (1F1B's step time over the "
+                 "zero-bubble schedule's, step by step within each round; above 1 where zero bubble "
+                 "is faster; each schedule on its own cut, a zero-bubble one balanced for its split "
+                 f"backward). Target: lower bound >= 1.00 on every row; met on {met} of "
+                 f"{len(figures)}.\n\n" + markdown_table(
+                     ["model", "checkpoint", "M", "schedule", "cut", "1f1b's cut",
+                      "1f1b / zero bubble [95%]", "pairs"],
+                     [[v["model"], v["checkpoint"], v["M"], v["schedule"], v["balance"],
+                       v["balance_1f1b"], f.cell(), f.rounds] for v, f in zip(versus, figures)]))
+    return page
 

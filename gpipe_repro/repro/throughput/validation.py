@@ -86,6 +86,30 @@ def _per_schedule(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return summarize_errors([r["error"] for r in rows])
 
 
+def zero_bubble_against_1f1b(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model, checkpoint mode and M, each schedule that splits backwards (zb-h1, zb-v) against
+    1F1B, both measured in every round: 1F1B's step time over its, step by step within each
+    round (the measurement kernel's pairing), above 1 where zero bubble is faster. Each on its own
+    cut (:func:`gpipe_repro.sim.partition_choice.choose_cut`). Target (the schedules issue): the
+    interval's lower bound >= 1."""
+    from gpipe_repro.report.measurement import Figure
+
+    by = {(r["model"], r["checkpoint"], r["M"], r["schedule"]): r for r in rows}
+    out = []
+    for (model, checkpoint, m, name), r in by.items():
+        base = by.get((model, checkpoint, m, "1f1b"))
+        if base is None or not make_schedule(name, r["cells"], m, checkpoint).splits_backward:
+            continue
+        ours, theirs = r["measured_step_times_s"], base["measured_step_times_s"]
+        n = min(len(ours), len(theirs))
+        figure = Figure.of(f"{model} {checkpoint} M={m}: 1f1b / {name}",
+                           [b / a for a, b in zip(ours[:n], theirs[:n])], target=1.0)
+        out.append({"model": model, "checkpoint": checkpoint, "M": m, "schedule": name,
+                    "balance": r["balance"], "balance_1f1b": base["balance"],
+                    "ratio": figure.to_json()})
+    return out
+
+
 @dataclass
 class _Config:
     """One validated configuration: what is measured, and its simulation."""
@@ -311,6 +335,7 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                "rounds": r, "rounds_asked": rounds, "budget_s": budget_s,
                "per_schedule": {n: _per_schedule([r for r in rows if r["schedule"] == n])
                                 for n in names},
-               "not_validated": dict(NOT_VALIDATED)}
+               "not_validated": dict(NOT_VALIDATED),
+               "zero_bubble": zero_bubble_against_1f1b(rows)}
     return {"method": METHOD, "settings": asdict(settings), "link": platform.to_json(), "rows": rows,
             "summary": summary, "timelines": timelines}
