@@ -80,8 +80,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "every stage process pins itself to the same core"),
     Mutation(
         "equal partitions", "gpipe_repro/engine/partition.py",
-        r"^([ \t]*)(\"\"\"Return a balance \(layers per cell\)[^\n]*\n)\1n = len\(costs\)\n",
-        "\\1\\2\\1n = len(costs)\n\\1objective, memory, memory_cap = 'equal', None, None\n",
+        r"^([ \t]*)n = len\(costs\)\n(?=\1if partitions < 1:)",
+        "\\1n = len(costs)\n\\1objective, memory, memory_cap, first = 'equal', None, None, None\n",
         "the partitioner cuts equal layer counts whatever the costs"),
     Mutation(
         "recompute doubled", "gpipe_repro/engine/stage.py",
