@@ -18,7 +18,9 @@ one of the same task needs `--overwrite` (or `--record`), deletes exactly those 
 everything else; a non-empty
 directory without a manifest (or of another task) is refused, naming a few of the files it holds. A
 directory written before manifests existed is recognized by its `summary.json` / `run.json`; then only
-the loop's own file names count as the run's (`LEGACY_FILES`, `checkpoints/step-*.pt`, `LEGACY_DIRS`).
+the loop's own file names count as the run's (`LEGACY_FILES`, `checkpoints/step-*.pt`, W&B's files
+and run folders under `wandb/`), and the tables and images its `run.json` lists: a file of the
+user's in `images/`, `tables/` or `wandb/` is never the run's (:func:`run_files`).
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ MANIFEST = "gpipe-run.json"
 RUNS_DIR = Path("runs")
 RECORD_DIR = Path("results") / "training"
 LEGACY_FILES = ("metrics.jsonl", "run.json", "summary.json", "summary.md", "curves.png")
-LEGACY_DIRS = ("wandb/", "tables/", "images/")     # RunLogger's folders
+# W&B's own files: its logs and the folder of each run (offline-run-<time>-<id>, run-<time>-<id>)
+_WANDB = re.compile(r"^wandb/((offline-)?run-[^/]+/.+|debug\.log|debug-internal\.log|latest-run)$")
 _CHECKPOINT = re.compile(r"^checkpoints/\.?step-\d+\.pt(\..*\.tmp)?$")   # and a save cut short
 
 
@@ -65,15 +68,24 @@ def run_owner(run_dir: Path) -> tuple[str | None, set[str]]:
     task = task or (run.get("config") or {}).get("task_name")
     if task is None:
         return None, set()
-    ours = {f for f in _files(run_dir) if is_run_file(f)}
-    return task, ours
+    return task, run_files(run_dir, _files(run_dir))
 
 
 def is_run_file(rel: str) -> bool:
-    """Whether a path (relative to a run directory) is of a kind the training loop writes: its
-    metrics, run record, summary and curves, a checkpoint, or a file of its loggers' folders."""
+    """Whether a path (relative to a run directory) is named as the training loop names its files:
+    its metrics, run record, summary and curves, a checkpoint, W&B's logs and run folders."""
     return (rel in LEGACY_FILES or rel == MANIFEST or bool(_CHECKPOINT.match(rel))
-            or rel.startswith(LEGACY_DIRS))
+            or bool(_WANDB.match(rel)))
+
+
+def run_files(run_dir: Path, files: set[str]) -> set[str]:
+    """Those of `files` (relative to `run_dir`) that a training run wrote: named as it names its
+    files (:func:`is_run_file`), or a table or image its ``run.json`` lists (the RunLogger's
+    ``tables/`` and ``images/``). A file the user put in those folders is neither."""
+    record = _read(run_dir / "run.json") or {}
+    logged = {Path(v).as_posix() for key in ("tables", "images")
+              for v in (record.get(key) or {}).values() if isinstance(v, str)}
+    return {f for f in files if is_run_file(f) or f in logged}
 
 
 def _has_checkpoints(run_dir: Path) -> bool:
@@ -161,11 +173,12 @@ class RunDirectory:
         present = _files(path) if path.is_dir() else set()
         self.created = not path.exists()     # by this run: removed again if it never starts
         owner, ours = run_owner(path) if present else (None, set())
-        if owner == task:     # a run killed before its manifest listed them: still the run's kinds
-            ours |= {f for f in present if is_run_file(f)}
+        if owner == task:     # a run killed before its manifest listed them: still the run's
+            ours |= run_files(path, present)
         if not resume:
             clear_run(path, ours)
         self.foreign = (present - ours) if present else set()
+        self.kept = ours if resume else set()     # a resumed run's files so far stay listed
         path.mkdir(parents=True, exist_ok=True)
         self.update()
 
@@ -174,17 +187,18 @@ class RunDirectory:
         say): remove the files it wrote, and the directory if it created it, rather than leave a run
         of nothing behind (a runs/<name>-N that :func:`fresh_run_dir` claimed goes with
         :func:`release_unused_claims`)."""
-        for rel in sorted(_files(self.path) - self.foreign):
-            if is_run_file(rel) or rel == MANIFEST:
-                (self.path / rel).unlink(missing_ok=True)
+        for rel in sorted(run_files(self.path, _files(self.path) - self.foreign) | {MANIFEST}):
+            (self.path / rel).unlink(missing_ok=True)
         if self.created and not any(self.path.iterdir()):
             self.path.rmdir()
 
     def update(self) -> None:
-        """Rewrite the manifest: every file of the run's own kinds (:func:`is_run_file`) now under
-        the directory that was not there before the run. A file the user puts there while the run
-        trains (notes, a plot) is not the run's, and a later run must not delete it."""
-        files = sorted({f for f in _files(self.path) - self.foreign if is_run_file(f)} | {MANIFEST})
+        """Rewrite the manifest: every file the run wrote (:func:`run_files`) now under the directory
+        that was not there before the run, with those of the run it resumed. A file the user puts
+        there while the run trains (notes, a plot, even in ``images/``) is not the run's, and a
+        later run must not delete it."""
+        new = _files(self.path) - self.foreign
+        files = sorted(run_files(self.path, new) | (self.kept & new) | {MANIFEST})
         tmp = self.path / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps({"kind": "training-run", "task": self.task, "files": files}, indent=1))
         os.replace(tmp, self.path / MANIFEST)

@@ -288,3 +288,41 @@ def test_under_torchrun_every_rank_names_the_same_fresh_directory(tmp_path: Path
     assert fresh_run_dir("x", tmp_path / "runs") == fresh_run_dir("x", tmp_path / "runs") == \
         tmp_path / "runs" / "x-2"
     assert not (tmp_path / "runs" / "x-2").exists()
+
+
+def test_overwrite_deleted_the_users_files_in_the_loggers_folders(tmp_path: Path) -> None:
+    """Every file under images/, tables/ and wandb/ counted as the run's, so --overwrite deleted a
+    figure, a table or notes the user had put there (and a file added there while the run trained
+    was listed in its manifest). The run's files there are now those its run.json lists and W&B's
+    own (its logs, its run folders)."""
+    run = tmp_path / "run"
+    directory = RunDirectory(run, "amoebanet", resume=False)
+    (run / "images").mkdir()
+    (run / "images" / "curves.png").write_bytes(b"png")
+    (run / "tables").mkdir()
+    (run / "tables" / "eval.json").write_text("{}")
+    (run / "run.json").write_text(json.dumps({"config": {"task_name": "amoebanet"},
+                                              "images": {"curves": "images/curves.png"},
+                                              "tables": {"eval": "tables/eval.json"}}))
+    (run / "wandb" / "offline-run-20261127_063144-jjw3mw4x" / "files").mkdir(parents=True)
+    (run / "wandb" / "offline-run-20261127_063144-jjw3mw4x" / "files" / "req.txt").write_text("x")
+    (run / "wandb" / "debug.log").write_text("log")
+    (run / "images" / "during.png").write_bytes(b"mine, added while it trained")
+    directory.update()
+    listed = json.loads((run / MANIFEST).read_text())["files"]
+    assert "images/curves.png" in listed and "images/during.png" not in listed
+    (run / "summary.json").write_text(json.dumps({"kind": "training-run", "task": "amoebanet",
+                                                  "status": "finished"}))
+    directory.update()
+    mine = {"images/my_figure.png": b"fig", "tables/my_results.csv": b"a,b\n",
+            "wandb/mine/notes.txt": b"notes"}
+    for rel, data in mine.items():
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_bytes(data)
+    RunDirectory(run, "amoebanet", resume=False, overwrite=True)
+    for rel, data in mine.items():
+        assert (run / rel).read_bytes() == data, rel
+    assert (run / "images" / "during.png").exists()
+    assert not (run / "images" / "curves.png").exists() and not (run / "tables" / "eval.json").exists()
+    assert not (run / "wandb" / "debug.log").exists()
+    assert not (run / "wandb" / "offline-run-20261127_063144-jjw3mw4x").exists()
