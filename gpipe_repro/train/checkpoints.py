@@ -286,6 +286,11 @@ def restore_training_state(checkpoint: Mapping[str, Any], stateful: Mapping[str,
 
 # ----------------------------------------------------------------------------- resuming
 
+#: A task's settings recorded in checkpoints since a later version: compared where the checkpoint
+#: holds them (the training data's fingerprint, :meth:`CausalLMTask.data_fingerprint`).
+RECORDED_SINCE = frozenset({"data"})
+
+
 def check_resumable(saved: dict[str, Any], config: RunConfig, task: Task) -> list[str]:
     """Refuse to resume a checkpoint made with settings that change what the run computes, listing
     every difference. The run's length may change (an explicit `--steps` / `--epochs` extends it):
@@ -298,7 +303,8 @@ def check_resumable(saved: dict[str, Any], config: RunConfig, task: Task) -> lis
              if run.get(k) != getattr(config, k) and not (k == "balance" and getattr(config, k) is None)]
     now = task.config()
     diffs += [f"{k}: saved {shown(saved['task'].get(k))}, now {shown(now.get(k))}"
-              for k in sorted(set(now) | set(saved["task"])) if saved["task"].get(k) != now.get(k)]
+              for k in sorted(set(now) | set(saved["task"])) if saved["task"].get(k) != now.get(k)
+              and not (k in RECORDED_SINCE and k not in saved["task"])]
     if diffs:
         raise ValueError("cannot resume: the checkpoint was made with different settings:\n  "
                          + "\n  ".join(diffs) + "\nresume with the original settings, or start a new "

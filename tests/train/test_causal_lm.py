@@ -101,3 +101,21 @@ def test_mistakes_are_one_line_before_any_work(tmp_path: Path, monkeypatch: pyte
     assert result.exit_code == 2, (result.output, result.exception)
     assert says.replace("{tmp}", str(tmp_path)) in " ".join(result.output.split()), result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_resume_trained_on_a_text_edited_under_the_same_path(tmp_path: Path) -> None:
+    """Only --text's path was compared on --resume: the same file edited between the runs was
+    accepted, and the run went on training on other data. The rows' count and digest are now part
+    of the task's settings, so the resume is refused, naming them; the unedited text resumes."""
+    text = _text(tmp_path / "sentences.txt")
+    out = tmp_path / "run"
+    args = ["run", "causal-lm", "--preset", "smoke", "--family", "llama", "--text", str(text),
+            "--out", str(out), "--wandb", "disabled", "--no-progress", "--eval-every", "0"]
+    first = CliRunner().invoke(app, [*args, "--steps", "2"])
+    assert first.exit_code == 0, (first.output, first.exception)
+    text.write_text(text.read_text().replace("cat", "elephant"), encoding="utf-8")
+    edited = CliRunner().invoke(app, [*args, "--steps", "3", "--resume"])
+    assert edited.exit_code == 2 and "data: saved" in edited.output, edited.output
+    _text(text)
+    again = CliRunner().invoke(app, [*args, "--steps", "3", "--resume"])
+    assert again.exit_code == 0, (again.output, again.exception)

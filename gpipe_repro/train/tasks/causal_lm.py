@@ -21,6 +21,7 @@ What the loop gets from here:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from pathlib import Path
 from typing import Any
@@ -176,7 +177,16 @@ class CausalLMTask(Task):
 
     def config(self) -> dict[str, Any]:
         return {**self.settings.to_dict(), "model": describe(self.model_config),
-                "tied_embeddings": bool(getattr(self.model_config, "tie_word_embeddings", False))}
+                "tied_embeddings": bool(getattr(self.model_config, "tie_word_embeddings", False)),
+                "data": self.data_fingerprint()}
+
+    def data_fingerprint(self) -> str:
+        """What the training rows hold, so a resume notices a text edited under the same path:
+        their count and the SHA-1 of their bytes."""
+        digest = hashlib.sha1()
+        for t in self.train_rows:
+            digest.update(t.contiguous().numpy().tobytes())
+        return f"{self.train_rows[0].shape[0]} rows, sha1 {digest.hexdigest()[:16]}"
 
     def build_layers(self) -> nn.Sequential:
         return causal_lm_layers_of(self.model_config)
