@@ -123,6 +123,8 @@ class _Run:
         except BaseException:
             if self.directory is not None and not config.resume:
                 self.directory.abandon()        # a new run that never started leaves nothing behind
+            elif self.directory is not None:
+                self.directory.release()
             raise
 
     def _set_up(self, task: Task, config: RunConfig) -> None:
@@ -250,6 +252,7 @@ class _Run:
             self.logger.finish(exit_code=1)
             if self.directory is not None:     # what the failed run wrote is its own, for the next
                 self.directory.update()
+                self.directory.release()
             raise
         return self.finish(status, done, memory, stop.signal if status == "interrupted" else None)
 
@@ -337,6 +340,7 @@ class _Run:
         self.logger.finish(exit_code=0 if status == "finished" else 1)
         if self.directory is not None:
             self.directory.update()
+            self.directory.release()
         return summary
 
 

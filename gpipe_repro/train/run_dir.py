@@ -24,6 +24,7 @@ user's in `images/`, `tables/` or `wandb/` is never the run's (:func:`run_files`
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -168,10 +169,19 @@ class RunDirectory:
     def __init__(self, path: Path, task: str, *, resume: bool, overwrite: bool = False) -> None:
         """Check (`check_run_dir`), then make the directory ready: a new run deletes the files of
         the finished previous run it replaces (those listed in its manifest) and nothing else."""
-        check_run_dir(path, task, resume=resume, overwrite=overwrite)
+        check_run_dir(path, task, resume=resume, overwrite=overwrite)   # before making anything
         self.path, self.task = path, task
-        present = _files(path) if path.is_dir() else set()
         self.created = not path.exists()     # by this run: removed again if it never starts
+        path.mkdir(parents=True, exist_ok=True)
+        self._lock: int | None = _claim(path)
+        try:                                 # again, now that no other process can change it
+            check_run_dir(path, task, resume=resume, overwrite=overwrite)
+        except BaseException:
+            self.release()
+            if self.created and not any(path.iterdir()):
+                path.rmdir()
+            raise
+        present = _files(path)
         owner, ours = run_owner(path) if present else (None, set())
         if owner == task:     # a run killed before its manifest listed them: still the run's
             ours |= run_files(path, present)
@@ -179,14 +189,24 @@ class RunDirectory:
             clear_run(path, ours)
         self.foreign = (present - ours) if present else set()
         self.kept = ours if resume else set()     # a resumed run's files so far stay listed
-        path.mkdir(parents=True, exist_ok=True)
         self.update()
+
+    def release(self) -> None:
+        """Let another process write the directory (the run has ended; so does dropping this object,
+        or the process's exit)."""
+        if getattr(self, "_lock", None) is not None:
+            os.close(self._lock)       # type: ignore[arg-type]
+            self._lock = None
+
+    def __del__(self) -> None:
+        self.release()
 
     def abandon(self) -> None:
         """A new run that failed before its first step (a bad option found while building the model,
         say): remove the files it wrote, and the directory if it created it, rather than leave a run
         of nothing behind (a runs/<name>-N that :func:`fresh_run_dir` claimed goes with
         :func:`release_unused_claims`)."""
+        self.release()
         for rel in sorted(run_files(self.path, _files(self.path) - self.foreign) | {MANIFEST}):
             (self.path / rel).unlink(missing_ok=True)
         if self.created and not any(self.path.iterdir()):
@@ -202,6 +222,22 @@ class RunDirectory:
         tmp = self.path / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps({"kind": "training-run", "task": self.task, "files": files}, indent=1))
         os.replace(tmp, self.path / MANIFEST)
+
+
+def _claim(path: Path) -> int:
+    """An exclusive lock on the directory `path` for this process (``flock`` on the directory
+    itself: no file of ours in it), or FileExistsError when another process holds it: two runs, or
+    a run and its --resume, writing one directory at once would interleave their metrics and
+    checkpoints."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise FileExistsError(f"{path}: another process is writing this run directory (a run, or a "
+                              "--resume of it); nothing was changed. Wait for it to end, or give "
+                              "another --out / --name") from None
+    return fd
 
 
 def numbered(base: Path, name: str) -> list[Path]:

@@ -66,6 +66,7 @@ def test_a_new_run_replaces_only_the_files_the_previous_run_created(tmp_path: Pa
     (run / "wandb" / "offline-run-1").mkdir(parents=True)
     (run / "wandb" / "offline-run-1" / "run.wandb").write_text("x")
     first.update()
+    first.release()                                     # the run has ended
     user_folder(run)                                    # the user adds files after the run
     (run / "checkpoints" / "notes.txt").write_text("mine too")
 
@@ -237,6 +238,7 @@ def test_a_file_added_while_the_run_trains_is_not_the_runs(tmp_path: Path) -> No
     (run / "summary.json").write_text(json.dumps({"kind": "training-run", "task": "amoebanet",
                                                   "status": "finished"}))
     directory.update()
+    directory.release()
     assert "NOTES.txt" not in json.loads((run / MANIFEST).read_text())["files"]
     RunDirectory(run, "amoebanet", resume=False, overwrite=True)
     assert (run / "NOTES.txt").read_text() == "mine, written during the run"
@@ -314,6 +316,7 @@ def test_overwrite_deleted_the_users_files_in_the_loggers_folders(tmp_path: Path
     (run / "summary.json").write_text(json.dumps({"kind": "training-run", "task": "amoebanet",
                                                   "status": "finished"}))
     directory.update()
+    directory.release()
     mine = {"images/my_figure.png": b"fig", "tables/my_results.csv": b"a,b\n",
             "wandb/mine/notes.txt": b"notes"}
     for rel, data in mine.items():
@@ -326,3 +329,28 @@ def test_overwrite_deleted_the_users_files_in_the_loggers_folders(tmp_path: Path
     assert not (run / "images" / "curves.png").exists() and not (run / "tables" / "eval.json").exists()
     assert not (run / "wandb" / "debug.log").exists()
     assert not (run / "wandb" / "offline-run-20261127_063144-jjw3mw4x").exists()
+
+
+def test_two_processes_resumed_one_run_at_once_and_interleaved_their_metrics(tmp_path: Path) -> None:
+    """A fresh directory was claimed atomically, but two --resume of one run (or two runs given
+    one --out) both trained into it: metrics.jsonl held every step twice. The directory is now
+    locked while a run writes it; the second is refused before changing anything, and the
+    directory is free again once the first has ended."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    first = RunDirectory(run, "amoebanet", resume=False)
+    (run / "checkpoints").mkdir()
+    torch.save({}, run / "checkpoints" / "step-00000002.pt")
+    first.update()
+    code = ("import sys; from pathlib import Path; from gpipe_repro.train.run_dir import RunDirectory\n"
+            "try:\n    RunDirectory(Path(sys.argv[1]), 'amoebanet', resume=True)\n"
+            "except FileExistsError as e:\n    print(e); sys.exit(3)\n")
+    other = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True)
+    assert other.returncode == 3 and "another process is writing" in other.stdout, other
+    with pytest.raises(FileExistsError, match="another process is writing"):
+        RunDirectory(run, "amoebanet", resume=True)        # a second claim in this process too
+    first.release()
+    again = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True)
+    assert again.returncode == 0, again
