@@ -122,6 +122,8 @@ def apply_pipeline_options(run_config: Any, options: dict[str, Any], *, task: st
         raise ValueError(f"--launcher {options['launcher']} starts the stage processes of --runtime "
                          "distributed, and this run's runtime is local: add --runtime distributed, or "
                          "leave out --launcher")
+    if options["epochs"] is not None and not options["epochs"] > 0:   # even where --steps wins
+        raise ValueError(f"--epochs must be > 0, got {options['epochs']}")
     if options["epochs"] is not None and options["steps"] is None:
         config = dataclasses.replace(config, epochs=options["epochs"], steps=None)
     out = resolve_run_dir(config.name, out=options["out"], record=options.get("record", False),

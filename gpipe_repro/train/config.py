@@ -104,6 +104,8 @@ class RunConfig:
             (self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}"),
             (self.wandb is None or self.wandb in WANDB_MODES,
              f"wandb must be one of {WANDB_MODES}, got {self.wandb!r}"),
+            (isinstance(self.seed, int) and 0 <= self.seed < 2 ** 63,
+             f"seed (--seed) must be a whole number from 0 to 2**63 - 1, got {self.seed}"),
             (self.steps is None or self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
             (self.epochs is None or self.epochs > 0, f"epochs must be > 0, got {self.epochs}"),
             (self.steps is not None or self.epochs is not None, "give the run a length: steps or epochs"),

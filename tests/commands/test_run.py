@@ -3,6 +3,7 @@ too small for BatchNorm are refused with a suggestion, presets are listed with t
 distributed mistake is one line before any process starts, and exit codes say how a run ended."""
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -275,3 +276,21 @@ def test_a_launcher_without_the_distributed_runtime_is_refused(launched: list[An
     result = CliRunner().invoke(app, ["run", "amoebanet", "--preset", "smoke", "--runtime", "local",
                                       "--launcher", "torchrun", "--wandb", "disabled"])
     assert result.exit_code == 2 and "add --runtime distributed" in result.output and not launched
+
+
+@pytest.mark.parametrize("option, says", [
+    (["--seed", "-1"], r"--seed\) must be a whole number from 0"),
+    (["--seed", "99999999999999999999"], r"--seed\) must be a whole number from 0"),
+    (["--epochs", "0", "--steps", "2"], "--epochs must be > 0"),
+    (["--epochs", "-1", "--steps", "2"], "--epochs must be > 0"),
+])
+def test_a_bad_seed_or_epochs_is_named_before_any_work(tmp_path: Path, option: list[str], says: str) -> None:
+    """--seed -1 wrote the run directory and started W&B before torch said 'expected non-negative
+    integer' (a seed past 2**63 'Overflow when unpacking long long'), naming no option; --epochs 0
+    or -1 beside --steps was taken without a word. Each is now one line naming the option, and
+    nothing is written."""
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["run", "amoebanet", "--preset", "smoke", "--wandb", "disabled",
+                                      "--out", str(out), *option])
+    assert result.exit_code == 2 and re.search(says, result.output), result.output
+    assert not out.exists()
