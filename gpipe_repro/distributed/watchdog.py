@@ -63,6 +63,10 @@ class ErrorRecord:
             return None
 
 
+#: Errors whose message says what to change (the CLI prints them as one line, locally too).
+USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError, FloatingPointError, NotImplementedError)
+
+
 def current_rank() -> int:
     """This process's rank, from torch.distributed if joined, else from $RANK (else 0)."""
     dist = sys.modules.get("torch.distributed")
@@ -106,8 +110,10 @@ def report_failure(error: BaseException) -> ErrorRecord:
     peer = error.peer if isinstance(error, PeerFailure) else None
     record = ErrorRecord(rank, "peer" if isinstance(error, PeerFailure) else "error",
                          f"{type(error).__name__}: {error}", traceback.format_exc(), time.time(), peer)
-    # A lost peer is a consequence, not a cause: one line is enough; a cause gets its traceback.
-    detail = "" if record.kind == "peer" else f"\n{record.traceback}"
+    # A lost peer is a consequence, not a cause: one line is enough; so is an error the user can
+    # fix (a bad value, a missing file, a diverged run: what the command line prints as one line
+    # when run locally); any other cause gets its traceback.
+    detail = "" if record.kind == "peer" or isinstance(error, USER_ERRORS) else f"\n{record.traceback}"
     print(f"[gpipe-repro] rank {rank} failed: {record.message}{detail}", file=sys.stderr, flush=True)
     path = os.environ.get(ERROR_FILE_ENV)
     if path:

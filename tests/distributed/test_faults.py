@@ -388,3 +388,24 @@ def test_stages_start_with_sigint_held_and_take_it_back() -> None:
     before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
     assert launch_local(sigint_state, 2, timeout=30) == [(False, True), (False, True)]
     assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
+
+
+def test_a_diverged_distributed_run_printed_each_ranks_traceback(capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """--runtime distributed --lr 1e30 printed two full tracebacks (54 lines) where the local run
+    prints one line: an error whose message says what to change (a bad value, a missing file, a
+    diverged run) is now one line per rank; any other cause keeps its traceback."""
+    from gpipe_repro.distributed import watchdog
+
+    monkeypatch.delenv(watchdog.ERROR_FILE_ENV, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    for error, traced in ((FloatingPointError("the training diverged: lower the learning rate"), False),
+                          (ValueError("--k 9: the model has 8 layers"), False),
+                          (RuntimeError("an internal mistake"), True)):
+        try:
+            raise error
+        except BaseException as e:     # noqa: BLE001 - reported as stage_main reports it
+            watchdog.report_failure(e)
+        err = capsys.readouterr().err
+        assert err.startswith("[gpipe-repro] rank 0 failed: ") and str(error) in err
+        assert ("Traceback" in err) is traced, err

@@ -339,7 +339,7 @@ def test_first_cell_costs_give_the_brute_force_bottleneck() -> None:
         got = partition(costs, k, first=first)
         assert len(got) == k and sum(got) == n and min(got) >= 1
 
-        def worst(b: list[int]) -> float:
+        def worst(b: list[int], costs: list[float] = costs, first: list[float] = first) -> float:
             cells = cell_costs(costs, b)
             cells[0] = sum(first[:b[0]])
             return max(cells)
