@@ -57,6 +57,6 @@ def main() -> None:
         sys.exit(2)
     try:
         __getattr__("app")()
-    except KeyboardInterrupt:   # a Ctrl-C no command turned into a graceful stop: one line, not a trace
-        print("\ninterrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:   # a Ctrl-C no command turned into a graceful stop: one line
+        print(f"\ninterrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
         sys.exit(130)

@@ -164,6 +164,8 @@ def run_task(build: Callable[[], tuple[Callable[[], Any], Any]]) -> Any:
         fail(str(e))
     except FloatingPointError as e:    # the run diverged: not a usage error, exit code 1
         fail(str(e), code=1)
+    except KeyboardInterrupt as e:     # a second Ctrl-C: say that nothing was saved (typer would not)
+        fail(f"interrupted: {e}" if str(e) else "interrupted", code=130)
     finally:   # a run refused or failed before writing anything leaves no empty runs/<name>-N
         release_unused_claims()
     code = exit_code_of(summary)

@@ -85,6 +85,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _check_picklable(fn: Callable[..., Any]) -> None:
+    """Refuse, before any process starts, what the stage processes could not receive: they are new
+    interpreters (forkserver, spawn) that get `fn` by pickling, and a function defined
+    inside another one or a lambda cannot be pickled (multiprocessing said "Can't pickle local
+    object" from deep inside its start)."""
+    try:
+        pickle.dumps(fn)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise ValueError(f"launch_local({getattr(fn, '__qualname__', fn)!r}, ...): the stage processes "
+                         "receive the function by pickling, and it cannot be pickled: define it at "
+                         f"the top level of an importable module (not inside a function, not a "
+                         f"lambda) ({e})") from None
+
+
 def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float | None = None,
                  grace: float = 2.0, job_timeout: float | None = None, threads: int = 1,
                  start_method: str = "forkserver", env: dict[str, str] | None = None,
@@ -101,6 +115,8 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if start_method != "fork":
+        _check_picklable(fn)
     if timeout is None:
         timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
     ctx = mp.get_context(start_method)

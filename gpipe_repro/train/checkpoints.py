@@ -348,11 +348,14 @@ def graceful_interrupt(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM
         return
 
     def handler(signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
         if flag.requested:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: aborting without saving")
+            raise KeyboardInterrupt(f"a second {name}: aborted without saving this step; --resume "
+                                    "continues from the last checkpoint saved")
         flag.requested, flag.signal = True, signum
-        print(f"\n{signal.Signals(signum).name} received: finishing this step, saving, exiting "
-              "(press Ctrl-C again to abort now)", flush=True)
+        again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {name} again"
+        print(f"\n{name} received: finishing this step, saving, exiting ({again} to abort now)",
+              flush=True)
 
     previous = {s: signal.signal(s, handler) for s in signals}
     try:

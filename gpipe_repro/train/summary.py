@@ -114,11 +114,11 @@ def print_summary(summary: RunSummary, metrics: dict[str, dict[str, Any]]) -> No
     from gpipe_repro.report.records import format_record
     from gpipe_repro.report.terminal import table_console
 
-    table = Table(title=f"{Path(summary.run_dir).name}: {summary.status}, "
-                        f"{summary.steps}/{summary.total_steps} steps")
+    table = Table()     # the title on a line of its own: a table's title wraps at the table's width
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in metrics.items():
         table.add_row(key, format_record(value, 4))
+    print(f"{Path(summary.run_dir).name}: {summary.status}, {summary.steps}/{summary.total_steps} steps")
     table_console().print(table)
     print(f"run directory: {summary.run_dir}")

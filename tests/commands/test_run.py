@@ -294,3 +294,25 @@ def test_a_bad_seed_or_epochs_is_named_before_any_work(tmp_path: Path, option: l
                                       "--out", str(out), *option])
     assert result.exit_code == 2 and re.search(says, result.output), result.output
     assert not out.exists()
+
+
+def test_a_second_ctrl_c_exited_130_saying_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A second Ctrl-C aborts the step at once; the run exited 130 with "finishing this step,
+    saving" as its last line (typer swallowed the KeyboardInterrupt's message), so the user could
+    not tell that nothing was saved. It now says so, and where --resume continues from."""
+    import typer
+
+    from gpipe_repro.commands import run as run_command
+    from gpipe_repro.train import checkpoints, ranks
+
+    def interrupted(*_: Any) -> Any:
+        with checkpoints.graceful_interrupt():
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+    monkeypatch.setattr(ranks, "launch", interrupted)
+    with pytest.raises(typer.Exit) as exited:
+        run_command.run_task(lambda: (lambda: None, None))
+    assert exited.value.exit_code == 130
+    err = capsys.readouterr().err
+    assert "aborted without saving this step" in err and "--resume" in err

@@ -409,3 +409,16 @@ def test_a_diverged_distributed_run_printed_each_ranks_traceback(capsys: pytest.
         err = capsys.readouterr().err
         assert err.startswith("[gpipe-repro] rank 0 failed: ") and str(error) in err
         assert ("Traceback" in err) is traced, err
+
+
+def test_a_nested_function_failed_deep_inside_multiprocessing() -> None:
+    """launch_local(a function defined inside another) printed multiprocessing's "Can't pickle local
+    object" traceback; it is now refused before any process starts, saying where to define it."""
+    from gpipe_repro.distributed.launcher import launch_local
+
+    def nested() -> int:
+        return 1
+    with pytest.raises(ValueError, match="define it at the top level of an importable module"):
+        launch_local(nested, 2)
+    with pytest.raises(ValueError, match="cannot be pickled"):
+        launch_local(lambda: 1, 1)
