@@ -115,15 +115,8 @@ def _group_from_branches(group: dict[str, Any], retain_graph: bool) -> None:
             seeds.append(_as_input_of(g, kid, nr))
     if not edges:
         return
-    got = torch.autograd.grad(edges, [GradientEdge(acc, 0) for acc in params], seeds,
-                              retain_graph=retain_graph, allow_unused=True)
-    for acc, g in zip(params, got):
-        if g is not None:
-            p = acc.variable
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad += g
+    _accumulate(params, torch.autograd.grad(edges, [GradientEdge(acc, 0) for acc in params], seeds,
+                                            retain_graph=retain_graph, allow_unused=True))
 
 
 def _group_from_join_nodes(group: dict[str, Any], retain_graph: bool) -> None:
@@ -152,7 +145,13 @@ def _group_from_join_nodes(group: dict[str, Any], retain_graph: bool) -> None:
     finally:
         for h in handles:
             h.remove()
-    for acc, g in zip(params, got):
+    _accumulate(params, got)
+
+
+def _accumulate(params: list[Any], grads: Sequence[torch.Tensor | None]) -> None:
+    """Add each gradient into its parameter's ``.grad`` (the parameters as their AccumulateGrad
+    nodes), as AccumulateGrad does: the first one is kept as it is."""
+    for acc, g in zip(params, grads):
         if g is not None:
             p = acc.variable
             if p.grad is None:

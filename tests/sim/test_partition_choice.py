@@ -85,8 +85,6 @@ def test_pooled_identical_layers_tie_exactly_whatever_the_rounding() -> None:
 
 
 def test_tie_break_is_the_brute_force_choice() -> None:
-    from itertools import combinations
-
     rng = random.Random(0)
     for _ in range(30):
         n, k = rng.randint(3, 9), rng.randint(2, 4)
@@ -94,11 +92,7 @@ def test_tie_break_is_the_brute_force_choice() -> None:
             continue
         costs = [rng.uniform(0.5, 2.0) for _ in range(n)]
         limit = max(cell_costs(costs, partition(costs, k))) * 1.1
-        cuts = [[b - a for a, b in zip((0, *c), (*c, n))] for c in combinations(range(1, n), k - 1)]
-        within = [b for b in cuts if max(cell_costs(costs, b)) <= limit]
-        least = min(sum(c * c for c in cell_costs(costs, b)) for b in within)
-        evenest = [b for b in within if sum(c * c for c in cell_costs(costs, b)) <= least * (1 + 1e-9)]
-        assert tie_break(costs, k, limit) == min(evenest)
+        assert tie_break(costs, k, limit) == _brute_force_with_first(costs, costs, k, limit)[1]
 
 
 def test_uncertainty_must_be_a_relative_half_width() -> None:
