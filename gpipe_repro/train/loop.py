@@ -244,8 +244,8 @@ class _Run:
                                                     f"{config.checkpoint_dir}")
                 else:
                     status = "finished"
-            if status == "finished":
-                self.evaluate(done)
+            if status == "finished" and done > self.start:   # a resumed finished run trains nothing:
+                self.evaluate(done)                            # its last evaluation and save stand
                 self.save(done)
             memory = ranks.gather_metrics(pipeline_memory(self.pipe), self.rank)
         except BaseException:

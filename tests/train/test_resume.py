@@ -150,3 +150,21 @@ def test_sigkilled_subprocess_resumes_identically(tmp_path: Path,
     resumed = train(AmoebaNetTask(task), dataclasses.replace(run, resume=True))
     assert resumed.resumed_from == max(saved)
     assert_same_training_state(final_state(tmp_path), final_state(reference[0]))
+
+
+@pytest.mark.usefixtures("undrawn_curves")     # curves.png not drawn (tests/curves.py)
+def test_resuming_a_finished_run_evaluated_and_logged_it_again(tmp_path: Path) -> None:
+    """--resume of a run already at its last step trained nothing, yet evaluated it again and
+    appended a second evaluation row for that step to metrics.jsonl. Its last evaluation and
+    checkpoint now stand."""
+    import json
+
+    run, task = configs(tmp_path)
+    train(AmoebaNetTask(task), run)
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    resumed = train(AmoebaNetTask(task), dataclasses.replace(run, resume=True))
+    assert resumed.status == "finished" and resumed.steps == STEPS
+    after = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    evals = [json.loads(r)["step"] for r in after if any(k.startswith("eval/") for k in json.loads(r))]
+    assert len(evals) == len(set(evals)), evals
+    assert len(after) == len(rows)
