@@ -115,8 +115,7 @@ def _group_from_branches(group: dict[str, Any], retain_graph: bool) -> None:
             seeds.append(_as_input_of(g, kid, nr))
     if not edges:
         return
-    _accumulate(params, torch.autograd.grad(edges, [GradientEdge(acc, 0) for acc in params], seeds,
-                                            retain_graph=retain_graph, allow_unused=True))
+    _into_grads(edges, seeds, params, retain_graph)
 
 
 def _group_from_join_nodes(group: dict[str, Any], retain_graph: bool) -> None:
@@ -138,26 +137,21 @@ def _group_from_join_nodes(group: dict[str, Any], retain_graph: bool) -> None:
         return
     handles = [node.register_prehook(lambda _, kept=kept: kept)
                for node, kept in zip(group["intermediates"], group["grads"])]
-    params = list(group["params"])
     try:
-        got = torch.autograd.grad(edges, [GradientEdge(acc, 0) for acc in params], seeds,
-                                  retain_graph=retain_graph, allow_unused=True)
+        _into_grads(edges, seeds, list(group["params"]), retain_graph)
     finally:
         for h in handles:
             h.remove()
-    _accumulate(params, got)
 
 
-def _accumulate(params: list[Any], grads: Sequence[torch.Tensor | None]) -> None:
-    """Add each gradient into its parameter's ``.grad`` (the parameters as their AccumulateGrad
-    nodes), as AccumulateGrad does: the first one is kept as it is."""
-    for acc, g in zip(params, grads):
-        if g is not None:
-            p = acc.variable
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad += g
+def _into_grads(edges: list[GradientEdge], seeds: list[torch.Tensor], params: list[Any],
+                retain_graph: bool) -> None:
+    """One autograd call from `edges` (seeded with `seeds`) into the ``.grad`` of `params` (their
+    AccumulateGrad nodes), through AccumulateGrad itself, as plain training's backward: a
+    parameter's hooks run, its post-accumulate-grad hooks too (an optimizer stepping in the
+    backward, gradient logging), which capturing the gradients and adding them by hand skipped."""
+    torch.autograd.backward(edges, seeds, inputs=[acc.variable for acc in params],
+                            retain_graph=retain_graph)
 
 
 def _as_input_of(grad: torch.Tensor, node: Any, nr: int) -> torch.Tensor:

@@ -616,3 +616,34 @@ def test_a_custom_functions_join_node_trains_equal_to_plain_training() -> None:
     pipe.train_step(x, y)
     for p, q in zip(pipe.unpartitioned().parameters(), model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_post_accumulate_grad_hooks_were_skipped_by_the_weight_half(schedule: str) -> None:
+    """The weight half captured each parameter's gradient and added it into .grad by hand, so a
+    post-accumulate-grad hook (an optimizer stepping in the backward, gradient logging) never ran
+    on the cells whose backward is split: a hook halving p.grad left zb-h1's gradient at twice
+    plain training's. It now goes through AccumulateGrad, as plain training's backward does.
+    Reference: plain PyTorch, one backward per micro-batch, the same hooks."""
+    def build(calls: list[str]) -> list[nn.Module]:
+        torch.manual_seed(0)
+        layers = [nn.Linear(4, 4), nn.Tanh(), GatedWithHook([]), nn.Linear(4, 3)]
+        for name, p in [("weight", layers[3].weight), ("gate", layers[2].gate)]:
+            def halve(q: torch.Tensor, name: str = name) -> None:
+                calls.append(name)
+                q.grad.mul_(0.5)
+            p.register_post_accumulate_grad_hook(halve)
+        return [layer.double() for layer in layers]
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    plain_calls: list[str] = []
+    model = nn.Sequential(*build(plain_calls))
+    for rows in (slice(0, 3), slice(3, 6)):
+        (nn.functional.mse_loss(model(x[rows]), y[rows]) / 2).backward()
+    calls: list[str] = []
+    k = 2 if schedule == "zb-h1" else 4
+    pipe = GPipe(build(calls), partitions=k, micro_batches=2, schedule=schedule, checkpoint="never",
+                 balance=[2, 2] if k == 2 else [1, 1, 1, 1], loss_fn=nn.MSELoss(), optimizer=None)
+    pipe.train_step(x, y)
+    assert sorted(calls) == sorted(plain_calls) and len(calls) == 4
+    for p, q in zip(pipe.unpartitioned().parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
