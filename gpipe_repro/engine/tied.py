@@ -28,6 +28,7 @@ A parameter used twice inside ONE cell stays one parameter: autograd sums its us
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,12 +88,27 @@ def untie(cells: Sequence[nn.Module]) -> list[Tie]:
         first, name = tie.holders[0]
         original = cells[first].get_parameter(name)
         for c, _ in tie.holders[1:]:
-            copy = nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad)
-            for module in cells[c].modules():
-                for key, value in module._parameters.items():
-                    if value is original:
-                        module._parameters[key] = copy
+            own = nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad)
+            for key, child in cells[c]._modules.items():
+                if child is not None:
+                    cells[c]._modules[key] = _holding(child, original, own)
     return ties
+
+
+def _holding(module: nn.Module, original: nn.Parameter, own: nn.Parameter) -> nn.Module:
+    """`module` with `own` where it holds `original`: shallow copies down to the modules holding it
+    (their other parameters, buffers and children the same objects), so the caller's model keeps
+    its tie (a later plain step on it trains one weight, as before it was pipelined); `module`
+    itself where it holds no `original`."""
+    children = {key: _holding(child, original, own) for key, child in module._modules.items()
+                if child is not None}
+    holds = [key for key, p in module._parameters.items() if p is original]
+    if not holds and all(children[key] is module._modules[key] for key in children):
+        return module
+    copied = copy.copy(module)
+    copied._parameters = {key: own if key in holds else p for key, p in module._parameters.items()}
+    copied._modules = {**module._modules, **children}
+    return copied
 
 
 def tied_copies(tie: Tie, cells: Mapping[int, nn.Module]) -> list[nn.Parameter]:

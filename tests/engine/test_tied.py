@@ -166,3 +166,24 @@ def test_the_copies_stay_bit_identical_after_many_steps() -> None:
     assert_copies_identical(pipe)
     copies = tied_copies(pipe)[0]
     assert len(copies) == 2 and copies[0].device == copies[1].device
+
+
+def test_pipelining_untied_the_callers_model() -> None:
+    """Each later cell holding a tied weight gets its own copy; the copy was set into the caller's
+    own module, so after GPipe(...) the caller's head no longer was its embedding (a plain step on
+    that model then trained two weights apart, and it had one parameter more). The cells now hold
+    shallow copies of the modules along the way; the caller's model keeps its tie, and the weight
+    it holds is the one the pipeline trains."""
+    layers = tied_model(dropout=0.0)
+    embedding, head = layers[0], layers[-1]
+    count = len(list(nn.Sequential(*layers).parameters()))
+    pipe = GPipe(layers, partitions=2, micro_batches=2, loss_fn=lm_loss, balance=[3, 4],
+                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert head.weight is embedding.weight
+    assert len(list(nn.Sequential(*layers).parameters())) == count
+    before = embedding.weight.detach().clone()
+    x, y = batches()[0]
+    pipe.train_step(x, y)
+    assert head.weight is embedding.weight and not torch.equal(embedding.weight, before)
+    assert torch.equal(pipe.cells[1][-1].weight, embedding.weight)      # the last cell's copy
+    assert pipe.cells[1][-1] is not head
