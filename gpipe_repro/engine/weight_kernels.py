@@ -101,8 +101,8 @@ def _direct(group: dict[str, Any]) -> bool:
         p, transposed = f
         g = g.t() if transposed else g
         g = g if g.shape == p.shape else g.sum_to_size(p.shape)
-        if p.grad is None:
-            p.grad = g
+        if p.grad is None:   # in the parameter's layout, as AccumulateGrad keeps it (GPT-2's Conv1D
+            p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)   # weight is mat2)
         else:
             p.grad += g
     return True

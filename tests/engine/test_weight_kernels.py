@@ -85,3 +85,22 @@ def test_a_hooked_parameter_goes_through_autograd_and_its_hook_runs() -> None:
     model[0].weight.register_hook(lambda g: seen.append(g.shape))
     assert _split_against_whole(model, torch.randn(2, 3, 4, 4)) == 1
     assert seen == [torch.Size([4, 3, 1, 1])]
+
+
+def test_a_weight_used_as_mat2_got_a_transposed_gradient() -> None:
+    """GPT-2's Conv1D multiplies by its weight itself (addmm's mat2), not by a transpose: the weight
+    kernel handed it a transposed (non-contiguous) gradient where plain autograd's is contiguous,
+    and adding into it later warned that the gradient layout contract was broken. The first
+    gradient is now made in the parameter's layout."""
+    class Conv1D(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.zeros(6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.addmm(self.bias, x, self.weight)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Conv1D(), nn.Tanh(), nn.Linear(6, 2))
+    assert _split_against_whole(model, torch.randn(3, 4)) >= 1
+    for p in model.parameters():
+        assert p.grad is not None and p.grad.stride() == p.stride()
