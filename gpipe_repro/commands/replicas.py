@@ -84,6 +84,10 @@ def register(app: typer.Typer) -> None:
             tflops: float = typer.Option(100.0, "--tflops", help="device compute rate, TFLOP/s"),
             m: str = typer.Option("4,8,16,32", "--m", help="M candidates, e.g. 4,8,32"),
             devices: str = typer.Option("8,64,512,2048", "--devices", help="job sizes N, comma-separated"),
+            overwrite: bool = typer.Option(False, "--overwrite", help="replace this command's earlier "
+                                           "plan.{json,md} (never a file it did not write)"),
+            record: bool = typer.Option(False, "--record", help="may replace the results of record "
+                                        "(what `make replicas-plan-table` passes)"),
     ) -> None:
         """K x R x M for Transformer-L and AmoebaNet-D on 8 to 2048 devices (simulated), written to
         results/replicas/plan.{json,md}."""
@@ -94,4 +98,8 @@ def register(app: typer.Typer) -> None:
         ms, ns = int_list("--m", m) or [], int_list("--devices", devices) or []
         if min(ms, default=0) < 1 or min(ns, default=0) < 1:
             raise typer.BadParameter(f"--m and --devices take counts >= 1, got {m} and {devices}")
-        table.main(memory=memory, tflops=tflops, ms=ms, devices=ns)
+        from gpipe_repro.report.output_guard import OutputRefused
+        try:
+            table.main(memory=memory, tflops=tflops, ms=ms, devices=ns, overwrite=overwrite, record=record)
+        except OutputRefused as e:
+            raise typer.BadParameter(str(e)) from None

@@ -161,6 +161,10 @@ def register(app: typer.Typer) -> None:
                                          "errors"),
             in_situ_m: int = typer.Option(1, "--in-situ-m", min=1, help="micro-batches per step of the "
                                           "in-situ runs"),
+            overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier result of "
+                                           "this command in --out (never a file it did not write)"),
+            record: bool = typer.Option(False, "--record", help="may replace the results of record "
+                                        "(what `make validate-unseen` passes)"),
     ) -> None:
         """The simulator against real runs (K=2) of models it was never tuned on."""
         from gpipe_repro.repro import validate_unseen as unseen
@@ -170,11 +174,12 @@ def register(app: typer.Typer) -> None:
             options["models"] = _names(models)
         try:
             unseen.main(batch=batch_size, steps=steps, rounds=rounds, repeats=repeats, out=out,
-                        budget=budget,
+                        budget=budget, overwrite=overwrite, record=record,
                         in_situ=in_situ, in_situ_m=in_situ_m,
                         **options,
-                        command=" ".join(["gpipe-repro validate-unseen", *given]) if given
-                        else "make validate-unseen")
+                        command=" ".join(["gpipe-repro validate-unseen", *[a for a in given
+                                                                          if a != "--record"]])
+                        if [a for a in given if a != "--record"] else "make validate-unseen")
         except SystemExit as e:
             raise typer.BadParameter(str(e)) from None
 

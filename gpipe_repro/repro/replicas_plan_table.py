@@ -15,6 +15,7 @@ from gpipe_repro.memory.planner import GiB, MemoryPlanner
 from gpipe_repro.memory.profile import rmsprop_foreach
 from gpipe_repro.memory.replicas_plan import plan_replicas
 from gpipe_repro.memory.workloads import workload
+from gpipe_repro.report.output_guard import check_outputs, owned_json
 from gpipe_repro.report.records import markdown_table, results_dir, simulated, write_json, write_markdown
 from gpipe_repro.sim.links import get_link
 
@@ -25,10 +26,21 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 DEVICES = (8, 64, 512, 2048)
 
 
+COMMAND = "replicas-plan-table"
+
+
 def main(*, memory: float = 16.0, tflops: float = 100.0, ms: Sequence[int] = (4, 8, 16, 32),
-         devices: Sequence[int] = DEVICES) -> None:
-    """Plan every (model, N), print and record the table (`memory` GiB, `tflops` TFLOP/s per device,
-    `ms` the M candidates)."""
+         devices: Sequence[int] = DEVICES, overwrite: bool = False, record: bool = False) -> None:
+    """Plan every (model, N), print and record the table in results/replicas/ (`memory` GiB, `tflops`
+    TFLOP/s per device, `ms` the M candidates). Its own earlier plan.{json,md} there are replaced
+    only with `overwrite`, the results of record only with `record` (what the make target passes),
+    a file it did not write never (checked before any work)."""
+    out = results_dir("replicas")
+    check_outputs([out / "plan.json", out / "plan.md"], command=COMMAND, option="results/replicas",
+                  overwrite=overwrite, make_target=COMMAND, record=record,
+                  own=lambda _: owned_json(out / "plan.json", COMMAND,
+                                           lambda d: isinstance(d, dict) and d.get("experiment")
+                                           == "K x R x M plans"))
     rows, records = [], []
     for label, (family, options) in MODELS.items():
         work = workload(family, None, **options)
@@ -48,13 +60,12 @@ def main(*, memory: float = 16.0, tflops: float = 100.0, ms: Sequence[int] = (4,
                             "throughput": simulated(None if best is None else best.throughput,
                                                     unit="samples/s"),
                             "candidates": [c.to_json() for c in cands]})
-            print(rows[-1], flush=True)
+            print(f"{label}, {n} devices: {cell(best)}", flush=True)
     table = markdown_table(["model", "devices", "choice", "samples/s (simulated)", "runner-up", "why"],
                            rows)
-    out = results_dir("replicas")
     config = {"memory": memory, "tflops": tflops, "ms": list(ms), "devices": list(devices)}
     write_json(out / "plan.json", {"experiment": "K x R x M plans", "config": config,
-                                   "method": "simulated", "rows": records})
+                                   "method": "simulated", "rows": records, "written_by": COMMAND})
     write_markdown(out / "plan.md", "# K x R x M for N devices (simulated)\n\n"
                    f"{memory:g} GiB and {tflops:g} TFLOP/s per device, 8 per host; replica "
                    "mini-batch fixed (the model family's default batch).\n\n" + table)

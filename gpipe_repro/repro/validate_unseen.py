@@ -35,6 +35,7 @@ from torch import nn
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import usable_cores
 from gpipe_repro.report.measurement import another_round
+from gpipe_repro.report.output_guard import OutputRefused, check_outputs, owned_json
 from gpipe_repro.report.records import (
     measured,
     results_dir,
@@ -242,7 +243,7 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
          checkpoints: Sequence[str] = ("never", "always"), models: Sequence[str] = tuple(MODELS),
          steps: int = 8, rounds: int = 1, repeats: int = 20, out: str | None = None,
          command: str = "make validate-unseen", in_situ: bool = True, in_situ_m: int = 1,
-         budget: float | None = None,
+         budget: float | None = None, overwrite: bool = False, record: bool = False,
          run: Callable[..., dict[str, Any]] = run_config, seams: Seams = PUBLIC_SEAMS) -> dict[str, Any]:
     """Run every configuration, write the results (`command`: how the page says it was made;
     `in_situ`: also correct each from a short run of its own and report both errors).
@@ -265,6 +266,8 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
     unknown = [name for name in models if name not in MODELS]
     if unknown:
         raise SystemExit(f"--models {unknown}: the models are {', '.join(map(repr, MODELS))}")
+    folder = results_dir("throughput") if out is None else Path(out)
+    check_out_dir(folder, overwrite=overwrite, record=record)
     configs = [(name, checkpoint, m) for name in models for checkpoint in checkpoints for m in ms]
     if rounds > 1:
         rows = run_in_rounds(configs, batch=batch, steps=steps, rounds=rounds, repeats=repeats,
@@ -301,9 +304,9 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
         payload["summary_unpaired"] = summarize(rows, paired=False)
     if in_situ:
         payload["summary_in_situ"] = summarize(rows, corrected=True)
-    folder = results_dir("throughput") if out is None else _own_folder(out)
-    write_json(folder / "validation_unseen.json", {
-        **payload, "step_time_s": {f"{r['model']}/{r['checkpoint']}/M{r['M']}": {
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / MANIFEST, {
+        **payload, "written_by": COMMAND, "step_time_s": {f"{r['model']}/{r['checkpoint']}/M{r['M']}": {
             "measured": measured(r["measured_step_time_s"], unit="s"),
             "simulated": simulated(uncorrected_step(r), unit="s"),
             **({"simulated_in_situ": simulated(r["step_time_s"], unit="s")} if r.get("in_situ") else {})}
@@ -314,8 +317,23 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
     return payload
 
 
-def _own_folder(path: str) -> Path:
-    """An output directory of the user's choosing (created; only the two result files are written)."""
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+COMMAND = "validate-unseen"
+MANIFEST = "validation_unseen.json"
+
+
+def check_out_dir(folder: Path, *, overwrite: bool, record: bool) -> None:
+    """Refuse, before any work, to replace a file in `folder` this command did not write (its
+    validation_unseen.json says whether the pair is its own), or its own without --overwrite, or the
+    results of record without --record (what `make validate-unseen` gives):
+    :func:`gpipe_repro.report.output_guard.check_outputs`."""
+    if folder.exists() and not folder.is_dir():
+        raise SystemExit(f"--out {folder} is a file, not a directory: give a directory")
+
+    def own(path: Path) -> bool:
+        return owned_json(folder / MANIFEST, COMMAND, lambda d: isinstance(d, dict) and "rows" in d
+                          and "experiment" in d)
+    try:
+        check_outputs([folder / MANIFEST, folder / "validation_unseen.md"], command=COMMAND,
+                      option="--out", overwrite=overwrite, own=own, make_target=COMMAND, record=record)
+    except OutputRefused as e:
+        raise SystemExit(str(e)) from None

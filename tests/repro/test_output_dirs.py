@@ -86,7 +86,9 @@ def test_the_make_targets_entry_points_pass_record(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr("sys.argv", ["experiment"])
     for module, experiment in (("gpipe_repro.repro.throughput_table", "experiments.throughput_table"),
                                ("gpipe_repro.repro.validate_simulator", "experiments.validate_simulator"),
-                               ("gpipe_repro.repro.memory_table", "experiments.memory_table")):
+                               ("gpipe_repro.repro.memory_table", "experiments.memory_table"),
+                               ("gpipe_repro.repro.validate_unseen", "experiments.validate_unseen"),
+                               ("gpipe_repro.repro.replicas_plan_table", "experiments.replicas_plan_table")):
         seen: list[Any] = []
         monkeypatch.setattr(f"{module}.main", lambda *a, seen=seen, **kw: seen.append(kw))
         with pytest.raises(SystemExit):
@@ -201,3 +203,24 @@ def test_own_model_json_is_checked_before_the_timing(own_model: str, tmp_path: P
     write_json(mine, {"k": 2, "written_by": "throughput"})
     _usage_error(argv, "pass --overwrite")
     _starts_work([*argv, "--overwrite"])       # a shape that fits: on to the work
+
+
+def test_replicas_plan_table_replaced_a_users_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`replicas-plan-table` wrote results/replicas/plan.json over whatever was there (it had no
+    --overwrite). A file it did not write is now refused before any planning, and its own earlier
+    plan is replaced only with --overwrite."""
+    from gpipe_repro.report.output_guard import OutputRefused
+    from gpipe_repro.repro import replicas_plan_table as table
+
+    monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path))
+    mine = tmp_path / "replicas" / "plan.json"
+    mine.parent.mkdir(parents=True)
+    mine.write_text('{"mine": true}')
+    with pytest.raises(OutputRefused, match="not a previous `gpipe-repro replicas-plan-table`"):
+        table.main(ms=[4], devices=[8])
+    assert mine.read_text() == '{"mine": true}'
+    mine.unlink()
+    table.main(ms=[4], devices=[8])
+    with pytest.raises(OutputRefused, match="pass --overwrite"):
+        table.main(ms=[4], devices=[8])
+    table.main(ms=[4], devices=[8], overwrite=True)

@@ -209,3 +209,26 @@ def test_rounds_stop_after_the_second_where_a_third_would_not_fit_the_budget(
     with pytest.raises(SystemExit, match="--budget -1"):
         vu.main(models=["conv net 6x32 on 16x16"], ms=[2], rounds=3, budget=-1, seams=seams,
                 out=str(tmp_path))
+
+
+def test_validate_unseen_replaced_the_users_files_in_its_out_folder(tmp_path: Path) -> None:
+    """--out DIR holding a validation_unseen.json/.md of the user's was written over without a
+    word (the command had no --overwrite). It is now refused before any work, names the file, and
+    changes nothing; its own earlier output is replaced only with --overwrite."""
+    mine = tmp_path / "validation_unseen.json"
+    mine.write_text('{"my": "numbers"}')
+    ran: list[Any] = []
+
+    def run(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        ran.append(args)
+        return fake_run({})(*args, **kwargs)
+    args: dict[str, Any] = {"models": ["residual MLP 8x1024"], "ms": [1], "checkpoints": ["never"],
+                            "out": str(tmp_path), "run": run}
+    with pytest.raises(SystemExit, match="not a previous `gpipe-repro validate-unseen` output"):
+        vu.main(**args)
+    assert mine.read_text() == '{"my": "numbers"}' and not ran
+    mine.unlink()
+    vu.main(**args)
+    with pytest.raises(SystemExit, match="pass --overwrite"):
+        vu.main(**args)
+    vu.main(**args, overwrite=True)
