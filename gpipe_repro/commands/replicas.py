@@ -25,7 +25,8 @@ def register(app: typer.Typer) -> None:
             tflops: float = typer.Option(100.0, "--tflops", help="device compute rate, TFLOP/s"),
             link: str = typer.Option("nvlink", "--link", help="the pipeline's boundary link"),
             devices_per_host: int = typer.Option(
-                8, "--devices-per-host", help="devices per host: a pipeline stays inside one host"),
+                8, "--devices-per-host", help="devices per host: whole pipelines share a host (K divides "
+                     "it) or a pipeline spans whole hosts (K a multiple of it)"),
             algorithm: str = typer.Option("ring", "--algorithm", help="all-reduce: ring | tree"),
             micro_batches: Optional[str] = typer.Option(None, "--m",
                                                         help="M candidates, e.g. 4,8,32"),

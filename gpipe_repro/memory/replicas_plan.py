@@ -71,11 +71,11 @@ def plan_replicas(planner: MemoryPlanner, devices: int, budget: float, link: Lin
     """Every (K, R = devices / K, M, checkpoint) candidate, the fastest fitting one first."""
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
-    ks, k = [], 1
-    while k <= min(devices, planner.num_layers):
-        if devices % k == 0:
-            ks.append(k)
-        k *= 2
+    # every K that divides the devices and lays pipelines on hosts whole (K divides a host's
+    # devices, or is a multiple of them: sim.data_parallel.group_placement), not powers of two only
+    devices_per_host = min(devices_per_host, devices)    # fewer devices than a host holds: one host
+    ks = [k for k in range(1, min(devices, planner.num_layers) + 1) if devices % k == 0
+          and (devices_per_host % k == 0 or k % devices_per_host == 0)]
     ms = list(micro_batches) if micro_batches else _powers(planner.batch)
     out = []
     for k in ks:

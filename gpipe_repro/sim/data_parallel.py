@@ -97,6 +97,10 @@ def group_placement(stages: int, replicas: int, devices_per_host: int) -> tuple[
     if devices_per_host < 1:
         raise ValueError(f"devices_per_host must be >= 1, got {devices_per_host}")
     if stages >= devices_per_host:
+        if stages % devices_per_host:
+            raise ValueError(f"K={stages} is not a multiple of the {devices_per_host} devices of a "
+                             "host: a pipeline spans whole hosts (K a multiple of the devices per "
+                             "host), or whole pipelines share one (K divides them)")
         return 1, replicas
     if devices_per_host % stages:
         raise ValueError(f"K={stages} does not divide the {devices_per_host} devices of a host: whole "

@@ -31,3 +31,20 @@ def test_plan_replicas_covers_every_k_and_ranks_by_job_throughput() -> None:
     tight = plan_replicas(_planner(), 8, 1.0, get_link("nvlink"), 1e12, micro_batches=[1],
                           checkpoints=("never",))
     assert not any(c.fits for c in tight)
+
+
+def test_plan_replicas_tried_powers_of_two_only_and_found_nothing_on_6_devices() -> None:
+    """K went 1, 2, 4, ...: on 6 devices only K=1 and 2 were tried, and a model that fits at K=3 or 6
+    was answered 'nothing fits'. Every K dividing the devices is tried now where pipelines lie on
+    hosts whole (K divides a host's devices or is a multiple of them); a pipeline of 3 on hosts of
+    2 devices, which the simulation took over host boundaries unasked, is refused by name."""
+    from gpipe_repro.sim.data_parallel import group_placement
+
+    cands = plan_replicas(_planner(), 6, 1.0 * GiB, get_link("nvlink"), 1e12, micro_batches=[1],
+                          checkpoints=("never",))
+    assert {c.partitions for c in cands} == {1, 2, 3}          # 4 layers: K=6 cannot be cut
+    on_pairs = plan_replicas(_planner(), 6, 1.0 * GiB, get_link("nvlink"), 1e12, micro_batches=[1],
+                             checkpoints=("never",), devices_per_host=2)
+    assert {c.partitions for c in on_pairs} == {1, 2}
+    with pytest.raises(ValueError, match="K=3 is not a multiple of the 2 devices of a host"):
+        group_placement(3, 2, 2)
