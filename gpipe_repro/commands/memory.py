@@ -45,6 +45,11 @@ MODEL_HELP = ("model family (gpipe-repro models lists them), hf:<family> (llama,
               "or a Hugging Face config.json; then its size options, and --seq-len")
 
 
+#: What the plans assume of the optimizer (the planner's `rmsprop_foreach`), said with every plan:
+#: Adam(W) keeps two states per parameter, one more 4 bytes a parameter than this.
+OPTIMIZER_STATE = ("optimizer state as RMSProp's (weight + gradient + 1 state: 12 bytes a parameter "
+                   "in fp32; Adam/AdamW keep 16)")
+
 def _planner(family: str, batch: Optional[int], extra: list[str], attention: str) -> tuple[Any, Any]:
     from gpipe_repro.commands._hf_models import hf_workload, is_hf_model
     from gpipe_repro.commands.models import parse_options
@@ -165,7 +170,7 @@ def register(app: typer.Typer) -> None:
         budget = memory * GiB
         console = table_console()
         console.print(f"{work.describe()}: {planner.parameters:,} parameters, "
-                      f"{planner.num_layers} layers", soft_wrap=True)
+                      f"{planner.num_layers} layers; {OPTIMIZER_STATE}", soft_wrap=True)
         _print_plan(plan, budget, f"K={partitions}, M={micro_batches}, checkpoint={checkpoint}, "
                                   f"{memory:g} GiB per device (simulated)")
         if engine:
@@ -257,7 +262,7 @@ def register(app: typer.Typer) -> None:
         console = table_console()
         console.print(f"{work.describe()}: {planner.parameters:,} parameters, "
                       f"{planner.num_layers} layers; {devices} devices of {memory:g} GiB, "
-                      f"{tflops:g} TFLOP/s, link {link} (simulated)", soft_wrap=True)
+                      f"{tflops:g} TFLOP/s, link {link}; {OPTIMIZER_STATE} (simulated)", soft_wrap=True)
         several = [x for x in names if cells_per_process(x) > 1]
         table = Table("K", "M", "schedule", "checkpoint", "fits", "peak GiB", "samples/s", "bubble",
                       "balance", title="fastest configurations, those that fit first",
