@@ -48,16 +48,18 @@ VERDICTS = ("met", "not met", "inconclusive")
 
 def median_interval(samples: Sequence[float], *, confidence: float = CONFIDENCE,
                     resamples: int = RESAMPLES, seed: int = 0,
-                    bootstrap_from: int = BOOTSTRAP_FROM) -> tuple[float | None, float | None, str]:
+                    bootstrap_from: int = BOOTSTRAP_FROM,
+                    per: str = "rounds") -> tuple[float | None, float | None, str]:
     """(low, high, method) of a confidence interval of the median of `samples` (see
-    :data:`BOOTSTRAP_FROM`, which `bootstrap_from` replaces); None is an unbounded side."""
+    :data:`BOOTSTRAP_FROM`, which `bootstrap_from` replaces); None is an unbounded side. `per`: what
+    one sample is, in the plural ("rounds"; "steps" where each measured step is one)."""
     n = len(samples)
     if n == 0:
         raise ValueError("no samples: measure at least one round")
     if n < 3:
-        return None, None, f"unbounded ({n} round{'s' if n > 1 else ''}: too few for an interval)"
+        return None, None, f"unbounded ({n} {per if n > 1 else per.rstrip('s')}: too few for an interval)"
     if n < max(3, bootstrap_from):
-        return min(samples), max(samples), f"range of {n} rounds (covers the median {1 - 2 ** (1 - n):.0%})"
+        return min(samples), max(samples), f"range of {n} {per} (covers the median {1 - 2 ** (1 - n):.0%})"
     data = np.asarray(samples, dtype=float)
     picks = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
     medians = np.sort(np.median(data[picks], axis=1))
@@ -84,17 +86,18 @@ class Figure:
     direction: str = ">="
     tolerance: float = 0.02
     samples: list[float] = field(default_factory=list)
+    per: str = "rounds"                 # what one sample is, in the plural (`rounds` counts them)
 
     @classmethod
     def of(cls, name: str, samples: Sequence[float], *, unit: str = "x", target: float | None = None,
            direction: str = ">=", tolerance: float = 0.02, host_fast: float | None = None,
-           seed: int = 0) -> Figure:
-        """The figure of `samples` (median and :func:`median_interval`)."""
+           seed: int = 0, per: str = "rounds") -> Figure:
+        """The figure of `samples` (median and :func:`median_interval`); `per`: what one sample is."""
         if direction not in DIRECTIONS:
             raise ValueError(f"direction {direction!r}: use one of {DIRECTIONS}")
-        low, high, how = median_interval(samples, seed=seed)
+        low, high, how = median_interval(samples, seed=seed, per=per)
         return cls(name, statistics.median(samples), low, high, len(samples), how, unit, host_fast,
-                   target, direction, tolerance, [float(s) for s in samples])
+                   target, direction, tolerance, [float(s) for s in samples], per)
 
     @property
     def half_width(self) -> float:
@@ -133,7 +136,7 @@ class Figure:
         unit = " ms" if self.unit == "s" else self.unit
         host = "" if self.host_fast is None else f", host fast {self.host_fast:.0%}"
         text = (f"{self._number(self.value)}{unit} [{self._number(self.low)}, {self._number(self.high)}]"
-                f" (n={self.rounds} rounds{host})")
+                f" (n={self.rounds} {self.per}{host})")
         if self.target is not None:
             text += f" — {self.verdict} ({self.direction} {self._number(self.target)})"
         return text

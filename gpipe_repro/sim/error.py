@@ -22,7 +22,7 @@ def paired_error_figure(rounds: Sequence[tuple[Sequence[float], float]],
     if not rounds or any(s <= 0 or not steps for steps, s in rounds):
         raise ValueError("need a positive simulated step and at least one measured step per round")
     return Figure.of(ERROR_NAME, [t / s - 1 for steps, s in rounds for t in steps], unit="",
-                     host_fast=host_fast)
+                     host_fast=host_fast, per="steps")
 
 
 def error_figure(step_times: Sequence[float], simulated_step: float,

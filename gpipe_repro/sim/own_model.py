@@ -136,6 +136,10 @@ class OwnModelResult:
             else:
                 lines.append(f"  simulator error {_pct_cell(error)} (measured / simulated - 1 [95% "
                              f"interval]: the simulator is {side})")
+            if self.rounds > 1 and self.relative_error is not None:
+                lines.append(f"  (the error pairs each round's steps with that round's simulation; the "
+                             f"two medians above, from all rounds' costs, give "
+                             f"{self.relative_error:+.1%})")
             if abs(error.value) > 0.25 and self.measured_step_time_s < 0.02:
                 lines.append("  note: steps this short are dominated by per-message and per-step "
                              "costs the calibration does not see well; use a larger --microbatch "

@@ -103,3 +103,13 @@ def test_only_a_prediction_compared_with_measured_steps_draws_this_host_s_durati
     monkeypatch.setattr(own_model, "usable_cores", lambda: 2)
     own_model.simulate_model(work, k=2, m=2, microbatch=4, validate=validate, steps=2)
     assert asked and set(asked) == {validate}
+
+
+def test_an_error_interval_counted_steps_as_rounds() -> None:
+    """The simulator's error has one sample per measured step, but its interval read "range of 6
+    rounds" after 2 rounds of 3 steps. It now says what it counts."""
+    from gpipe_repro.sim.error import paired_error_figure
+
+    figure = paired_error_figure([([1.0, 1.1, 1.2], 1.0), ([1.0, 1.05, 1.1], 1.05)])
+    assert figure.rounds == 6 and figure.interval.startswith("range of 6 steps")
+    assert "(n=6 steps" in figure.markdown()
