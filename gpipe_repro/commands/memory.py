@@ -305,7 +305,12 @@ def register(app: typer.Typer) -> None:
                 "choice": None if best is None else {
                     "partitions": best.partitions, "micro_batches": best.micro_batches,
                     "schedule": best.schedule, "checkpoint": best.checkpoint, "balance": best.balance,
-                    "throughput": best.throughput, "max_peak_bytes": best.max_peak},
+                    "throughput": best.throughput, "max_peak_bytes": best.max_peak,
+                    # GPipe's own arguments: its `partitions` counts cells (2 per device for a V
+                    # schedule, v for interleaved), where `partitions` above counts devices
+                    "gpipe_arguments": {"partitions": len(best.balance), "balance": best.balance,
+                                        "micro_batches": best.micro_batches, "schedule": best.schedule,
+                                        "checkpoint": best.checkpoint}},
                 "candidates": [{"partitions": c.partitions, "micro_batches": c.micro_batches,
                                 "schedule": c.schedule, "checkpoint": c.checkpoint, "fits": c.fits,
                                 "max_peak_bytes": c.max_peak, "throughput": c.throughput,

@@ -96,3 +96,28 @@ def test_plan_chooses_the_schedule_and_names_the_runner_ups(tmp_path: Path) -> N
     assert len(data["schedule_verdict"]) == 3 and "schedules (best fitting" in result.output
     bad = CliRunner().invoke(app, ["plan", *TINY, "--schedules", "gpipe,fifo"], terminal_width=200)
     assert bad.exit_code == 2 and "--schedules takes names from" in bad.output, bad.output
+
+
+def test_a_v_schedules_plan_did_not_run_in_gpipe_as_written(tmp_path: Path) -> None:
+    """`plan --out` gave zb-v's choice as partitions=2 (devices) beside a balance of 4 cells, and
+    GPipe(partitions=2, balance=[...4 cells]) refused it: GPipe's partitions counts cells. The choice
+    now carries GPipe's own arguments, which build the pipeline as written."""
+    import torch
+    from torch import nn
+
+    from gpipe_repro import GPipe
+    from gpipe_repro.models.transformer_lm import lm_loss, transformer_lm
+
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["plan", *TINY, "--devices", "2", "--memory", "1", "--link",
+                                      "ideal", "--m", "4", "--schedules", "zb-v", "--out", str(out)],
+                                terminal_width=200)
+    assert result.exit_code == 0, result.output
+    choice = json.loads(out.read_text())["choice"]
+    args = choice["gpipe_arguments"]
+    assert choice["partitions"] == 2 and args["partitions"] == len(choice["balance"]) == 4
+    layers = list(transformer_lm(4, d_model=64, d_ff=128, num_heads=4, vocab_size=500))
+    pipe = GPipe(layers, loss_fn=lm_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), **args)
+    assert isinstance(pipe, nn.Module) and pipe.partitions == 4
+    ids = torch.randint(0, 500, (8, 32))
+    assert torch.isfinite(torch.tensor(pipe.train_step(ids, ids)))
