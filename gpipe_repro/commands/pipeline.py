@@ -198,8 +198,15 @@ def register(app: typer.Typer) -> None:
             stage_main(train_rank, options)
             return
         from gpipe_repro.distributed.launcher import JobFailed, launch_local
+        from gpipe_repro.report.host import usable_cores
+        from gpipe_repro.train.run_dir import release_unused_claims
+        if partitions * threads > usable_cores():
+            print(f"note: {partitions} stage processes x {threads} thread(s) on {usable_cores()} usable "
+                  "core(s) time-share them: the step times and the breakdown measure the operating "
+                  "system's scheduling as much as the pipeline", flush=True)
         try:
             results = launch_local(train_rank, partitions, options, timeout=timeout, threads=threads)
         except JobFailed as e:
+            release_unused_claims()      # a failed run leaves no empty runs/pipeline-N
             raise typer.Exit(1) from e   # the launcher already printed the failing rank and its cause
         report(results[0], options)
