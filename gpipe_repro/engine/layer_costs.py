@@ -229,8 +229,7 @@ def layer_costs(layers: Sequence[nn.Module], method: str | Sequence[float] | Non
     """One cost per layer by `method` (see the module docstring), or the caller's list checked;
     `method` None: "time" with a `sample`, else "params". `loss`: (loss_fn, the targets of
     `sample`), measured with the last layer by "time" and "flops"."""
-    if method is None:
-        method = "time" if sample is not None else "params"
+    method = default_method(method, sample)
     if not isinstance(method, str):
         costs = [float(c) for c in method]
         if len(costs) != len(layers):
@@ -255,6 +254,13 @@ def layer_costs(layers: Sequence[nn.Module], method: str | Sequence[float] | Non
                 for i, (layer, x) in enumerate(zip(layers, inputs))]
     return [f + b for f, b in measure_layers(layers, inputs, device, rounds=repeats,
                                              loss=_loss_on(loss, torch.device(device)))]
+
+
+def default_method(method: str | Sequence[float] | None, sample: Any) -> str | Sequence[float]:
+    """`method`, or where it is None the default: "time" with a `sample`, else "params"."""
+    if method is None:
+        return "time" if sample is not None else "params"
+    return method
 
 
 def split_layer_costs(layers: Sequence[nn.Module], sample: Any, device: torch.device | str = "cpu",
@@ -286,8 +292,8 @@ def cut_layers(layers: Sequence[nn.Module], partitions: int, objective: str,
     backwards (zb-h1, zb-v, DualPipeV) with costs by time and the bottleneck objective, of what
     each cell runs (:func:`split_layer_costs`: the first cell whole backwards, the others both
     halves), as the harness cuts them (:func:`gpipe_repro.sim.partition_choice.choose_cut`)."""
-    method = cost if cost is not None or sample is None else "time"
-    if splits_backward and method == "time" and sample is not None and objective == "bottleneck":
+    if splits_backward and default_method(cost, sample) == "time" and sample is not None \
+            and objective == "bottleneck":
         split, whole = split_layer_costs(layers, sample, loss=loss)
         return partition(split, partitions, objective, first=whole)
     return partition(layer_costs(layers, cost, sample, loss=loss), partitions, objective)

@@ -133,6 +133,17 @@ def check_outputs(paths: Sequence[str | os.PathLike[str]], *, command: str, opti
                             "another path (nothing was touched)")
 
 
+def check_manifest_outputs(manifest: Path, pages: Sequence[Path], *, command: str, option: str,
+                           overwrite: bool, record: bool,
+                           legacy: Callable[[Any], bool] | None = None) -> None:
+    """:func:`check_outputs` for a command's JSON `manifest` and the `pages` it writes beside it:
+    each is the command's own where the manifest is (stamped by it, or, from before the stamps,
+    a dict `legacy` recognizes); the command's make target has its own name."""
+    check_outputs([manifest, *pages], command=command, option=option, overwrite=overwrite,
+                  own=lambda _: owned_json(manifest, command, legacy), make_target=command,
+                  record=record)
+
+
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -15,7 +15,7 @@ from gpipe_repro.memory.planner import GiB, MemoryPlanner
 from gpipe_repro.memory.profile import rmsprop_foreach
 from gpipe_repro.memory.replicas_plan import plan_replicas
 from gpipe_repro.memory.workloads import workload
-from gpipe_repro.report.output_guard import check_outputs, owned_json
+from gpipe_repro.report.output_guard import check_manifest_outputs
 from gpipe_repro.report.records import markdown_table, results_dir, simulated, write_json, write_markdown
 from gpipe_repro.sim.links import get_link
 
@@ -36,11 +36,9 @@ def main(*, memory: float = 16.0, tflops: float = 100.0, ms: Sequence[int] = (4,
     only with `overwrite`, the results of record only with `record` (what the make target passes),
     a file it did not write never (checked before any work)."""
     out = results_dir("replicas")
-    check_outputs([out / "plan.json", out / "plan.md"], command=COMMAND, option="results/replicas",
-                  overwrite=overwrite, make_target=COMMAND, record=record,
-                  own=lambda _: owned_json(out / "plan.json", COMMAND,
-                                           lambda d: isinstance(d, dict) and d.get("experiment")
-                                           == "K x R x M plans"))
+    check_manifest_outputs(out / "plan.json", [out / "plan.md"], command=COMMAND,
+                           option="results/replicas", overwrite=overwrite, record=record,
+                           legacy=lambda d: isinstance(d, dict) and d.get("experiment") == "K x R x M plans")
     rows, records = [], []
     for label, (family, options) in MODELS.items():
         work = workload(family, None, **options)

@@ -35,7 +35,7 @@ from torch import nn
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import usable_cores
 from gpipe_repro.report.measurement import another_round
-from gpipe_repro.report.output_guard import OutputRefused, check_outputs, owned_json
+from gpipe_repro.report.output_guard import OutputRefused, check_manifest_outputs
 from gpipe_repro.report.records import (
     measured,
     results_dir,
@@ -329,11 +329,9 @@ def check_out_dir(folder: Path, *, overwrite: bool, record: bool) -> None:
     if folder.exists() and not folder.is_dir():
         raise SystemExit(f"--out {folder} is a file, not a directory: give a directory")
 
-    def own(path: Path) -> bool:
-        return owned_json(folder / MANIFEST, COMMAND, lambda d: isinstance(d, dict) and "rows" in d
-                          and "experiment" in d)
     try:
-        check_outputs([folder / MANIFEST, folder / "validation_unseen.md"], command=COMMAND,
-                      option="--out", overwrite=overwrite, own=own, make_target=COMMAND, record=record)
+        check_manifest_outputs(folder / MANIFEST, [folder / "validation_unseen.md"], command=COMMAND,
+                               option="--out", overwrite=overwrite, record=record,
+                               legacy=lambda d: isinstance(d, dict) and "rows" in d and "experiment" in d)
     except OutputRefused as e:
         raise SystemExit(str(e)) from None
