@@ -28,6 +28,7 @@ the next layer's input nor the caller's `sample`, and never modify an autograd l
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -39,7 +40,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_repro.engine import boundary
-from gpipe_repro.engine.backward_split import split_backward_input
+from gpipe_repro.engine.backward_split import DeferredWeights, WeightWork
 from gpipe_repro.engine.partition import partition
 
 __all__ = ["METHODS", "layer_inputs", "measure_layer", "measure_layers", "likeness", "layer_flops",
@@ -103,17 +104,19 @@ def _backward(out: Any, layer: nn.Module, leaves: Any, loss: Loss | None) -> Non
         torch.autograd.backward(s, inputs=inputs)
 
 
-def _split_backward(out: Any, layer: nn.Module, leaves: Any) -> None:
-    """The backward of a measured forward as a zero-bubble stage runs it: its input half
-    (:func:`gpipe_repro.engine.backward_split.split_backward_input`), then its weight half, into
-    `layer`'s parameters and the input `leaves` only (as :func:`_backward`)."""
+def _split_backward(out: Any, layer: nn.Module, leaves: Any, work: WeightWork | None) -> None:
+    """The backward of a measured forward as a zero-bubble stage runs it: its input half (autograd's,
+    the forward having deferred what :mod:`gpipe_repro.engine.backward_split` defers), then its weight
+    half (`work`), into `layer`'s parameters and the input `leaves` only (as :func:`_backward`)."""
     s = _floating_sum(out)
     if s is None:
         return
-    params = [p for p in layer.parameters() if p.requires_grad]
-    inputs = [t for t in boundary.tensors(leaves) if t.requires_grad]
-    if params or inputs:
-        split_backward_input([s], [torch.ones_like(s)], inputs, params, only=params + inputs)()
+    inputs = [p for p in layer.parameters() if p.requires_grad] + [
+        t for t in boundary.tensors(leaves) if t.requires_grad]
+    if inputs:
+        torch.autograd.backward(s, inputs=inputs)
+    if work is not None:
+        work()
 
 
 def measure_layer(layer: nn.Module, x: Any, device: torch.device | str = "cpu", repeats: int = 5,
@@ -123,17 +126,20 @@ def measure_layer(layer: nn.Module, x: Any, device: torch.device | str = "cpu", 
     into its input and weight halves, as a zero-bubble schedule's stage runs it."""
     device = torch.device(device)
     layer = copy.deepcopy(layer).to(device).train()
+    deferral = DeferredWeights(layer) if split else None
     fwd, bwd = [], []
     for i in range(warmup + repeats):
         leaves = boundary.attach(x, device)
         inp = _copy(leaves)
         _sync(device)
         t0 = time.perf_counter()
-        out = _with_loss(layer(inp), loss)
+        with deferral.recording() if deferral is not None else contextlib.nullcontext() as work:
+            out = layer(inp)
+        out = _with_loss(out, loss)
         _sync(device)
         t1 = time.perf_counter()
         if split:
-            _split_backward(out, layer, leaves)
+            _split_backward(out, layer, leaves, work)
         else:
             _backward(out, layer, leaves, loss)
         _sync(device)

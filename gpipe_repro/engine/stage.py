@@ -10,8 +10,8 @@ handler and keeps, per micro-batch m:
   between a non-checkpointed FORWARD (or a RECOMPUTE) and the BACKWARD. A checkpointed forward runs
   under ``no_grad`` and keeps nothing but the input: that is re-materialization;
 - ``outbox``: detached outputs / input gradients waiting for their SEND;
-- ``cuts[m]`` and ``weight_work[m]``: a zero-bubble split's per-layer graph and its pending weight
-  half (:mod:`gpipe_repro.engine.backward_split`).
+- ``deferred[m]`` and ``weight_work[m]``: a zero-bubble split's weight gradients deferred in m's
+  forward, and its pending weight half (:mod:`gpipe_repro.engine.backward_split`).
 
 Every layer runs after :func:`gpipe_repro.engine.rng.seed_layer`, so a RECOMPUTE draws the same dropout
 masks as its FORWARD, and results do not depend on how the model is cut. What a layer is fed follows
@@ -26,6 +26,7 @@ factor, skip); OPTIMIZER_STEP applies it. A tied parameter's copy that another c
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -34,10 +35,10 @@ from torch import nn
 
 from gpipe_repro.engine import boundary
 from gpipe_repro.engine.agreement import Agreement, Contribution, StepConfig, stage_contribution
-from gpipe_repro.engine.backward_split import LayerCuts, cuts_layers, split_by_layer
+from gpipe_repro.engine.backward_split import DeferredWeights, WeightWork, full_backward, splits_input
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_many
 from gpipe_repro.engine.compiled import compiled_runner
-from gpipe_repro.engine.feeding import GuardedInput, InputGuard
+from gpipe_repro.engine.feeding import InputGuard
 from gpipe_repro.engine.layer_state import BufferWatch
 from gpipe_repro.engine.losses import weighted_loss
 from gpipe_repro.engine.precision import autocast, cast_boundary
@@ -111,7 +112,7 @@ class StageExecutor:
         self.split_microbatches: frozenset[int] = frozenset()
         self.checkpointed: frozenset[int] = frozenset()
         self._schedule: Schedule | None = None   # the schedule the two sets above were read from
-        self.param_ids: frozenset[int] = frozenset()
+        self.deferral: DeferredWeights | None = None   # the cell's layers whose weight gradients defer
         # One handler per action kind (DeepSpeed's _INSTRUCTION_MAP style).
         self.handlers: dict[ActionKind, Callable[[int | None], None]] = {
             ActionKind.RECV_ACT: self._recv_act, ActionKind.FORWARD: self._forward,
@@ -151,8 +152,8 @@ class StageExecutor:
         self.grads_in: dict[int, list[torch.Tensor | None]] = {}
         self.outputs: dict[int, Any] = {}
         self.weight_work: dict[int, Callable[[], None]] = {}   # BACKWARD_INPUT -> its BACKWARD_WEIGHT
-        # Micro-batch m's graph cut at every layer boundary, for a split backward (LayerCuts.pieces).
-        self.cuts: dict[int, list[tuple[Any, Any]]] = {}
+        # Micro-batch m's deferred weight gradients, for a split backward.
+        self.deferred: dict[int, WeightWork] = {}
         self.loss_sum: torch.Tensor | None = None
         self.count_sum: torch.Tensor | None = None
         self.agreement = None
@@ -178,10 +179,8 @@ class StageExecutor:
                                                 if a.kind is ActionKind.BACKWARD_INPUT
                                                 and a.microbatch is not None)
             self._schedule = schedule
-        # The trainable parameters the split may defer (taken once per step: walking the modules per
-        # layer and micro-batch cost more than the split saved).
-        self.param_ids = (frozenset(id(p) for p in self.cell.parameters() if p.requires_grad)
-                          if self.split_microbatches else frozenset())
+        # The layers the split may defer (found once per step, not per micro-batch).
+        self.deferral = DeferredWeights(self.cell) if self.split_microbatches else None
         self.training = schedule.training
         self.config = config or StepConfig()
         self.microbatches = list(microbatches) if microbatches is not None else None
@@ -271,7 +270,7 @@ class StageExecutor:
 
     def _backward(self, m: int | None) -> None:
         assert m is not None
-        if m in self.cuts:        # a graph cut for the split: both halves, now
+        if m in self.deferred:    # a forward that deferred weight gradients: both halves, now
             self._backward_input(m)
             self._backward_weight(m)
             return
@@ -288,15 +287,21 @@ class StageExecutor:
             self.outbox[(ActionKind.SEND_GRAD, m)] = boundary.input_grads(x)
 
     def _backward_input(self, m: int | None) -> None:
-        """The zero-bubble split's first half (Qi et al., ICLR 2024): only the gradient of the cell's
-        input, which the previous stage waits for, layer by layer on the graph :meth:`_run` cut
-        (:func:`~gpipe_repro.engine.backward_split.split_by_layer`); the parameters' gradients are
-        left to :meth:`_backward_weight`."""
+        """The zero-bubble split's first half (Qi et al., ICLR 2024): the cell's backward as plain
+        autograd runs it, which the forward left without the deferred layers' weight gradients
+        (:mod:`~gpipe_repro.engine.backward_split`); those are left to :meth:`_backward_weight`. A
+        forward that deferred nothing (stage 0, whose input is the model's; a cell whose input takes
+        no gradient) runs its whole backward at W: no stage waits for its input's gradient."""
         assert m is not None
         outs, grads = self._seeds(m)
         x = self.inputs.pop(m)
-        self.weight_work[m] = split_by_layer(outs, grads, x, self.cuts.pop(m, None), self.param_ids,
-                                             model_input=self.stage == 0)
+        work = self.deferred.pop(m, None)
+        if work is None:
+            self.weight_work[m] = full_backward(outs, grads)
+        else:
+            if outs:
+                torch.autograd.backward(outs, grads)
+            self.weight_work[m] = work
         if self.stage > 0:
             self.outbox[(ActionKind.SEND_GRAD, m)] = boundary.input_grads(x)
 
@@ -349,33 +354,28 @@ class StageExecutor:
     def _run(self, x: Any, m: int, recompute: bool = False) -> Any:
         """The cell's forward on micro-batch m, seeding each layer; the last stage adds the loss.
         The cell is fed `x` by the input guard's rule. Where m's backward is split
-        (:meth:`_backward_input`), the graph is cut at every layer boundary (:class:`LayerCuts`) and
-        the pieces are kept in ``cuts[m]``; each cut is fed to its layer by the same rule."""
+        (:meth:`_backward_input`), the deferrable layers defer their weight gradients into
+        ``deferred[m]`` (:class:`~gpipe_repro.engine.backward_split.DeferredWeights`)."""
         guard, training = self.input_guard, self.training
         entry = guard.feed(x, training)
-        cut: GuardedInput | None = None          # the cut fed to the layer running now, if any
-        cuts = (LayerCuts(x) if training and torch.is_grad_enabled() and m in self.split_microbatches
-                and cuts_layers(x, len(self.cell), self.stage) else None)
+        deferring = (self.deferral.recording() if self.deferral is not None and training
+                     and torch.is_grad_enabled() and m in self.split_microbatches
+                     and splits_input(x, self.stage) else None)
         seed, step, key, device, first = self.seed, self.step, self.step_key, self.device, self.first_layer
         mb = m + self.microbatch_offset
         try:
-            with self._autocast():
+            with self._autocast(), deferring or contextlib.nullcontext() as work:
                 h = entry.value
                 for i, layer in enumerate(self.cell):
-                    if cuts is not None and i > 0:
-                        cut = guard.feed(cuts.cut(h), training, i)
-                        h = cut.value
                     seed_layer(seed, step, first + i, mb, device, key)
                     h = self.runners[i](h)
                     if not isinstance(h, torch.Tensor):   # a tensor always may cross
                         boundary.check(h, f"layer {first + i} ({type(layer).__name__})")
-                    if cut is not None:
-                        guard.settle(cut, training, m)
-                        cut = None
-                if self.is_last and training and torch.is_grad_enabled():
+            if self.is_last and training and torch.is_grad_enabled():
+                with self._autocast():
                     h = self._loss(h, m, recompute)
         except RuntimeError as e:
-            guard.caught_by_autograd(cut or entry, training, m, e)   # a cut's layer raised, or the cell
+            guard.caught_by_autograd(entry, training, m, e)
             raise
         except ValueError as e:
             if _ONE_VALUE_PER_CHANNEL not in str(e):
@@ -388,8 +388,8 @@ class StageExecutor:
                 "needs more than one value per channel in training, and micro-batches of one row "
                 "have one. Use fewer micro-batches (M at most half the batch) or a larger batch") from e
         guard.settle(entry, training, m)
-        if cuts is not None:
-            self.cuts[m] = cuts.close(h)
+        if work is not None:
+            self.deferred[m] = work
         return h
 
     def _autocast(self) -> Any:

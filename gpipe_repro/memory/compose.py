@@ -199,24 +199,23 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
                 st.release(holder)
         elif kind is ActionKind.BACKWARD_INPUT:
             # The zero-bubble split (Qi et al., ICLR 2024). Stage 0 computes nothing at I (its whole
-            # backward runs at W, as StageExecutor does). Elsewhere the input gradient's pass runs
-            # now and the graph stays until W, with the gradients that arrived where the weights'
-            # paths join the input's (W starts from them). Those are gradients of outputs of
-            # parameterized ops, which the profiles do not itemize: estimated from above, per
-            # layer with parameters, by what the layer saves plus its new output.
+            # backward runs at W, as StageExecutor does). Elsewhere the cell's backward runs now
+            # without the deferred weight gradients (engine.backward_split): its graph goes, and
+            # until W each deferred linear or convolution keeps its input and its output's gradient
+            # (the profiles' deferred_bytes).
             if not first:
-                _backward(st, cells[m], m, grads_in.get(m), accumulate=True, send=True, where=where,
-                          hold_graph=True)
-                st.new(sum(p.saved_internal + p.out_new_bytes() for p in cells[m] if p.param_bytes),
-                       ACTIVATIONS, ("graph", m, 0))
-                for name in ("gin", "stash", "var"):
+                _backward(st, cells[m], m, grads_in.get(m), accumulate=True, send=True, where=where)
+                if not have_grads:
+                    st.add(GRADS, sum(p.grad_bytes - p.deferred_grad_bytes for p in cells[m]))
+                st.new(sum(p.deferred_bytes for p in cells[m]), ACTIVATIONS, ("graph", m, 0))
+                for name in ("cell", "gin", "stash", "var"):
                     st.release((name, m))
         elif kind is ActionKind.BACKWARD_WEIGHT:
             if first:
                 _backward(st, cells[m], m, grads_in.get(m), accumulate=have_grads, send=False,
                           where=where)
             elif not have_grads:
-                st.add(GRADS, sum(p.grad_bytes for p in cells[m]))
+                st.add(GRADS, sum(p.deferred_grad_bytes for p in cells[m]))
             have_grads = True
             for name in ("cell", "gin", "stash", "var"):
                 st.release((name, m))

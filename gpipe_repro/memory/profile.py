@@ -41,6 +41,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from gpipe_repro.engine.backward_split import deferrable
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_many
 from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.memory.fake import fake_module
@@ -90,6 +91,10 @@ class LayerProfile:
     fwd_flops: int
     bwd_flops: int
     has_flops: bool = False
+    # what a zero-bubble split keeps from BACKWARD_INPUT to BACKWARD_WEIGHT: the inputs of the
+    # layers whose weight gradients it defers and their outputs' gradients (engine.backward_split)
+    deferred_bytes: int = 0
+    deferred_grad_bytes: int = 0        # .grad bytes of those layers' parameters (made at W)
 
     def out_new_bytes(self) -> int:
         return sum(b for b, o in zip(self.out_sig.group_bytes, self.out_origin) if o is None)
@@ -244,7 +249,8 @@ class _Profiler:
             if flops is not None:
                 stack.enter_context(flops)
             start = self._window()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                    _DeferredSizes(self.layer) as deferred:
                 out = self.layer(x)
             fwd_flops = flops.get_total_flops() if flops is not None else 0
         fwd = self._deltas(start)
@@ -261,7 +267,8 @@ class _Profiler:
                                    if origin[g] is None and self.tracker.key_of(t) in saved),
             "saved_internal": sum(b for k, b in born_alive.items() if k in saved and k not in out_keys),
             "state_bytes": sum(b for k, b in born_alive.items() if k not in saved and k not in out_keys),
-            "fwd_flops": fwd_flops}
+            "fwd_flops": fwd_flops,
+            "deferred_bytes": deferred.bytes if any(t.requires_grad for t in self.leaves.values()) else 0}
 
         # Backward from gradients created inside it; nothing but the graph holds x or the output.
         rg = [t for t in {id(t): t for t in pytree.tree_leaves(out)
@@ -375,6 +382,36 @@ class LayerNotTraceable(ValueError):
     """A layer whose step cannot run on fake tensors, so the planner cannot measure it."""
 
 
+class _DeferredSizes:
+    """Bytes of the inputs (each once) and outputs of the forward's calls of deferrable modules
+    (:func:`gpipe_repro.engine.backward_split.deferrable`): sizes only, no reference kept (which
+    would change the lifetimes the tracker measures)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.modules = [m for m in layer.modules() if deferrable(m)
+                        and any(p.requires_grad for p in m.parameters(recurse=False))]
+        self.bytes = 0
+        self._inputs: set[int] = set()
+        self._handles: list[Any] = []
+
+    def _hook(self, module: nn.Module, args: Any, out: Any) -> None:
+        if not (args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor)):
+            return
+        x = args[0]
+        if id(x) not in self._inputs:
+            self._inputs.add(id(x))
+            self.bytes += x.numel() * x.element_size()
+        self.bytes += out.numel() * out.element_size()
+
+    def __enter__(self) -> _DeferredSizes:
+        self._handles = [m.register_forward_hook(self._hook) for m in self.modules]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+
+
 def profile_layer(layer: nn.Module, in_sig: ValueSig, optimizer: OptimizerFactory | None = rmsprop,
                   attention: str = "fused", flops: bool = False, name: str | None = None) -> LayerProfile:
     """Measure `layer` on an input of signature `in_sig` (see the module docstring). FLOPs are
@@ -412,7 +449,10 @@ def profile_layer(layer: nn.Module, in_sig: ValueSig, optimizer: OptimizerFactor
         param_bytes=sum(q.numel() * q.element_size() for q in original),
         buffer_bytes=sum(b.numel() * b.element_size() for b in layer.buffers() if id(b) not in skip),
         grad_bytes=first["grad_bytes"], opt_state_bytes=opt_state, opt_peak=opt_peak,
-        fwd_flops=first["fwd_flops"], bwd_flops=first["bwd_flops"], has_flops=flops)
+        fwd_flops=first["fwd_flops"], bwd_flops=first["bwd_flops"], has_flops=flops,
+        deferred_bytes=first["deferred_bytes"],
+        deferred_grad_bytes=sum(q.numel() * q.element_size() for m in layer.modules() if deferrable(m)
+                                for q in m.parameters(recurse=False) if q.requires_grad))
 
 
 class ProfileCache:

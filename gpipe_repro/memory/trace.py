@@ -84,7 +84,10 @@ class StepTrace:
     fake: bool
 
 
-def _instrument(executor: StageExecutor, tracker: MemoryTracker) -> None:
+def _instrument(executor: StageExecutor, tracker: MemoryTracker, params: list[torch.Tensor]) -> None:
+    """Each action in its tracker scope; after it, the parameters' gradients counted as gradients
+    (not through gradient hooks, which would change what the engine runs: a zero-bubble split
+    defers the weight gradients of parameters without hooks differently)."""
     run = executor.execute
     stage = executor.stage
 
@@ -92,6 +95,7 @@ def _instrument(executor: StageExecutor, tracker: MemoryTracker) -> None:
         tracker.begin(stage, str(action))
         with tracker.scope(stage, _CATEGORY.get(action.kind, ACTIVATIONS)):
             run(action)
+        tracker.recategorize([p.grad for p in params if p.grad is not None], GRADS)
         tracker.mark(stage)
 
     executor.execute = execute  # type: ignore[method-assign]  # instrumenting this one executor
@@ -169,9 +173,7 @@ def trace_step(layers: Sequence[nn.Module], sample: Any, target: Any,
             if opt is not None:
                 tracker.register([v for st in opt.state.values() for v in st.values()
                                   if isinstance(v, torch.Tensor)], s, OPTIMIZER)
-            for p in cell.parameters():
-                p.register_post_accumulate_grad_hook(lambda p: tracker.recategorize(p.grad, GRADS))
-            _instrument(executor, tracker)
+            _instrument(executor, tracker, list(cell.parameters()))
         tracker.reset_peaks()
         with tracker:
             pipe.train_step(sample, target)

@@ -135,62 +135,6 @@ def test_zb_h1_with_parameters_the_split_cannot_group() -> None:
                          checkpoint="never", batches=batches, schedule="zb-h1")
 
 
-def test_split_backward_defers_the_weight_gradients() -> None:
-    from gpipe_repro.engine.backward_split import split_backward_input
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
-    ref = nn.Sequential(*[m for m in __import__("copy").deepcopy(net)])
-    x, g = torch.randn(4, 5, requires_grad=True), torch.randn(4, 3)
-    later = split_backward_input([net(x)], [g], [x], list(net.parameters()))
-    assert x.grad is not None and all(p.grad is None for p in net.parameters()), "I must not touch weights"
-    later()
-    x_ref = x.detach().clone().requires_grad_()
-    ref(x_ref).backward(g)
-    torch.testing.assert_close(x.grad, x_ref.grad)
-    for p, q in zip(net.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
-
-
-def _split_against_plain(forward: Any, params: list[torch.Tensor], x: torch.Tensor,
-                         g: torch.Tensor) -> None:
-    """split_backward_input's two halves on `forward`(x) against one plain backward (autograd.grad
-    over the same graph, which never calls the split)."""
-    from gpipe_repro.engine.backward_split import split_backward_input
-    out = forward(x)
-    ref = torch.autograd.grad(out, [x, *params], g, retain_graph=True)
-    later = split_backward_input([out], [g], [x], params)
-    later()
-    for got, want in zip([x.grad, *(p.grad for p in params)], ref):
-        torch.testing.assert_close(got, want)
-
-
-def test_silent_split_hook_on_a_join_nodes_output_runs_once() -> None:
-    """A hook on a tensor where a weight's gradient path meets the input's (a linear layer's output,
-    a gradient clamp inside a model): the weight half started from the gradient taken before the
-    hook (a direct kernel then missed it) or ran it twice (an autograd call from the join node). Both
-    halves now see it once, as plain backward does."""
-    torch.manual_seed(0)
-    lin, a = nn.Linear(4, 3), torch.randn(3, requires_grad=True)
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        h = lin(x)                       # a direct kernel's join node (addmm)
-        h.register_hook(lambda grad: 2 * grad)
-        y = h * a                        # an autograd group's join node (mul)
-        y.register_hook(lambda grad: grad + 1)
-        return torch.tanh(y)
-    _split_against_plain(forward, [lin.weight, lin.bias, a], torch.randn(5, 4, requires_grad=True),
-                         torch.randn(5, 3))
-
-
-def test_split_groups_whose_walks_cross_each_others_join_nodes() -> None:
-    """Two parameter groups through autograd where one's walk passes another's join node
-    (((x * a) * b) * a): the first walk freed the graph the second starts from."""
-    torch.manual_seed(0)
-    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
-    _split_against_plain(lambda x: ((x * a) * b) * a, [a, b], torch.randn(2, 3, requires_grad=True),
-                         torch.randn(2, 3))
-
-
 # Distributed: the same checks as tests/distributed/test_equivalence.py (each rank compares its cell
 # with a local GPipe and the reference, two steps) on ZB-H1 configurations.
 ZB_CONFIGS = {2: [("mlp", 4, "never", False, "zb-h1"), ("transformer", 3, "always", True, "zb-h1"),
@@ -273,8 +217,7 @@ def test_zb_h1_global_clipping_reads_every_w() -> None:
                          batches=batches, schedule="zb-h1", clip_grad_norm=0.05, atol=1e-5)
 
 
-# The split runs layer by layer on a graph cut at every layer boundary (backward_split.LayerCuts):
-# every layer boundary inside a cell is then a cut, with the cell input's in-place rules.
+# In-place layers inside a cell, under the split's deferred weight gradients.
 @pytest.mark.parametrize("mode", ["always", "except_last", "never"])
 @pytest.mark.parametrize("k", [2, 3])
 def test_zb_h1_with_inplace_layers_inside_cells(mode: str, k: int) -> None:
@@ -286,58 +229,17 @@ def test_zb_h1_with_inplace_layers_inside_cells(mode: str, k: int) -> None:
                              optimizer=sgd_momentum, atol=1e-5, schedule="zb-h1")
 
 
-def test_zb_h1_inplace_that_starts_late_inside_a_cell_fails_the_step_before_any_update() -> None:
-    import copy
-
-    from gpipe_repro import GPipe
+def test_zb_h1_inplace_that_starts_late_inside_a_cell_trains_as_plain_pytorch() -> None:
+    """A layer inside a cell that starts modifying its input (a linear layer's output) in place:
+    plain PyTorch trains through it, and so does the split (its forward keeps no autograd leaf
+    inside a cell for the in-place operation to trip on)."""
     from tests.engine.test_inplace import LateInplace
     torch.manual_seed(0)
-    pipe = GPipe([nn.Linear(4, 4), nn.Linear(4, 4), LateInplace(after=2), nn.Linear(4, 1)],
-                 partitions=2, balance=[1, 3], micro_batches=2, checkpoint="never",
-                 schedule="zb-h1", loss_fn=nn.MSELoss(),
-                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-    x, y = torch.randn(4, 4), torch.randn(4, 1)
-    pipe.train_step(x, y)          # calls 1..2: the probe at the cut saw no change
-    before = copy.deepcopy(pipe.state_dict())
-    with pytest.raises(RuntimeError, match="layer 2 modified its input.*in place.*no cell was updated"):
-        pipe.train_step(x, y)
-    for name, value in pipe.state_dict().items():
-        assert torch.equal(value, before[name]), name
-    pipe.train_step(x, y)          # now copied: works
-    assert pipe.step == 2
-
-
-def _graph_size(outs: list[torch.Tensor]) -> int:
-    seen, todo = set(), [t.grad_fn for t in outs]
-    while todo:
-        node = todo.pop()
-        if node is not None and node not in seen:
-            seen.add(node)
-            todo.extend(f for f, _ in node.next_functions)
-    return len(seen)
-
-
-def test_zb_h1_splits_one_layer_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each split call sees one layer's graph, not the cell's: the weight half's autograd calls
-    each walk the graph below their start, so a whole-cell split costs the square of the cell's
-    size (see gpipe_repro.engine.backward_split)."""
-    import gpipe_repro.engine.backward_split as split_module
-    from gpipe_repro import GPipe
-    real, seen = split_module.split_backward_input, []
-
-    def recording(outs, grads, leaves, params):  # type: ignore[no-untyped-def]
-        seen.append(_graph_size(outs))
-        return real(outs, grads, leaves, params)
-    monkeypatch.setattr(split_module, "split_backward_input", recording)
-    torch.manual_seed(0)
-    layers = [nn.Linear(4, 4) for _ in range(6)]
-    whole = _graph_size([nn.Sequential(*layers[3:])(torch.randn(2, 4, requires_grad=True))])
-    pipe = GPipe(layers, partitions=2, balance=[3, 3], micro_batches=2, checkpoint="never",
-                 schedule="zb-h1", loss_fn=lambda out, y: out.pow(2).mean(), optimizer=None)
-    pipe.train_step(torch.randn(4, 4), torch.randn(4, 4))
-    # stage 1 (stage 0 has no input gradient: its whole backward runs at W): 3 layers x 2 micro-batches
-    assert len(seen) == 6
-    assert max(seen) < whole, (seen, whole)
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4), LateInplace(after=2), nn.Linear(4, 1)]
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)) for _ in range(3)]
+    assert_same_training(layers, None, None, nn.MSELoss(), partitions=2, micro_batches=2,
+                         checkpoint="never", balance=[1, 3], batches=batches, schedule="zb-h1")
 
 
 class _Triple(nn.Module):
@@ -438,11 +340,10 @@ class _Fp32Norm(nn.Module):
 
 
 def test_bf16_split_sums_a_cut_values_gradients_in_fp32_as_plain_autocast() -> None:
-    """A cut's value is an autograd leaf; autocast caches the cast of leaves that require grad (as
+    """A cell's input is an autograd leaf; autocast caches the cast of leaves that require grad (as
     it does a weight's), so an fp32 value read by two Linears would be cast once and its two
-    gradients summed in bf16. The executor feeds layers a view of the leaf (backward_split.LayerCuts),
-    and the result equals plain autocast training within the bf16 tolerance of
-    tests/engine/test_steps.py."""
+    gradients summed in bf16. Deferred under autocast, the result equals plain autocast training
+    within the bf16 tolerance of tests/engine/test_steps.py."""
     from tests.engine.test_steps import batch
     torch.manual_seed(0)
     layers = [nn.Linear(6, 16), _Fp32Norm(16), _Gate(16), nn.Linear(16, 3)]

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_repro.engine import boundary
-from gpipe_repro.engine.backward_split import split_backward_input
+from gpipe_repro.engine.backward_split import DeferredWeights, WeightWork
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_all
 from gpipe_repro.engine.feeding import guard_input
 from gpipe_repro.engine.recompute import recomputing
@@ -49,6 +49,7 @@ class _TimedLayer:
         self.opt = make_optimizer(params) if params else None
         self.device, self.index, self.loss = device, index, loss
         self.copies: bool | None = None    # whether it modifies its input in place (learned)
+        self.deferral = DeferredWeights(self.layer)
 
     def run(self, inp: Any) -> Any:
         """The layer on `inp` as the stage executor feeds it (:func:`gpipe_repro.engine.feeding.feed`):
@@ -68,17 +69,26 @@ class _TimedLayer:
             torch.autograd.backward(outs, None if self.loss is not None else
                                     [torch.ones_like(t) for t in outs])
 
-    def backward_input(self, y: Any, inp: Any) -> Callable[[], None] | None:
-        """The zero-bubble split's BACKWARD_INPUT as the stage executor runs it
-        (:func:`gpipe_repro.engine.backward_split.split_backward_input`); returns its BACKWARD_WEIGHT. None
-        where there is no input gradient to split off (the model's first layer: a stage 0 runs its
-        whole backward at W)."""
+    def run_split(self, inp: Any) -> tuple[Any, WeightWork | None]:
+        """The layer on `inp` as a zero-bubble stage runs a forward whose backward it splits
+        (:mod:`gpipe_repro.engine.backward_split`), and the weight work it deferred; None where
+        there is no input gradient to split off (the model's first layer: a stage 0 runs its whole
+        backward at W)."""
+        if not any(boundary.carries_grad(t) and t.requires_grad for t in boundary.tensors(inp)):
+            return self.run(inp), None
+        with self.deferral.recording() as work:
+            y = self.run(inp)
+        return y, work
+
+    def backward_input(self, y: Any, work: WeightWork | None) -> Callable[[], None] | None:
+        """The zero-bubble split's BACKWARD_INPUT of a :meth:`run_split` as the stage executor runs
+        it (autograd's backward, without the deferred weight gradients); returns its
+        BACKWARD_WEIGHT (`work`), None where nothing was split."""
         outs = [t for t in boundary.tensors(y) if boundary.carries_grad(t) and t.requires_grad]
-        leaves = [t for t in boundary.tensors(inp) if boundary.carries_grad(t) and t.requires_grad]
-        if not outs or not leaves:
+        if not outs or work is None:
             return None
-        params = [p for p in self.layer.parameters() if p.requires_grad]
-        return split_backward_input(outs, [torch.ones_like(t) for t in outs], leaves, params)
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        return work
 
     def step(self) -> None:
         commit_all(self.layer)            # the OPTIMIZER_STEP commits DeferredBatchNorm statistics
@@ -93,7 +103,10 @@ class _TimedLayer:
 #: What the timing functions return per layer: seconds of FORWARD, checkpointed FORWARD, RECOMPUTE,
 #: BACKWARD (into fresh gradients), OPTIMIZER_STEP, the extra of a BACKWARD into existing gradients,
 #: and the zero-bubble split's BACKWARD_INPUT and BACKWARD_WEIGHT (into existing gradients; None for
-#: a layer whose input takes no gradient).
+#: a layer whose input takes no gradient). A split micro-batch's forward costs a little more than a
+#: plain one (it detaches the deferred layers' weights and keeps their inputs:
+#: :mod:`gpipe_repro.engine.backward_split`); that extra is counted in its BACKWARD_INPUT, so a stage's
+#: total is right and FORWARD stays one figure for every schedule.
 ActionSeconds = tuple[float, float, float, float, float, float, float | None, float | None]
 
 
@@ -157,17 +170,18 @@ def time_layer_actions(layer: nn.Module, x: Any, device: torch.device | str, *, 
             t.backward(y)                 # a BACKWARD adding into existing gradients
             t7 = stamp()
         with recomputing():
-            y = t.run(inp)
+            y, work = t.run_split(inp)
         t8 = stamp()
-        weight = t.backward_input(y, inp)         # the zero-bubble split: BACKWARD_INPUT
+        weight = t.backward_input(y, work)        # the zero-bubble split: BACKWARD_INPUT
         t9 = stamp()
         if weight is not None:
             weight()                              # BACKWARD_WEIGHT, into existing gradients
         t10 = stamp()
         splits = weight is not None
         t.zero_grad()
-        if i >= warmup:
-            samples.append((t2 - t1, t1 - t0, t3 - t2, t4 - t3, t5 - t4, t7 - t6, t9 - t8, t10 - t9))
+        if i >= warmup:   # the split forward's extra over a plain one is counted with its I
+            samples.append((t2 - t1, t1 - t0, t3 - t2, t4 - t3, t5 - t4, t7 - t6,
+                            t9 - t8 + (t8 - t7) - (t3 - t2), t10 - t9))
     return _summary(samples, t.opt is not None, splits)
 
 
@@ -229,13 +243,18 @@ def time_model_actions(layers: Sequence[nn.Module], x: Any, device: torch.device
                     t0 = stamp()
                     timed[i].step()
                     seconds[i][4] = stamp() - t0
+        split_runs, split_forward = [], []
         with recomputing():
-            ys = [timed[i].run(ins[i]) for i in forward_order]
+            for i in forward_order:
+                t0 = stamp()
+                split_runs.append(timed[i].run_split(ins[i]))
+                split_forward.append(stamp() - t0)
         weights: dict[int, Callable[[], None] | None] = {}
         for i in backward_order:
             t0 = stamp()
-            weights[i] = timed[i].backward_input(ys[i], ins[i])
-            seconds[i][6] = stamp() - t0
+            weights[i] = timed[i].backward_input(*split_runs[i])
+            # the split forward's extra over a plain one is counted with its I
+            seconds[i][6] = stamp() - t0 + split_forward[i] - seconds[i][2]
             splits[i] = weights[i] is not None
         for i in backward_order:
             work = weights[i]
@@ -243,7 +262,7 @@ def time_model_actions(layers: Sequence[nn.Module], x: Any, device: torch.device
                 t0 = stamp()
                 work()
                 seconds[i][7] = stamp() - t0
-        del ys, weights
+        del split_runs, weights
         for t in timed:
             t.zero_grad()
         if rep >= warmup:

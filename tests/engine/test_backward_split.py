@@ -1,0 +1,256 @@
+"""The zero-bubble split by deferred weight gradients (gpipe_repro.engine.backward_split) against plain
+autograd on a copy of the model (the reference never calls the split): the input half leaves what
+it defers, the weight half completes every gradient, hooks run as often as in plain training."""
+from __future__ import annotations
+
+import copy
+import types
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe_repro.engine.backward_split import DeferredWeights
+
+
+def _split(model: nn.Module, x: torch.Tensor, g: torch.Tensor,
+           forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+           ) -> tuple[torch.Tensor, Callable[[], None], int]:
+    """The split's input half of `model` on `x` (seeded with `g`); its weight half, and how many
+    calls it deferred."""
+    xs = x.clone().requires_grad_()
+    with DeferredWeights(model).recording() as work:
+        out = (forward or (lambda m, v: m(v)))(model, xs.clone())
+    torch.autograd.backward([out], [g])
+    return xs, work, len(work.entries)
+
+
+def _plain(model: nn.Module, x: torch.Tensor, g: torch.Tensor,
+           forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    xr = x.clone().requires_grad_()
+    out = (forward or (lambda m, v: m(v)))(model, xr.clone())
+    torch.autograd.backward([out], [g])
+    return xr
+
+
+def _against_plain(model: nn.Module, x: torch.Tensor, out_shape: tuple[int, ...],
+                   forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+                   **tol: float) -> int:
+    """Both halves of the split against plain autograd on a copy; the number of deferred calls."""
+    ref = copy.deepcopy(model)
+    g = torch.randn(out_shape)
+    xr = _plain(ref, x, g, forward)
+    xs, weights, deferred = _split(model, x, g, forward)
+    torch.testing.assert_close(xs.grad, xr.grad, **tol)
+    weights()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, **tol, msg=name)
+            assert p.grad.stride() == p.stride(), name     # the layout AccumulateGrad keeps
+    return deferred
+
+
+def test_input_half_leaves_the_deferred_weights_to_the_weight_half() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3, bias=False), nn.LayerNorm(3))
+    ref = copy.deepcopy(model)
+    x, g = torch.randn(4, 5), torch.randn(4, 3)
+    xr = _plain(ref, x, g)
+    xs, weights, deferred = _split(model, x, g)
+    assert deferred == 2
+    torch.testing.assert_close(xs.grad, xr.grad)
+    assert model[0].weight.grad is None and model[0].bias.grad is None and model[2].weight.grad is None
+    assert model[3].weight.grad is not None, "a norm's gradient is not deferred: it comes at I"
+    weights()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (2, 3, 4), (2, 1, 3, 4)])
+def test_linear_layers_on_any_number_of_leading_dimensions(shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 2))
+    assert _against_plain(model, torch.randn(*shape), (*shape[:-1], 2)) == 2
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_convolutions_with_batchnorm(bias: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=bias), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Conv2d(4, 4, 3, stride=2, groups=2, dilation=1, bias=bias),
+                          nn.BatchNorm2d(4))
+    assert _against_plain(model, torch.randn(2, 3, 8, 8), (2, 4, 3, 3), rtol=1e-5, atol=1e-6) == 2
+
+
+def test_one_and_three_dimensional_convolutions_and_string_padding() -> None:
+    torch.manual_seed(0)
+    one = nn.Sequential(nn.Conv1d(2, 3, 3, dilation=2), nn.Tanh(), nn.Conv1d(3, 2, 3, padding="same"))
+    assert _against_plain(one, torch.randn(2, 2, 9), (2, 2, 5), rtol=1e-5, atol=1e-6) == 1
+    three = nn.Conv3d(2, 2, 2, stride=(1, 2, 1))
+    assert _against_plain(three, torch.randn(1, 2, 3, 4, 3), (1, 2, 2, 2, 2), rtol=1e-5, atol=1e-6) == 1
+
+
+def test_gpt2_conv1d() -> None:
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(6, 4), nn.Tanh(), Conv1D(2, 6))
+    assert _against_plain(model, torch.randn(2, 3, 4), (2, 3, 2)) == 2
+
+
+def test_bf16_autocast_as_plain_autocast() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Conv1d(2, 2, 1), nn.Linear(8, 3))
+
+    def under_autocast(m: nn.Module, v: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(v).float()
+    assert _against_plain(model, torch.randn(3, 2, 4), (3, 2, 3), under_autocast) == 3
+
+
+def test_silent_split_hook_on_a_linear_output_runs_once_and_reaches_the_weight() -> None:
+    """A gradient hook on a linear layer's output (a clamp inside a model): the weight's gradient
+    is computed from the gradient after the hook, and the hook runs once, as in plain backward."""
+    torch.manual_seed(0)
+    calls: list[int] = []
+
+    class Hooked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            h.register_hook(lambda grad: (calls.append(1), 2 * grad)[1])
+            return torch.tanh(h)
+    assert _against_plain(Hooked(), torch.randn(5, 4), (5, 3)) == 1
+    assert len(calls) == 2          # once in the reference, once in the split
+
+
+def test_a_hooked_parameter_is_deferred_and_its_hooks_run_once_on_its_whole_gradient() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    seen: dict[str, list[torch.Tensor]] = {"ref": [], "split": []}
+    ref = copy.deepcopy(model)
+    for key, m in (("ref", ref), ("split", model)):
+        m[0].weight.register_hook(lambda grad, key=key: seen[key].append(grad.clone()))
+        m[0].weight.register_post_accumulate_grad_hook(lambda p, key=key: seen[key].append(p.grad.clone()))
+    g, x = torch.randn(3, 2), torch.randn(3, 4)
+    _plain(ref, x, g)
+    _, weights, deferred = _split(model, x, g)
+    assert deferred == 2 and seen["split"] == []
+    weights()
+    assert len(seen["split"]) == len(seen["ref"]) == 2
+    for a, b in zip(seen["split"], seen["ref"]):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_module_used_twice_sums_its_two_gradients() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    model = nn.ModuleList([lin])
+    assert _against_plain(model, torch.randn(3, 4), (3, 4), lambda m, v: m[0](torch.tanh(m[0](v)))) == 2
+
+
+class _TiedHead(nn.Module):
+    """An embedding and an output projection sharing one weight, and a hook on it."""
+
+    def __init__(self, hook: bool) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(6, 4), nn.Linear(4, 6, bias=False)
+        self.head.weight = self.embed.weight
+        self.calls = 0
+        if hook:
+            self.head.weight.register_hook(self._count)
+
+    def _count(self, grad: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return grad.clamp(-0.01, 0.01)         # not linear: two shares clamped apart differ
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = torch.arange(x.shape[0]) % 6
+        return self.head(x + self.embed(ids))
+
+
+@pytest.mark.parametrize("hook", [False, True])
+def test_a_tied_weight_gets_both_shares(hook: bool) -> None:
+    """Unhooked, its linear share is deferred; hooked, the tied weight stays with autograd, whose
+    one call per micro-batch runs the (nonlinear) hook once on the sum of both shares."""
+    torch.manual_seed(0)
+    model = _TiedHead(hook)
+    torch.manual_seed(0)
+    ref = _TiedHead(hook)           # a copy would drop the hook (Parameter.__deepcopy__)
+    x, g = torch.randn(5, 4), torch.randn(5, 6)
+    xr = _plain(ref, x, g)
+    xs, weights, deferred = _split(model, x, g)
+    weights()
+    assert deferred == (0 if hook else 1)
+    torch.testing.assert_close(xs.grad, xr.grad)
+    torch.testing.assert_close(model.embed.weight.grad, ref.embed.weight.grad)
+    assert model.calls == ref.calls == (1 if hook else 0)
+
+
+def test_an_input_modified_in_place_after_a_linear_read_it_fails_as_plain_autograd_does() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+
+    def forward(m: nn.Module, v: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(v)
+        y = m(h)
+        h.mul_(2)
+        return y
+    ref = copy.deepcopy(lin)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _plain(ref, torch.randn(2, 4), torch.randn(2, 4), forward)
+    with pytest.raises(RuntimeError, match="modified in place after the layer read it"):
+        _split(lin, torch.randn(2, 4), torch.randn(2, 4), forward)
+
+
+class _OwnForward(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+def test_layers_it_does_not_know_run_as_written() -> None:
+    """A subclass with its own forward, an instance whose forward was replaced, a call with keyword
+    arguments: not deferred, still right."""
+    torch.manual_seed(0)
+    replaced = nn.Linear(4, 4)
+    replaced.forward = types.MethodType(  # type: ignore[method-assign]
+        lambda self, x: nn.functional.linear(x, self.weight) + 1, replaced)
+    model = nn.ModuleList([_OwnForward(4, 4), replaced, nn.Linear(4, 4)])
+
+    def forward(m: nn.Module, v: torch.Tensor) -> torch.Tensor:
+        return m[2](input=m[1](m[0](v)))
+    assert _against_plain(model, torch.randn(3, 4), (3, 4), forward) == 0
+
+
+def test_recording_leaves_no_trace_on_the_modules_even_when_the_forward_raises() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(RuntimeError), DeferredWeights(model).recording():
+        model(torch.randn(2, 3, requires_grad=True))
+    assert all("forward" not in m.__dict__ for m in model)
+    with torch.no_grad(), DeferredWeights(model).recording() as work:
+        model(torch.randn(2, 4, requires_grad=True))
+    with DeferredWeights(model).recording() as frozen:
+        model(torch.randn(2, 4))              # an input without gradient: the first layer as written
+    assert work.entries == [] and len(frozen.entries) == 1
+
+
+def test_a_weight_changed_in_place_is_cast_again() -> None:
+    """The detached (autocast: cast) weight is reused while the weight is unchanged; an optimizer's
+    in-place update between two forwards of one recorder is seen by the second."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    deferral = DeferredWeights(lin)
+    x = torch.randn(2, 4, requires_grad=True)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with deferral.recording():
+                got = lin(x)
+            want = nn.Linear.forward(lin, x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        with torch.no_grad():
+            lin.weight.mul_(2)
