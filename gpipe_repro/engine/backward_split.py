@@ -23,7 +23,8 @@ A layer is deferred where this call of its ``forward`` is exactly the class's (`
 that overrides ``forward``, or an instance whose ``forward`` was replaced, is left alone), its weight
 is a leaf that requires a gradient (with hooks, only where the cell holds it once: its hooks run at
 W, once per micro-batch; a tied one's could run on two shares), its input requires a gradient and
-has the weight's dtype (or autocast casts both, as it would). Anything else runs as written.
+has the weight's dtype (or autocast casts both, as it would), and no saved-tensor hooks are active
+(:func:`_saving_hooks`). Anything else runs as written.
 """
 from __future__ import annotations
 
@@ -242,8 +243,11 @@ class _Layer:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         work: WeightWork | None = getattr(_ACTIVE, "work", None)
         x = args[0] if len(args) == 1 and not kwargs else None
+        own = self.module._parameters        # the parameters it was built with, still the module's
         dtype = (self._dtype(x) if work is not None and type(x) is torch.Tensor and x.requires_grad
-                 and torch.is_grad_enabled() and x.is_floating_point() else False)
+                 and torch.is_grad_enabled() and x.is_floating_point() and not _saving_hooks()
+                 and own.get("weight") is self.weight and own.get("bias") is self.bias
+                 else False)
         if dtype is False:
             return self.own(self.module, *args, **kwargs)
         assert work is not None and x is not None and (dtype is None or isinstance(dtype, torch.dtype))
@@ -266,6 +270,15 @@ class _Layer:
         y.grad_fn.register_prehook(entry.keep)
         work.entries.append(entry)
         return y
+
+
+def _saving_hooks() -> bool:
+    """Whether saved-tensor hooks are active (``torch.autograd.graph.saved_tensors_hooks``: a
+    non-reentrant activation checkpoint, an offload to the CPU). A layer then runs as written: a
+    checkpoint recomputes it in the backward, after the recording, and requires the recomputation to
+    save what the forward saved; an offload would not move the input a deferred layer keeps."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
 
 
 def _linear_kernel(x: torch.Tensor, g: torch.Tensor, with_bias: bool) -> list[torch.Tensor | None]:

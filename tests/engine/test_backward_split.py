@@ -254,3 +254,48 @@ def test_a_weight_changed_in_place_is_cast_again() -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         with torch.no_grad():
             lin.weight.mul_(2)
+
+
+class _Checkpointed(nn.Module):
+    """A block under PyTorch's activation checkpoint (Hugging Face's gradient_checkpointing)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+        return x + checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_block_under_activation_checkpointing_runs_as_written(reentrant: bool) -> None:
+    """Its recomputation runs in the backward, after the recording, and (non-reentrant) must save
+    what the forward saved: deferring in the forward made it fail ("a different number of tensors
+    was saved")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Checkpointed(reentrant), nn.Linear(4, 3))
+    assert _against_plain(model, torch.randn(3, 4), (3, 3)) == 2     # the two outside it
+
+
+def test_zb_h1_trains_hugging_face_style_gradient_checkpointing_as_plain_training() -> None:
+    from tests.equivalence import assert_same_training
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), _Checkpointed(False), nn.Tanh(), _Checkpointed(False), nn.Linear(4, 2)]
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 4, generator=g), torch.randint(0, 2, (6,), generator=g)) for _ in range(2)]
+    assert_same_training(layers, None, None, nn.CrossEntropyLoss(), partitions=2, micro_batches=3,
+                         checkpoint="never", batches=batches, schedule="zb-h1")
+
+
+def test_silent_stale_weight_a_weight_replaced_after_the_recorder_was_built_is_used() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    deferral = DeferredWeights(lin)
+    lin.weight = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    with deferral.recording() as work:
+        got = lin(x)
+    torch.testing.assert_close(got, nn.Linear.forward(lin, x))
+    assert work.entries == []
