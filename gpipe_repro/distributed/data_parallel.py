@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpipe_repro.distributed.watchdog import PeerFailure
+from gpipe_repro.engine.backward_split import SHARES_SAFE
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm
 
 __all__ = ["GradientReducer", "sync_batchnorm_stats", "BATCHNORM_STATS", "DEFAULT_BUCKET_CAP_MB"]
@@ -136,6 +137,10 @@ class GradientReducer:
             self._next += 1
             self.launched_early += 1
 
+
+    # Counted only while armed, during the stage's last backward action (always a W under a
+    # zero-bubble schedule): right when a gradient comes in two shares (engine.backward_split).
+    setattr(_on_final_grad, SHARES_SAFE, True)
     def start(self) -> None:
         """Launch the all-reduce of every bucket not launched yet, in order (the gradients must be
         final: right after the stage's last backward)."""

@@ -163,7 +163,7 @@ def compile_options(compile: Any, schedule: Schedule) -> dict[str, Any] | None:
       micro-batches' activations alive at once (every schedule, M > 1), to be read by their backward;
     - a schedule that splits backwards in two (zero bubble, `schedule`'s BACKWARD_INPUT actions): a
       compiled layer's backward is one autograd node computing its input and weight gradients
-      together, so its weight half could not be deferred (it would run the layer's backward twice).
+      together, inside which the split cannot defer the weight gradients.
     """
     if compile is None or compile is False:
         return None
@@ -190,9 +190,8 @@ def compile_options(compile: Any, schedule: Schedule) -> dict[str, Any] | None:
     if any(a.kind is ActionKind.BACKWARD_INPUT for actions in schedule.stages for a in actions):
         raise ValueError(f"compile={compile!r} with schedule={schedule.name!r}: a compiled layer's "
                          "backward is one autograd node computing its input and weight gradients "
-                         "together, so the zero-bubble split could not defer the weight half (it "
-                         "would run each layer's backward twice); use schedule='1f1b' or 'gpipe' "
-                         "with compile, or compile=False")
+                         "together, inside which the zero-bubble split cannot defer the weight "
+                         "gradients; use schedule='1f1b' or 'gpipe' with compile, or compile=False")
     return options
 
 

@@ -21,10 +21,13 @@ than the backward: see docs/schedules.md).
 A layer is deferred where this call of its ``forward`` is exactly the class's (``nn.Linear``,
 ``nn.Conv1d/2d/3d`` with zero padding given as numbers, Hugging Face's GPT-2 ``Conv1D``; a subclass
 that overrides ``forward``, or an instance whose ``forward`` was replaced, is left alone), its weight
-is a leaf that requires a gradient (with hooks, only where the cell holds it once: its hooks run at
-W, once per micro-batch; a tied one's could run on two shares), its input requires a gradient and
-has the weight's dtype (or autocast casts both, as it would), and no saved-tensor hooks are active
-(:func:`_saving_hooks`). Anything else runs as written.
+is a leaf that requires a gradient and has no hooks (a weight read another way too gets its gradient
+in two shares, at I and at W, and a hook would run on each: :data:`SHARES_SAFE`), its input
+requires a gradient and has the weight's dtype (or autocast casts both, as it would), a convolution
+runs on a batch, and no saved-tensor hooks are active (:func:`_saving_hooks`). Anything else runs
+as written. Not run for a deferred weight: hooks registered on its AccumulateGrad node (torch DDP's
+way), and node pre-hooks a user registers on the layer's output node itself; a backward with
+``create_graph=True`` through a deferred layer (second derivatives) is refused by name.
 """
 from __future__ import annotations
 
@@ -59,13 +62,15 @@ class WeightWork:
         hooked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for entry in entries:
             for p, g in entry.gradients():
-                if _hooked(p):
+                if _any_hooks(p):
                     known = hooked.get(id(p))
                     hooked[id(p)] = (p, g if known is None else known[1] + g)
                     continue
                 with torch.no_grad():
                     if p.grad is None:
                         p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
+                    elif p.grad.layout != torch.strided:    # a sparse share from I (a tied embedding)
+                        p.grad = g + p.grad
                     else:
                         p.grad += g
         if hooked:
@@ -78,15 +83,16 @@ class DeferredWeights:
     def __init__(self, cell: nn.Module) -> None:
         """What can defer is decided here, from the parameters as they are now (a stage builds one
         per step): the per-call checks are on the input only."""
-        self._layers: list[tuple[nn.Module, Callable[..., Any]]] = []
-        seen: set[int] = set()
-        shared: set[int] = set()     # parameters registered twice in the cell (tied)
-        for _, p in cell.named_parameters(remove_duplicate=False):
-            (shared if id(p) in seen else seen).add(id(p))
+        self._layers: list[tuple[nn.Module, _Layer]] = []
         for module in cell.modules():
             kind = _kind(module)
-            if kind is not None and _eligible(module, kind, shared):
-                self._layers.append((module, _Layer(module, kind).forward))
+            if kind is not None and _eligible(module, kind):
+                self._layers.append((module, _Layer(module, kind)))
+
+    def release(self) -> None:
+        """Let go of the layers' detached and cast weights (:meth:`_Layer.release`)."""
+        for _, layer in self._layers:
+            layer.release()
 
     @contextmanager
     def recording(self) -> Iterator[WeightWork]:
@@ -95,8 +101,9 @@ class DeferredWeights:
         with another thread's cell runs as written there)."""
         work = WeightWork()
         installed = []
-        for module, wrapper in self._layers:
+        for module, layer in self._layers:
             if "forward" not in module.__dict__:      # not replaced by someone else
+                wrapper = layer.forward
                 module.__dict__["forward"] = wrapper
                 installed.append((module, wrapper))
         previous = getattr(_ACTIVE, "work", None)
@@ -106,7 +113,7 @@ class DeferredWeights:
         finally:
             _ACTIVE.work = previous
             for module, wrapper in installed:
-                if module.__dict__.get("forward") is wrapper:
+                if module.__dict__.get("forward") == wrapper:
                     del module.__dict__["forward"]
 
 
@@ -127,6 +134,13 @@ class _Deferred:
         self.grad: torch.Tensor | None = None
 
     def keep(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        if torch.is_grad_enabled():       # a backward with create_graph=True
+            raise RuntimeError(
+                f"a backward with create_graph=True (a gradient penalty, an input gradient taken "
+                f"inside the model) passed through a {type(self.module).__name__} whose weight "
+                "gradient the zero-bubble schedule defers; its second derivative would miss the "
+                "weight: train this model with a schedule that does not split the backward "
+                "(schedule='1f1b', 'gpipe' or 'interleaved')")
         self._check()
         self.grad = grad_outputs[0]
 
@@ -151,16 +165,31 @@ class _Deferred:
         return out
 
 
-def _hooked(p: torch.Tensor) -> bool:
+SHARES_SAFE = "_gpipe_counts_shares"
+"""An attribute a post-accumulate-grad hook's function may carry (True) to say it is right when the
+parameter's gradient arrives in two shares, at I and at W: the data-parallel reducer's, which counts
+only during a stage's last backward action, always a W. Any other hook keeps its parameter out of
+the deferral."""
+
+
+def _any_hooks(p: torch.Tensor) -> bool:
     return bool(getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
-def _trainable_leaf(t: Any, shared: set[int]) -> bool:
-    """A plain leaf that requires a gradient; one with hooks only if the cell holds it once (its hooks
-    then run once per micro-batch, at W, on its whole gradient: a tied one could also get a share at
-    I, and its hooks would run on each share)."""
+def _hooked(p: torch.Tensor) -> bool:
+    """Whether `p` has a hook that must see its whole gradient of a micro-batch at once."""
+    if getattr(p, "_backward_hooks", None):
+        return True
+    post = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+    return any(not getattr(h, SHARES_SAFE, False) for h in post.values())
+
+
+def _trainable_leaf(t: Any) -> bool:
+    """A plain leaf that requires a gradient and has no hook that must see its whole gradient (a
+    weight read by a deferred layer and also another way gets its gradient in two shares, at I and
+    at W; a hook would run on each)."""
     return (type(t) in (torch.Tensor, nn.Parameter) and t.is_leaf and t.requires_grad
-            and t.layout == torch.strided and not (id(t) in shared and _hooked(t)))
+            and t.layout == torch.strided and not _hooked(t))
 
 
 _CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
@@ -171,7 +200,8 @@ def _kind(module: nn.Module) -> str | None:
     forward = type(module).forward
     if forward is nn.Linear.forward:
         return "linear"
-    if any(forward is cls.forward and isinstance(module, cls) for cls in _CONV):
+    if any(forward is cls.forward and getattr(type(module), "_conv_forward", None) is cls._conv_forward
+           and isinstance(module, cls) for cls in _CONV):
         return "conv"
     conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
     if conv1d is not None and forward is conv1d.forward:
@@ -179,15 +209,13 @@ def _kind(module: nn.Module) -> str | None:
     return None
 
 
-def _eligible(module: nn.Module, kind: str, shared: set[int]) -> bool:
+def _eligible(module: nn.Module, kind: str) -> bool:
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    if weight is None or not _trainable_leaf(weight, shared):
+    if weight is None or not _trainable_leaf(weight):
         return False
     if bias is not None and (type(bias) not in (torch.Tensor, nn.Parameter) or bias.dtype != weight.dtype
-                             or (bias.requires_grad and not _trainable_leaf(bias, shared))):
+                             or (bias.requires_grad and not _trainable_leaf(bias))):
         return False
-    if kind == "conv":
-        return module.padding_mode == "zeros" and not isinstance(module.padding, str)
     return kind != "gpt2-conv1d" or bias is not None
 
 
@@ -211,15 +239,16 @@ class _Layer:
         self.grad_bias = self.bias if self.bias is not None and self.bias.requires_grad else None
         self.device = self.weight.device.type
         self.own = type(module).forward
-        self._copies: dict[torch.dtype | None, tuple[int, torch.Tensor, torch.Tensor | None]] = {}
+        self._copies: dict[torch.dtype | None, tuple[Any, torch.Tensor, torch.Tensor | None]] = {}
         if kind == "conv":
             self.conv: Callable[..., torch.Tensor] = next(
                 f for cls, f in _CONV.items() if isinstance(module, cls))
-            self.geometry: tuple[Any, ...] = (module.stride, module.padding, module.dilation,
-                                              module.groups)
 
     def _detached(self, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        version = self.weight._version + (self.bias._version if self.bias is not None else 0)
+        """The weight and bias detached (autocast: cast), made again where either changed: in place
+        (its version), or its ``.data`` replaced (its storage)."""
+        version = (self.weight._version, self.weight.data_ptr(),
+                   None if self.bias is None else (self.bias._version, self.bias.data_ptr()))
         known = self._copies.get(dtype)
         if known is not None and known[0] == version:
             return known[1], known[2]
@@ -247,7 +276,7 @@ class _Layer:
         dtype = (self._dtype(x) if work is not None and type(x) is torch.Tensor and x.requires_grad
                  and torch.is_grad_enabled() and x.is_floating_point() and not _saving_hooks()
                  and own.get("weight") is self.weight and own.get("bias") is self.bias
-                 else False)
+                 and x.layout == torch.strided and self._supports(x) else False)
         if dtype is False:
             return self.own(self.module, *args, **kwargs)
         assert work is not None and x is not None and (dtype is None or isinstance(dtype, torch.dtype))
@@ -259,17 +288,38 @@ class _Layer:
             y = F.linear(xs, w, b)
             kernel = _linear_kernel
         elif self.kind == "conv":
-            y = self.conv(xs, w, b, *self.geometry)
-            kernel, arguments = _convolution_kernel, (w, *self.geometry)
+            m = self.module
+            geometry = (m.stride, m.padding, m.dilation, m.groups)
+            y = self.conv(xs, w, b, *geometry)
+            kernel, arguments = _convolution_kernel, (w, *geometry)
         else:
             assert b is not None
             y = torch.addmm(b, xs.view(-1, xs.size(-1)), w).view(xs.size()[:-1] + (w.shape[1],))
             kernel = _conv1d_kernel
         entry = _Deferred(self.module, xs, self.weight, self.grad_bias, kernel, arguments)
-        assert y.grad_fn is not None
-        y.grad_fn.register_prehook(entry.keep)
+        # The product's own node: where the output is a view of it (a linear layer's on more than
+        # two dimensions, GPT-2's Conv1D), an in-place operation on the output rebases the view's
+        # history and its node never runs.
+        product = y._base if y._base is not None else y
+        assert product.grad_fn is not None
+        product.grad_fn.register_prehook(entry.keep)
         work.entries.append(entry)
         return y
+
+    def _supports(self, x: torch.Tensor) -> bool:
+        """Whether the call's form is one the weight half computes: a convolution on a batch (an
+        unbatched input is a squeezed view, and the weight kernel wants the batch dimension) with
+        zero padding given as numbers (as the module says now)."""
+        if self.kind != "conv":
+            return True
+        m = self.module
+        return (x.dim() == self.weight.dim() and m.padding_mode == "zeros"
+                and not isinstance(m.padding, str))
+
+    def release(self) -> None:
+        """Let go of the detached and cast weights (before the optimizer step: no cast copy outlives
+        the step, as autocast's own do not)."""
+        self._copies.clear()
 
 
 def _saving_hooks() -> bool:

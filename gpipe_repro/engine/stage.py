@@ -337,6 +337,8 @@ class StageExecutor:
                                   self.count_sum if self.is_last else None, grads)
 
     def _optimizer_step(self, m: int | None) -> None:
+        if self.deferral is not None:
+            self.deferral.release()       # no cast copy of a weight outlives its step
         if self.agreement is None:
             raise ScheduleError(f"stage {self.stage}: optimizer step without an AGREE before it")
         commit_many(self.batchnorms)

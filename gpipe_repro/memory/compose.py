@@ -150,6 +150,7 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
     outputs: dict[int, list[int]] = {}
     grads_in: dict[int, int] = {}
     have_grads = have_state = False
+    have_input_grads = False      # the gradients a zero-bubble I makes (what it does not defer)
     events: list[tuple[str, int, int]] = []
     for action in schedule.stages[stage]:
         m, kind, where = action.microbatch, action.kind, str(action)
@@ -205,8 +206,9 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
             # (the profiles' deferred_bytes).
             if not first:
                 _backward(st, cells[m], m, grads_in.get(m), accumulate=True, send=True, where=where)
-                if not have_grads:
+                if not have_grads and not have_input_grads:
                     st.add(GRADS, sum(p.grad_bytes - p.deferred_grad_bytes for p in cells[m]))
+                have_input_grads = True
                 st.new(sum(p.deferred_bytes for p in cells[m]), ACTIVATIONS, ("graph", m, 0))
                 for name in ("cell", "gin", "stash", "var"):
                     st.release((name, m))

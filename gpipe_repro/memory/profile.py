@@ -398,9 +398,11 @@ class _DeferredSizes:
         if not (args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor)):
             return
         x = args[0]
-        if id(x) not in self._inputs:
-            self._inputs.add(id(x))
-            self.bytes += x.numel() * x.element_size()
+        st = storage_of(x) if x.device.type != "meta" else None   # a view keeps its whole
+        key = id(st) if st is not None else id(x)                  # storage alive
+        if key not in self._inputs:
+            self._inputs.add(key)
+            self.bytes += st.nbytes() if st is not None else x.numel() * x.element_size()
         self.bytes += out.numel() * out.element_size()
 
     def __enter__(self) -> _DeferredSizes:

@@ -129,7 +129,7 @@ def test_silent_split_hook_on_a_linear_output_runs_once_and_reaches_the_weight()
     assert len(calls) == 2          # once in the reference, once in the split
 
 
-def test_a_hooked_parameter_is_deferred_and_its_hooks_run_once_on_its_whole_gradient() -> None:
+def test_a_hooked_parameter_is_left_to_autograd_and_its_hooks_run_once_on_its_whole_gradient() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     seen: dict[str, list[torch.Tensor]] = {"ref": [], "split": []}
@@ -140,11 +140,59 @@ def test_a_hooked_parameter_is_deferred_and_its_hooks_run_once_on_its_whole_grad
     g, x = torch.randn(3, 2), torch.randn(3, 4)
     _plain(ref, x, g)
     _, weights, deferred = _split(model, x, g)
-    assert deferred == 2 and seen["split"] == []
     weights()
+    assert deferred == 1                       # the unhooked layer only
     assert len(seen["split"]) == len(seen["ref"]) == 2
     for a, b in zip(seen["split"], seen["ref"]):
         torch.testing.assert_close(a, b)
+
+
+def test_a_hook_that_counts_shares_keeps_its_parameter_deferred() -> None:
+    """The data-parallel reducer's post-accumulate-grad hook (counted only during a W) is marked
+    SHARES_SAFE: its parameter stays deferred, and the hook runs at W."""
+    from gpipe_repro.engine.backward_split import SHARES_SAFE
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    calls: list[int] = []
+
+    def counting(p: torch.Tensor) -> None:
+        calls.append(1)
+    setattr(counting, SHARES_SAFE, True)
+    model[0].weight.register_post_accumulate_grad_hook(counting)
+    _, weights, deferred = _split(model, torch.randn(3, 4), torch.randn(3, 2))
+    assert deferred == 2 and calls == []
+    weights()
+    assert calls == [1]
+
+
+class _TiedByUse(nn.Module):
+    """A weight also read directly (a tied autoencoder), with a nonlinear hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 3)
+        self.calls = 0
+        self.enc.weight.register_hook(self._clamp)
+
+    def _clamp(self, g: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return g.clamp(-0.01, 0.01)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(torch.tanh(self.enc(x)), self.enc.weight.t())
+
+
+def test_silent_split_hook_ran_twice_on_a_weight_also_read_directly() -> None:
+    torch.manual_seed(0)
+    model = _TiedByUse()
+    torch.manual_seed(0)
+    ref = _TiedByUse()
+    x, g = torch.randn(5, 4), torch.randn(5, 4)
+    _plain(ref, x, g)
+    _, weights, _ = _split(model, x, g)
+    weights()
+    assert model.calls == ref.calls == 1
+    torch.testing.assert_close(model.enc.weight.grad, ref.enc.weight.grad)
 
 
 def test_a_module_used_twice_sums_its_two_gradients() -> None:
@@ -299,3 +347,114 @@ def test_silent_stale_weight_a_weight_replaced_after_the_recorder_was_built_is_u
         got = lin(x)
     torch.testing.assert_close(got, nn.Linear.forward(lin, x))
     assert work.entries == []
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4), (4,)])
+def test_silent_split_lost_the_weight_gradient_of_a_linear_whose_output_was_changed_in_place(
+        shape: tuple[int, ...]) -> None:
+    """A linear layer's output on more than two dimensions (or one) is a view of its product; an
+    in-place operation on it (ReLU(inplace=True)) rebased the view, whose node, where the gradient
+    was kept, never ran: the weight and bias got no gradient at all."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 2))
+    assert _against_plain(model, torch.randn(*shape), (*shape[:-1], 2)) == 2
+
+
+def test_silent_split_lost_a_gpt2_conv1d_weight_gradient_under_an_in_place_activation() -> None:
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(6, 4), nn.ReLU(inplace=True), Conv1D(2, 6))
+    assert _against_plain(model, torch.randn(2, 3, 4), (2, 3, 2)) == 2
+
+
+def test_zb_h1_trains_an_in_place_activation_after_a_linear_on_sequences() -> None:
+    from tests.equivalence import assert_same_training
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 8), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2)]
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 3, 4, generator=g), torch.randn(6, 3, 2, generator=g)) for _ in range(2)]
+    assert_same_training(layers, None, None, nn.MSELoss(), partitions=2, micro_batches=3,
+                         checkpoint="never", batches=batches, schedule="zb-h1", balance=[1, 3])
+
+
+class _Standardized(nn.Conv2d):
+    """Weight standardization through the documented extension point."""
+
+    def _conv_forward(self, x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+        return super()._conv_forward(x, weight - weight.mean(dim=(1, 2, 3), keepdim=True), bias)
+
+
+def test_silent_split_skipped_a_convolutions_own_conv_forward() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_Standardized(3, 4, 3), nn.Tanh())
+    assert _against_plain(model, torch.randn(2, 3, 8, 8), (2, 4, 6, 6), rtol=1e-5, atol=1e-6) == 0
+
+
+def test_a_convolution_changed_after_the_recorder_was_built_runs_as_it_is_now() -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 2, 3)
+    deferral = DeferredWeights(conv)
+    conv.padding, conv.dilation = (1, 1), (2, 2)
+    x = torch.randn(1, 2, 7, 7, requires_grad=True)
+    with deferral.recording():
+        got = conv(x)
+    torch.testing.assert_close(got, nn.Conv2d.forward(conv, x))
+
+
+def test_an_unbatched_convolution() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh())
+    assert _against_plain(model, torch.randn(3, 8, 8), (4, 6, 6), rtol=1e-5, atol=1e-6) == 0
+
+
+class _InputGradient(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.lin(x))
+        return y + torch.autograd.grad(y.sum(), x, create_graph=True)[0]
+
+
+def test_silent_second_derivative_through_a_deferred_weight_is_refused_by_name() -> None:
+    """A forward taking its input's gradient with create_graph=True (a PINN residual, a gradient
+    penalty): the second derivative's graph would hold the detached weight and miss its term."""
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="create_graph=True.*schedule='1f1b'"):
+        _split(_InputGradient(), torch.randn(3, 4), torch.randn(3, 4))
+
+
+def test_a_sparse_embedding_tied_to_a_linear_head() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(6, 4, sparse=True)
+            self.head = nn.Linear(4, 6, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(x + self.embed(torch.arange(x.shape[0]) % 6))
+    torch.manual_seed(0)
+    model = Tied()
+    ref = copy.deepcopy(model)
+    x, g = torch.randn(5, 4), torch.randn(5, 6)
+    _plain(ref, x, g)
+    _, weights, deferred = _split(model, x, g)
+    weights()
+    assert deferred == 1
+    torch.testing.assert_close(model.embed.weight.grad.to_dense(), ref.embed.weight.grad.to_dense())
+
+
+def test_no_cast_weight_outlives_the_step() -> None:
+    from gpipe_repro import GPipe
+    torch.manual_seed(0)
+    pipe = GPipe([nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)], partitions=2,
+                 balance=[2, 2], micro_batches=2, checkpoint="never", schedule="zb-h1", precision="bf16",
+                 loss_fn=nn.MSELoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    pipe.train_step(torch.randn(4, 4), torch.randn(4, 2))
+    deferral = pipe.executors[1].deferral
+    assert deferral is not None and deferral._layers
+    assert all(not layer._copies for _, layer in deferral._layers)

@@ -68,7 +68,7 @@ def test_compile_leaves_the_model_and_its_state_dict_as_they_are() -> None:
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"compile": "reduce-overhead"}, "records CUDA graphs"),
     ({"compile": {"options": {"triton.cudagraphs": True}}}, "records CUDA graphs"),
-    ({"compile": AOT, "schedule": "zb-h1"}, "zero-bubble split could not defer"),
+    ({"compile": AOT, "schedule": "zb-h1"}, "zero-bubble split cannot defer"),
     ({"compile": AOT, "schedule": "zb-v", "partitions": 4}, "schedule='zb-v'"),
     ({"compile": {"backnd": "eager"}}, r"\['backnd'\] are not torch.compile arguments"),
     ({"compile": 3}, "compile must be True, False"),

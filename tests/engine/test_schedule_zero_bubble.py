@@ -548,3 +548,16 @@ def test_post_accumulate_grad_hooks_were_skipped_by_the_weight_half(schedule: st
     assert sorted(calls) == sorted(plain_calls) and len(calls) == 4
     for p, q in zip(pipe.unpartitioned().parameters(), model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_silent_memory_plan_counted_the_input_halfs_gradients_once_per_input_half() -> None:
+    """Under ZB-H1 stage s runs s + 1 input halves before its first weight half; the gradients an
+    input half makes (a norm's: not deferred) were added at each of them, over-estimating the plan."""
+    from gpipe_repro.memory.compose import GRADS, walk_stage
+    from gpipe_repro.memory.profile import profile_layer
+    from gpipe_repro.models.signature import value_sig
+    sig = value_sig(torch.empty(8, 64, requires_grad=True))
+    cell = [profile_layer(nn.LayerNorm(64), sig), profile_layer(nn.Linear(64, 64), sig)]
+    assert cell[0].deferred_grad_bytes == 0 and cell[1].deferred_grad_bytes == cell[1].grad_bytes > 0
+    memory = walk_stage(make_schedule("zb-h1", 4, 8, "never"), 2, [cell] * 8, {}, 0, timeline=True)
+    assert memory.parts.get(GRADS, 0) <= sum(p.grad_bytes for p in cell)
