@@ -5,9 +5,9 @@ runs them and the calibration times them (:mod:`gpipe_repro.sim.calibration.timi
 The split is made in the forward, as the paper's own implementation (in Megatron-LM) makes it:
 while a micro-batch's forward runs under :meth:`DeferredWeights.recording`, each linear or
 convolution layer whose weight is a plain leaf parameter computes its output from its weight (and
-bias) *detached*, keeps its input, and keeps the gradient that arrives at its output in the backward
-(a pre-hook on the output's node: after any hook on the output, as the layer's own backward would
-receive it). BACKWARD_INPUT is then plain autograd's backward of the cell, which no longer reaches
+bias) *detached*, keeps its input, and keeps the gradient that arrives at its product in the
+backward (a pre-hook on the product's node, which the output is or views: after any hook on the
+output, as the layer's own backward would receive it). BACKWARD_INPUT is then plain autograd's backward of the cell, which no longer reaches
 those weights; BACKWARD_WEIGHT (:class:`WeightWork`) computes their gradients from the kept pairs,
 one matrix product (a convolution's weight kernel) each, and adds them into ``p.grad``.
 
