@@ -162,7 +162,9 @@ def measure_layers(layers: Sequence[nn.Module], inputs: Sequence[Any], device: t
     their readings: one cost, not costs apart by the host's noise, which moved the cut between runs.
     `loss`: timed with the last layer (which then is like no other). `split`: each round also times
     the backward split into its input and weight halves (:func:`measure_layer`), right after the
-    whole one, and each layer's figures are (forward, backward, split backward)."""
+    whole one, and each layer's figures are (forward, backward, split backward); the split's figure
+    includes what its forward costs over a plain one (the deferred layers' bookkeeping), as the
+    calibration counts it (:mod:`gpipe_repro.sim.calibration.timing`)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     samples: list[list[tuple[float, ...]]] = [[] for _ in layers]
@@ -172,8 +174,12 @@ def measure_layers(layers: Sequence[nn.Module], inputs: Sequence[Any], device: t
         for i in (order if r % 2 == 0 else order[::-1]):
             at = loss if i == last else None
             whole = measure_layer(layers[i], inputs[i], device, repeats=1, warmup=1, loss=at)
-            samples[i].append(whole + measure_layer(layers[i], inputs[i], device, repeats=1, warmup=1,
-                                                    loss=at, split=True)[1:] if split else whole)
+            if split:   # the split forward's extra over the plain one counts with the split backward
+                forward, backward = measure_layer(layers[i], inputs[i], device, repeats=1, warmup=1,
+                                                  loss=at, split=True)
+                samples[i].append(whole + (backward + forward - whole[0],))
+            else:
+                samples[i].append(whole)
     pooled: dict[Any, list[tuple[float, ...]]] = {}
     keys = [likeness(layer, x) + (("loss",) if loss is not None and i == last else ())
             for i, (layer, x) in enumerate(zip(layers, inputs))]
