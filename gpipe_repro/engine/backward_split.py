@@ -7,9 +7,10 @@ while a micro-batch's forward runs under :meth:`DeferredWeights.recording`, each
 convolution layer whose weight is a plain leaf parameter computes its output from its weight (and
 bias) *detached*, keeps its input, and keeps the gradient that arrives at its product in the
 backward (a pre-hook on the product's node, which the output is or views: after any hook on the
-output, as the layer's own backward would receive it). BACKWARD_INPUT is then plain autograd's backward of the cell, which no longer reaches
-those weights; BACKWARD_WEIGHT (:class:`WeightWork`) computes their gradients from the kept pairs,
-one matrix product (a convolution's weight kernel) each, and adds them into ``p.grad``.
+output, as the layer's own backward would receive it). BACKWARD_INPUT is then plain autograd's
+backward of the cell, which no longer reaches those weights; BACKWARD_WEIGHT (:class:`WeightWork`)
+computes their gradients from the kept pairs, one matrix product (a convolution's weight kernel)
+each, and adds them into ``p.grad``.
 
 Sound by construction: everything that is not deferred keeps its gradient path, and gets its gradient
 in BACKWARD_INPUT exactly as plain training's backward gives it: a norm's parameters, an embedding, a
@@ -43,7 +44,8 @@ from torch import nn
 
 from gpipe_repro.engine import boundary
 
-__all__ = ["DeferredWeights", "WeightWork", "deferrable", "full_backward", "splits_input"]
+__all__ = ["DeferredWeights", "WeightWork", "SHARES_SAFE", "deferrable", "full_backward",
+           "needs_whole_gradient", "splits_input"]
 
 
 class WeightWork:
@@ -176,8 +178,9 @@ def _any_hooks(p: torch.Tensor) -> bool:
     return bool(getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
-def _hooked(p: torch.Tensor) -> bool:
-    """Whether `p` has a hook that must see its whole gradient of a micro-batch at once."""
+def needs_whole_gradient(p: torch.Tensor) -> bool:
+    """Whether `p` has a hook that must see its whole gradient of a micro-batch at once (any but
+    one marked :data:`SHARES_SAFE`)."""
     if getattr(p, "_backward_hooks", None):
         return True
     post = getattr(p, "_post_accumulate_grad_hooks", None) or {}
@@ -189,7 +192,7 @@ def _trainable_leaf(t: Any) -> bool:
     weight read by a deferred layer and also another way gets its gradient in two shares, at I and
     at W; a hook would run on each)."""
     return (type(t) in (torch.Tensor, nn.Parameter) and t.is_leaf and t.requires_grad
-            and t.layout == torch.strided and not _hooked(t))
+            and t.layout == torch.strided and not needs_whole_gradient(t))
 
 
 _CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}

@@ -54,7 +54,7 @@ from gpipe_repro.engine.placement import RUNTIMES, move_cell, place_stages, spli
 from gpipe_repro.engine.runtime import Runtime, build_runtime
 from gpipe_repro.engine.schedule import Schedule, gpipe_schedule, make_schedule
 from gpipe_repro.engine.stage import LossFn, StageExecutor
-from gpipe_repro.engine.tied import refuse_diverging_copies, uncounted_names, untie
+from gpipe_repro.engine.tied import refuse_diverging_copies, refuse_hooked_copies, uncounted_names, untie
 from gpipe_repro.engine.timeline import Timeline
 
 __all__ = ["GPipe", "OptimizerFactory", "RUNTIMES", "as_layers"]
@@ -305,6 +305,7 @@ class GPipe(nn.Module):
             raise ValueError("train_step needs an optimizer: GPipe(..., optimizer=lambda params: "
                              "torch.optim.SGD(params, lr=0.1)); pass optimizer=None to compute "
                              "gradients without updating")
+        refuse_hooked_copies(self.ties, {s: c for s, c in enumerate(self.cells) if s in self.stages_here})
         # before any work: every rank of a distributed pipeline has the same mini-batch
         self.runtime.check_same_batch((batch_key(inputs, targets), self.micro_batches, self.training))
         mbs, tgts, sizes = microbatch.split_minibatch(inputs, targets, self.micro_batches, self.replicas)

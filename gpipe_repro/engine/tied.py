@@ -36,8 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe_repro.engine.backward_split import needs_whole_gradient
+
 __all__ = ["Tie", "find_ties", "untie", "tied_copies", "copies_sum", "set_gradients",
-           "sum_tied_gradients", "uncounted_names", "refuse_diverging_copies"]
+           "sum_tied_gradients", "uncounted_names", "refuse_diverging_copies", "refuse_hooked_copies"]
 
 
 @dataclass(frozen=True)
@@ -174,3 +176,20 @@ def refuse_diverging_copies(pipe: nn.Module, ties: Sequence[Tie]) -> None:
                                  "its copies must stay one parameter; give the same value under every "
                                  "name")
     pipe.register_load_state_dict_pre_hook(check)
+
+
+def refuse_hooked_copies(ties: Sequence[Tie], cells: Mapping[int, nn.Module]) -> None:
+    """Refuse, before a step's work, a gradient hook on a parameter tied across cells: each cell
+    holds its own copy, and a hook on one copy would run on that cell's share of the gradient, where
+    plain training's runs once on the sum of every use (a hook scaling the gradient by 0.5 scaled the
+    embedding's share only)."""
+    for tie in ties:
+        for (cell, name), p in zip([h for h in tie.holders if h[0] in cells], tied_copies(tie, cells)):
+            if needs_whole_gradient(p):
+                held = ", ".join(str(c) for c in tie.cells)
+                raise ValueError(
+                    f"parameter {name!r} of cell {cell} has a gradient hook, and it is tied across "
+                    f"cells {held}: each cell holds a copy, and the hook would see one cell's share "
+                    "of its gradient, where plain training's sees the sum of every use. Keep the "
+                    "layers that share it in one cell (balance=...), or read the summed gradient "
+                    "after train_step (every copy's p.grad holds it until the next step)")

@@ -187,3 +187,24 @@ def test_pipelining_untied_the_callers_model() -> None:
     assert head.weight is embedding.weight and not torch.equal(embedding.weight, before)
     assert torch.equal(pipe.cells[1][-1].weight, embedding.weight)      # the last cell's copy
     assert pipe.cells[1][-1] is not head
+
+
+@pytest.mark.parametrize("kind", ["tensor", "post-accumulate"])
+def test_silent_tied_hook_saw_one_cells_share_of_a_tied_weights_gradient(kind: str) -> None:
+    """A gradient hook on a weight tied across cells (GPT-2's wte scaled by 0.5) ran on one cell's
+    copy, on that cell's share only, under every schedule; plain training's runs on the sum of the
+    embedding's and the head's shares. Now refused before any work."""
+    layers = tied_model(dropout=0.0)
+    weight = layers[0].weight
+    if kind == "tensor":
+        weight.register_hook(lambda g: g * 0.5)
+    else:
+        weight.register_post_accumulate_grad_hook(lambda p: None)
+    pipe = GPipe(layers, partitions=2, balance=[3, 4], micro_batches=2, checkpoint="never",
+                 loss_fn=lm_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    before = copy.deepcopy(pipe.state_dict())
+    with pytest.raises(ValueError, match="gradient hook.*tied across cells 0, 1.*one cell's share"):
+        pipe.train_step(*batches()[0])
+    for name, value in pipe.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
