@@ -137,10 +137,10 @@ class GradientReducer:
             self._next += 1
             self.launched_early += 1
 
-
     # Counted only while armed, during the stage's last backward action (always a W under a
     # zero-bubble schedule): right when a gradient comes in two shares (engine.backward_split).
     setattr(_on_final_grad, SHARES_SAFE, True)
+
     def start(self) -> None:
         """Launch the all-reduce of every bucket not launched yet, in order (the gradients must be
         final: right after the stage's last backward)."""

@@ -45,7 +45,7 @@ from torch import nn
 from gpipe_repro.engine import boundary
 
 __all__ = ["DeferredWeights", "WeightWork", "SHARES_SAFE", "deferrable", "full_backward",
-           "needs_whole_gradient", "splits_input"]
+           "needs_whole_gradient", "splits_input", "takes_gradient"]
 
 
 class WeightWork:
@@ -354,11 +354,18 @@ def _convolution_kernel(x: torch.Tensor, g: torch.Tensor, with_bias: bool, weigh
     return [gw, gb]
 
 
+def takes_gradient(x: Any) -> bool:
+    """Whether a value fed to a cell or layer has a floating tensor that takes a gradient: a split of
+    its backward has an input half (a cell whose input is integers only runs its whole backward at
+    W)."""
+    return any(boundary.carries_grad(t) and t.requires_grad for t in boundary.tensors(x))
+
+
 def splits_input(x: Any, stage: int) -> bool:
     """Whether the backward of a cell on input `x` has an input half to split off: a stage 0, whose
-    input is the model's, or a cell whose input carries no gradient (integers only), runs its whole
-    backward at W."""
-    return stage > 0 and any(boundary.carries_grad(t) and t.requires_grad for t in boundary.tensors(x))
+    input is the model's, runs its whole backward at W, as does a cell whose input takes no gradient
+    (:func:`takes_gradient`)."""
+    return stage > 0 and takes_gradient(x)
 
 
 def full_backward(outs: list[torch.Tensor], grads: list[torch.Tensor]) -> Callable[[], None]:

@@ -3,10 +3,9 @@ keeps.
 
 A cell's input is kept for its recompute and backward, and on stage 0 it is the caller's own tensor.
 A cell that modifies its input in place (``ReLU(inplace=True)``, ``Dropout(inplace=True)``,
-``x.mul_(2)`` right after a cut) would corrupt both, or trip autograd's "leaf Variable ... in-place"
+``x.mul_(2)`` as its first layer) would corrupt both, or trip autograd's "leaf Variable ... in-place"
 check. So the :class:`InputGuard` learns, once per mode (training / eval) and per guarded layer (0:
-the cell; i > 0: the cut before layer i of a zero-bubble split, :mod:`~.engine.backward_split`),
-whether the layer modifies its input: the first run feeds it a copy and compares the copy's version
+the cell), whether the layer modifies its input: the first run feeds it a copy and compares the copy's version
 counters before and after. A layer that did is always fed a copy; a layer that did not runs on its
 input directly, at no cost, and the version counters are still compared after every run, so a layer
 that starts modifying its input later fails the step (before any update) instead of training on
@@ -111,15 +110,11 @@ class InputGuard:
         (`cause`: autograd's in-place error, when that is how it showed)."""
         self.learned[(training, fed.layer)] = True
         last = self.first_layer + self.num_layers - 1
-        if fed.layer == 0:
-            what = f"stage {self.stage} (layers {self.first_layer}..{last}) modified its input"
-        else:
-            what = (f"stage {self.stage}: layer {self.first_layer + fed.layer} modified its input (a "
-                    "cut of the zero-bubble split's graph)")
         raise RuntimeError(
-            f"{what} in place on micro-batch {microbatch}, which it had not done on its first run, "
-            "so the kept input is corrupted; no cell was updated. The engine copies this "
-            f"{'cell' if fed.layer == 0 else 'layer'}'s input from now on: run the step again") from cause
+            f"stage {self.stage} (layers {self.first_layer}..{last}) modified its input in place on "
+            f"micro-batch {microbatch}, which it had not done on its first run, so the kept input is "
+            "corrupted; no cell was updated. The engine copies this cell's input from now on: run "
+            "the step again") from cause
 
     def caught_by_autograd(self, fed: GuardedInput, training: bool, microbatch: int,
                            error: RuntimeError) -> None:

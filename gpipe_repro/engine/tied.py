@@ -184,8 +184,8 @@ def refuse_hooked_copies(ties: Sequence[Tie], cells: Mapping[int, nn.Module]) ->
     plain training's runs once on the sum of every use (a hook scaling the gradient by 0.5 scaled the
     embedding's share only)."""
     for tie in ties:
-        for (cell, name), p in zip([h for h in tie.holders if h[0] in cells], tied_copies(tie, cells)):
-            if needs_whole_gradient(p):
+        for cell, name in tie.holders:
+            if cell in cells and needs_whole_gradient(cells[cell].get_parameter(name)):
                 held = ", ".join(str(c) for c in tie.cells)
                 raise ValueError(
                     f"parameter {name!r} of cell {cell} has a gradient hook, and it is tied across "

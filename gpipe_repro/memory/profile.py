@@ -268,7 +268,8 @@ class _Profiler:
             "saved_internal": sum(b for k, b in born_alive.items() if k in saved and k not in out_keys),
             "state_bytes": sum(b for k, b in born_alive.items() if k not in saved and k not in out_keys),
             "fwd_flops": fwd_flops,
-            "deferred_bytes": deferred.bytes if any(t.requires_grad for t in self.leaves.values()) else 0}
+            "deferred_bytes": deferred.bytes if any(t.requires_grad for t in self.leaves.values()) else 0,
+            "deferred_grad_bytes": deferred.grad_bytes}
 
         # Backward from gradients created inside it; nothing but the graph holds x or the output.
         rg = [t for t in {id(t): t for t in pytree.tree_leaves(out)
@@ -383,13 +384,17 @@ class LayerNotTraceable(ValueError):
 
 
 class _DeferredSizes:
-    """Bytes of the inputs (each once) and outputs of the forward's calls of deferrable modules
-    (:func:`gpipe_repro.engine.backward_split.deferrable`): sizes only, no reference kept (which
+    """What a zero-bubble split defers in `layer`: the modules of a deferrable kind
+    (:func:`gpipe_repro.engine.backward_split.deferrable`) whose weight is trained, their parameters'
+    gradient bytes (``grad_bytes``), and the bytes of the inputs (each storage once) and outputs of
+    their calls in a forward run in this block (``bytes``): sizes only, no reference kept (which
     would change the lifetimes the tracker measures)."""
 
     def __init__(self, layer: nn.Module) -> None:
         self.modules = [m for m in layer.modules() if deferrable(m)
-                        and any(p.requires_grad for p in m.parameters(recurse=False))]
+                        and getattr(m, "weight", None) is not None and m.weight.requires_grad]
+        self.grad_bytes = sum(q.numel() * q.element_size() for m in self.modules
+                              for q in m.parameters(recurse=False) if q.requires_grad)
         self.bytes = 0
         self._inputs: set[int] = set()
         self._handles: list[Any] = []
@@ -452,9 +457,7 @@ def profile_layer(layer: nn.Module, in_sig: ValueSig, optimizer: OptimizerFactor
         buffer_bytes=sum(b.numel() * b.element_size() for b in layer.buffers() if id(b) not in skip),
         grad_bytes=first["grad_bytes"], opt_state_bytes=opt_state, opt_peak=opt_peak,
         fwd_flops=first["fwd_flops"], bwd_flops=first["bwd_flops"], has_flops=flops,
-        deferred_bytes=first["deferred_bytes"],
-        deferred_grad_bytes=sum(q.numel() * q.element_size() for m in layer.modules() if deferrable(m)
-                                for q in m.parameters(recurse=False) if q.requires_grad))
+        deferred_bytes=first["deferred_bytes"], deferred_grad_bytes=first["deferred_grad_bytes"])
 
 
 class ProfileCache:

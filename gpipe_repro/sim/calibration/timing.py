@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_repro.engine import boundary
-from gpipe_repro.engine.backward_split import DeferredWeights, WeightWork
+from gpipe_repro.engine.backward_split import DeferredWeights, WeightWork, takes_gradient
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_all
 from gpipe_repro.engine.feeding import guard_input
 from gpipe_repro.engine.recompute import recomputing
@@ -74,7 +74,7 @@ class _TimedLayer:
         (:mod:`gpipe_repro.engine.backward_split`), and the weight work it deferred; None where
         there is no input gradient to split off (the model's first layer: a stage 0 runs its whole
         backward at W)."""
-        if not any(boundary.carries_grad(t) and t.requires_grad for t in boundary.tensors(inp)):
+        if not takes_gradient(inp):
             return self.run(inp), None
         with self.deferral.recording() as work:
             y = self.run(inp)
