@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -71,8 +72,9 @@ def test_workers_end_when_torchrun_is_killed(tmp_path: Path) -> None:
         deadline = time.monotonic() + 120
         while len(workers) < 2 and time.monotonic() < deadline and job.poll() is None:
             time.sleep(0.5)
-            workers = [int(line.split()[1]) for line in (tmp_path / "out.txt").read_text().splitlines()
-                       if line.startswith("worker ")]
+            # two processes write to one file: their lines may interleave ("worker 1 trainingworker 2")
+            workers = [int(pid) for pid in re.findall(r"worker (\d+) training",
+                                                      (tmp_path / "out.txt").read_text())]
         assert len(workers) == 2, (tmp_path / "out.txt").read_text()[-2000:]
         job.send_signal(signal.SIGKILL)
         job.wait()
