@@ -61,16 +61,18 @@ class OursAuto:
     sample_target=its targets, checkpoint="never", runtime="distributed")``: cut by measured time
     (the default with a sample; the loss timed with the last layer;
     rank 0's cut on every rank), two cells per process for the interleaved and V schedules; no
-    re-materialization, as PyTorch's schedules run."""
+    re-materialization, as PyTorch's schedules run. A zero-bubble schedule with
+    ``split_backwards="auto"`` (the count of split backwards and the cut from the same timings)."""
 
     def __init__(self, spec: Any, m: int, schedule: str, x: torch.Tensor, y: torch.Tensor,
                  tiny: bool) -> None:
         from gpipe_repro import GPipe
-        from gpipe_repro.engine.schedule import cells_per_process
+        from gpipe_repro.engine.schedule import SPLIT_SCHEDULES, cells_per_process
         rows = max(1, x.shape[0] // m)
         self.pipe = GPipe(spec.build(tiny), partitions=2 * cells_per_process(schedule), micro_batches=m,
                           schedule=schedule, sample=x[:rows], sample_target=y[:rows], checkpoint="never",
-                          loss_fn=spec.loss_fn, optimizer=sgd, runtime="distributed")
+                          loss_fn=spec.loss_fn, optimizer=sgd, runtime="distributed",
+                          split_backwards="auto" if schedule in SPLIT_SCHEDULES else None)
         self.pipe.make_schedule()
         self.balance = list(self.pipe.balance)
 

@@ -51,6 +51,7 @@ def sgd(params: Any) -> torch.optim.Optimizer:
 def measure_pipeline(layers: LayersArg, balance: Sequence[int], micro_batches: int,
                      batch: tuple[Any, Any], *, checkpoint: str = "never",
                      recompute_ahead: bool = False, schedule: str = "gpipe",
+                     split_backwards: int | None = None,
                      loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                      optimizer: Callable[[Any], torch.optim.Optimizer] = sgd, steps: int = 5,
                      warmup: int = 2, threads: int = 1, timeout: float = 60.0,
@@ -68,7 +69,8 @@ def measure_pipeline(layers: LayersArg, balance: Sequence[int], micro_batches: i
         raise ValueError(f"steps must be >= 1, got {steps}")
     config = {"balance": list(balance), "partitions": len(balance), "micro_batches": micro_batches,
               "checkpoint": checkpoint, "recompute_ahead": recompute_ahead, "schedule": schedule,
-              "steps": steps, "warmup": warmup, "threads": threads, "prepost": prepost,
+              "split_backwards": split_backwards, "steps": steps, "warmup": warmup, "threads": threads,
+              "prepost": prepost,
               "batch_size": _batch_size(batch[0])}
     # one process per stage; interleaved: one per v cells (`balance` has a cell per stage)
     per_rank = launch_local(_measure_rank, num_processes(schedule, len(balance)), layers, config, batch,
@@ -100,7 +102,8 @@ def _measure_rank(layers: LayersArg, config: dict[str, Any], batch: tuple[Any, A
     pipe = GPipe(built, partitions=config["partitions"], micro_batches=config["micro_batches"],
                  checkpoint=config["checkpoint"], balance=config["balance"], loss_fn=loss_fn,
                  optimizer=optimizer, schedule=config["schedule"],
-                 recompute_ahead=config["recompute_ahead"], runtime="distributed")
+                 recompute_ahead=config["recompute_ahead"], split_backwards=config["split_backwards"],
+                 runtime="distributed")
     runtime = pipe.runtime
     assert isinstance(runtime, DistributedRuntime)
     runtime.transport.prepost = config["prepost"] and runtime.transport.prepost

@@ -25,13 +25,16 @@ from gpipe_repro.engine.precision import PRECISIONS
 from gpipe_repro.engine.schedule import (
     CHECKPOINT_MODES,
     SCHEDULES,
+    SPLIT_SCHEDULES,
     ActionKind,
     Schedule,
+    check_split_backwards,
     make_schedule,
     num_processes,
 )
 
-__all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_materialized",
+__all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_auto_split",
+           "check_materialized",
            "check_running_statistics", "check_sample_target", "compile_options", "declared_reduction"]
 
 BATCHNORM_STATS = ("per_replica", "synchronized")   # GPipe(batchnorm_stats=...), with replicas
@@ -89,7 +92,8 @@ def declared_reduction(loss_fn: Any) -> str | None:
 
 def check_arguments(*, num_layers: int, partitions: Any, micro_batches: Any, checkpoint: Any,
                     loss_fn: Any, loss_reduction: Any, clip_grad_norm: Any, precision: Any,
-                    schedule: Any, recompute_ahead: bool = False, seed: Any = 0, runtime: Any,
+                    schedule: Any, recompute_ahead: bool = False, split_backwards: Any = None,
+                    seed: Any = 0, runtime: Any,
                     objective: Any, replicas: Any, batchnorm_stats: Any, bucket_cap_mb: Any,
                     devices: Sequence[Any] | None) -> Schedule:
     """Check GPipe's configuration (the arguments of the same names; `num_layers` is the model's
@@ -124,8 +128,16 @@ def check_arguments(*, num_layers: int, partitions: Any, micro_batches: Any, che
     require_one_of("precision", precision, PRECISIONS)
     require_one_of("schedule", schedule, SCHEDULES)
     num_processes(schedule, partitions)   # interleaved / zb-v: cells per process must divide
+    auto = split_backwards == "auto"
+    check_split_backwards(schedule, None if auto else split_backwards)
+    if auto and schedule not in SPLIT_SCHEDULES:
+        check_split_backwards(schedule, 0)      # the same message: a schedule with nothing to split
+    if not auto and split_backwards is not None and split_backwards > micro_batches:
+        raise ValueError(f"split_backwards={split_backwards} is more than micro_batches={micro_batches}: "
+                         f"use at most {micro_batches} (every micro-batch split, as None does)")
     try:   # what the schedule needs of M (interleaved: a multiple of K; dualpipe-v: M >= 2K)
-        training_schedule = make_schedule(schedule, partitions, micro_batches, checkpoint, recompute_ahead)
+        training_schedule = make_schedule(schedule, partitions, micro_batches, checkpoint, recompute_ahead,
+                                          None if auto else split_backwards)
     except ValueError as e:
         raise ValueError(f"schedule={schedule!r} with partitions={partitions} and micro_batches="
                          f"{micro_batches}: {e}") from e
@@ -191,7 +203,8 @@ def compile_options(compile: Any, schedule: Schedule) -> dict[str, Any] | None:
         raise ValueError(f"compile={compile!r} with schedule={schedule.name!r}: a compiled layer's "
                          "backward is one autograd node computing its input and weight gradients "
                          "together, inside which the zero-bubble split cannot defer the weight "
-                         "gradients; use schedule='1f1b' or 'gpipe' with compile, or compile=False")
+                         "gradients; use schedule='1f1b' or 'gpipe' with compile, split_backwards=0 "
+                         "(every backward whole), or compile=False")
     return options
 
 
@@ -245,6 +258,21 @@ def batch_key(inputs: Any, targets: Any) -> Any:
             return tuple(describe(x) for x in v)
         return ("value", repr(v))
     return (describe(inputs), describe(targets))
+
+
+def check_auto_split(split_backwards: Any, sample: Any, cost: Any) -> None:
+    """``split_backwards="auto"`` times the layers on the sample: refuse it without one, or beside a
+    `cost` that is not timed."""
+    if split_backwards != "auto":
+        return
+    if sample is None:
+        raise ValueError("split_backwards='auto' chooses the count from the layers timed on a sample: "
+                         "give sample= (one micro-batch of inputs), or a count (0 to micro_batches)")
+    if cost is not None and cost != "time":
+        shown = f"cost={cost!r}" if isinstance(cost, str) else "a list of costs"
+        raise ValueError(f"split_backwards='auto' times the layers, and cuts by those times unless "
+                         f"balance= is given; {shown} asks for another cut: leave cost out (or "
+                         "cost='time'), give balance=, or give a count instead of 'auto'")
 
 
 def check_sample_target(sample: Any, sample_target: Any, loss_fn: Any,

@@ -34,6 +34,7 @@ from gpipe_repro.engine.arguments import (
     as_layers,
     batch_key,
     check_arguments,
+    check_auto_split,
     check_materialized,
     check_running_statistics,
     check_sample_target,
@@ -53,6 +54,7 @@ from gpipe_repro.engine.partition import check_balance
 from gpipe_repro.engine.placement import RUNTIMES, move_cell, place_stages, split_cells
 from gpipe_repro.engine.runtime import Runtime, build_runtime
 from gpipe_repro.engine.schedule import Schedule, gpipe_schedule, make_schedule
+from gpipe_repro.engine.split_count import cut_and_split
 from gpipe_repro.engine.stage import LossFn, StageExecutor
 from gpipe_repro.engine.tied import refuse_diverging_copies, refuse_hooked_copies, uncounted_names, untie
 from gpipe_repro.engine.timeline import Timeline
@@ -120,11 +122,23 @@ class GPipe(nn.Module):
             that dtype, parameters and optimizer states stay fp32, floating boundary values cross in
             the low dtype. "fp16" adds a dynamic loss scale (GradScaler's rule): if any gradient of any
             cell is not finite, no cell updates and the scale halves.
-        schedule: "gpipe" (fill-drain), "1f1b", "zb-h1" (zero bubble) or "interleaved"
+        schedule: "gpipe" (fill-drain), "1f1b", "zb-h1" (zero bubble), "interleaved"
             (interleaved 1F1B: `partitions` = K*v cells, v=2 per process round robin; with
             runtime="distributed" the job has partitions/2 processes per replica, each running its
-            2 cells; M must be a multiple of K; replicas are refused).
+            2 cells; M must be a multiple of K; replicas are refused), or "zb-v" and "dualpipe-v"
+            (zero bubble on 2 cells per process placed in a V; dualpipe-v needs M >= partitions).
         recompute_ahead: put each recomputation before the wait for its gradient.
+        split_backwards: for the zero-bubble schedules ("zb-h1", "zb-v", "dualpipe-v"), how many of
+            the last micro-batches split their backward into input and weight gradients; the
+            others run it whole where their input gradient would run. None (default): every one,
+            as the papers write the schedules. The split's weight gradients fill the cool-down's
+            bubble, which the last micro-batches' do; each split costs some Python per deferred
+            layer (:mod:`gpipe_repro.engine.schedule.partial_split`), so on small layers splitting
+            the last one or two is faster. "auto" (with `sample`): the count, and the cut unless
+            `balance` is given, whose step is shortest when the schedule runs in virtual time on the
+            layers' forward, whole and split backward timed on the sample
+            (:mod:`gpipe_repro.engine.split_count`; chosen for `micro_batches`, read back as
+            ``pipe.split_backwards``). ``render()`` draws the result.
         seed: the seed of dropout masks.
         deferred_batchnorm: convert BatchNorm layers to :class:`DeferredBatchNorm`.
         runtime: "local" (all cells in this process) or "distributed" (one process per cell).
@@ -164,7 +178,8 @@ class GPipe(nn.Module):
                  devices: Sequence[torch.device | str] | None = None, loss_fn: LossFn | None = None,
                  loss_reduction: str | None = None, optimizer: OptimizerFactory | None = _NOT_GIVEN,
                  clip_grad_norm: float | None = None, precision: str = "fp32",
-                 schedule: str = "gpipe", recompute_ahead: bool = False, seed: int = 0,
+                 schedule: str = "gpipe", recompute_ahead: bool = False,
+                 split_backwards: int | str | None = None, seed: int = 0,
                  deferred_batchnorm: bool = True, runtime: str = "local", replicas: int = 1,
                  batchnorm_stats: str = "per_replica", bucket_cap_mb: float = 25.0,
                  compile: bool | str | Mapping[str, Any] = False) -> None:
@@ -174,7 +189,8 @@ class GPipe(nn.Module):
             num_layers=len(layer_list), partitions=partitions, micro_batches=micro_batches,
             checkpoint=checkpoint, loss_fn=loss_fn, loss_reduction=loss_reduction,
             clip_grad_norm=clip_grad_norm, precision=precision, schedule=schedule,
-            recompute_ahead=recompute_ahead, seed=seed, runtime=runtime, objective=objective,
+            recompute_ahead=recompute_ahead, split_backwards=split_backwards, seed=seed,
+            runtime=runtime, objective=objective,
             replicas=replicas, batchnorm_stats=batchnorm_stats, bucket_cap_mb=bucket_cap_mb, devices=devices)
         if deferred_batchnorm:
             check_batchnorms(layer_list)
@@ -183,13 +199,18 @@ class GPipe(nn.Module):
         placement = place_stages(runtime=runtime, schedule=schedule, partitions=partitions,
                                  checkpoint=checkpoint, replicas=replicas)
         measured_loss = check_sample_target(sample, sample_target, loss_fn, cost)
-        if balance is None and partitions > 1:
+        check_auto_split(split_backwards, sample, cost)
+        if (balance is None or split_backwards == "auto") and partitions > 1:
             check_materialized(layer_list)
-        if balance is None:   # measured costs differ between processes: rank 0's cut wins
+        if split_backwards == "auto":   # rank 0's timings choose, as they choose a cut
+            balance, split_backwards = placement.same_on_every_rank(cut_and_split(
+                layer_list, partitions, schedule, micro_batches, checkpoint, recompute_ahead, objective,
+                sample, measured_loss, balance))
+        elif balance is None:   # measured costs differ between processes: rank 0's cut wins
             balance = placement.same_on_every_rank(
                 [len(layer_list)] if partitions == 1 else
                 cut_layers(layer_list, partitions, objective, cost, sample, measured_loss,
-                           training_schedule.splits_backward))
+                           training_schedule.split_share > 0.5))
         check_balance(balance, len(layer_list), partitions)
         balance = [int(n) for n in balance]
         # a cut given per rank (one's own measured partition, say) must be the same everywhere
@@ -221,6 +242,8 @@ class GPipe(nn.Module):
         # make_schedule's last schedule and what it was built from (rebuilt when any of it changes)
         self._schedule: tuple[tuple[Any, ...], Schedule] | None = None
         self.checkpoint, self.schedule_name, self.recompute_ahead = checkpoint, schedule, recompute_ahead
+        assert not isinstance(split_backwards, str)     # "auto" was resolved to a count above
+        self.split_backwards: int | None = split_backwards
         self.loss_fn = loss_fn
         self.loss_reduction = declared_reduction(loss_fn) or loss_reduction or "mean"
         # cross-entropy's mean divides by the weight of the targets that count (engine.losses)
@@ -280,7 +303,7 @@ class GPipe(nn.Module):
         """The training schedule this pipeline runs (validated by the tests, drawn by ``render()``);
         built once per configuration (a schedule is immutable data)."""
         key = (self.schedule_name, self.partitions, self.micro_batches, self.checkpoint,
-               self.recompute_ahead)
+               self.recompute_ahead, self.split_backwards)
         if self._schedule is None or self._schedule[0] != key:
             self._schedule = (key, make_schedule(*key))
         return self._schedule[1]

@@ -275,16 +275,30 @@ def default_method(method: str | Sequence[float] | None, sample: Any) -> str | S
     return method
 
 
-def split_layer_costs(layers: Sequence[nn.Module], sample: Any, device: torch.device | str = "cpu",
-                      repeats: int = 5, loss: Loss | None = None) -> tuple[list[float], list[float]]:
-    """Measured seconds per layer of a zero-bubble schedule's cells, from the same interleaved rounds
-    (:func:`measure_layers`): (forward + both halves of the split backward, as the cells after the
-    first run them; forward + whole backward, as the first runs them: its input takes no
-    gradient). The partitioner's `costs` and `first` (:func:`gpipe_repro.engine.partition.partition`)."""
+def measure_split_costs(layers: Sequence[nn.Module], sample: Any, device: torch.device | str = "cpu",
+                        repeats: int = 5, loss: Loss | None = None) -> list[tuple[float, float, float]]:
+    """Each layer's (forward, whole backward, split backward) seconds on `sample`, from the same
+    interleaved rounds (:func:`measure_layers` with `split`)."""
     if sample is None:
         raise ValueError("measuring the split backward needs a sample input batch (sample=...)")
     timed = measure_layers(layers, layer_inputs(layers, sample), device, rounds=repeats,
                            loss=_loss_on(loss, torch.device(device)), split=True)
+    return [(f, b, s) for f, b, s in timed]
+
+
+def split_layer_costs(layers: Sequence[nn.Module], sample: Any, device: torch.device | str = "cpu",
+                      repeats: int = 5, loss: Loss | None = None) -> tuple[list[float], list[float]]:
+    """Measured seconds per layer of a zero-bubble schedule's cells (:func:`measure_split_costs`):
+    (forward + both halves of the split backward, as the cells after the first run them; forward +
+    whole backward, as the first runs them: its input takes no gradient). The partitioner's `costs`
+    and `first` (:func:`gpipe_repro.engine.partition.partition`)."""
+    timed = measure_split_costs(layers, sample, device, repeats, loss)
+    return split_and_whole(timed)
+
+
+def split_and_whole(timed: Sequence[tuple[float, float, float]]) -> tuple[list[float], list[float]]:
+    """Per layer (forward + split backward, forward + whole backward) of
+    :func:`measure_split_costs`'s figures."""
     return [f + s for f, _, s in timed], [f + b for f, b, _ in timed]
 
 
@@ -301,9 +315,10 @@ def cut_layers(layers: Sequence[nn.Module], partitions: int, objective: str,
                cost: str | Sequence[float] | None, sample: Any, loss: Loss | None,
                splits_backward: bool) -> list[int]:
     """GPipe's automatic cut: :func:`partition` of :func:`layer_costs`; for a schedule that splits
-    backwards (zb-h1, zb-v, DualPipeV) with costs by time and the bottleneck objective, of what
-    each cell runs (:func:`split_layer_costs`: the first cell whole backwards, the others both
-    halves), as the harness cuts them (:func:`gpipe_repro.sim.partition_choice.choose_cut`)."""
+    most backwards (zb-h1, zb-v, DualPipeV: :attr:`Schedule.split_share` above one half) with
+    costs by time and the bottleneck objective, of what each cell runs (:func:`split_layer_costs`:
+    the first cell whole backwards, the others both halves), as the harness cuts them
+    (:func:`gpipe_repro.sim.partition_choice.choose_cut`)."""
     if splits_backward and default_method(cost, sample) == "time" and sample is not None \
             and objective == "bottleneck":
         split, whole = split_layer_costs(layers, sample, loss=loss)

@@ -158,7 +158,7 @@ def main(*, models: Sequence[str] = MODELS, ms: Sequence[int] = VALIDATION_MS,
         result = validate_simulator(
             settings, measure, models=list(models), ks=list(ks) if ks else None, ms=list(ms),
             schedules=list(schedules),
-            measure_schedule=lambda name: distributed_measure(replace(settings, schedule=name)),
+            measure_schedule=distributed_measure,
             progress=shown.update, rounds=rounds, budget_s=budget)
     timelines = result.pop("timelines")
     if timelines:

@@ -20,6 +20,8 @@ class ScheduleSettings(Protocol):
     def recompute_ahead(self) -> bool: ...
     @property
     def schedule(self) -> str: ...
+    @property
+    def split_backwards(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,8 @@ class Platform:
                                checkpoint=checkpoint or settings.checkpoint,
                                recompute_ahead=(settings.recompute_ahead if recompute_ahead is None
                                                 else recompute_ahead),
-                               schedule=settings.schedule, setup=self.setup,
+                               schedule=settings.schedule,
+                               split_backwards=settings.split_backwards, setup=self.setup,
                                teardown=self.teardown, jitter=self.jitter)
 
     def to_json(self) -> dict[str, Any]:

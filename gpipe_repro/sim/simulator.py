@@ -235,7 +235,7 @@ def _simulate_once(schedule: Schedule, costs: PipelineCosts, link: LinkModel, ba
 def simulate_config(calibration: Calibration, balance: Sequence[int], num_microbatches: int,
                     batch_size: int, link: LinkModel, *, checkpoint: str = "except_last",
                     recompute_ahead: bool = False, schedule: str = "gpipe",
-                    setup: float = 0.0, teardown: float = 0.0,
+                    split_backwards: int | None = None, setup: float = 0.0, teardown: float = 0.0,
                     jitter: Jitter | None = None) -> Simulation:
     """One step of a (balance, M, N) configuration from per-layer calibrated costs. The defaults are
     :class:`gpipe_repro.GPipe`'s (re-materialize every micro-batch but the last, recompute after the
@@ -243,7 +243,8 @@ def simulate_config(calibration: Calibration, balance: Sequence[int], num_microb
     from gpipe_repro.engine.schedule import make_schedule
 
     sizes = split_sizes(batch_size, num_microbatches)
-    sched = make_schedule(schedule, len(balance), num_microbatches, checkpoint, recompute_ahead)
+    sched = make_schedule(schedule, len(balance), num_microbatches, checkpoint, recompute_ahead,
+                          split_backwards)
     return simulate(sched, stage_costs(calibration, balance, sizes, setup, teardown), link, batch_size,
                     jitter)
 

@@ -47,14 +47,15 @@ def check_configs(k: int) -> list[str]:
     """Runs in every stage process: train each configuration three ways and compare this rank's
     cell. Returns the names of the configurations checked."""
     checked = []
-    for kind, m, mode, ahead, schedule in CONFIGS[k]:
+    for kind, m, mode, ahead, schedule, *split in CONFIGS[k]:   # split: a zero-bubble split count
         build, loss_fn = MODELS[kind]
         x, y = data(kind)
-        where = f"{kind} K={k} M={m} checkpoint={mode} ahead={ahead} {schedule}"
+        where = f"{kind} K={k} M={m} checkpoint={mode} ahead={ahead} {schedule} split={split}"
         cells = 2 * k if schedule in ("interleaved", "zb-v", "dualpipe-v") else k
         kwargs = dict(partitions=cells, micro_batches=m, checkpoint=mode, recompute_ahead=ahead,
                       schedule=schedule, loss_fn=loss_fn, cost="params",
-                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                      split_backwards=split[0] if split else None)
         pipe = GPipe(build(), runtime="distributed", **kwargs)
         local = GPipe(build(), **kwargs)
         ref = build()

@@ -142,7 +142,10 @@ ZB_CONFIGS = {2: [("mlp", 4, "never", False, "zb-h1"), ("transformer", 3, "alway
                   # zb-v: 2K chunks in a V, chunks K-1 and K on one process
                   ("mlp", 4, "never", False, "zb-v"), ("transformer", 3, "except_last", True, "zb-v"),
                   ("conv", 2, "always", False, "zb-v")],
-              3: [("mlp", 5, "except_last", True, "zb-h1"), ("conv", 4, "always", False, "zb-v")]}
+              3: [("mlp", 5, "except_last", True, "zb-h1"), ("conv", 4, "always", False, "zb-v"),
+                  # the split on the last micro-batches only (GPipe(split_backwards=n))
+                  ("transformer", 4, "never", False, "zb-h1", 1),
+                  ("conv", 5, "except_last", False, "zb-v", 2)]}
 
 
 def check_zb_configs(k: int) -> list[str]:

@@ -23,12 +23,13 @@ def _calibrate(workload: Any, sizes: list[int], **kw: Any) -> Calibration:
     return Calibration(workload.name, "time", "synthetic", list(range(8)), {b: [cost] * 8 for b in sizes})
 
 
-def _fake_measure(schedule: str, slowdown: float) -> validation.MeasureFn:
-    """A 'measured' run: the simulated step of `schedule` on the same costs, `slowdown` times longer,
-    with the simulated timeline standing in for the measured one."""
+def _fake_measure(schedule: str, slowdown: float, split: int | None = None) -> validation.MeasureFn:
+    """A 'measured' run: the simulated step of `schedule` (splitting the last `split` backwards) on
+    the same costs, `slowdown` times longer, with the simulated timeline standing in for the
+    measured one."""
     def run(workload: Any, balance: list[int], m: int, n: int, checkpoint: str) -> dict[str, Any]:
         cal = _calibrate(workload, [n // m])
-        sim = simulate(make_schedule(schedule, len(balance), m, checkpoint),
+        sim = simulate(make_schedule(schedule, len(balance), m, checkpoint, split_backwards=split),
                        stage_costs(cal, balance, [n // m] * m), PRESETS["ideal"], n)
         return {"step_time_s": sim.step_time * slowdown, "step_times": [sim.step_time * slowdown] * 8,
                 "timeline": sim.timeline}
@@ -46,7 +47,7 @@ def test_validation_reports_each_schedule(monkeypatch: pytest.MonkeyPatch) -> No
     result = validation.validate_simulator(
         settings, _fake_measure("gpipe", 1.0), models=["transformer"], ks=[2], ms=[1, 2, 4],
         checkpoints=("never",), schedules=["gpipe", "1f1b", "zb-h1", "interleaved"],
-        measure_schedule=lambda name: _fake_measure(name, slow[name]))
+        measure_schedule=lambda s: _fake_measure(s.schedule, slow[s.schedule], s.split_backwards))
     rows = result["rows"]
     assert "measured_*" in result["method"] and "simulated_*" in result["method"]
     # interleaved takes M in groups of the K processes: M=1 is skipped
@@ -60,6 +61,13 @@ def test_validation_reports_each_schedule(monkeypatch: pytest.MonkeyPatch) -> No
             assert r["K"] == r["cells"] == 2
         # the replay pads the measured timeline to the measured step: the pipeline model is exact
         assert r["replay_error"] == pytest.approx(0.0, abs=1e-9)
+    # zero bubble runs the split count its simulation chose, per M, and says so
+    for r in rows:
+        if r["schedule"] == "zb-h1":
+            assert r["split_choice"]["split_backwards"] == r["split_backwards"] <= r["M"]
+            assert r["split_choice"]["balance"] == r["balance"]
+        else:
+            assert r["split_backwards"] is None and r["split_choice"] is None
     per = result["summary"]["per_schedule"]
     assert per["gpipe"]["met"] and per["zb-h1"]["met"] and not per["1f1b"]["met"]
     assert per["1f1b"]["max_abs_error"] == pytest.approx(0.25) and per["1f1b"]["configurations"] == 3

@@ -237,10 +237,16 @@ def test_zero_bubble_cut_balanced_whole_backwards_left_the_split_cells_the_bottl
                       forward_flops=0.0, flops=0.0, params=1, output_bytes=4, grad_bytes=4,
                       backward_input=0.8, backward_weight=0.7)
     calib = Calibration("ten layers", "time", "test", [0] * 10, {4: [layer] * 10})
-    for name in ("zb-h1", "zb-v", "dualpipe-v"):
+    for name in ("zb-h1", "zb-v"):
         sched = make_schedule(name, 2, 4, "never")
-        assert sched.splits_backward
+        assert sched.splits_backward and sched.split_share == 1.0
         assert choose_cut(calib, 4, "never", sched) == [6, 4]
+    # a schedule running most of its backwards whole is cut by whole backwards: DualPipeV (its
+    # overlapped pairs run B whole), and a zero-bubble one splitting only its last micro-batch
+    for sched in (make_schedule("dualpipe-v", 2, 4, "never"),
+                  make_schedule("zb-h1", 2, 4, "never", split_backwards=1)):
+        assert sched.splits_backward and sched.split_share <= 0.5
+        assert choose_cut(calib, 4, "never", sched) == [5, 5]
     for name in ("gpipe", "1f1b", "interleaved"):
         sched = make_schedule(name, 2, 4, "never")
         assert not sched.splits_backward

@@ -56,7 +56,8 @@ overflow check read the agreed numbers.
 The package, one responsibility per module: :mod:`.actions` (action kinds, actions, ScheduleError),
 :mod:`.core` (the Schedule), :mod:`.validate`, :mod:`.text` (text form and picture),
 :mod:`.generators` (gpipe, 1f1b, zb-h1), :mod:`.interleaved`, :mod:`.zero_bubble_v`,
-:mod:`.dualpipe_v`, :mod:`.registry` (by name). Every
+:mod:`.dualpipe_v`, :mod:`.partial_split` (a zero-bubble schedule splitting only its last
+micro-batches' backwards), :mod:`.registry` (by name). Every
 public name is importable from ``gpipe_repro.engine.schedule``.
 """
 from __future__ import annotations
@@ -85,10 +86,13 @@ from gpipe_repro.engine.schedule.interleaved import (
     forward_on_processes,
     interleaved_schedule,
 )
+from gpipe_repro.engine.schedule.partial_split import split_last
 from gpipe_repro.engine.schedule.registry import (
     SCHEDULES,
+    SPLIT_SCHEDULES,
     V_SCHEDULES,
     cells_per_process,
+    check_split_backwards,
     make_schedule,
     num_processes,
     owner_of_cells,
@@ -100,4 +104,5 @@ __all__ = ["CHECKPOINT_MODES", "ActionKind", "COMPUTE", "BACKWARDS", "SENDS", "R
            "one_f_one_b_schedule", "zero_bubble_h1_schedule", "interleaved_schedule",
            "zero_bubble_v_schedule", "dualpipe_v_schedule", "SCHEDULES", "V_SCHEDULES",
            "make_schedule", "num_processes", "forward_on_processes", "INTERLEAVED_VIRTUAL_STAGES",
-           "cells_per_process", "owner_of_cells"]
+           "cells_per_process", "owner_of_cells", "SPLIT_SCHEDULES", "split_last",
+           "check_split_backwards"]

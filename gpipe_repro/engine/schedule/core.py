@@ -53,6 +53,16 @@ class Schedule:
         (:func:`gpipe_repro.sim.partition_choice.choose_cut`)."""
         return any(a.kind is ActionKind.BACKWARD_INPUT for actions in self.stages for a in actions)
 
+    @property
+    def split_share(self) -> float:
+        """The share of backwards on stages after the first that are split (I/W rather than B):
+        1 for the zero-bubble schedules as their papers write them, less where
+        :func:`~gpipe_repro.engine.schedule.partial_split.split_last` keeps some whole, 0 for the
+        others. A cut balances the split's costs where most backwards split (above one half)."""
+        kinds = [a.kind for actions in self.stages[1:] for a in actions
+                 if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)]
+        return sum(k is ActionKind.BACKWARD_INPUT for k in kinds) / len(kinds) if kinds else 0.0
+
     def checkpointed(self, stage: int) -> frozenset[int]:
         """Micro-batches whose forward on `stage` is re-materialized (it has a RECOMPUTE)."""
         return frozenset(a.microbatch for a in self.stages[stage]

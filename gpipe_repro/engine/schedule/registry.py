@@ -14,9 +14,11 @@ from gpipe_repro.engine.schedule.interleaved import (
     _check_interleaved_stages,
     interleaved_schedule,
 )
+from gpipe_repro.engine.schedule.partial_split import split_last
 from gpipe_repro.engine.schedule.zero_bubble_v import check_v_stages, zero_bubble_v_schedule
 
-__all__ = ["SCHEDULES", "V_SCHEDULES", "make_schedule", "num_processes", "cells_per_process",
+__all__ = ["SCHEDULES", "V_SCHEDULES", "SPLIT_SCHEDULES", "make_schedule", "check_split_backwards",
+           "num_processes", "cells_per_process",
            "owner_of_cells"]
 
 SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule, "zb-h1": zero_bubble_h1_schedule,
@@ -26,11 +28,37 @@ SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule, "zb-h1": zer
 V_SCHEDULES = ("zb-v", "dualpipe-v")
 
 
+#: The schedules that split backwards into input and weight gradients (zero bubble): what
+#: ``split_backwards`` applies to.
+SPLIT_SCHEDULES = ("zb-h1", "zb-v", "dualpipe-v")
+
+
 def make_schedule(name: str, num_stages: int, num_microbatches: int, checkpoint: str,
-                  recompute_ahead: bool = False) -> Schedule:
-    """Build a training schedule by name (the one entry point runtimes and tools use)."""
+                  recompute_ahead: bool = False, split_backwards: int | None = None) -> Schedule:
+    """Build a training schedule by name (the one entry point runtimes and tools use).
+    `split_backwards`: for the zero-bubble schedules (:data:`SPLIT_SCHEDULES`), how many of the last
+    micro-batches split their backward (:func:`~gpipe_repro.engine.schedule.partial_split.split_last`);
+    None splits every one, as the paper does."""
     require_one_of("schedule", name, SCHEDULES)
-    return SCHEDULES[name](num_stages, num_microbatches, checkpoint, recompute_ahead)
+    check_split_backwards(name, split_backwards)
+    schedule = SCHEDULES[name](num_stages, num_microbatches, checkpoint, recompute_ahead)
+    return schedule if split_backwards is None else split_last(schedule, split_backwards)
+
+
+def check_split_backwards(name: str, split_backwards: int | None) -> None:
+    """Raise ValueError, saying what to change, for a `split_backwards` the schedule `name` cannot
+    take (a schedule that runs whole backwards; not an integer >= 0). The upper bound, M, is
+    :func:`split_last`'s."""
+    if split_backwards is None:
+        return
+    if name not in SPLIT_SCHEDULES:
+        raise ValueError(f"split_backwards={split_backwards!r} is for the zero-bubble schedules "
+                         f"({', '.join(SPLIT_SCHEDULES)}), which split backwards into input and "
+                         f"weight gradients; schedule={name!r} runs whole backwards: leave "
+                         "split_backwards out")
+    if isinstance(split_backwards, bool) or not isinstance(split_backwards, int) or split_backwards < 0:
+        raise ValueError("split_backwards must be an integer from 0 to the number of micro-batches "
+                         f"(how many of the last ones split their backward), got {split_backwards!r}")
 
 
 def cells_per_process(name: str) -> int:

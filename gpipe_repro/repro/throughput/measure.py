@@ -97,7 +97,8 @@ def distributed_measure(settings: SweepSettings, warmup: int = 2) -> MeasureFn:
         result = measure_pipeline(functools.partial(workload.build, "cpu"), balance, m,
                                   workload.sample(n), checkpoint=checkpoint,
                                   recompute_ahead=settings.recompute_ahead,
-                                  schedule=settings.schedule, loss_fn=workload.loss_fn(),
+                                  schedule=settings.schedule,
+                                  split_backwards=settings.split_backwards, loss_fn=workload.loss_fn(),
                                   steps=settings.measure_steps, warmup=warmup,
                                   threads=settings.threads or 1)
         return {"step_time_s": float(result.median_step_time), "step_times": result.step_times,

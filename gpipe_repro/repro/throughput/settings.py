@@ -23,6 +23,7 @@ class SweepSettings:
     checkpoint: str = "always"
     recompute_ahead: bool = False
     schedule: str = "gpipe"
+    split_backwards: int | None = None    # zero bubble: the last micro-batches whose backward splits
     objective: str = "bottleneck"
     link: str = "gloo-loopback"
     device: str = "cpu"

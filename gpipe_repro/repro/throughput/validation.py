@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from gpipe_repro.engine.schedule import cells_per_process, make_schedule, num_processes
+from gpipe_repro.engine.schedule import SPLIT_SCHEDULES, cells_per_process, make_schedule, num_processes
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import HostWatch, fast_share, usable_cores
 from gpipe_repro.report.measurement import another_round
@@ -26,6 +26,7 @@ from gpipe_repro.sim.jitter import measure_jitter
 from gpipe_repro.sim.partition_choice import choose_cut
 from gpipe_repro.sim.platform import Platform, platform_for
 from gpipe_repro.sim.simulator import replay_costs, simulate
+from gpipe_repro.sim.split_choice import choose_split
 
 VALIDATION_MS = (1, 2, 4, 8, 16)
 VALIDATION_CHECKPOINTS = ("always", "never")
@@ -90,7 +91,8 @@ def zero_bubble_against_1f1b(rows: Sequence[dict[str, Any]]) -> list[dict[str, A
     """Per model, checkpoint mode and M, each schedule that splits backwards (zb-h1, zb-v) against
     1F1B, both measured in every round: 1F1B's step time over its, step by step within each
     round (the measurement kernel's pairing), above 1 where zero bubble is faster. Each on its own
-    cut (:func:`gpipe_repro.sim.partition_choice.choose_cut`). Target (the schedules issue): the
+    cut (:func:`gpipe_repro.sim.partition_choice.choose_cut`; a zero-bubble one with its split
+    count, :func:`gpipe_repro.sim.split_choice.choose_split`). Target (the schedules issue): the
     interval's lower bound >= 1."""
     from gpipe_repro.report.measurement import Figure
 
@@ -98,13 +100,14 @@ def zero_bubble_against_1f1b(rows: Sequence[dict[str, Any]]) -> list[dict[str, A
     out = []
     for (model, checkpoint, m, name), r in by.items():
         base = by.get((model, checkpoint, m, "1f1b"))
-        if base is None or not make_schedule(name, r["cells"], m, checkpoint).splits_backward:
+        if base is None or name not in SPLIT_SCHEDULES:
             continue
         ours, theirs = r["measured_step_times_s"], base["measured_step_times_s"]
         n = min(len(ours), len(theirs))
         figure = Figure.of(f"{model} {checkpoint} M={m}: 1f1b / {name}",
                            [b / a for a, b in zip(ours[:n], theirs[:n])], target=1.0)
         out.append({"model": model, "checkpoint": checkpoint, "M": m, "schedule": name,
+                    "split_backwards": r.get("split_backwards"),
                     "balance": r["balance"], "balance_1f1b": base["balance"],
                     "ratio": figure.to_json()})
     return out
@@ -123,11 +126,14 @@ class _Config:
     b: int
     m: int
     checkpoint: str
+    split_choice: dict[str, Any] | None = None   # a zero-bubble schedule's (choose_split)
 
     def describe(self) -> str:
         k = num_processes(self.settings.schedule, len(self.balance))
+        split = ("" if self.settings.split_backwards is None
+                 else f" split_backwards={self.settings.split_backwards}")
         return (f"{self.model} K={k} M={self.m} checkpoint={self.checkpoint} "
-                f"schedule={self.settings.schedule}")
+                f"schedule={self.settings.schedule}{split}")
 
 
 def _plan_cut(model: str, workload: Workload, settings: SweepSettings, measure: MeasureFn,
@@ -188,7 +194,8 @@ def _row(c: _Config, calibs: Sequence[Calibration], runs: Sequence[dict[str, Any
     if (measured.get("timeline") is not None
             and 1 + max(e.schedule_stage for e in measured["timeline"].events) == cells):
         replay = simulate(
-            make_schedule(settings.schedule, cells, m, c.checkpoint, settings.recompute_ahead),
+            make_schedule(settings.schedule, cells, m, c.checkpoint, settings.recompute_ahead,
+                          settings.split_backwards),
             replay_costs(measured["timeline"], measured["step_time_s"],
                          [calibs[0].at(b)[sum(c.balance[:s + 1]) - 1].output_bytes
                           for s in range(cells - 1)]),
@@ -198,7 +205,8 @@ def _row(c: _Config, calibs: Sequence[Calibration], runs: Sequence[dict[str, Any
         timelines[f"{c.model}_K{k}_M{m}_{c.checkpoint}" + suffix] = {
             "measured": measured["timeline"].to_json(), "simulated": sim.timeline.to_json()}
     return {"model": c.model, "K": k, "cells": cells, "M": m, "checkpoint": c.checkpoint,
-            "schedule": settings.schedule,
+            "schedule": settings.schedule, "split_backwards": settings.split_backwards,
+            "split_choice": c.split_choice,
             "balance": c.balance, "microbatch": b, "batch": m * b,
             "simulated_step_s": sim.step_time,
             "simulated_step_per_round_s": [s.step_time for s in per_round],
@@ -226,7 +234,8 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                        checkpoints: Sequence[str] = VALIDATION_CHECKPOINTS,
                        fresh_calibration: bool = True,
                        schedules: Sequence[str] | None = None,
-                       measure_schedule: Callable[[str], MeasureFn] | None = None,
+                       measure_schedule: Callable[[SweepSettings], MeasureFn] | None = None,
+                       choose_splits: bool = True,
                        progress: Callable[[str], None] | None = None,
                        rounds: int = 1, budget_s: float | None = None,
                        clock: Callable[[], float] | None = None) -> dict[str, Any]:
@@ -234,8 +243,12 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
 
     Each schedule of `schedules` (default: ``settings.schedule`` only) is simulated and measured on
     the same cut, and the summary gives the error per schedule beside the overall one. `measure`
-    runs ``settings.schedule``; ``measure_schedule(name)`` gives the MeasureFn of any other schedule
-    (required when `schedules` names one). Interleaved is refused (:data:`NOT_VALIDATED`).
+    runs `settings`; ``measure_schedule(s)`` gives the MeasureFn of other settings `s` (another
+    schedule, or a zero-bubble schedule's split count): required when `schedules` names another
+    schedule or, with `choose_splits`, a zero-bubble one. With `choose_splits` each zero-bubble
+    configuration runs the cut and split count (``split_backwards``) its simulation from the first
+    calibration gives the shortest step (:func:`gpipe_repro.sim.split_choice.choose_split`), per M;
+    without, every backward splits, on the cut of the split's costs.
 
     Every configuration is measured `rounds` times, once per round, the rounds alternating the order
     of the configurations (the measurement kernel's rule): its figure is the median over all its
@@ -261,8 +274,17 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     if measure_schedule is None and any(n != settings.schedule for n in names):
         raise ValueError(f"measure runs {settings.schedule!r} only: pass measure_schedule= to "
                          f"measure {', '.join(n for n in names if n != settings.schedule)}")
-    measures = {n: (measure if n == settings.schedule or measure_schedule is None
-                    else measure_schedule(n)) for n in names}
+    if measure_schedule is None and choose_splits and any(n in SPLIT_SCHEDULES for n in names):
+        raise ValueError("choosing a zero-bubble schedule's split count needs measure_schedule= (to "
+                         "measure each count chosen), or pass choose_splits=False")
+    measures: dict[tuple[str, int | None], MeasureFn] = {}
+
+    def measure_for(s: SweepSettings) -> MeasureFn:
+        key = (s.schedule, s.split_backwards)
+        if key not in measures:
+            same = key == (settings.schedule, settings.split_backwards)
+            measures[key] = measure if same or measure_schedule is None else measure_schedule(s)
+        return measures[key]
     say = progress or (lambda msg: None)
     clock = clock or time.monotonic
     started = clock()
@@ -296,11 +318,24 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
             for k in ks:
                 for name in names:
                     cells = k * cells_per_process(name)
+                    if choose_splits and name in SPLIT_SCHEDULES:   # per M: its cut and split count
+                        for m in ms:
+                            choice = choose_split(calib, name, k, m, b, checkpoint, platform.link,
+                                                  recompute_ahead=settings.recompute_ahead,
+                                                  objective=settings.objective, setup=platform.setup,
+                                                  teardown=platform.teardown)
+                            chosen = replace(settings, schedule=name,
+                                             split_backwards=choice.split_backwards)
+                            configs += [replace(c, split_choice=choice.to_json()) for c in _plan_cut(
+                                model, workloads[model], chosen, measure_for(chosen), platform,
+                                choice.balance, b, [m], checkpoint)]
+                        continue
                     # the cut of this schedule's cells (a zero-bubble one's split costs more)
                     balance = choose_cut(calib, b, checkpoint,
                                          make_schedule(name, cells, cells, checkpoint), settings.objective)
-                    configs += _plan_cut(model, workloads[model], replace(settings, schedule=name),
-                                         measures[name], platform, balance, b, ms, checkpoint)
+                    named = replace(settings, schedule=name)
+                    configs += _plan_cut(model, workloads[model], named, measure_for(named), platform,
+                                         balance, b, ms, checkpoint)
     # Every configuration once per round, in alternating order, and each model calibrated again in
     # every round but the first, right before its first configuration of the round: each round's
     # steps are compared with the costs of the same round, minutes apart at most, and over the rounds
