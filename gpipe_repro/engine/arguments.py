@@ -129,6 +129,9 @@ def check_arguments(*, num_layers: int, partitions: Any, micro_batches: Any, che
     require_one_of("schedule", schedule, SCHEDULES)
     num_processes(schedule, partitions)   # interleaved / zb-v: cells per process must divide
     auto = split_backwards == "auto"
+    if isinstance(split_backwards, str) and not auto:
+        raise ValueError(f"split_backwards must be a count (0 to micro_batches), None (every backward "
+                         f"split) or 'auto', got {split_backwards!r}")
     check_split_backwards(schedule, None if auto else split_backwards)
     if auto and schedule not in SPLIT_SCHEDULES:
         check_split_backwards(schedule, 0)      # the same message: a schedule with nothing to split

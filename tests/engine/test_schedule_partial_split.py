@@ -68,7 +68,9 @@ def test_split_backwards_is_refused_where_it_means_nothing_or_is_out_of_range() 
             (dict(schedule="gpipe", split_backwards=0), "schedule='gpipe' runs whole backwards"),
             (dict(schedule="zb-h1", split_backwards=5), r"split_backwards=5 is more than micro_batches=4: "
                                                         "use at most 4"),
-            (dict(schedule="zb-h1", split_backwards=True), "must be an integer")]:
+            (dict(schedule="zb-h1", split_backwards=True), "must be an integer"),
+            (dict(schedule="zb-h1", split_backwards="all"), r"a count \(0 to micro_batches\), None .* or "
+                                                            "'auto', got 'all'")]:
         with pytest.raises(ValueError, match=message):
             GPipe(build(), partitions=2, micro_batches=4, loss_fn=loss_fn, cost="params", **kwargs)
 
