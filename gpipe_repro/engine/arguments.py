@@ -128,13 +128,15 @@ def check_arguments(*, num_layers: int, partitions: Any, micro_batches: Any, che
     require_one_of("precision", precision, PRECISIONS)
     require_one_of("schedule", schedule, SCHEDULES)
     num_processes(schedule, partitions)   # interleaved / zb-v: cells per process must divide
-    auto = split_backwards == "auto"
+    auto = isinstance(split_backwards, str) and split_backwards == "auto"
     if isinstance(split_backwards, str) and not auto:
         raise ValueError(f"split_backwards must be a count (0 to micro_batches), None (every backward "
                          f"split) or 'auto', got {split_backwards!r}")
-    check_split_backwards(schedule, None if auto else split_backwards)
     if auto and schedule not in SPLIT_SCHEDULES:
-        check_split_backwards(schedule, 0)      # the same message: a schedule with nothing to split
+        raise ValueError(f"split_backwards='auto' is for the zero-bubble schedules "
+                         f"({', '.join(SPLIT_SCHEDULES)}), which split backwards into input and weight "
+                         f"gradients; schedule={schedule!r} runs whole backwards: leave split_backwards out")
+    check_split_backwards(schedule, None if auto else split_backwards)
     if not auto and split_backwards is not None and split_backwards > micro_batches:
         raise ValueError(f"split_backwards={split_backwards} is more than micro_batches={micro_batches}: "
                          f"use at most {micro_batches} (every micro-batch split, as None does)")
@@ -263,15 +265,15 @@ def batch_key(inputs: Any, targets: Any) -> Any:
     return (describe(inputs), describe(targets))
 
 
-def check_auto_split(split_backwards: Any, sample: Any, cost: Any) -> None:
+def check_auto_split(split_backwards: Any, sample: Any, cost: Any, balance: Any = None) -> None:
     """``split_backwards="auto"`` times the layers on the sample: refuse it without one, or beside a
-    `cost` that is not timed."""
-    if split_backwards != "auto":
+    `cost` that is not timed (which matters only where the cut is not given)."""
+    if not (isinstance(split_backwards, str) and split_backwards == "auto"):
         return
     if sample is None:
         raise ValueError("split_backwards='auto' chooses the count from the layers timed on a sample: "
                          "give sample= (one micro-batch of inputs), or a count (0 to micro_batches)")
-    if cost is not None and cost != "time":
+    if cost is not None and cost != "time" and balance is None:
         shown = f"cost={cost!r}" if isinstance(cost, str) else "a list of costs"
         raise ValueError(f"split_backwards='auto' times the layers, and cuts by those times unless "
                          f"balance= is given; {shown} asks for another cut: leave cost out (or "

@@ -138,7 +138,9 @@ class GPipe(nn.Module):
             `balance` is given, whose step is shortest when the schedule runs in virtual time on the
             layers' forward, whole and split backward timed on the sample
             (:mod:`gpipe_repro.engine.split_count`; chosen for `micro_batches`, read back as
-            ``pipe.split_backwards``). ``render()`` draws the result.
+            ``pipe.split_backwards``; timed on the first cell's device). Not chosen again when
+            ``micro_batches`` changes; to resume a run give the cut and count it chose (``balance=``,
+            ``split_backwards=``). ``pipe.make_schedule().render()`` draws the result.
         seed: the seed of dropout masks.
         deferred_batchnorm: convert BatchNorm layers to :class:`DeferredBatchNorm`.
         runtime: "local" (all cells in this process) or "distributed" (one process per cell).
@@ -199,13 +201,20 @@ class GPipe(nn.Module):
         placement = place_stages(runtime=runtime, schedule=schedule, partitions=partitions,
                                  checkpoint=checkpoint, replicas=replicas)
         measured_loss = check_sample_target(sample, sample_target, loss_fn, cost)
-        check_auto_split(split_backwards, sample, cost)
-        if (balance is None or split_backwards == "auto") and partitions > 1:
+        check_auto_split(split_backwards, sample, cost, balance)
+        auto = isinstance(split_backwards, str)        # "auto": check_arguments allows no other string
+        if (balance is None or auto) and partitions > 1:
             check_materialized(layer_list)
-        if split_backwards == "auto":   # rank 0's timings choose, as they choose a cut
+        if auto:   # rank 0's timings choose, as they choose a cut
+            if balance is not None:    # a cut given is checked before the timing, as without "auto"
+                check_balance(balance, len(layer_list), partitions)
+                placement.check_same_on_every_rank((list(balance), len(layer_list), seed),
+                                                   "balance, layer count and seed")
+            where = (devices[0] if devices else placement.context.device if placement.context is not None
+                     else next((p.device for layer in layer_list for p in layer.parameters()), "cpu"))
             balance, split_backwards = placement.same_on_every_rank(cut_and_split(
                 layer_list, partitions, schedule, micro_batches, checkpoint, recompute_ahead, objective,
-                sample, measured_loss, balance))
+                sample, measured_loss, balance, device=where))
         elif balance is None:   # measured costs differ between processes: rank 0's cut wins
             balance = placement.same_on_every_rank(
                 [len(layer_list)] if partitions == 1 else
@@ -243,7 +252,7 @@ class GPipe(nn.Module):
         self._schedule: tuple[tuple[Any, ...], Schedule] | None = None
         self.checkpoint, self.schedule_name, self.recompute_ahead = checkpoint, schedule, recompute_ahead
         assert not isinstance(split_backwards, str)     # "auto" was resolved to a count above
-        self.split_backwards: int | None = split_backwards
+        self.split_backwards: int | None = None if split_backwards is None else int(split_backwards)
         self.loss_fn = loss_fn
         self.loss_reduction = declared_reduction(loss_fn) or loss_reduction or "mean"
         # cross-entropy's mean divides by the weight of the targets that count (engine.losses)
@@ -304,6 +313,11 @@ class GPipe(nn.Module):
         built once per configuration (a schedule is immutable data)."""
         key = (self.schedule_name, self.partitions, self.micro_batches, self.checkpoint,
                self.recompute_ahead, self.split_backwards)
+        if self.split_backwards is not None and self.split_backwards > self.micro_batches:
+            raise ValueError(f"split_backwards={self.split_backwards} (pipe.split_backwards, given or chosen "
+                             f"by 'auto' for the micro-batches at construction) is more than "
+                             f"micro_batches={self.micro_batches}: set pipe.split_backwards to at most "
+                             f"{self.micro_batches}, or None (every backward split)")
         if self._schedule is None or self._schedule[0] != key:
             self._schedule = (key, make_schedule(*key))
         return self._schedule[1]

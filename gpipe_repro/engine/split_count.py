@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from gpipe_repro.engine.interpreter import run_dataflow
@@ -77,10 +78,11 @@ def _durations(timed: Sequence[tuple[float, float, float]], cut: Sequence[int]) 
 
 def cut_and_split(layers: Sequence[nn.Module], partitions: int, schedule: str, num_microbatches: int,
                   checkpoint: str, recompute_ahead: bool, objective: str, sample: Any,
-                  loss: Loss | None, balance: Sequence[int] | None) -> tuple[list[int], int]:
+                  loss: Loss | None, balance: Sequence[int] | None,
+                  device: torch.device | str = "cpu") -> tuple[list[int], int]:
     """``GPipe(split_backwards="auto")``'s cut (`balance` where given, else the better of the two
-    cuts of the module docstring) and split count, from the layers timed on `sample`."""
-    timed = measure_split_costs(layers, sample, loss=loss)
+    cuts of the module docstring) and split count, from the layers timed on `sample` on `device`."""
+    timed = measure_split_costs(layers, sample, device, loss=loss)
     if balance is not None:
         cuts = [list(balance)]
     else:

@@ -226,24 +226,28 @@ class MemoryPlanner:
 
     def plan(self, partitions: int, micro_batches: int, checkpoint: str = "except_last",
              balance: Sequence[int] | None = None, schedule: str = "gpipe",
-             timeline: bool = False) -> MemoryPlan:
+             timeline: bool = False, split_backwards: int | None = None) -> MemoryPlan:
         """Each device's peak memory for one training step (see the module docstring). Without a
-        `balance`, the candidate cut with the smallest largest peak (then the most even peaks)."""
+        `balance`, the candidate cut with the smallest largest peak (then the most even peaks).
+        `split_backwards`: a zero-bubble schedule splitting only its last micro-batches' backwards
+        (:func:`gpipe_repro.engine.schedule.split_last`; None: every one)."""
         if partitions > self.num_layers:
             raise ValueError(f"partitions={partitions} is larger than the number of layers "
                              f"({self.num_layers})")
         if balance is not None:
-            return self._plan(partitions, micro_batches, checkpoint, list(balance), schedule, timeline)
-        plans = [self._plan(partitions, micro_batches, checkpoint, cut, schedule, timeline)
+            return self._plan(partitions, micro_batches, checkpoint, list(balance), schedule, timeline,
+                              split_backwards)
+        plans = [self._plan(partitions, micro_batches, checkpoint, cut, schedule, timeline, split_backwards)
                  for cut in self.candidate_balances(partitions, micro_batches, checkpoint)]
         return min(plans, key=lambda p: (p.max_peak, sum(float(s.peak) ** 2 for s in p.stages)))
 
     def _plan(self, partitions: int, micro_batches: int, checkpoint: str, balance: list[int],
-              schedule: str, timeline: bool) -> MemoryPlan:
+              schedule: str, timeline: bool, split_backwards: int | None = None) -> MemoryPlan:
         sizes = self.sizes(micro_batches)
         by_size = {n: self.profiles(n) for n in set(sizes)}
         check_balance(balance, self.num_layers, partitions)
-        sched = make_schedule(schedule, partitions, micro_batches, checkpoint)
+        sched = make_schedule(schedule, partitions, micro_batches, checkpoint,
+                              split_backwards=split_backwards)
         walked: dict[tuple, StageMemory] = {}
         stages: list[StageMemory] = []
         state: list[int] = []

@@ -138,8 +138,9 @@ def trace_step(layers: Sequence[nn.Module], sample: Any, target: Any,
                checkpoint: str = "except_last", balance: Sequence[int] | None = None,
                optimizer: OptimizerFactory | None = rmsprop, schedule: str = "gpipe",
                fake: bool = True, attention: str = "fused", copy_layers: bool = True,
-               round_to: int = 1) -> StepTrace:
-    """Run one steady-state training step of GPipe and measure each stage's memory.
+               round_to: int = 1, split_backwards: int | None = None) -> StepTrace:
+    """Run one steady-state training step of GPipe and measure each stage's memory (`schedule` and
+    `split_backwards` as GPipe takes them).
 
     With ``fake=True`` layers (any device, meta included) and batches are replaced by fake copies
     and nothing is allocated. With ``fake=False`` the step really runs (on copies of the layers
@@ -161,7 +162,8 @@ def trace_step(layers: Sequence[nn.Module], sample: Any, target: Any,
         # two rows' extra loss) does not add to the memory traced
         pipe = GPipe(layer_list, partitions=partitions, micro_batches=micro_batches,
                      checkpoint=checkpoint, balance=balance, loss_fn=loss_fn, optimizer=optimizer,
-                     schedule=schedule, loss_reduction=declared_reduction(loss_fn) or "mean")
+                     schedule=schedule, split_backwards=split_backwards,
+                     loss_reduction=declared_reduction(loss_fn) or "mean")
         tracker = MemoryTracker(round_to=round_to)
         transport = TrackingTransport(pipe.devices, tracker)
         assert isinstance(pipe.runtime, LocalRuntime)

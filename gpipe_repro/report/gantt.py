@@ -13,14 +13,17 @@ from pathlib import Path
 
 from gpipe_repro.engine.timeline import Timeline
 
-COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "recompute": "#8172B3",
+COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "backward_input": "#E8A77A",
+          "backward_weight": "#B5651D", "recompute": "#8172B3",
           "optimizer_step": "#55A868", "send": "#937860", "transfer": "#C44E52", "wait": "#DDDDDD",
           "agree": "#2F2F2F", "allreduce": "#64B5CD"}
-LABELS = {"forward": "forward", "backward": "backward", "recompute": "re-computation",
+LABELS = {"forward": "forward", "backward": "backward", "backward_input": "backward, input gradient (I)",
+          "backward_weight": "backward, weight gradient (W)", "recompute": "re-computation",
           "optimizer_step": "optimizer update", "send": "send", "transfer": "receive (data moving)",
           "wait": "receive (waiting for the sender)", "agree": "agree (all stages, before the update)",
           "allreduce": "gradient all-reduce over replicas (launch to completion)"}
-_LETTER = {"forward": "F", "backward": "B", "recompute": "R", "optimizer_step": "U", "agree": "A",
+_LETTER = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W",
+           "recompute": "R", "optimizer_step": "U", "agree": "A",
            "allreduce": "AR"}
 
 

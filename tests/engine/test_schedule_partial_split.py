@@ -163,3 +163,55 @@ def test_fewest_splits_breaks_a_tie_toward_fewer_splits() -> None:
     steps = {(("a",), 0): 1.0005, (("a",), 3): 1.0, (("b",), 1): 1.2}
     assert fewest_splits(steps) == (("a",), 0)
     assert fewest_splits(steps, tie=0.0) == (("a",), 3)
+
+
+def test_auto_checks_a_given_cut_before_timing_and_takes_any_integer_count() -> None:
+    import numpy as np
+    build, loss_fn = MODELS["mlp"]
+    x, _ = data("mlp")
+    for balance, message in [([2.0, 3.0], "balance"), ([1, 1, 1], "balance has 3 cells but partitions=2")]:
+        with pytest.raises((ValueError, TypeError), match=message):
+            GPipe(build(), partitions=2, micro_batches=4, loss_fn=loss_fn, schedule="zb-h1",
+                  split_backwards="auto", sample=x[:2], balance=balance)
+    with pytest.raises(ValueError, match=r"split_backwards='auto' is for the zero-bubble schedules"):
+        GPipe(build(), partitions=2, micro_batches=4, loss_fn=loss_fn, schedule="1f1b",
+              split_backwards="auto", sample=x[:2])
+    # a given cut makes the cost irrelevant: "auto" times the layers for the count alone
+    layers = build()
+    half = len(layers) // 2
+    pipe = GPipe(layers, partitions=2, micro_batches=4, loss_fn=loss_fn, schedule="zb-h1", cost="params",
+                 split_backwards="auto", sample=x[:2], balance=[half, len(layers) - half])
+    assert pipe.balance == [half, len(layers) - half] and isinstance(pipe.split_backwards, int)
+    numpy_count = GPipe(build(), partitions=2, micro_batches=4, loss_fn=loss_fn, cost="params",
+                        schedule="zb-h1", split_backwards=np.int64(2))
+    assert numpy_count.split_backwards == 2 and type(numpy_count.split_backwards) is int
+
+
+def test_a_count_above_a_changed_micro_batch_count_names_what_to_change() -> None:
+    build, loss_fn = MODELS["mlp"]
+    x, y = data("mlp")
+    pipe = GPipe(build(), partitions=2, micro_batches=4, loss_fn=loss_fn, cost="params", schedule="zb-h1",
+                 split_backwards=3, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    pipe.micro_batches = 2
+    with pytest.raises(ValueError, match=r"split_backwards=3 \(pipe.split_backwards.*"
+                                         r"set pipe.split_backwards to at most 2"):
+        pipe.train_step(x, y)
+
+
+def _auto_with_this_ranks_balance() -> list[int]:
+    """Runs in each of 2 stage processes: a different cut per rank beside "auto"."""
+    import os
+    build, loss_fn = MODELS["mlp"]
+    x, _ = data("mlp")
+    layers = build()
+    cut = [2, len(layers) - 2] if os.environ["RANK"] == "0" else [3, len(layers) - 3]
+    GPipe(layers, partitions=2, micro_batches=4, loss_fn=loss_fn, schedule="zb-h1", split_backwards="auto",
+          sample=x[:2], balance=cut, runtime="distributed")
+    return cut
+
+
+def test_silent_auto_replaced_a_cut_that_differs_between_ranks_by_rank_0s() -> None:
+    from gpipe_repro.distributed import launch_local
+    from gpipe_repro.distributed.launcher import JobFailed
+    with pytest.raises(JobFailed, match="the ranks were given different balance"):
+        launch_local(_auto_with_this_ranks_balance, 2, timeout=30)

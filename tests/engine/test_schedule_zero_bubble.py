@@ -162,14 +162,15 @@ def test_distributed_runtime_runs_zb_h1_unchanged(k: int) -> None:
     assert len(results) == k and all(len(r) == len(ZB_CONFIGS[k]) for r in results)
 
 
-@pytest.mark.parametrize("checkpoint", ["never"])
-def test_memory_planner_replays_zb_h1_within_5_percent_of_the_real_step(checkpoint: str) -> None:
+@pytest.mark.parametrize("checkpoint,split", [("never", None), ("never", 1)])
+def test_memory_planner_replays_zb_h1_within_5_percent_of_the_real_step(checkpoint: str,
+                                                                       split: int | None) -> None:
     from gpipe_repro.memory.trace import trace_step
     from tests.memory.test_planner import _planner, _workloads
     w, planner = _workloads()["transformer"], _planner("transformer")
     real = trace_step(w.layers, w.sample, w.target, w.loss_fn, 2, 8, checkpoint, balance=[3, 3],
-                      schedule="zb-h1", fake=False)
-    plan = planner.plan(2, 8, checkpoint, balance=[3, 3], schedule="zb-h1")
+                      schedule="zb-h1", fake=False, split_backwards=split)
+    plan = planner.plan(2, 8, checkpoint, balance=[3, 3], schedule="zb-h1", split_backwards=split)
     for s, r in zip(plan.stages, real.stages):
         assert abs(s.peak - s.parts.get("data", 0) - r.peak) <= 0.05 * r.peak, (s.stage, s.peak, r.peak)
 

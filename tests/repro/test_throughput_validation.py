@@ -279,3 +279,31 @@ def test_zero_bubble_is_compared_with_1f1b_step_by_step_within_each_round() -> N
     page = render_validation_summary({"rows": [], "summary": {
         "median_abs_error": 0.0, "max_abs_error": 0.0, "zero_bubble": got}})
     assert "met on 1 of 2" in page and "| zb-v" in page
+
+
+def test_silent_zero_bubble_comparison_kept_one_k_of_several() -> None:
+    """Rows of K=2 and K=4 (a host with 4 or more cores validates both): each K's zero-bubble row
+    is compared with 1F1B of the same K; grouping without K kept only the last K's comparison."""
+    rows = [{"model": "m", "K": k, "cells": k, "checkpoint": "never", "M": 8, "schedule": s,
+             "balance": [1] * k, "split_backwards": 1 if s == "zb-h1" else None,
+             "measured_step_times_s": [t] * 4}
+            for k in (2, 4) for s, t in (("1f1b", 1.0), ("zb-h1", 0.5 if k == 2 else 2.0))]
+    out = validation.zero_bubble_against_1f1b(rows)
+    assert sorted((v["K"], round(v["ratio"]["value"], 6)) for v in out) == [(2, 2.0), (4, 0.5)]
+
+
+def test_a_split_count_the_settings_give_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(validation, "calibrate", _calibrate)
+    monkeypatch.setattr(validation, "platform_for", lambda name, **kw: Platform(PRESETS["ideal"]))
+    monkeypatch.setattr(validation, "measure_jitter", lambda **kw: None)
+    monkeypatch.setattr(validation, "fast_share", lambda: 0.2)
+    settings = SweepSettings(link="ideal", schedule="zb-h1", split_backwards=2)
+    result = validation.validate_simulator(
+        settings, _fake_measure("zb-h1", 1.0, 2), models=["transformer"], ks=[2], ms=[4],
+        checkpoints=("never",), measure_schedule=lambda s: _fake_measure(s.schedule, 1.0, s.split_backwards))
+    assert [(r["split_backwards"], r["split_choice"]) for r in result["rows"]] == [(2, None)]
+    # without measure_schedule nothing is chosen: the settings' schedule as they give it
+    plain = validation.validate_simulator(replace(settings, split_backwards=None),
+                                          _fake_measure("zb-h1", 1.0), models=["transformer"], ks=[2],
+                                          ms=[4], checkpoints=("never",))
+    assert [r["split_backwards"] for r in plain["rows"]] == [None]

@@ -47,10 +47,9 @@ class Schedule:
 
     @property
     def splits_backward(self) -> bool:
-        """Whether some stage runs its backwards split into input and weight halves (zero bubble).
-        Stage 0 runs each of them whole at its W (its input takes no gradient), so a partition
-        balances its first cell by whole backwards and the others by both halves
-        (:func:`gpipe_repro.sim.partition_choice.choose_cut`)."""
+        """Whether some stage runs some backwards split into input and weight halves (zero bubble).
+        Stage 0 runs each of them whole at its W (its input takes no gradient). How a cut counts
+        the split is :attr:`split_share`'s (:func:`gpipe_repro.sim.partition_choice.choose_cut`)."""
         return any(a.kind is ActionKind.BACKWARD_INPUT for actions in self.stages for a in actions)
 
     @property

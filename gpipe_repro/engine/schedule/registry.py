@@ -1,6 +1,8 @@
 """The schedules by name: what ``GPipe(schedule=...)``, the CLI, the simulator and the planner ask for."""
 from __future__ import annotations
 
+import numbers
+
 from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.schedule.core import Schedule
 from gpipe_repro.engine.schedule.dualpipe_v import dualpipe_v_schedule
@@ -42,7 +44,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, checkpoint:
     require_one_of("schedule", name, SCHEDULES)
     check_split_backwards(name, split_backwards)
     schedule = SCHEDULES[name](num_stages, num_microbatches, checkpoint, recompute_ahead)
-    return schedule if split_backwards is None else split_last(schedule, split_backwards)
+    return schedule if split_backwards is None else split_last(schedule, int(split_backwards))
 
 
 def check_split_backwards(name: str, split_backwards: int | None) -> None:
@@ -56,7 +58,8 @@ def check_split_backwards(name: str, split_backwards: int | None) -> None:
                          f"({', '.join(SPLIT_SCHEDULES)}), which split backwards into input and "
                          f"weight gradients; schedule={name!r} runs whole backwards: leave "
                          "split_backwards out")
-    if isinstance(split_backwards, bool) or not isinstance(split_backwards, int) or split_backwards < 0:
+    if isinstance(split_backwards, bool) or not isinstance(split_backwards, numbers.Integral) \
+            or split_backwards < 0:
         raise ValueError("split_backwards must be an integer from 0 to the number of micro-batches "
                          f"(how many of the last ones split their backward), got {split_backwards!r}")
 

@@ -424,9 +424,9 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
                  "count of split backwards, the last micro-batches', whose simulated step from the "
                  "calibration is shortest: sim/split_choice). Target: lower bound >= 1.00 on every "
                  f"row; met on {met} of {len(figures)}.\n\n" + markdown_table(
-                     ["model", "checkpoint", "M", "schedule", "split", "cut", "1f1b's cut",
+                     ["model", "K", "checkpoint", "M", "schedule", "split", "cut", "1f1b's cut",
                       "1f1b / zero bubble [95%]", "pairs"],
-                     [[v["model"], v["checkpoint"], v["M"], v["schedule"],
+                     [[v["model"], v.get("K", "-"), v["checkpoint"], v["M"], v["schedule"],
                        "all" if v.get("split_backwards") is None else v["split_backwards"],
                        v["balance"], v["balance_1f1b"], f.cell(), f.rounds]
                       for v, f in zip(versus, figures)]))

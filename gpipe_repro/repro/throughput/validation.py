@@ -96,17 +96,17 @@ def zero_bubble_against_1f1b(rows: Sequence[dict[str, Any]]) -> list[dict[str, A
     interval's lower bound >= 1."""
     from gpipe_repro.report.measurement import Figure
 
-    by = {(r["model"], r["checkpoint"], r["M"], r["schedule"]): r for r in rows}
+    by = {(r["model"], r.get("K"), r["checkpoint"], r["M"], r["schedule"]): r for r in rows}
     out = []
-    for (model, checkpoint, m, name), r in by.items():
-        base = by.get((model, checkpoint, m, "1f1b"))
+    for (model, k, checkpoint, m, name), r in by.items():
+        base = by.get((model, k, checkpoint, m, "1f1b"))
         if base is None or name not in SPLIT_SCHEDULES:
             continue
         ours, theirs = r["measured_step_times_s"], base["measured_step_times_s"]
         n = min(len(ours), len(theirs))
         figure = Figure.of(f"{model} {checkpoint} M={m}: 1f1b / {name}",
                            [b / a for a, b in zip(ours[:n], theirs[:n])], target=1.0)
-        out.append({"model": model, "checkpoint": checkpoint, "M": m, "schedule": name,
+        out.append({"model": model, "K": k, "checkpoint": checkpoint, "M": m, "schedule": name,
                     "split_backwards": r.get("split_backwards"),
                     "balance": r["balance"], "balance_1f1b": base["balance"],
                     "ratio": figure.to_json()})
@@ -245,10 +245,11 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     the same cut, and the summary gives the error per schedule beside the overall one. `measure`
     runs `settings`; ``measure_schedule(s)`` gives the MeasureFn of other settings `s` (another
     schedule, or a zero-bubble schedule's split count): required when `schedules` names another
-    schedule or, with `choose_splits`, a zero-bubble one. With `choose_splits` each zero-bubble
-    configuration runs the cut and split count (``split_backwards``) its simulation from the first
-    calibration gives the shortest step (:func:`gpipe_repro.sim.split_choice.choose_split`), per M;
-    without, every backward splits, on the cut of the split's costs.
+    schedule. With `choose_splits` (and `measure_schedule` to measure what it chooses, and no
+    ``settings.split_backwards`` of the caller's) each zero-bubble configuration runs the cut and
+    split count (``split_backwards``) its simulation from the first calibration gives the shortest
+    step (:func:`gpipe_repro.sim.split_choice.choose_split`), per M; otherwise the settings' count
+    (None: every backward split), on the cut of what the schedule runs.
 
     Every configuration is measured `rounds` times, once per round, the rounds alternating the order
     of the configurations (the measurement kernel's rule): its figure is the median over all its
@@ -274,9 +275,8 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     if measure_schedule is None and any(n != settings.schedule for n in names):
         raise ValueError(f"measure runs {settings.schedule!r} only: pass measure_schedule= to "
                          f"measure {', '.join(n for n in names if n != settings.schedule)}")
-    if measure_schedule is None and choose_splits and any(n in SPLIT_SCHEDULES for n in names):
-        raise ValueError("choosing a zero-bubble schedule's split count needs measure_schedule= (to "
-                         "measure each count chosen), or pass choose_splits=False")
+    # a count chosen is measured through measure_schedule; a count the settings give is kept
+    choose_splits = choose_splits and measure_schedule is not None and settings.split_backwards is None
     measures: dict[tuple[str, int | None], MeasureFn] = {}
 
     def measure_for(s: SweepSettings) -> MeasureFn:
