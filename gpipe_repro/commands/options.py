@@ -116,6 +116,8 @@ PIPELINE_OPTIONS: tuple[SharedOption, ...] = (
     SharedOption("checkpoint", Optional[str], help="re-materialization: always | except_last | never"),
     SharedOption("schedule", Optional[str], help="pipeline schedule: gpipe | 1f1b | interleaved | zb-h1 | "
                  "zb-v | dualpipe-v"),
+    SharedOption("split_backwards", Optional[str], help="zero-bubble schedules: split the backwards of the "
+                 "last N micro-batches only, or auto (timed on the first micro-batch); default all"),
     SharedOption("objective", Optional[str], help="partitioner objective: bottleneck | variance | greedy | "
                  "equal"),
     SharedOption("partition_cost", Optional[str], help="what the partitioner balances: params | time | "

@@ -107,9 +107,16 @@ def apply_pipeline_options(run_config: Any, options: dict[str, Any], *, task: st
         options = {**options, "runtime": "local"}
         print(f"note: --schedule {options['schedule']} runs with the local runtime (the preset's is "
               "distributed)")
+    split = options.get("split_backwards")
+    if split is not None and split != "auto":
+        try:
+            split = int(split)
+        except ValueError:
+            raise ValueError(f"--split-backwards takes a count (0 to --m) or auto, got {split!r}") from None
     config = run_config.replace(
         partitions=options["k"], micro_batches=options["m"], batch_size=options["batch_size"],
         steps=options["steps"], checkpoint=options["checkpoint"], schedule=options["schedule"],
+        split_backwards=split,
         objective=options["objective"], partition_cost=options["partition_cost"],
         runtime=options["runtime"], launcher=options["launcher"], device=options["device"],
         threads=options["threads"], replicas=options.get("replicas"),

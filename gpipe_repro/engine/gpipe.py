@@ -447,6 +447,7 @@ class GPipe(nn.Module):
         return {"model": self.state_dict(),
                 "optimizers": [None if o is None else o.state_dict() for o in self.optimizers],
                 "step": self.step, "seed": self.seed, "balance": self.balance,
+                "split_backwards": self.split_backwards,
                 "forward_calls": self._forward_calls, **saved_scaler(self.loss_scaler)}
 
     def load_training_state(self, state: dict[str, Any]) -> None:

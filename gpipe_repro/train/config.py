@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_repro.engine.partition import OBJECTIVES
-from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES, cells_per_process
+from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES, SPLIT_SCHEDULES, cells_per_process
 
 RUNTIMES = ("local", "distributed")
 LAUNCHERS = ("local", "torchrun")
@@ -37,6 +37,7 @@ class RunConfig:
     batch_size: int = 64                # N, examples per mini-batch (one synchronous update)
     checkpoint: str = "except_last"     # re-materialization: "always" | "except_last" | "never"
     schedule: str = "gpipe"             # one of engine.schedule.SCHEDULES
+    split_backwards: int | str | None = None  # zero bubble: the last N backwards split, "auto", None all
     balance: list[int] | None = None    # layers per cell; None -> the partitioner
     partition_cost: str = "params"      # per-layer cost the partitioner balances
     objective: str = "bottleneck"       # partitioner objective
@@ -124,6 +125,20 @@ class RunConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        split = self.split_backwards
+        if split is not None:
+            if self.schedule not in SPLIT_SCHEDULES:
+                raise ValueError(f"--split-backwards is for the zero-bubble schedules "
+                                 f"({', '.join(SPLIT_SCHEDULES)}); --schedule {self.schedule} runs whole "
+                                 "backwards: leave --split-backwards out")
+            if split != "auto" and not (isinstance(split, int) and not isinstance(split, bool)
+                                        and 0 <= split <= self.micro_batches):
+                raise ValueError(f"--split-backwards takes a count from 0 to --m ({self.micro_batches}) or "
+                                 f"'auto', got {split!r}")
+            if split == "auto" and self.balance is None and self.partition_cost != "time":
+                raise ValueError("--split-backwards auto times the layers on the first micro-batch and "
+                                 "cuts by those times: add --partition-cost time (this run's is "
+                                 f"{self.partition_cost}), or give a count")
         if self.balance is not None and len(self.balance) != self.partitions:
             raise ValueError(f"balance {self.balance} has {len(self.balance)} cells but "
                              f"partitions={self.partitions}")

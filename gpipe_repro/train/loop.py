@@ -169,13 +169,18 @@ class _Run:
         # -- the pipeline
         layers = task.build_layers()
         self.params = parameter_count(layers)
-        needs_sample = config.partition_cost != "params" and config.balance is None
-        saved_balance = self.checkpoint["state"]["pipeline"]["balance"] if self.checkpoint else None
+        saved = self.checkpoint["state"]["pipeline"] if self.checkpoint else {}
+        saved_balance = saved.get("balance")
+        # a resumed run splits as it ran ("auto" chose once, from timings that would differ now)
+        saved_split = saved.get("split_backwards") if config.split_backwards == "auto" else None
+        auto = config.split_backwards == "auto" and saved_split is None
+        needs_sample = (config.partition_cost != "params" and config.balance is None
+                        and not saved_balance) or auto
         sample = (first_micro_batch(task.sample_batch(config.batch_size), config)
-                  if needs_sample and not saved_balance else (None, None))
+                  if needs_sample else (None, None))
         self.pipe = build_pipeline(layers, config, task.loss_fn(), task.loss_reduction, optimizer,
                                    sample=sample[0], sample_target=sample[1], balance=saved_balance,
-                                   devices=devices)
+                                   devices=devices, split_backwards=saved_split)
         self.schedule = ScheduledLR(self.pipe.optimizers, lr_function(optimizer))
 
         # -- what a checkpoint holds, and where this invocation starts

@@ -44,10 +44,12 @@ def first_micro_batch(pair: tuple[Any, Any], config: RunConfig) -> tuple[Any, An
 
 def build_pipeline(layers: nn.Sequential, config: RunConfig, loss_fn: LossFn, loss_reduction: str,
                    optimizer: OptimizerConfig, sample: Any = None, balance: list[int] | None = None,
-                   devices: list[torch.device] | None = None, sample_target: Any = None) -> GPipe:
+                   devices: list[torch.device] | None = None, sample_target: Any = None,
+                   split_backwards: int | str | None = None) -> GPipe:
     """The engine: every cell in this process on `devices` (runtime "local"), or this process's cell
     of a job of K x R stage processes (runtime "distributed"; the device is the rank's, see
-    `ranks.join`; with R replicas each one trains on its slice of the mini-batch)."""
+    `ranks.join`; with R replicas each one trains on its slice of the mini-batch). `balance` and
+    `split_backwards` (a resumed run's, as it ran) win over the config's."""
     return GPipe(layers, partitions=config.partitions, micro_batches=config.micro_batches,
                  checkpoint=config.checkpoint, balance=balance or config.balance,
                  cost=config.partition_cost, sample=sample, sample_target=sample_target,
@@ -55,6 +57,7 @@ def build_pipeline(layers: nn.Sequential, config: RunConfig, loss_fn: LossFn, lo
                  devices=None if config.runtime == "distributed" else devices, loss_fn=loss_fn,
                  loss_reduction=loss_reduction, optimizer=optimizer_factory(optimizer),
                  schedule=config.schedule, seed=config.seed, runtime=config.runtime,
+                 split_backwards=split_backwards if split_backwards is not None else config.split_backwards,
                  precision=config.precision, clip_grad_norm=config.clip_grad_norm,
                  replicas=config.replicas)
 

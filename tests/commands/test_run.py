@@ -316,3 +316,20 @@ def test_a_second_ctrl_c_exited_130_saying_nothing(monkeypatch: pytest.MonkeyPat
     assert exited.value.exit_code == 130
     err = capsys.readouterr().err
     assert "aborted without saving this step" in err and "--resume" in err
+
+
+def test_split_backwards_reaches_the_run_or_is_refused_with_what_to_change(launched: list[Any]) -> None:
+    runner = CliRunner()
+    result = runner.invoke(app, ["run", "amoebanet", "--schedule", "zb-h1", "--split-backwards", "1"])
+    assert result.exit_code == 0, result.output
+    assert launched[-1].schedule == "zb-h1" and launched[-1].split_backwards == 1
+    for argv, message in [
+            (["--schedule", "1f1b", "--split-backwards", "1"], "--schedule 1f1b runs whole backwards"),
+            (["--schedule", "zb-h1", "--split-backwards", "some"], "a count (0 to --m) or auto, got 'some'"),
+            (["--schedule", "zb-h1", "--split-backwards", "auto", "--partition-cost", "params"],
+             "add --partition-cost time")]:
+        result = runner.invoke(app, ["run", "amoebanet", *argv])
+        assert result.exit_code == 2 and message in result.output, (argv, result.output)
+    result = runner.invoke(app, ["run", "amoebanet", "--schedule", "zb-h1", "--split-backwards", "auto",
+                                 "--partition-cost", "time"])
+    assert result.exit_code == 0 and launched[-1].split_backwards == "auto", result.output

@@ -168,3 +168,30 @@ def test_resuming_a_finished_run_evaluated_and_logged_it_again(tmp_path: Path) -
     evals = [json.loads(r)["step"] for r in after if any(k.startswith("eval/") for k in json.loads(r))]
     assert len(evals) == len(set(evals)), evals
     assert len(after) == len(rows)
+
+
+@pytest.mark.usefixtures("undrawn_curves")     # curves.png not drawn (tests/curves.py)
+def test_an_auto_split_run_resumes_with_the_count_it_chose(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """--split-backwards auto chooses once, from timings; a resumed run splits as the run did (the
+    count is saved with the cut), rather than choosing again from timings that may differ."""
+    import gpipe_repro.engine.gpipe as gpipe_module
+    chosen: list[tuple[list[int], int]] = []
+    real = gpipe_module.cut_and_split
+
+    def spy(*args: Any, **kwargs: Any) -> tuple[list[int], int]:
+        chosen.append(real(*args, **kwargs))
+        return chosen[-1]
+    monkeypatch.setattr(gpipe_module, "cut_and_split", spy)
+    run, task = configs(tmp_path, schedule="zb-h1", split_backwards="auto", partition_cost="time")
+
+    def crash_after_step_4(step: int, loss: float) -> None:
+        if step == 4:
+            raise Crash
+    with pytest.raises(Crash):
+        train(AmoebaNetTask(task), run, on_step_end=crash_after_step_4)
+    assert len(chosen) == 1
+    resumed = train(AmoebaNetTask(task), dataclasses.replace(run, resume=True))
+    assert resumed.status == "finished" and len(chosen) == 1          # not chosen again
+    state = final_state(tmp_path)["pipeline"]
+    assert (list(state["balance"]), state["split_backwards"]) == (chosen[0][0], chosen[0][1])
