@@ -198,6 +198,7 @@ class GPipe(nn.Module):
             check_batchnorms(layer_list)
         check_running_statistics(layer_list, micro_batches, checkpoint)
         compiled = compile_options(compile, training_schedule)
+        self._compile = compile if compiled is not None else None
         placement = place_stages(runtime=runtime, schedule=schedule, partitions=partitions,
                                  checkpoint=checkpoint, replicas=replicas)
         measured_loss = check_sample_target(sample, sample_target, loss_fn, cost)
@@ -319,7 +320,10 @@ class GPipe(nn.Module):
                              f"micro_batches={self.micro_batches}: set pipe.split_backwards to at most "
                              f"{self.micro_batches}, or None (every backward split)")
         if self._schedule is None or self._schedule[0] != key:
-            self._schedule = (key, make_schedule(*key))
+            schedule = make_schedule(*key)
+            if self._compile is not None:    # a setting changed since construction: checked again
+                compile_options(self._compile, schedule)
+            self._schedule = (key, schedule)
         return self._schedule[1]
 
     @overload

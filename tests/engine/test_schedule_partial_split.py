@@ -215,3 +215,15 @@ def test_silent_auto_replaced_a_cut_that_differs_between_ranks_by_rank_0s() -> N
     from gpipe_repro.distributed.launcher import JobFailed
     with pytest.raises(JobFailed, match="the ranks were given different balance"):
         launch_local(_auto_with_this_ranks_balance, 2, timeout=30)
+
+
+def test_a_compiled_pipeline_refuses_a_split_set_after_construction() -> None:
+    """compile= is checked against the schedule at construction; a count set afterwards that splits
+    backwards (inside which a compiled layer cannot defer its weights) is refused when it is used."""
+    build, loss_fn = MODELS["mlp"]
+    pipe = GPipe(build(), partitions=2, micro_batches=4, loss_fn=loss_fn, cost="params", schedule="zb-h1",
+                 split_backwards=0, compile={"backend": "eager"})
+    assert not pipe.make_schedule().splits_backward
+    pipe.split_backwards = 2
+    with pytest.raises(ValueError, match="compile=.*split_backwards=0"):
+        pipe.make_schedule()
