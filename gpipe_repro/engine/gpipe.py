@@ -220,7 +220,7 @@ class GPipe(nn.Module):
             balance = placement.same_on_every_rank(
                 [len(layer_list)] if partitions == 1 else
                 cut_layers(layer_list, partitions, objective, cost, sample, measured_loss,
-                           training_schedule.split_share > 0.5))
+                           training_schedule.cut_by_split_costs))
         check_balance(balance, len(layer_list), partitions)
         balance = [int(n) for n in balance]
         # a cut given per rank (one's own measured partition, say) must be the same everywhere

@@ -315,7 +315,7 @@ def cut_layers(layers: Sequence[nn.Module], partitions: int, objective: str,
                cost: str | Sequence[float] | None, sample: Any, loss: Loss | None,
                splits_backward: bool) -> list[int]:
     """GPipe's automatic cut: :func:`partition` of :func:`layer_costs`; for a schedule that splits
-    most backwards (zb-h1, zb-v, DualPipeV: :attr:`Schedule.split_share` above one half) with
+    most backwards (:attr:`Schedule.cut_by_split_costs`: zb-h1 and zb-v as written) with
     costs by time and the bottleneck objective, of what each cell runs (:func:`split_layer_costs`:
     the first cell whole backwards, the others both halves), as the harness cuts them
     (:func:`gpipe_repro.sim.partition_choice.choose_cut`)."""

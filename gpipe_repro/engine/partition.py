@@ -63,7 +63,7 @@ def partition(costs: Sequence[float], partitions: int, objective: str = "bottlen
 
     `first`: the layers' costs as the first cell runs them, where they differ from `costs` (a
     zero-bubble schedule's first cell takes no input gradient and runs each backward whole, the
-    others both halves of the split, where most backwards split: :attr:`Schedule.split_share`). The
+    others both halves of the split, where most backwards split: :attr:`Schedule.cut_by_split_costs`). The
     bottleneck objective
     only: the least bottleneck with the first cell counted by `first`, then the most even."""
     n = len(costs)

@@ -21,12 +21,15 @@ from torch import nn
 from gpipe_repro.engine.interpreter import run_dataflow
 from gpipe_repro.engine.layer_costs import Loss, measure_split_costs, split_and_whole
 from gpipe_repro.engine.partition import partition
-from gpipe_repro.engine.schedule import Action, ActionKind, make_schedule
+from gpipe_repro.engine.schedule import Action, ActionKind, Schedule, make_schedule
 
-__all__ = ["TIE", "fewest_splits", "choose_split_count", "cut_and_split"]
+__all__ = ["TIE", "Steps", "fewest_splits", "steps_by_count", "choose_split_count", "cut_and_split"]
 
 #: Relative difference below which two steps tie (the fewer splits win).
 TIE = 1e-3
+
+#: Seconds of a step per candidate (cut, split count).
+Steps = dict[tuple[tuple[int, ...], int], float]
 
 
 def fewest_splits(steps: Mapping[tuple[Any, int], float], tie: float = TIE) -> tuple[Any, int]:
@@ -37,20 +40,29 @@ def fewest_splits(steps: Mapping[tuple[Any, int], float], tie: float = TIE) -> t
                key=lambda key: (key[1], steps[key]))
 
 
+def steps_by_count(schedule: str, num_microbatches: int, checkpoint: str, recompute_ahead: bool,
+                   cuts: Sequence[Sequence[int]],
+                   step: Callable[[Schedule, Sequence[int]], float]) -> Steps:
+    """`step(schedule, cut)` seconds of the zero-bubble `schedule` splitting its last n micro-batches'
+    backwards, for every cut of `cuts` and every count n = 0..M: the candidates both choosers weigh
+    (this module's, in virtual time; :func:`gpipe_repro.sim.split_choice.choose_split`, simulated)."""
+    return {(tuple(cut), n): step(make_schedule(schedule, len(cut), num_microbatches, checkpoint,
+                                                recompute_ahead, n), cut)
+            for cut in cuts for n in range(num_microbatches + 1)}
+
+
 def choose_split_count(schedule: str, num_microbatches: int, checkpoint: str, recompute_ahead: bool,
                        timed: Sequence[tuple[float, float, float]],
                        cuts: Sequence[Sequence[int]]) -> tuple[list[int], int]:
     """The cut among `cuts` and split count of the zero-bubble `schedule` whose step in virtual time
     is shortest (module docstring). `timed`: per layer (forward, whole backward, split backward)
     seconds at the micro-batch size."""
-    m = num_microbatches
-    steps: dict[tuple[tuple[int, ...], int], float] = {}
-    for cut in cuts:
-        duration = _durations(timed, cut)
-        for n in range(m + 1):
-            sched = make_schedule(schedule, len(cut), m, checkpoint, recompute_ahead, n)
-            steps[(tuple(cut), n)] = max(e.end for e in run_dataflow(sched, duration))
-    cut, n = fewest_splits(steps)
+    durations = {tuple(cut): _durations(timed, cut) for cut in cuts}
+
+    def step(sched: Schedule, cut: Sequence[int]) -> float:
+        return max(e.end for e in run_dataflow(sched, durations[tuple(cut)]))
+    cut, n = fewest_splits(steps_by_count(schedule, num_microbatches, checkpoint, recompute_ahead, cuts,
+                                          step))
     return list(cut), n
 
 

@@ -88,15 +88,15 @@ def choose_partition(costs: Sequence[float], k: int, objective: str = "bottlenec
 def choose_cut(calibration: Calibration, size: int, checkpoint: str, schedule: Schedule,
                objective: str = "bottleneck", keep: Sequence[int] | None = None) -> list[int]:
     """The cut of `calibration`'s layers at micro-batch `size` into `schedule`'s cells, balancing what
-    each cell runs: where the schedule splits most backwards (:attr:`Schedule.split_share` above one
-    half: zb-h1, zb-v, DualPipeV as their papers write them), every cell but the first by both
+    each cell runs: where the schedule splits most backwards (:attr:`Schedule.cut_by_split_costs`:
+    zb-h1 and zb-v as their paper writes them), every cell but the first by both
     halves of the split and the first by whole backwards (it takes no input gradient), so the
     costlier split does not leave the later cells the bottleneck on a cut balanced for whole
     backwards; else :meth:`Calibration.partition_costs`.
     Ties and kept cuts as :func:`choose_partition`, within the calibration's own uncertainty."""
     uncertainty = calibration.uncertainty_at(size)
     whole = calibration.partition_costs(size, checkpoint)
-    if schedule.split_share <= 0.5 or objective != "bottleneck" or schedule.num_stages == 1:
+    if not schedule.cut_by_split_costs or objective != "bottleneck" or schedule.num_stages == 1:
         return choose_partition(whole, schedule.num_stages, objective, uncertainty, keep)
     return choose_partition(calibration.partition_costs(size, checkpoint, split=True),
                             schedule.num_stages, objective, uncertainty, keep, first=whole)

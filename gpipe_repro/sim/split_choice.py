@@ -13,11 +13,12 @@ layers, without a link model.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpipe_repro.engine.microbatch import split_sizes
-from gpipe_repro.engine.schedule import SPLIT_SCHEDULES, cells_per_process, make_schedule
-from gpipe_repro.engine.split_count import TIE, fewest_splits
+from gpipe_repro.engine.schedule import SPLIT_SCHEDULES, Schedule, cells_per_process, make_schedule
+from gpipe_repro.engine.split_count import TIE, Steps, fewest_splits, steps_by_count
 from gpipe_repro.sim.calibration.costs import Calibration
 from gpipe_repro.sim.links import LinkModel
 from gpipe_repro.sim.partition_choice import choose_cut
@@ -34,7 +35,7 @@ class SplitChoice:
     balance: list[int]
     split_backwards: int
     step_time: float
-    steps: dict[tuple[tuple[int, ...], int], float]
+    steps: Steps
 
     def to_json(self) -> dict[str, object]:
         return {"balance": self.balance, "split_backwards": self.split_backwards,
@@ -64,12 +65,12 @@ def choose_split(calibration: Calibration, schedule: str, processes: int, num_mi
             cuts.append(cut)
     batch = m * microbatch
     sizes = split_sizes(batch, m)
-    steps: dict[tuple[tuple[int, ...], int], float] = {}
-    for cut in cuts:
-        costs = stage_costs(calibration, cut, sizes, setup, teardown)
-        for n in range(m + 1):
-            sched = make_schedule(schedule, cells, m, checkpoint, recompute_ahead, n)
-            steps[(tuple(cut), n)] = simulate(sched, costs, link, batch).step_time
+
+    costs = {tuple(cut): stage_costs(calibration, cut, sizes, setup, teardown) for cut in cuts}
+
+    def step(sched: Schedule, cut: Sequence[int]) -> float:
+        return simulate(sched, costs[tuple(cut)], link, batch).step_time
+    steps = steps_by_count(schedule, m, checkpoint, recompute_ahead, cuts, step)
     balance, n = fewest_splits(steps, TIE)
     return SplitChoice(list(balance), n, steps[(balance, n)], steps)
 

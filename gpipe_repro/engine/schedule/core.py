@@ -49,7 +49,7 @@ class Schedule:
     def splits_backward(self) -> bool:
         """Whether some stage runs some backwards split into input and weight halves (zero bubble).
         Stage 0 runs each of them whole at its W (its input takes no gradient). How a cut counts
-        the split is :attr:`split_share`'s (:func:`gpipe_repro.sim.partition_choice.choose_cut`)."""
+        the split is :attr:`cut_by_split_costs`'s (:func:`gpipe_repro.sim.partition_choice.choose_cut`)."""
         return any(a.kind is ActionKind.BACKWARD_INPUT for actions in self.stages for a in actions)
 
     @property
@@ -57,10 +57,17 @@ class Schedule:
         """The share of backwards on stages after the first that are split (I/W rather than B):
         1 for the zero-bubble schedules as their papers write them, less where
         :func:`~gpipe_repro.engine.schedule.partial_split.split_last` keeps some whole, 0 for the
-        others. A cut balances the split's costs where most backwards split (above one half)."""
+        others."""
         kinds = [a.kind for actions in self.stages[1:] for a in actions
                  if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)]
         return sum(k is ActionKind.BACKWARD_INPUT for k in kinds) / len(kinds) if kinds else 0.0
+
+    @property
+    def cut_by_split_costs(self) -> bool:
+        """Whether a cut of this schedule balances the split's costs (the first cell by whole
+        backwards, the others by both halves): where most backwards split (:attr:`split_share`
+        above one half); else whole backwards."""
+        return self.split_share > 0.5
 
     def checkpointed(self, stage: int) -> frozenset[int]:
         """Micro-batches whose forward on `stage` is re-materialized (it has a RECOMPUTE)."""
