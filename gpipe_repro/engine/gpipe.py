@@ -93,6 +93,8 @@ class GPipe(nn.Module):
         balance: the number of layers per cell; default: the partitioner on `cost`.
         cost: per-layer cost for the partitioner: "params", "flops", "time", "activations" (the last
             three need `sample`), or a list of floats. Default: "time" with a `sample`, else "params".
+            "time" times each layer on the first cell's device (``devices[0]``, or where the
+            layers' parameters are).
         sample: an input batch for measured costs (never modified): one micro-batch's worth.
         sample_target: the targets of `sample` (what ``train_step`` takes as `targets`): with it and
             `loss_fn`, the last layer's measured cost ("time", "flops") includes the loss's forward
@@ -206,13 +208,14 @@ class GPipe(nn.Module):
         auto = isinstance(split_backwards, str)        # "auto": check_arguments allows no other string
         if (balance is None or auto) and partitions > 1:
             check_materialized(layer_list)
+        # layers are timed ("time", "auto") where the first cell will run
+        where = (devices[0] if devices else placement.context.device if placement.context is not None
+                 else next((p.device for layer in layer_list for p in layer.parameters()), "cpu"))
         if auto:   # rank 0's timings choose, as they choose a cut
             if balance is not None:    # a cut given is checked before the timing, as without "auto"
                 check_balance(balance, len(layer_list), partitions)
                 placement.check_same_on_every_rank((list(balance), len(layer_list), seed),
                                                    "balance, layer count and seed")
-            where = (devices[0] if devices else placement.context.device if placement.context is not None
-                     else next((p.device for layer in layer_list for p in layer.parameters()), "cpu"))
             balance, split_backwards = placement.same_on_every_rank(cut_and_split(
                 layer_list, partitions, schedule, micro_batches, checkpoint, recompute_ahead, objective,
                 sample, measured_loss, balance, device=where))
@@ -220,7 +223,7 @@ class GPipe(nn.Module):
             balance = placement.same_on_every_rank(
                 [len(layer_list)] if partitions == 1 else
                 cut_layers(layer_list, partitions, objective, cost, sample, measured_loss,
-                           training_schedule.cut_by_split_costs))
+                           training_schedule.cut_by_split_costs, device=where))
         check_balance(balance, len(layer_list), partitions)
         balance = [int(n) for n in balance]
         # a cut given per rank (one's own measured partition, say) must be the same everywhere

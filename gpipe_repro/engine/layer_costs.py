@@ -313,14 +313,14 @@ def _loss_on(loss: Loss | None, device: torch.device) -> Loss | None:
 
 def cut_layers(layers: Sequence[nn.Module], partitions: int, objective: str,
                cost: str | Sequence[float] | None, sample: Any, loss: Loss | None,
-               splits_backward: bool) -> list[int]:
-    """GPipe's automatic cut: :func:`partition` of :func:`layer_costs`; for a schedule that splits
-    most backwards (:attr:`Schedule.cut_by_split_costs`: zb-h1 and zb-v as written) with
-    costs by time and the bottleneck objective, of what each cell runs (:func:`split_layer_costs`:
-    the first cell whole backwards, the others both halves), as the harness cuts them
-    (:func:`gpipe_repro.sim.partition_choice.choose_cut`)."""
+               splits_backward: bool, device: torch.device | str = "cpu") -> list[int]:
+    """GPipe's automatic cut: :func:`partition` of :func:`layer_costs` (timed on `device`); for a
+    schedule that splits most backwards (:attr:`Schedule.cut_by_split_costs`: zb-h1 and zb-v as
+    written) with costs by time and the bottleneck objective, of what each cell runs
+    (:func:`split_layer_costs`: the first cell whole backwards, the others both halves), as the
+    harness cuts them (:func:`gpipe_repro.sim.partition_choice.choose_cut`)."""
     if splits_backward and default_method(cost, sample) == "time" and sample is not None \
             and objective == "bottleneck":
-        split, whole = split_layer_costs(layers, sample, loss=loss)
+        split, whole = split_layer_costs(layers, sample, device, loss=loss)
         return partition(split, partitions, objective, first=whole)
-    return partition(layer_costs(layers, cost, sample, loss=loss), partitions, objective)
+    return partition(layer_costs(layers, cost, sample, device, loss=loss), partitions, objective)

@@ -375,3 +375,30 @@ def test_measuring_the_split_backward_writes_no_gradient_outside_the_layer() -> 
     split, whole = layer_costs.split_layer_costs([nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)], x,
                                                  repeats=1)
     assert len(split) == len(whole) == 3 and all(c > 0 for c in split + whole)
+
+
+@pytest.mark.parametrize("schedule,split_backwards", [("1f1b", None), ("zb-h1", None), ("zb-h1", "auto")])
+def test_silent_time_cut_timed_the_layers_on_the_cpu_for_a_model_on_another_device(
+        monkeypatch: pytest.MonkeyPatch, schedule: str, split_backwards: str | None) -> None:
+    """`cost="time"` (and the zero-bubble cut by split costs, and "auto") times the layers where the
+    first cell will run: a CUDA model's cut was made from CPU timings, which rank layers differently."""
+    import torch
+    from torch import nn
+
+    from gpipe_repro import GPipe
+    from gpipe_repro.engine import layer_costs
+
+    class Timed(Exception):
+        pass
+
+    seen: list[torch.device] = []
+
+    def measure_layers(layers, inputs, device="cpu", **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(torch.device(device))
+        raise Timed
+    monkeypatch.setattr(layer_costs, "measure_layers", measure_layers)
+    with pytest.raises(Timed):
+        GPipe([nn.Linear(4, 4) for _ in range(4)], partitions=2, micro_batches=2, optimizer=None,
+              schedule=schedule, split_backwards=split_backwards, sample=torch.randn(2, 4), cost="time",
+              devices=["meta", "meta"])
+    assert seen == [torch.device("meta")]
