@@ -114,19 +114,32 @@ def _device_rows(plan: Any) -> list[tuple[str, Any, int]]:
 
 
 def _print_plan(plan: Any, budget: float, title: str) -> None:
+    """Each device's peak and what fills it; where a device runs several cells (interleaved, zb-v,
+    dualpipe-v), each cell's, then each device's: the sum of its cells' (an upper bound)."""
     from rich.table import Table
 
+    from gpipe_repro.engine.schedule import owner_of_cells
     from gpipe_repro.memory.planner import gib
     from gpipe_repro.report.terminal import table_console
     cats = {"params": "param", "grads": "grad", "optimizer": "optim", "stash": "stash",
             "activations": "activ", "data": "data"}
-    table = Table("device", "layers", "peak", *cats.values(), "when", "fits",
-                  title=title, caption="GiB; 'when': the action at the device's peak")
-    for name, s, layers in _device_rows(plan):
+    owner = owner_of_cells(plan.schedule, len(plan.stages))
+    several = len(plan.device_peaks) != len(plan.stages)
+    rows = ([(f"{s.stage} (device {owner[s.stage]})", s, plan.balance[s.stage]) for s in plan.stages]
+            if several else _device_rows(plan))
+    table = Table("cell" if several else "device", "layers", "peak", *cats.values(), "when", "fits",
+                  title=title, caption=f"GiB; 'when': the action at the {'cell' if several else 'device'}'s "
+                  "peak")
+    for name, s, layers in rows:
         table.add_row(name, str(layers), gib(s.peak),
                       *[gib(s.parts.get(c, 0)) for c in cats], s.peak_at,
-                      "yes" if s.peak <= budget else "NO")
-    table_console().print(table)
+                      "-" if several else "yes" if s.peak <= budget else "NO")
+    console = table_console()
+    console.print(table)
+    if several:
+        console.print("device peaks, GiB (the sum of each device's cells' peaks, an upper bound): "
+                      + ", ".join(f"{d}: {gib(p)}{'' if p <= budget else ' (NO)'}"
+                                  for d, p in enumerate(plan.device_peaks)), soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -141,7 +154,13 @@ def register(app: typer.Typer) -> None:
             checkpoint: str = typer.Option("except_last", "--checkpoint",
                                            help="re-materialization: except_last | always | never"),
             attention: str = typer.Option("fused", "--attention", help="fused | math (materialized)"),
-            balance: Optional[str] = typer.Option(None, "--balance", help="layers per device, "
+            schedule: str = typer.Option("gpipe", "--schedule", help="pipeline schedule: gpipe | 1f1b | "
+                                         "interleaved | zb-h1 | zb-v | dualpipe-v (interleaved, zb-v "
+                                         "and dualpipe-v run 2 of the K cells per device)"),
+            split_backwards: Optional[int] = typer.Option(
+                None, "--split-backwards", help="zb-h1, zb-v, dualpipe-v: only the last N micro-batches "
+                "split their backwards (default: all, as GPipe(schedule=...) runs them)"),
+            balance: Optional[str] = typer.Option(None, "--balance", help="layers per cell, "
                                                   "e.g. 3,4,4,3 (default: memory-balanced)"),
             engine: bool = typer.Option(False, "--engine", help="also run the engine's own train_step "
                                         "on fake tensors and show its per-device peaks (slow: every "
@@ -152,6 +171,7 @@ def register(app: typer.Typer) -> None:
             ) -> None:
         """Does the model fit on K devices of --memory GiB with M micro-batches? Each device's peak.
         Exit code 0 if it fits, 1 if it does not."""
+        # K is GPipe's `partitions` (cells): K devices, or K/2 for the schedules with 2 cells per device.
         from gpipe_repro.memory.advice import what_would_fit, why
         from gpipe_repro.memory.planner import GiB, gib
         from gpipe_repro.report.terminal import table_console
@@ -161,26 +181,36 @@ def register(app: typer.Typer) -> None:
         positive("--batch-size", batch)
         positive_number("--memory", memory, "GiB")
         cuts = int_list("--balance", balance, "3,4,4,3") if balance else None
+        try:    # the schedule's own rules (M, K, the split count) before any model is built
+            from gpipe_repro.engine.schedule import make_schedule
+            make_schedule(schedule, partitions, micro_batches, checkpoint, split_backwards=split_backwards)
+        except ValueError as e:
+            raise typer.BadParameter(str(e).replace("split_backwards", "--split-backwards")) from e
         _check_json_out(json_out, "fit", overwrite)
         work, planner = _planner(family, batch, list(ctx.args), attention)
         try:
-            plan = planner.plan(partitions, micro_batches, checkpoint, balance=cuts)
+            plan = planner.plan(partitions, micro_batches, checkpoint, balance=cuts, schedule=schedule,
+                                split_backwards=split_backwards)
         except ValueError as e:
             raise typer.BadParameter(str(e)) from e
         budget = memory * GiB
         console = table_console()
         console.print(f"{work.describe()}: {planner.parameters:,} parameters, "
                       f"{planner.num_layers} layers; {OPTIMIZER_STATE}", soft_wrap=True)
+        split = "" if split_backwards is None else f" (last {split_backwards} backwards split)"
         _print_plan(plan, budget, f"K={partitions}, M={micro_batches}, checkpoint={checkpoint}, "
-                                  f"{memory:g} GiB per device (simulated)")
+                                  f"schedule={schedule}{split}, {memory:g} GiB per device (simulated)")
         if engine:
             from gpipe_repro.memory.trace import trace_step
             layers, sample, target, loss_fn = work.planner_inputs()
             traced = trace_step(layers, sample, target, loss_fn, partitions,
                                 micro_batches, checkpoint, balance=plan.balance,
-                                optimizer=planner.optimizer, fake=True, attention=attention)
+                                optimizer=planner.optimizer, schedule=schedule, fake=True,
+                                attention=attention, split_backwards=split_backwards)
             data = [s.parts.get("data", 0) for s in plan.stages]
-            console.print("engine on fake tensors, peak GiB per device (data excluded): "
+            several = len(plan.device_peaks) != len(plan.stages)
+            console.print(f"engine on fake tensors, peak GiB per {'cell' if several else 'device'} "
+                          "(data excluded): "
                           + ", ".join(f"{t.peak / GiB:.4f} (planner {(s.peak - d) / GiB:.4f})"
                                       for t, s, d in zip(traced.stages, plan.stages, data)),
                           soft_wrap=True)
@@ -293,7 +323,8 @@ def register(app: typer.Typer) -> None:
                           key=lambda c: c.max_peak, default=None)
             if closest is not None and closest.plan is not None:
                 console.print(f"closest: K={closest.partitions}, M={closest.micro_batches}, "
-                              f"checkpoint={closest.checkpoint}: {why(closest.plan, budget)}")
+                              f"schedule={closest.schedule}, checkpoint={closest.checkpoint}: "
+                              f"{why(closest.plan, budget)}")
                 for line in what_would_fit(planner, closest.plan, budget,
                                            max_partitions=planner.num_layers):
                     console.print(f"  - {line}")

@@ -8,6 +8,7 @@ offers, each alone: re-materialization, more micro-batches (a smaller working se
 """
 from __future__ import annotations
 
+from gpipe_repro.engine.schedule import owner_of_cells
 from gpipe_repro.memory.compose import PERSISTENT
 from gpipe_repro.memory.planner import MemoryPlan, MemoryPlanner, gib
 
@@ -18,39 +19,60 @@ def _gib(x: float) -> str:
 
 def why(plan: MemoryPlan, budget: float) -> str:
     """One sentence about the device that overflows the most."""
-    s = plan.stages[plan.bottleneck_stage]
+    owner = owner_of_cells(plan.schedule, len(plan.stages))
+    peaks = plan.device_peaks
+    device = max(range(len(peaks)), key=peaks.__getitem__)
+    cells = [s for s in plan.stages if owner[s.stage] == device]
+    s = max(cells, key=lambda c: c.peak)
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(s.parts.items(), key=lambda kv: -kv[1]) if v)
-    state = sum(s.parts.get(c, 0) for c in PERSISTENT)
+    state = sum(c.parts.get(name, 0) for c in cells for name in PERSISTENT)
     reason = (" Its parameters, gradients and optimizer state alone exceed the budget: only more "
               "devices (or smaller layers) can help." if state > budget else "")
-    return (f"device {s.stage} ({plan.balance[s.stage]} layers) needs {_gib(s.peak)} of "
-            f"{_gib(budget)}, at its peak during {s.peak_at}: {parts}.{reason}")
+    if len(cells) == 1:
+        return (f"device {device} ({plan.balance[s.stage]} layers) needs {_gib(s.peak)} of "
+                f"{_gib(budget)}, at its peak during {s.peak_at}: {parts}.{reason}")
+    held = ", ".join(str(c.stage) for c in cells)
+    layers = sum(plan.balance[c.stage] for c in cells)
+    return (f"device {device} (cells {held}: {layers} layers) needs {_gib(peaks[device])} of "
+            f"{_gib(budget)}, the sum of its cells' peaks (an upper bound); its largest, cell "
+            f"{s.stage}, peaks during {s.peak_at}: {parts}.{reason}")
 
 
 def what_would_fit(planner: MemoryPlanner, plan: MemoryPlan, budget: float,
                    max_partitions: int | None = None) -> list[str]:
-    """Single changes to `plan`'s configuration that fit `budget` (each one planned)."""
-    k, m, ckpt = plan.partitions, plan.micro_batches, plan.checkpoint
+    """Single changes to `plan`'s configuration that fit `budget`, each planned with the same
+    schedule and split count. K counts partitions (cells) as ``GPipe(partitions=K)`` does: one
+    device each, or for a schedule with several cells per device, K / (its cells per device)."""
+    cells, m, ckpt = plan.partitions, plan.micro_batches, plan.checkpoint
+    per = cells // len(plan.device_peaks)
+
+    def planned(k: int, micro_batches: int, checkpoint: str) -> MemoryPlan | None:
+        split = plan.split_backwards
+        try:     # None where the schedule cannot serve it (interleaved's M, a V's M >= 2K, ...)
+            return planner.plan(k, micro_batches, checkpoint, schedule=plan.schedule,
+                                split_backwards=None if split is None else min(split, micro_batches))
+        except ValueError:
+            return None
     out: list[str] = []
-    if ckpt == "never":
-        p = planner.plan(k, m, "except_last")
+    if ckpt == "never" and (p := planned(cells, m, "except_last")) is not None:
         out.append(f"re-materialization (--checkpoint except_last): {_gib(p.max_peak)} per device"
                    + (" - fits" if p.fits(budget) else " - still too much"))
     m2 = m * 2
     while m2 <= planner.batch:
-        p = planner.plan(k, m2, ckpt)
-        if p.fits(budget):
+        p = planned(cells, m2, ckpt)
+        if p is not None and p.fits(budget):
             out.append(f"more micro-batches: M={m2} fits ({_gib(p.max_peak)} per device)")
             break
         m2 *= 2
     else:
         out.append(f"more micro-batches alone does not fit (M up to the batch, {planner.batch})")
     limit = min(planner.num_layers, max_partitions or planner.num_layers)
-    k2 = k * 2
+    k2 = cells * 2
     while k2 <= limit:
-        p = planner.plan(k2, m, ckpt)
-        if p.fits(budget):
-            out.append(f"more devices: K={k2} fits ({_gib(p.max_peak)} per device)")
+        p = planned(k2, m, ckpt)
+        if p is not None and p.fits(budget):
+            devices = "" if per == 1 else f" on {k2 // per} devices"
+            out.append(f"more devices: K={k2}{devices} fits ({_gib(p.max_peak)} per device)")
             break
         k2 *= 2
     else:

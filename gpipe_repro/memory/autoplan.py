@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpipe_repro.engine.partition import partition
-from gpipe_repro.engine.schedule import SCHEDULES, Schedule, cells_per_process, make_schedule, owner_of_cells
+from gpipe_repro.engine.schedule import SCHEDULES, Schedule, cells_per_process, make_schedule
 from gpipe_repro.memory.compose import boundary_bytes, boundary_grad_bytes
 from gpipe_repro.memory.planner import MemoryPlan, MemoryPlanner, gib
 from gpipe_repro.sim.links import LinkModel
@@ -115,15 +115,6 @@ def _skip(schedule: str, partitions: int, micro_batches: int, num_layers: int, *
     return bool(why) and (several or partitions > 1 or cells_per_process(schedule) > 1)
 
 
-def _device_peaks(plan: MemoryPlan, devices: int, schedule: str = "gpipe") -> list[int]:
-    """Each device's peak: a cell per device, or (interleaved, zb-v) the sum of its cells' peaks."""
-    owner = owner_of_cells(schedule, len(plan.stages))
-    peaks = [0] * devices
-    for s in plan.stages:
-        peaks[owner[s.stage]] += s.peak
-    return peaks
-
-
 def evaluate(planner: MemoryPlanner, partitions: int, micro_batches: int, checkpoint: str,
              budget: float, link: LinkModel, flops_per_second: float, schedule: str = "gpipe",
              attempts: int = 4) -> Candidate:
@@ -155,7 +146,7 @@ def evaluate(planner: MemoryPlanner, partitions: int, micro_batches: int, checkp
             balance = partition(work, cells, "bottleneck")
         plan = planner.plan(cells, micro_batches, checkpoint, balance=balance, schedule=schedule)
         cand.balance, cand.plan = balance, plan
-        cand.max_peak = max(_device_peaks(plan, partitions, schedule))
+        cand.max_peak = plan.max_peak
         if cand.max_peak <= budget or cells == 1:
             break
         cap -= (cand.max_peak - budget) / per_device

@@ -31,7 +31,7 @@ from torch import nn
 
 from gpipe_repro.engine import microbatch
 from gpipe_repro.engine.partition import check_balance, partition
-from gpipe_repro.engine.schedule import make_schedule
+from gpipe_repro.engine.schedule import make_schedule, owner_of_cells
 from gpipe_repro.memory.compose import (
     ACTIVATIONS,
     BUFFERS,
@@ -90,10 +90,23 @@ class MemoryPlan:
     parameters: int                    # parameter count of the whole model
     microbatch_sizes: list[int] = field(default_factory=list)
     state: list[int] = field(default_factory=list)   # per device: params + buffers + grads + optimizer
+    split_backwards: int | None = None   # zero-bubble schedules: the last n backwards split (None: all)
+
+    @property
+    def device_peaks(self) -> list[int]:
+        """Each device's peak: its cell's, or where a device runs several cells (interleaved,
+        zb-v, dualpipe-v) the sum of their peaks: an upper bound (the cells need not peak at the
+        same moment)."""
+        owner = owner_of_cells(self.schedule, len(self.stages))
+        peaks = [0] * (max(owner) + 1)
+        for s in self.stages:
+            peaks[owner[s.stage]] += s.peak
+        return peaks
 
     @property
     def max_peak(self) -> int:
-        return max(s.peak for s in self.stages)
+        """The largest device's peak (:attr:`device_peaks`)."""
+        return max(self.device_peaks)
 
     @property
     def bottleneck_stage(self) -> int:
@@ -115,9 +128,11 @@ class MemoryPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"partitions": self.partitions, "micro_batches": self.micro_batches,
-                "checkpoint": self.checkpoint, "schedule": self.schedule, "balance": self.balance,
+                "checkpoint": self.checkpoint, "schedule": self.schedule,
+                "split_backwards": self.split_backwards, "balance": self.balance,
                 "parameters": self.parameters, "microbatch_sizes": self.microbatch_sizes,
-                "max_peak_bytes": self.max_peak, "state_memory_bytes": self.state_memory,
+                "max_peak_bytes": self.max_peak, "device_peaks_bytes": self.device_peaks,
+                "state_memory_bytes": self.state_memory,
                 "activation_memory_bytes": self.activation_memory,
                 "stages": [{"stage": s.stage, "peak_bytes": s.peak, "peak_at": s.peak_at,
                             "parts_bytes": dict(s.parts)} for s in self.stages]}
@@ -273,7 +288,7 @@ class MemoryPlanner:
                              for p in by_size[sizes[0]][start:end]))
             start = end
         return MemoryPlan(partitions, micro_batches, checkpoint, schedule, balance, stages,
-                          self.parameters, sizes, state)
+                          self.parameters, sizes, state, split_backwards)
 
     def _with_data(self, mem: StageMemory, stage: int, partitions: int) -> StageMemory:
         data = (_data_bytes(self.sample) if stage == 0 else 0) + (

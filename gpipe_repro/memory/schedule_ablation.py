@@ -70,10 +70,9 @@ def schedule_ablation(planner: MemoryPlanner, *, devices: int, micro_batches: in
             assert link is not None and flops_per_second is not None
             sim = planned_step(planner, sched, plan.balance, micro_batches, flops_per_second, link)
         owner = sched.process_of()
-        peak = [0] * devices
+        peak = plan.device_peaks
         activation = [0] * devices
         for s in plan.stages:
-            peak[owner[s.stage]] += s.peak
             activation[owner[s.stage]] += s.activation_peak
         row.update({"balance": plan.balance, "step_time_s": sim.step_time, "throughput": sim.throughput,
                     "bubble": sim.bubble_fraction, "peak_bytes_per_device": peak,

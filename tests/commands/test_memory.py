@@ -121,3 +121,25 @@ def test_a_v_schedules_plan_did_not_run_in_gpipe_as_written(tmp_path: Path) -> N
     assert isinstance(pipe, nn.Module) and pipe.partitions == 4
     ids = torch.randint(0, 500, (8, 32))
     assert torch.isfinite(torch.tensor(pipe.train_step(ids, ids)))
+
+
+def test_fit_plans_the_schedule_asked_for(tmp_path: Path) -> None:
+    """--schedule: K cells as GPipe(partitions=K) cuts them, a device's peak the sum of its cells'
+    where it runs two; --split-backwards as GPipe takes it."""
+    from gpipe_repro.memory.planner import MemoryPlanner
+    from gpipe_repro.memory.workloads import workload
+
+    out = tmp_path / "fit.json"
+    result = CliRunner().invoke(app, ["fit", *TINY, "--k", "4", "--m", "4", "--schedule", "zb-v",
+                                      "--split-backwards", "1", "--memory", "1", "--out", str(out)],
+                                terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "schedule=zb-v (last 1 backwards split)" in result.output
+    assert "device peaks, GiB (the sum of each device's cells' peaks" in result.output
+    plan = json.loads(out.read_text())["plan"]
+    assert plan["schedule"] == "zb-v" and plan["split_backwards"] == 1 and len(plan["stages"]) == 4
+    work = workload("transformer-lm", 8, L=4, d_model=64, d_ff=128, num_heads=4, vocab_size=500,
+                    seq_len=32)
+    expected = MemoryPlanner(*work.planner_inputs()).plan(4, 4, "except_last", schedule="zb-v",
+                                                           split_backwards=1)
+    assert plan["device_peaks_bytes"] == expected.device_peaks and len(expected.device_peaks) == 2

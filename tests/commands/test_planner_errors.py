@@ -39,6 +39,12 @@ def _usage_error(args: list[str], *, says: str) -> None:
     (["plan", "transformer-lm", "--tflops", "0"], "--tflops must be a number > 0"),
     (["plan", "transformer-lm", "--link", "x"], "--link must be one of"),
     (["plan", "transformer-lm", "--memory", "nan"], "--memory must be a number > 0"),
+    (["fit", "transformer-lm", "--schedule", "1fb1"], "schedule must be one of"),
+    (["fit", "transformer-lm", "--k", "4", "--schedule", "interleaved", "--m", "3"], "multiple"),
+    (["fit", "transformer-lm", "--k", "2", "--schedule", "1f1b", "--split-backwards", "1"],
+     "is for the zero-bubble schedules"),
+    (["fit", "transformer-lm", "--k", "2", "--m", "4", "--schedule", "zb-h1", "--split-backwards", "5"],
+     "--split-backwards must be an integer from 0 to M = 4"),
 ])
 def test_planner_mistakes_are_usage_errors_before_any_work(no_planning: None, args: list[str],
                                                            says: str) -> None:

@@ -62,3 +62,34 @@ def test_a_budget_below_what_stays_on_a_device_is_said_in_gib() -> None:
     cand = evaluate(_tiny(), 2, 4, "never", 1.0, PRESETS["ideal"], 1e12)
     assert not cand.fits and cand.note.startswith("does not fit: the largest device needs")
     assert "cap per device is -" not in cand.note
+
+
+def test_a_plan_of_several_cells_per_device_peaks_per_device() -> None:
+    """MemoryPlan.max_peak and fits() read the devices: interleaved's and zb-v's cells summed per
+    device (cell c on device c mod K; the V's cells 0 and 3 on device 0)."""
+    planner = _tiny()
+    for schedule, devices in (("interleaved", [[0, 2], [1, 3]]), ("zb-v", [[0, 3], [1, 2]]),
+                              ("1f1b", [[0], [1], [2], [3]])):
+        plan = planner.plan(4, 4, "never", schedule=schedule)
+        cells = [s.peak for s in plan.stages]
+        assert plan.device_peaks == [sum(cells[c] for c in d) for d in devices]
+        assert plan.max_peak == max(plan.device_peaks)
+        assert plan.fits(plan.max_peak) and not plan.fits(plan.max_peak - 1)
+        assert plan.to_dict()["device_peaks_bytes"] == plan.device_peaks
+
+
+@pytest.mark.parametrize("schedule,split", [("1f1b", None), ("zb-h1", 1), ("interleaved", None)])
+def test_silent_advice_planned_gpipe_for_a_plan_of_another_schedule(schedule: str, split: int | None) -> None:
+    """`fit`'s and `plan`'s advice planned each lever with gpipe whatever the configuration's schedule
+    (and every backward split): its peaks were another schedule's. Each lever is planned with the
+    plan's own schedule and split count."""
+    from gpipe_repro.memory.advice import what_would_fit
+    from gpipe_repro.memory.planner import gib
+
+    planner = _tiny()
+    plan = planner.plan(2, 2, "never", schedule=schedule, split_backwards=split)
+    expected = planner.plan(2, 2, "except_last", schedule=schedule, split_backwards=split)
+    gpipe = planner.plan(2, 2, "except_last")
+    assert gib(expected.max_peak) != gib(gpipe.max_peak)     # the schedule matters here
+    lines = what_would_fit(planner, plan, budget=1.0)
+    assert lines[0].startswith("re-materialization") and f"{gib(expected.max_peak)} GiB" in lines[0]
