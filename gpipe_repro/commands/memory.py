@@ -57,9 +57,12 @@ def _planner(family: str, batch: Optional[int], extra: list[str], attention: str
     from gpipe_repro.memory.profile import rmsprop_foreach
     from gpipe_repro.memory.workloads import SUPPORTED, workload
     if not is_hf_model(family) and family not in SUPPORTED:
+        own = (" A model of your own (module:function) is simulated by `gpipe-repro throughput "
+               f"--model {family}`; in Python, gpipe_repro.memory.planner.MemoryPlanner(layers, "
+               "sample, target, loss_fn).plan(K, M) plans its memory" if ":" in family else "")
         raise typer.BadParameter(f"unknown model {family!r}: use one of {', '.join(SUPPORTED)}, "
                                  "hf:<family> with size options (hf:llama --layers 32 ...), or the "
-                                 "path of a Hugging Face config.json")
+                                 f"path of a Hugging Face config.json.{own}")
     try:
         options = parse_options(extra)
         work = hf_workload(family, batch, options) if is_hf_model(family) else \

@@ -365,7 +365,9 @@ def _own_workload(model: str, options: dict[str, Any], kind: Optional[str], shap
     try:
         return Workload.create(model, model, kind or "features", shape, classes or 10, **options)
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+        own = ("" if ":" in model or "/" in model else
+               f"; your own model is named as module:function, e.g. --model {model}:make_model")
+        raise typer.BadParameter(f"{e}{own}") from None
 
 
 def _replicas(*, own: dict[str, Any], out: Optional[Path], overwrite: bool, **job: Any) -> None:

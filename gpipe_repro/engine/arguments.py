@@ -304,3 +304,27 @@ def check_sample_target(sample: Any, sample_target: Any, loss_fn: Any,
         raise ValueError(f"sample_target has {target_rows} rows but sample has {rows}: give the "
                          "targets of the same rows (e.g. sample=x[:n], sample_target=y[:n])")
     return loss_fn, sample_target
+
+
+def build_optimizer(factory: Any, cell: nn.Module, stage: int) -> torch.optim.Optimizer:
+    """``factory(cell's parameters)``, refused before any step where it is not an optimizer of those
+    parameters: None (a factory that forgot its ``return``: nothing would ever update), or one
+    holding parameters of other cells (built over ``model.parameters()`` rather than the parameters
+    given: every cell's optimizer would update them, once per cell)."""
+    params = list(cell.parameters())
+    optimizer = factory(params)
+    if optimizer is None or not callable(getattr(optimizer, "step", None)) \
+            or not isinstance(getattr(optimizer, "param_groups", None), list):
+        what = "None" if optimizer is None else f"a {type(optimizer).__name__}"
+        raise ValueError(f"optimizer returned {what} for cell {stage}, not an "
+                         "optimizer: the factory must return one built over the parameters it is "
+                         "given, e.g. optimizer=lambda params: torch.optim.SGD(params, lr=0.1) (a def "
+                         "needs its return); pass optimizer=None to compute gradients without updating")
+    mine = {id(p) for p in params}
+    foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in mine)
+    if foreign:
+        raise ValueError(f"the optimizer built for cell {stage} holds {foreign} parameter(s) that are "
+                         "not that cell's: build it over the parameters the factory is given "
+                         "(optimizer=lambda params: torch.optim.AdamW(params, ...)), not over "
+                         "model.parameters(); each cell has its own optimizer")
+    return optimizer

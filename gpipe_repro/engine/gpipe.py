@@ -33,6 +33,7 @@ from gpipe_repro.engine.agreement import Agreement, StepConfig, host_value
 from gpipe_repro.engine.arguments import (
     as_layers,
     batch_key,
+    build_optimizer,
     check_arguments,
     check_auto_split,
     check_materialized,
@@ -49,7 +50,7 @@ from gpipe_repro.engine.batchnorm import (
 )
 from gpipe_repro.engine.layer_costs import cut_layers
 from gpipe_repro.engine.loss_scaler import LossScaler, restore_scaler, saved_scaler
-from gpipe_repro.engine.losses import UndeclaredReduction, exact_mean, loss_weights
+from gpipe_repro.engine.losses import ReductionCheck, exact_mean, loss_weights, own_forward
 from gpipe_repro.engine.partition import check_balance
 from gpipe_repro.engine.placement import RUNTIMES, move_cell, place_stages, split_cells
 from gpipe_repro.engine.runtime import Runtime, build_runtime
@@ -78,13 +79,15 @@ class GPipe(nn.Module):
     A step equals full-batch training of the same layers (same loss, same gradients, same update)
     whatever K, M, the cut, the checkpoint mode or the runtime, under the rules of docs/design.md
     (dropout masks a function of (seed, step, layer, micro-batch); BatchNorm normalizes per
-    micro-batch and commits running statistics once per step). Any layer may work in place. A step
+    micro-batch and commits running statistics once per step; every tensor of the input is cut
+    along dim 0 and other layers treat rows independently). Any layer may work in place. A step
     is all-or-nothing: if any action of any stage raises, no parameter, optimizer state, BatchNorm
     statistic or step counter changes (the schedule's AGREE barrier comes before every update).
 
     Args:
         layers: the model as an ``nn.Sequential`` or a list of modules, run in order. Each module
-            object may appear once. Layers exchange a tensor or a tuple of tensors and plain values.
+            object may appear once. Layers exchange a tensor or a tuple of tensors and plain values
+            (a plain value a function of the input's shapes: the distributed runtime fixes it).
             A parameter tied across cells is one identical copy per cell (:mod:`~.engine.tied`).
         partitions: K, the number of stages (cells), 1 <= K <= number of layers.
         micro_batches: M, the number of micro-batches each mini-batch is split into
@@ -261,11 +264,14 @@ class GPipe(nn.Module):
         self.loss_reduction = declared_reduction(loss_fn) or loss_reduction or "mean"
         # cross-entropy's mean divides by the weight of the targets that count (engine.losses)
         stage_loss, self._loss_denominator = exact_mean(loss_fn)
-        # a loss that declares no reduction is assumed a per-row mean: checked during the first step
-        # (one micro-batch on one replica is the whole batch: any loss is then plain training's)
-        if loss_fn is not None and declared_reduction(loss_fn) is None and loss_reduction is None \
-                and micro_batches * replicas > 1:
-            stage_loss = UndeclaredReduction(stage_loss, checked_calls=2 * micro_batches * replicas)
+        # a loss that declares no reduction is assumed a per-row mean, and one declared by a forward
+        # of the user's is taken at its word: both checked during the first step (one micro-batch on
+        # one replica is the whole batch: any loss is then plain training's)
+        declared = declared_reduction(loss_fn)
+        if loss_fn is not None and loss_reduction is None and micro_batches * replicas > 1 \
+                and (declared is None or own_forward(loss_fn)):
+            stage_loss = ReductionCheck(stage_loss, checked_calls=2 * micro_batches * replicas,
+                                        declared=declared)
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.precision = precision
         self.loss_scaler = LossScaler(enabled=precision == "fp16")
@@ -274,8 +280,8 @@ class GPipe(nn.Module):
         factory = None if optimizer is _NOT_GIVEN else optimizer
         # One optimizer per cell; a cell with no parameters (e.g. only activations) has none.
         self.optimizers: list[torch.optim.Optimizer | None] = [
-            factory(list(c.parameters())) if factory and any(True for _ in c.parameters()) else None
-            for c in self.cells]
+            build_optimizer(factory, c, s) if factory and any(True for _ in c.parameters()) else None
+            for s, c in enumerate(self.cells)]
         self.seed, self.step = int(seed), 0
         self._forward_calls = 0
         self.last_timeline: Timeline | None = None

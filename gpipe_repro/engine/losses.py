@@ -23,10 +23,14 @@ target is ignored has a NaN loss, as PyTorch's.
 
 A loss that declares no reduction (a function, or a module without ``.reduction``) and returns a
 0-dim tensor is combined as a mean over rows unless the caller says otherwise (``loss_reduction=``).
-That assumption is checked during the first step (:class:`UndeclaredReduction`), because
+That assumption is checked during the first step (:class:`ReductionCheck`), because
 when it is wrong the step silently differs from full-batch training: a summing function would train
 on half the loss at M=2, and a function's mean over the targets that count (``F.cross_entropy`` with
-padding marked -100) weighs a micro-batch by its rows, not by its tokens.
+padding marked -100) weighs a micro-batch by its rows, not by its tokens. So is the reduction a
+module declares with a ``forward`` of its own (:func:`own_forward`: a subclass of
+``nn.CrossEntropyLoss`` that logs, a focal loss): its ``.reduction`` is a claim its code may not
+keep, and a class-weighted cross-entropy's mean, made exact for the stock module, is then the
+user's computation.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from gpipe_repro.engine.boundary import tensors
 from gpipe_repro.engine.precision import upcast
 from gpipe_repro.engine.traced import has_values
 
-__all__ = ["exact_mean", "denominator", "weighted_loss", "loss_weights", "UndeclaredReduction",
+__all__ = ["exact_mean", "denominator", "weighted_loss", "loss_weights", "ReductionCheck", "own_forward",
            "refuse_ignored_targets", "IGNORED_TARGET"]
 
 IGNORED_TARGET = -100
@@ -76,9 +80,9 @@ def exact_mean(loss_fn: Any) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor
     targets: ``(the loss with reduction="sum", denominator)`` for a ``reduction="mean"``
     ``nn.CrossEntropyLoss`` or ``nn.NLLLoss`` (see the module docstring); ``(loss_fn, None)`` for
     anything else: a subclass with its own ``forward`` (a focal loss, an added term) is the user's
-    computation and runs as given, weighted n_m / N as any mean loss; so does a function wrapping
-    cross-entropy. Where such a mean depends on padding or class weights, return ``(sum, count)``
-    to make it exact."""
+    computation and runs as given, weighted n_m / N as any mean loss once :class:`ReductionCheck`
+    found it a per-row mean; so does a function wrapping cross-entropy. Where such a mean depends
+    on padding or class weights, return ``(sum, count)`` to make it exact."""
     stock = getattr(type(loss_fn), "forward", None) in (nn.CrossEntropyLoss.forward, nn.NLLLoss.forward)
     if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and stock and loss_fn.reduction == "mean":
         summed = copy.copy(loss_fn)        # the same loss (weights shared), summing
@@ -124,32 +128,47 @@ def loss_weights(sizes: Sequence[int], targets: Sequence[Any], reduction: str,
     return [s / n for s in sizes] if reduction == "mean" else [1.0] * len(sizes)
 
 
-class UndeclaredReduction:
-    """`loss_fn`, whose reduction nobody declared, checked over its first `checked_calls` calls (the
-    caller gives two steps' worth: a micro-batch's loss may be computed again at its recompute) to
-    be the per-row mean the pipeline then assumes (see the module docstring), wherever it returns a
-    0-dim tensor (a ``(sum, count)`` result is exact and ends the checks):
+def own_forward(loss_fn: Any) -> bool:
+    """Whether `loss_fn` is a module whose ``forward`` is not one of PyTorch's stock losses' (a
+    subclass overriding it, or a module of the user's): the reduction it declares is then its code's
+    claim, checked like an undeclared one (:class:`ReductionCheck`)."""
+    stock = nn.MSELoss.forward.__module__     # torch.nn.modules.loss: where every stock loss is
+    forward = getattr(type(loss_fn), "forward", None)
+    return isinstance(loss_fn, nn.Module) and getattr(forward, "__module__", "") != stock
 
-    - integer targets holding :data:`IGNORED_TARGET`: a function's mean over the targets that count
-      (``F.cross_entropy``'s) would weigh each micro-batch by its rows, not by its counted targets;
+
+class ReductionCheck:
+    """`loss_fn`, whose reduction the engine cannot read from its code (none declared, or one its own
+    ``forward`` declares: :func:`own_forward`), checked over its first `checked_calls` calls (the
+    caller gives two steps' worth: a micro-batch's loss may be computed again at its recompute) to be
+    the reduction the pipeline then combines micro-batches by (`declared`, "mean" where None; see the
+    module docstring), wherever it returns a 0-dim tensor (a ``(sum, count)`` result is exact and ends
+    the checks):
+
+    - integer targets (a tensor, or one of a tuple's) holding :data:`IGNORED_TARGET`, for a mean: a
+      function's mean over the targets that count (``F.cross_entropy``'s) would weigh each
+      micro-batch by its rows, not by its counted targets;
     - two rows of the micro-batch (its first and last; one row: repeated twice): a per-row mean of
-      both is the mean of each one's loss. Where instead it is their sum, it is refused (pass
-      ``loss_reduction="sum"``); where it is neither (class weights, a mean over a mask, padding
-      marked otherwise, statistics of the batch), micro-batching changes the loss, and it is refused
-      too (``loss_reduction`` accepts combining micro-batches as given, ``(sum, count)`` makes a
-      masked mean exact). Two rows that agree (no padding in either, equal class weights) cannot
-      tell, so the check runs on every micro-batch of the first step; one whose rows cannot be cut
-      (no output tensor with the target's rows, a loss that fails on fewer rows) is skipped. The
-      probe's memory is the loss of two rows, whatever the micro-batch;
+      both is the mean of each one's loss, a sum their sum. Where an undeclared loss is their sum, it
+      is refused (pass ``loss_reduction="sum"``); where the loss is not what it declares or is
+      assumed (class weights, a mean over a mask, padding marked otherwise, statistics of the batch),
+      micro-batching changes the loss, and it is refused too (``loss_reduction`` accepts combining
+      micro-batches as given, ``(sum, count)`` makes a masked mean exact). Two rows that agree (no
+      padding in either, equal class weights) cannot tell, so the check runs on every micro-batch of
+      the first step; one whose rows cannot be cut (no output tensor with the target's rows, a loss
+      that fails on fewer rows) is skipped. The targets' rows are cut as the micro-batches are
+      (every tensor of a tuple along its first dimension). The probe's memory is the loss of two
+      rows, whatever the micro-batch;
     - a loss that is not finite where the outputs are: a mean over no counted target (a micro-batch
       or row all padding), which the full batch's mean is not.
 
     Each raises ValueError saying what to change; the micro-batch's loss is not used, so the step
     changes nothing. Each check reads the device, during the first step only."""
 
-    def __init__(self, loss_fn: Callable[..., Any], checked_calls: int) -> None:
+    def __init__(self, loss_fn: Callable[..., Any], checked_calls: int, declared: str | None = None) -> None:
         self.loss_fn = loss_fn
         self.calls_left = checked_calls
+        self.declared = declared
 
     def __call__(self, output: Any, target: Any) -> Any:
         result = self.loss_fn(output, target)
@@ -158,15 +177,24 @@ class UndeclaredReduction:
             if not (isinstance(result, torch.Tensor) and result.dim() == 0):
                 self.calls_left = 0     # (sum, count): exact whatever the targets
                 return result
-            refuse_ignored_targets(target)
+            if self.declared != "sum":   # a sum over the targets that count is exact
+                refuse_ignored_targets(target, self._claim())
             self._probe_rows(output, target, result)
         return result
 
+    def _claim(self) -> str:
+        """What the loss says of its reduction, for the messages."""
+        if self.declared is None:
+            return "loss_fn declares no reduction"
+        return (f"loss_fn ({type(self.loss_fn).__name__}) declares reduction={self.declared!r} and has a "
+                "forward of its own (the engine runs it as written: it cannot make a weighted or "
+                "masked mean exact inside it)")
+
     def _probe_rows(self, output: Any, target: Any, result: torch.Tensor) -> None:
-        if not isinstance(target, torch.Tensor) or not has_values(target) or target.dim() == 0 or \
-                not has_values(result):
+        batched = [t for t in tensors(target) if t.dim() > 0]
+        if not batched or not all(has_values(t) for t in batched) or not has_values(result):
             return
-        n = target.shape[0]
+        n = batched[0].shape[0]
         if not any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == n
                    for t in tensors(output)):
             return
@@ -181,8 +209,8 @@ class UndeclaredReduction:
                 if n == 1:     # the row alone, and twice: a mean gives its loss again, a sum twice it
                     parts = [result.detach()]
                 else:
-                    parts = [self.loss_fn(_rows(output, [i], n), target[[i]]) for i in pair]
-                both = self.loss_fn(_rows(output, pair, n), target[pair])
+                    parts = [self.loss_fn(_rows(output, [i], n), _rows(target, [i], n)) for i in pair]
+                both = self.loss_fn(_rows(output, pair, n), _rows(target, pair, n))
             except Exception:     # a loss tied to its batch's rows (a closure over per-row weights)
                 return
             if not all(isinstance(p, torch.Tensor) and p.dim() == 0 for p in (*parts, both)):
@@ -196,27 +224,28 @@ class UndeclaredReduction:
         low = result.dtype in (torch.float16, torch.bfloat16) or any(
             t.dtype in (torch.float16, torch.bfloat16) for t in tensors(output))
         tolerance = (2e-2 if low else 1e-4) * max(abs(whole), *(abs(v) for v in values), 1e-30)
-        if abs(whole - as_mean) <= tolerance:
+        expected = as_sum if self.declared == "sum" else as_mean
+        if abs(whole - expected) <= tolerance:
             return
-        if abs(whole - as_sum) <= tolerance:
-            raise ValueError("loss_fn declares no reduction and sums over its rows (two rows' loss is "
-                             "the sum of each one's), but micro-batch losses are combined as means: "
-                             "pass loss_reduction='sum' (or give the loss a .reduction)")
-        raise ValueError(f"loss_fn declares no reduction and is not a mean over its rows: two rows "
-                         f"together give {whole:.6g}, neither the mean {as_mean:.6g} nor the sum "
-                         f"{as_sum:.6g} of each one's loss (class weights, a mean over a mask, padding, "
-                         "or statistics of the batch), so splitting a mini-batch into micro-batches "
-                         "changes it. Return (sum, count) to make a masked mean exact, use "
-                         "nn.CrossEntropyLoss / nn.NLLLoss (the engine makes their weighted mean "
-                         "exact), or pass loss_reduction='mean' or 'sum' to combine micro-batch "
+        if self.declared is None and abs(whole - as_sum) <= tolerance:
+            raise ValueError("loss_fn declares no reduction and sums over its rows (two rows' "
+                             "loss is the sum of each one's), but micro-batch losses are combined as "
+                             "means: pass loss_reduction='sum' (or give the loss a .reduction)")
+        what = "a sum" if self.declared == "sum" else "a mean"
+        raise ValueError(f"{self._claim()} and is not {what} over its rows: two rows together give "
+                         f"{whole:.6g}, neither the mean {as_mean:.6g} nor the sum {as_sum:.6g} of each "
+                         "one's loss (class weights, a mean over a mask, padding, or statistics of the "
+                         "batch), so splitting a mini-batch into micro-batches changes it. Return "
+                         "(sum, count) to make a masked mean exact, use nn.CrossEntropyLoss / "
+                         "nn.NLLLoss as they are (the engine makes their weighted mean exact), or pass "
+                         f"loss_reduction={self.declared or 'mean'!r} (or 'sum') to combine micro-batch "
                          "losses that way anyway")
 
-    @staticmethod
-    def _refuse_not_finite(output: Any, where: str) -> None:
+    def _refuse_not_finite(self, output: Any, where: str) -> None:
         """ValueError where the outputs are finite: then the loss divided by no counted target."""
         if not all(bool(torch.isfinite(t).all()) for t in tensors(output) if t.is_floating_point()):
             return     # the outputs overflowed (fp16's loss scale handles it): nothing to tell
-        raise ValueError(f"loss_fn declares no reduction and gave a loss that is not finite on {where} "
+        raise ValueError(f"{self._claim()} and gave a loss that is not finite on {where} "
                          "whose outputs are: a mean over the targets that count, where those rows have "
                          "none (all padding), so it is not a per-row mean and splitting a mini-batch "
                          "into micro-batches changes it. Return (sum, count) to make a masked mean "
@@ -233,15 +262,17 @@ def _rows(value: Any, rows: Any, n: int) -> Any:
     return value
 
 
-def refuse_ignored_targets(targets: Any) -> None:
-    """ValueError if integer `targets` (a tensor) hold :data:`IGNORED_TARGET` (see
-    :class:`UndeclaredReduction`). One read of the device."""
-    if isinstance(targets, torch.Tensor) and has_values(targets) and not targets.is_floating_point() \
-            and targets.dtype != torch.bool and bool((targets == IGNORED_TARGET).any()):
-        raise ValueError(
-            f"loss_fn declares no reduction and the targets hold {IGNORED_TARGET} (positions "
-            "cross-entropy ignores): a function's mean over the targets that count would weigh each "
-            "micro-batch by its rows, not by its counted targets, and the step would differ from "
-            "full-batch training. Use nn.CrossEntropyLoss(ignore_index=-100) (the engine divides by "
-            "the whole mini-batch's count), or return (sum, count), or pass loss_reduction='mean' to "
-            "weigh micro-batches by their rows anyway")
+def refuse_ignored_targets(targets: Any, claim: str = "loss_fn declares no reduction") -> None:
+    """ValueError if integer `targets` (a tensor, or any of a tuple's) hold :data:`IGNORED_TARGET`
+    (see :class:`ReductionCheck`; `claim`: what the loss says of its reduction). One read of the
+    device per integer tensor."""
+    for t in tensors(targets):
+        if has_values(t) and not t.is_floating_point() and t.dtype != torch.bool \
+                and bool((t == IGNORED_TARGET).any()):
+            raise ValueError(
+                f"{claim} and the targets hold {IGNORED_TARGET} (positions cross-entropy ignores): a "
+                "function's mean over the targets that count would weigh each micro-batch by its "
+                "rows, not by its counted targets, and the step would differ from full-batch "
+                "training. Use nn.CrossEntropyLoss(ignore_index=-100) (the engine divides by the "
+                "whole mini-batch's count), or return (sum, count), or pass loss_reduction='mean' to "
+                "weigh micro-batches by their rows anyway")

@@ -49,7 +49,10 @@ def batch_size(value: Any, what: str = "the batch") -> int:
                          "tensor, or a tuple or list of tensors, whose dim 0 is the batch")
     if len(sizes) > 1:
         raise ValueError(f"tensors in one batch disagree on the batch size (dim 0): {sorted(sizes)}; "
-                         "every batched tensor of an input or a target must have the same dim 0")
+                         "every batched tensor of an input or a target must have the same dim 0, "
+                         "as each is cut along it into the micro-batches. A tensor shared by every "
+                         "example (positions, a causal mask) is made inside a layer, or kept as its "
+                         "buffer, rather than passed with the batch")
     return sizes.pop()
 
 

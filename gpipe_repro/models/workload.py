@@ -43,9 +43,12 @@ def _factory(spec: str) -> Callable[..., Any]:
     except ImportError as e:
         raise ValueError(f"cannot import {module_name!r} for the model factory {spec!r}: {e}; "
                          "is it on PYTHONPATH (or in the current directory)?") from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
+    if not hasattr(module, attr):
         raise ValueError(f"{module_name!r} has no function {attr!r} (model factory {spec!r})")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise ValueError(f"{module_name}.{attr} ({type(fn).__name__}) is not a function: the model "
+                         f"factory {spec!r} must name a function returning the model's layers")
     return fn
 
 

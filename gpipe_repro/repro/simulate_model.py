@@ -18,6 +18,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
+from gpipe_repro.engine.arguments import as_layers
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.sim.own_model import simulate_model
 
@@ -30,8 +33,9 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def _returned_type(workload: Workload) -> str | None:
-    """The type name of what the user's factory returns when that is not iterable, else None."""
+def _returned_type(workload: Workload, any_container: bool = False) -> str | None:
+    """The type name of what the user's factory returns when that is not iterable (`any_container`:
+    when it is not a sequence of layers either: a dict, a set), else None."""
     from gpipe_repro.models.workload import _factory
     if ":" not in workload.family:
         return None
@@ -39,6 +43,8 @@ def _returned_type(workload: Workload) -> str | None:
         made = _factory(workload.family)(**dict(workload.options))
     except Exception:  # noqa: BLE001 - reported by the caller as the build's own error
         return None
+    if any_container and not isinstance(made, (list, tuple, nn.Sequential, nn.ModuleList)):
+        return type(made).__name__
     try:
         iter(made)
     except TypeError:
@@ -52,7 +58,6 @@ def preflight(workload: Workload, batch: int, *, options: dict[str, Any]) -> str
     factory that fails or returns something other than layers, and an --input-shape the model cannot
     take, before the calibration's work starts."""
     import torch
-    from torch import nn
 
     try:
         layers = workload.build("cpu")
@@ -66,15 +71,15 @@ def preflight(workload: Workload, batch: int, *, options: dict[str, Any]) -> str
         return f"--model {workload.family}: building the model raised {_one_line(e)}{hint}"
     not_layers = [type(x).__name__ for x in layers if not isinstance(x, nn.Module)]
     if not layers or not_layers:
+        made = _returned_type(workload, any_container=True)
+        what = ("nothing" if not layers else f"a {made}" if made is not None
+                else "a sequence holding " + ", ".join(sorted(set(not_layers))))
         return (f"--model {workload.family} must return an nn.Sequential or a list of nn.Module "
-                f"layers; it returned {'nothing' if not layers else ', '.join(sorted(set(not_layers)))}")
-    seen: dict[int, int] = {}
-    for i, layer in enumerate(layers):
-        if id(layer) in seen:
-            return (f"--model {workload.family}: layers {seen[id(layer)]} and {i} are the same module "
-                    "object; a pipeline runs each layer once per micro-batch, so give each position "
-                    "its own module (copy.deepcopy it), or share weights inside one layer")
-        seen[id(layer)] = i
+                f"layers; it returned {what}")
+    try:
+        as_layers(layers)     # the engine's own rule (one module object per position), its words
+    except (TypeError, ValueError) as e:
+        return f"--model {workload.family}: {e}"
     x, target = workload.sample(batch, "cpu")
     shape = "(" + ", ".join(map(str, workload.input_shape)) + ")"
     with torch.no_grad():

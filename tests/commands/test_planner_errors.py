@@ -58,6 +58,9 @@ def test_planner_mistakes_are_usage_errors_before_any_work(no_planning: None, ar
     (["plan-replicas", "transformer-lm", "--m", "4,x"], "--m takes integers"),
     (["plan-replicas", "transformer-lm", "--L", "0"], "needs at least one layer"),
     (["fit", "transformer-lm", "--L", "0"], "needs at least one layer"),
+    (["fit", "mymodels:make"], "A model of your own (module:function) is simulated by `gpipe-repro "
+                               "throughput --model mymodels:make`"),
+    (["plan", "mymodels:make"], "MemoryPlanner(layers, sample, target, loss_fn).plan(K, M)"),
 ])
 def test_plan_replicas_and_model_size_mistakes_are_usage_errors(args: list[str], says: str) -> None:
     _usage_error(args, says=says)

@@ -261,3 +261,85 @@ def test_one_micro_batch_takes_any_loss_as_plain_training() -> None:
                  optimizer=_sgd)
     with pytest.raises(ValueError):
         pipe.train_step(x, y)
+
+
+def test_silent_row_weighting_a_cross_entropy_subclass_that_only_logs_kept_its_declared_mean() -> None:
+    """A subclass of nn.CrossEntropyLoss with a forward of its own (here one that logs and calls the
+    stock forward) declares reduction='mean', which the engine took at its word: with class weights
+    and padding its micro-batches were weighted by rows, not by the weight of their counted targets
+    (0.2 off in the gradients at K=2, M=2, no error). A reduction declared by a user's forward is now
+    checked like an undeclared one; a subclass whose mean is a per-row mean trains as plain PyTorch."""
+    seen: list[float] = []
+
+    class LoggedCE(nn.CrossEntropyLoss):
+        def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = super().forward(out, y)
+            seen.append(float(loss.detach()))
+            return loss
+    x, y = _batches(False)[0]
+    y = y.clamp(min=0)              # no ignored target: the class weights alone break the row mean
+    weighted = LoggedCE(weight=torch.tensor([0.2, 1.0, 3.0, 0.5, 1.5]))
+    pipe = GPipe(list(_model()), partitions=2, micro_batches=2, loss_fn=weighted,
+                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+    before = [p.detach().clone() for p in pipe.parameters()]
+    with pytest.raises(ValueError, match=r"loss_fn \(LoggedCE\) declares reduction='mean' and has a "
+                                         r"forward of its own.*not a mean over its rows"):
+        pipe.train_step(x, y)
+    assert all(torch.equal(b, p) for b, p in zip(before, pipe.parameters()))   # nothing changed
+    with pytest.raises(ValueError, match=r"\(LoggedCE\) declares reduction='mean'.*hold -100"):
+        GPipe(list(_model()), partitions=2, micro_batches=2, loss_fn=LoggedCE(),
+              optimizer=None).train_step(*_batches(False)[0])
+    # unweighted, no padding: a per-row mean, equal to plain training; loss_reduction accepts as given
+    for loss_fn, kw in ((LoggedCE(), {}), (weighted, {"loss_reduction": "mean"})):
+        layers = list(_model())
+        ref = nn.Sequential(*copy.deepcopy(layers))
+        expected = _plain(ref, [(x, y)], loss_fn)
+        pipe = GPipe(copy.deepcopy(layers), partitions=2, micro_batches=2, loss_fn=loss_fn,
+                     optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9), **kw)
+        got = pipe.train_step(x, y)
+        if not kw:
+            assert got == pytest.approx(expected[0], rel=1e-5)
+            for p, q in zip(pipe.unpartitioned().parameters(), ref.parameters()):
+                torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_silent_masked_mean_with_the_mask_in_a_tuple_of_targets_was_not_checked() -> None:
+    """A function's mean over a mask passed as targets (y, mask) skipped the per-row-mean check that
+    the same loss on one stacked tensor fails (the probe cut only tensor targets): trained 0.4% off
+    the full batch, no error. The targets' tensors are now cut by rows as the micro-batches are."""
+    def masked_mse(out: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        y, mask = target
+        return (((out - y) ** 2).mean(1) * mask).sum() / mask.sum()
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 5, generator=g)
+    mask = torch.tensor([1.0, 1, 0, 0, 1, 1, 1, 0])
+    pipe = GPipe(list(_model()), partitions=2, micro_batches=2, loss_fn=masked_mse, optimizer=None)
+    with pytest.raises(ValueError, match="loss_fn declares no reduction and .*not a per-row mean"):
+        pipe.train_step(x, (y, mask))
+    # a tuple whose loss is a per-row mean trains as plain PyTorch
+    def row_mean(out: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return (((out - target[0]) ** 2).mean(1) * target[1]).mean()
+    layers = list(_model())
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    expected = _plain(ref, [(x, (y, mask))], row_mean)   # type: ignore[list-item]
+    pipe = GPipe(copy.deepcopy(layers), partitions=2, micro_batches=2, loss_fn=row_mean,
+                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9))
+    assert pipe.train_step(x, (y, mask)) == pytest.approx(expected[0], rel=1e-5)
+
+
+def test_silent_no_update_an_optimizer_factory_that_returned_none() -> None:
+    """A factory that forgot its `return` gave every cell optimizer None, which reads as "no
+    optimizer": train_step ran and nothing ever updated. Refused at construction, as is an optimizer
+    built over parameters that are not its cell's (every cell's would update them)."""
+    def forgot(params: list[nn.Parameter]) -> None:
+        torch.optim.SGD(params, lr=0.1)
+    with pytest.raises(ValueError, match="optimizer returned None for cell 0.*needs its return"):
+        GPipe(list(_model()), partitions=2, micro_batches=2, loss_fn=nn.MSELoss(),
+              optimizer=forgot)  # type: ignore[arg-type]
+    model = _model()
+    with pytest.raises(ValueError, match="optimizer built for cell 0 holds 4 parameter.*not that cell's"):
+        GPipe(list(model), partitions=2, micro_batches=2, loss_fn=nn.MSELoss(), balance=[2, 3],
+              optimizer=lambda ps: torch.optim.SGD(model.parameters(), lr=0.1))
+    # a subset of the cell's parameters (frozen ones left out) is an optimizer of that cell
+    GPipe(list(_model()), partitions=2, micro_batches=2, loss_fn=nn.MSELoss(),
+          optimizer=lambda ps: torch.optim.SGD(ps[:1], lr=0.1))

@@ -160,6 +160,9 @@ def own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
         def tied():
             shared = nn.Linear(32, 32)
             return [shared, nn.ReLU(), shared, nn.Linear(32, 10)]
+        def as_dict():
+            return {"a": nn.Linear(32, 10)}
+        NOT_CALLABLE = 3
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     from gpipe_repro.repro import simulate_model
@@ -174,12 +177,18 @@ def own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     (["--model", "{m}:layers", "--input-shape", "0"], "--input-shape takes sizes >= 1"),
     (["--model", "{m}:notseq", "--input-shape", "32"], "must return an nn.Sequential or a list of "
                                                        "nn.Module layers; it returned int"),
-    (["--model", "{m}:strings", "--input-shape", "32"], "it returned str"),
+    (["--model", "{m}:strings", "--input-shape", "32"], "it returned a sequence holding str"),
+    (["--model", "{m}:as_dict", "--input-shape", "32"], "layers; it returned a dict"),
+    (["--model", "{m}:NOT_CALLABLE", "--input-shape", "32"], "{m}.NOT_CALLABLE (int) is not a function"),
+    (["--model", "{m}:missing", "--input-shape", "32"], "'{m}' has no function 'missing'"),
+    (["--model", "{m}", "--input-shape", "32"], "named as module:function, e.g. --model {m}:make_model"),
     (["--model", "{m}:layers", "--input-shape", "32", "--option", "width=abc"],
      "building the model raised TypeError"),
     (["--model", "{m}:layers", "--input-shape", "32", "--repeats", "0"], "--repeats must be >= 1"),
     (["--model", "{m}:layers", "--input-shape", "32", "--k", "0"], "--k must be >= 1"),
-    (["--model", "{m}:tied", "--input-shape", "32"], "layers 0 and 2 are the same module object"),
+    (["--model", "{m}:tied", "--input-shape", "32"], "layers 0 and 2 are the same module object; a "
+     "pipeline runs each layer once per micro-batch, so give each position a new one whose parameters "
+     "are set to the first's"),
     (["--model", "{m}:layers", "--input-shape", "32", "--classes", "500"],
      "does not fit its targets (features, --classes 500)"),
     # more cells than layers: a setting to change (exit code 2), not a failed simulation (1)
@@ -190,7 +199,7 @@ def test_own_model_mistakes_are_usage_errors_before_the_timing(own_model: str, a
     argv = [a.format(m=own_model) for a in args]
     if "--k" not in argv:
         argv += ["--k", "2"]
-    _usage_error(["throughput", *argv, "--m", "4", "--no-validate"], says)
+    _usage_error(["throughput", *argv, "--m", "4", "--no-validate"], says.format(m=own_model))
 
 
 def test_own_model_json_is_checked_before_the_timing(own_model: str, tmp_path: Path,
