@@ -104,11 +104,27 @@ def _fail(error: BaseException) -> None:
     os._exit(1)
 
 
+#: What the communication backends say when the other end of an operation went silent or away
+#: (gloo's timeouts and closed connections; NCCL's watchdog): raised by a collective the engine did not
+#: wrap in a PeerFailure (an evaluation's, a user's own), it is still a consequence, not a cause.
+_LOST_PEER = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer",
+              "Socket Timeout", "Watchdog caught collective operation timeout")
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether `error` says this rank lost another one (a consequence of that rank's failure): a
+    :class:`PeerFailure`, or a backend's communication error whose message says a peer went silent
+    or closed its connection."""
+    if isinstance(error, PeerFailure):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _LOST_PEER)
+
+
 def report_failure(error: BaseException) -> ErrorRecord:
     """Print the failure to stderr and write the error records the parent reads."""
     rank = current_rank()
     peer = error.peer if isinstance(error, PeerFailure) else None
-    record = ErrorRecord(rank, "peer" if isinstance(error, PeerFailure) else "error",
+    record = ErrorRecord(rank, "peer" if lost_a_peer(error) else "error",
                          f"{type(error).__name__}: {error}", traceback.format_exc(), time.time(), peer)
     # A lost peer is a consequence, not a cause: one line is enough; so is an error the user can
     # fix (a bad value, a missing file, a diverged run: what the command line prints as one line

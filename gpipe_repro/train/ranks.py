@@ -51,7 +51,9 @@ def join(config: RunConfig) -> int | None:
     if config.runtime != "distributed":
         return None
     from gpipe_repro.distributed.process_group import init_distributed
-    return init_distributed(threads=config.threads or 1).rank
+    # under torchrun nothing else carries --timeout to the process group (launch_local sets it in
+    # the environment of the processes it starts)
+    return init_distributed(timeout_s=config.timeout, threads=config.threads or 1).rank
 
 
 def is_writer(rank: int | None) -> bool:

@@ -422,3 +422,31 @@ def test_a_nested_function_failed_deep_inside_multiprocessing() -> None:
         launch_local(nested, 2)
     with pytest.raises(ValueError, match="cannot be pickled"):
         launch_local(lambda: 1, 1)
+
+
+def freeze_in_a_users_collective(rank_to_stop: int) -> None:
+    """Rank `rank_to_stop` stops itself; the other waits in a collective of its own (an evaluation's
+    all-reduce: not the engine's, so no PeerFailure wraps the backend's timeout)."""
+    import torch.distributed as dist
+
+    from gpipe_repro.distributed.process_group import init_distributed
+    init_distributed()
+    dist.barrier()
+    if dist.get_rank() == rank_to_stop:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_rank_frozen_during_a_collective_of_the_users_was_not_blamed() -> None:
+    """A rank SIGSTOPped during an evaluation: its neighbour's own all-reduce timed out in gloo, a
+    RuntimeError the launcher took for a cause of its own, naming the neighbour. A backend's
+    timeout or closed connection is now a lost peer wherever it is raised, and the stopped rank is
+    named."""
+    from gpipe_repro.distributed.watchdog import lost_a_peer
+
+    with pytest.raises(JobFailed) as info:
+        launch_local(freeze_in_a_users_collective, 2, 1, timeout=TIMEOUT, grace=GRACE)
+    assert info.value.rank == 1 and "stopped" in info.value.cause, str(info.value)
+    assert lost_a_peer(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                                    "10000ms for recv operation to complete"))
+    assert not lost_a_peer(RuntimeError("CUDA out of memory")) and not lost_a_peer(ValueError("x"))
