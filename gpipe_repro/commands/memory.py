@@ -50,7 +50,8 @@ MODEL_HELP = ("model family (gpipe-repro models lists them), hf:<family> (llama,
 OPTIMIZER_STATE = ("optimizer state as RMSProp's (weight + gradient + 1 state: 12 bytes a parameter "
                    "in fp32; Adam/AdamW keep 16)")
 
-def _planner(family: str, batch: Optional[int], extra: list[str], attention: str) -> tuple[Any, Any]:
+def _planner(family: str, batch: Optional[int], extra: list[str], attention: str,
+             command: str = "fit") -> tuple[Any, Any]:
     from gpipe_repro.commands._hf_models import hf_workload, is_hf_model
     from gpipe_repro.commands.models import parse_options
     from gpipe_repro.memory.planner import MemoryPlanner
@@ -69,7 +70,10 @@ def _planner(family: str, batch: Optional[int], extra: list[str], attention: str
             workload(family, batch, **options)
         layers, sample, target, loss_fn = work.planner_inputs()   # a bad size (--L 0) fails here
     except (ValueError, TypeError) as e:
-        raise typer.BadParameter(str(e)) from e
+        where = (f"`gpipe-repro {command}` passes the options it does not take itself to the model, "
+                 "and " if "has no option" in str(e) else "")
+        raise typer.BadParameter(f"{where}{e}" + (f" (`gpipe-repro {command} --help` lists the "
+                                                  "command's own)" if where else "")) from e
     planner = MemoryPlanner(layers, sample, target, loss_fn, optimizer=rmsprop_foreach,
                             attention=attention, optimizer_foreach=True)
     return work, planner
@@ -282,7 +286,7 @@ def register(app: typer.Typer) -> None:
         from gpipe_repro.memory.planner import GiB, gib
         from gpipe_repro.report.terminal import table_console
         from gpipe_repro.sim.links import get_link
-        work, planner = _planner(family, batch, list(ctx.args), attention)
+        work, planner = _planner(family, batch, list(ctx.args), attention, "plan")
         if ms is not None and max(ms) > planner.batch:
             raise typer.BadParameter(f"--m candidates must be at most the batch size {planner.batch}, got "
                                      f"{micro_batches}: use a larger --batch-size or smaller M")

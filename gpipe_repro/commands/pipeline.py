@@ -15,6 +15,7 @@ rank and its cause on stderr.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -58,6 +59,7 @@ def train_rank(options: dict[str, Any]) -> dict[str, Any]:
     from gpipe_repro.distributed.faults import InjectedFault
     from gpipe_repro.distributed.runtime import DistributedRuntime
     from gpipe_repro.models.mlp import synthetic_mlp
+    from gpipe_repro.train.console import NoProgress
 
     k, blocks = options["partitions"], options["blocks"]
     layers = synthetic_mlp(options["width"], blocks)
@@ -77,9 +79,12 @@ def train_rank(options: dict[str, Any]) -> dict[str, Any]:
     x = torch.randn(options["batch"], options["width"], generator=g)
     y = torch.randint(0, 10, (options["batch"],), generator=g)
     losses, times = [], []
-    for _ in range(options["steps"]):
+    progress = NoProgress(quiet=pipe.rank != 0)     # a plain line every 30 s from rank 0
+    progress.add_task(total=options["steps"])
+    for step in range(options["steps"]):
         losses.append(pipe.train_step(x, y))
         times.append(runtime.last_step_time)
+        progress.update(completed=step + 1, loss=losses[-1])
     out = {"rank": pipe.rank, "losses": losses, "step_times": times,
            "timeline": pipe.last_timeline if pipe.rank == 0 else None}
     if options["launcher"] == "torchrun" and pipe.rank == 0:
@@ -101,6 +106,11 @@ def report(rank0: dict[str, Any], options: dict[str, Any]) -> None:
     print("step times (s): " + " ".join(f"{t:.4f}" for t in times)
           + (f"; median after the first: {statistics.median(times[1:]):.4f}" if len(times) > 1 else ""))
     timeline = rank0["timeline"]
+    if options.get("fresh_dir"):      # under torchrun: the fresh runs/pipeline-N, claimed now
+        from gpipe_repro.train.run_dir import fresh_run_dir
+        directory = fresh_run_dir("pipeline")
+        options = {**options, "timeline": str(directory / "timeline.json"),
+                   "gantt": str(directory / "gantt.png")}
     print("breakdown of the last step: " + ", ".join(f"{k} {v:.1%}" for k, v in
                                                      timeline.breakdown().items()))
     if options["timeline"]:
@@ -136,8 +146,10 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="replace this command's earlier "
                                        "timeline / Gantt chart there (any other file is refused)"),
         fail_mode: Optional[str] = typer.Option(None, help="inject a failure: raise | kill | exit | hang"),
-        fail_rank: int = typer.Option(0, help="rank that fails (with --fail-mode)"),
-        fail_call: int = typer.Option(1, help="fail at this call of the faulty layer (1-based)"),
+        fail_rank: Optional[int] = typer.Option(None, help="rank that fails (with --fail-mode; "
+                                                "default 0)"),
+        fail_call: Optional[int] = typer.Option(None, help="fail at this call of the faulty layer "
+                                                "(1-based; with --fail-mode; default 1)"),
     ) -> None:
         """Train a synthetic MLP with one process per stage; print losses, step times, breakdown, and
         write the last step's timeline and Gantt chart."""
@@ -163,6 +175,17 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(f"--launcher must be one of {LAUNCHERS}")
         if fail_mode is not None and fail_mode not in FAULT_MODES:
             raise typer.BadParameter(f"--fail-mode must be one of {FAULT_MODES}")
+        if fail_mode is None and (fail_rank is not None or fail_call is not None):
+            raise typer.BadParameter("--fail-rank and --fail-call say where --fail-mode injects its "
+                                     f"failure: add --fail-mode ({' | '.join(FAULT_MODES)})")
+        fail_rank = 0 if fail_rank is None else fail_rank
+        fail_call = 1 if fail_call is None else fail_call
+        positive("--fail-call", fail_call, "calls (1 is the first)")
+        if launcher == "torchrun" and "RANK" not in os.environ:
+            raise typer.BadParameter(
+                f"--launcher torchrun: start the job with torchrun, e.g. `torchrun --nproc-per-node "
+                f"{partitions} -- $(which gpipe-repro) pipeline --launcher torchrun --k {partitions}`; "
+                "or use --launcher local (the default)")
         if not 0 <= fail_rank < partitions:
             raise typer.BadParameter(f"--fail-rank must be in 0..{partitions - 1} (one of the "
                                      f"--k {partitions} stages)")
@@ -177,8 +200,12 @@ def register(app: typer.Typer) -> None:
             if out is not None:
                 check_outputs(out / "timeline.json", out / "gantt.png", overwrite=overwrite,
                               option="--out")
-            directory = out if out is not None else fresh_run_dir("pipeline")
-            timeline, gantt = directory / "timeline.json", directory / "gantt.png"
+            # under torchrun every rank runs this command: rank 0 claims a fresh runs/pipeline-N
+            # when it writes (report), so no rank leaves an empty one behind
+            fresh = out is None and launcher == "torchrun"
+            directory = out if out is not None else None if fresh else fresh_run_dir("pipeline")
+            timeline, gantt = ((None, None) if directory is None else
+                               (directory / "timeline.json", directory / "gantt.png"))
         else:
             check_outputs(timeline, gantt, overwrite=overwrite,
                           option="/".join(f for f, v in (("--timeline", timeline), ("--gantt", gantt))
@@ -187,19 +214,19 @@ def register(app: typer.Typer) -> None:
                    "recompute_ahead": recompute_ahead, "batch": batch, "width": width,
                    "blocks": blocks, "steps": steps, "launcher": launcher, "fail_mode": fail_mode,
                    "fail_rank": fail_rank, "fail_call": fail_call,
+                   "fresh_dir": timeline is None and gantt is None,
                    "timeline": str(timeline) if timeline else None, "gantt": str(gantt) if gantt else None}
+        from gpipe_repro.train.run_dir import release_unused_claims
         if launcher == "torchrun":
-            import os
-
             from gpipe_repro.distributed.launch_env import THREADS_ENV, TIMEOUT_ENV
             from gpipe_repro.distributed.watchdog import stage_main
             os.environ.setdefault(TIMEOUT_ENV, str(timeout))
             os.environ.setdefault(THREADS_ENV, str(threads))
             stage_main(train_rank, options)
             return
+        from gpipe_repro.commands.run import interrupted_by
         from gpipe_repro.distributed.launcher import JobFailed, launch_local
         from gpipe_repro.report.host import usable_cores
-        from gpipe_repro.train.run_dir import release_unused_claims
         if partitions * threads > usable_cores():
             print(f"note: {partitions} stage processes x {threads} thread(s) on {usable_cores()} usable "
                   "core(s) time-share them: the step times and the breakdown measure the operating "
@@ -207,6 +234,8 @@ def register(app: typer.Typer) -> None:
         try:
             results = launch_local(train_rank, partitions, options, timeout=timeout, threads=threads)
         except JobFailed as e:
-            release_unused_claims()      # a failed run leaves no empty runs/pipeline-N
+            interrupted_by(e)            # a Ctrl-C: one line, exit code 130
             raise typer.Exit(1) from e   # the launcher already printed the failing rank and its cause
+        finally:
+            release_unused_claims()      # a failed or interrupted run leaves no empty runs/pipeline-N
         report(results[0], options)

@@ -152,6 +152,16 @@ def exit_code_of(summary: Any) -> int:
     return 128 + signum if signum else 1
 
 
+def interrupted_by(failure: Any) -> None:
+    """A failed job whose stages the launcher had passed a signal to (a Ctrl-C they did not turn into
+    a graceful stop) ends as that signal's interruption: one line, exit code 128 + signal."""
+    signum = getattr(failure, "signal", None)
+    if signum:
+        import signal
+        fail(f"interrupted by {signal.Signals(signum).name}: the stage processes stopped",
+             code=128 + signum)
+
+
 def run_task(build: Callable[[], tuple[Callable[[], Any], Any]]) -> Any:
     """Build (task factory, RunConfig) and train, turning the errors a user can fix into a one-line
     message and exit code 2 (a failed distributed job: 1, the launcher has named the failing rank)."""
@@ -167,6 +177,7 @@ def run_task(build: Callable[[], tuple[Callable[[], Any], Any]]) -> Any:
         fail(str(e))
     except RuntimeError as e:
         if type(e).__name__ == "JobFailed":
+            interrupted_by(e)
             raise typer.Exit(1) from e
         fail(str(e))
     except FloatingPointError as e:    # the run diverged: not a usage error, exit code 1

@@ -68,6 +68,9 @@ class JobFailed(RuntimeError):
     def __init__(self, rank: int, cause: str, details: str = "") -> None:
         super().__init__(f"rank {rank} failed: {cause}" + (f"\n{details}" if details else ""))
         self.rank, self.cause = rank, cause
+        #: the signal the launcher had passed on to the stages before they failed (SIGINT: a
+        #: Ctrl-C the stages did not turn into a graceful stop), else None
+        self.signal: int | None = None
 
 
 @dataclass
@@ -141,8 +144,11 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float
                     p.start()
                     procs.append(p)
             lifeline_r.close()
-            with _forwarding(procs, forward_signals):
+            forwarded: list[int] = []
+            with _forwarding(procs, forward_signals, forwarded):
                 failure = _watch(procs, tmp, grace, job_timeout)
+            if failure is not None and forwarded:
+                failure.signal = forwarded[0]
         except BaseException:  # Ctrl-C or an error here: leave no stage process behind
             for p in procs:
                 _kill(p)
@@ -150,7 +156,8 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float
         finally:
             lifeline_w.close()
         if failure is not None:
-            print(f"[gpipe-repro] job failed: {failure}", file=sys.stderr, flush=True)
+            if failure.signal is None:     # an interrupted job: its caller says so, in one line
+                print(f"[gpipe-repro] job failed: {failure}", file=sys.stderr, flush=True)
             raise failure
         results = []
         for rank in range(nprocs):
@@ -205,13 +212,15 @@ def _die_with_launcher(lifeline: Any) -> None:
 
 
 @contextlib.contextmanager
-def _forwarding(procs: list[Any], enabled: bool) -> Iterator[None]:
-    """While the launcher watches: a SIGINT/SIGTERM it receives goes to every stage's group."""
+def _forwarding(procs: list[Any], enabled: bool, forwarded: list[int]) -> Iterator[None]:
+    """While the launcher watches: a SIGINT/SIGTERM it receives goes to every stage's group (and
+    into `forwarded`)."""
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def forward(signum: int, frame: FrameType | None) -> None:
+        forwarded.append(signum)
         print(f"\n[gpipe-repro] {signal.Signals(signum).name}: passed on to the {len(procs)} stage processes",
               file=sys.stderr, flush=True)
         for p in procs:

@@ -129,7 +129,8 @@ def report_failure(error: BaseException) -> ErrorRecord:
     # A lost peer is a consequence, not a cause: one line is enough; so is an error the user can
     # fix (a bad value, a missing file, a diverged run: what the command line prints as one line
     # when run locally); any other cause gets its traceback.
-    detail = "" if record.kind == "peer" or isinstance(error, USER_ERRORS) else f"\n{record.traceback}"
+    detail = ("" if record.kind == "peer" or isinstance(error, (*USER_ERRORS, KeyboardInterrupt))
+              else f"\n{record.traceback}")
     print(f"[gpipe-repro] rank {rank} failed: {record.message}{detail}", file=sys.stderr, flush=True)
     path = os.environ.get(ERROR_FILE_ENV)
     if path:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpipe_repro.models import get_family
+from gpipe_repro.models import check_option, get_family
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.paper import TABLE1_AMOEBANET, TABLE1_TRANSFORMER
 
@@ -31,13 +31,15 @@ def workload(family: str, batch: int | None = None, **options: Any) -> Workload:
     n: int
     if family in ("transformer-lm", "gpt2"):
         default_len = TABLE1_TRANSFORMER["seq_len"] if family == "transformer-lm" else 1024
-        seq_len = int(options.pop("seq_len", default_len))
+        seq_len = options.pop("seq_len", default_len)
+        check_option(family, "seq_len", seq_len, default_len)
         n = batch or (TABLE1_TRANSFORMER["batch"] if family == "transformer-lm" else 8)
         shown = {**options, "seq_len": seq_len}
         kind, shape = "tokens", (seq_len,)  # type: tuple[str, tuple[int, ...]]
         classes = int(options.get("vocab_size") or get_family(family).options().get("vocab_size") or 2)
     else:
-        size = int(options.get("image_size", TABLE1_AMOEBANET["image_size"]))
+        size = options.get("image_size", TABLE1_AMOEBANET["image_size"])
+        check_option(family, "image_size", size, TABLE1_AMOEBANET["image_size"])
         options["image_size"] = size
         n = batch or TABLE1_AMOEBANET["batch"]
         shown = dict(options)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +54,31 @@ class ModelFamily:
         if unknown:
             raise ValueError(f"{self.name} has no option {', '.join(unknown)}; its options are: "
                              f"{', '.join(known)}")
+        for name, value in kwargs.items():
+            check_option(self.name, name, value, known[name])
         return self.builder(**{**self.defaults, **kwargs})
+
+
+def check_option(family: str, name: str, value: Any, default: Any) -> None:
+    """Raise ValueError, naming the option, where `value` is not of its `default`'s kind: a size
+    (an integer default) takes an integer >= 1 (>= 0 where the default is 0), a float default a
+    number, a flag true or false, a text default text (an option whose default is None: anything)."""
+    option = f"--{name.replace('_', '-')}"
+    if isinstance(default, bool):
+        ok, wanted = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        low = 0 if default == 0 else 1
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+        wanted = f"an integer >= {low}"
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        wanted = "a number"
+    elif isinstance(default, str):
+        ok, wanted = isinstance(value, str), "a text"
+    else:
+        return
+    if not ok:
+        raise ValueError(f"{option} takes {wanted} for {family} (default {default!r}), got {value!r}")
 
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in [
@@ -124,5 +149,5 @@ def model_size(family: str, **kwargs: Any) -> ModelSize:
     return count_layers(layers)
 
 
-__all__ = ["BYTES_PER_PARAM", "FAMILIES", "ModelFamily", "ModelSize", "build", "count_layers",
+__all__ = ["BYTES_PER_PARAM", "FAMILIES", "ModelFamily", "ModelSize", "build", "check_option", "count_layers",
            "get_family", "model_size"]

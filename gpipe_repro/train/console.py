@@ -24,7 +24,7 @@ class NoProgress:
     `every_s` seconds (step, loss, samples/s, elapsed, ETA), so a long run is never silent for long.
     ``every_s=0``: never (tests)."""
 
-    def __init__(self, quiet: bool = True, every_s: float = 60.0) -> None:
+    def __init__(self, quiet: bool = True, every_s: float = 30.0) -> None:
         from rich.console import Console
         self.console = Console(quiet=quiet, soft_wrap=True, highlight=False)
         self.quiet, self.every_s = quiet, every_s
@@ -68,7 +68,7 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def progress_bar(enabled: bool, *, quiet: bool = False, every_s: float = 60.0) -> Any:
+def progress_bar(enabled: bool, *, quiet: bool = False, every_s: float = 30.0) -> Any:
     """A rich progress bar for the run (steps, loss, samples/s, ETA) on a terminal; elsewhere, or
     when not `enabled`, `NoProgress`, whose console still prints the run's lines (evaluations,
     checkpoints, interruption) and a progress line every `every_s` seconds, unless `quiet` (ranks

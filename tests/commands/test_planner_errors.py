@@ -56,8 +56,13 @@ def test_planner_mistakes_are_usage_errors_before_any_work(no_planning: None, ar
     (["plan-replicas", "transformer-lm", "--tflops", "0"], "--tflops must be a number > 0"),
     (["plan-replicas", "transformer-lm", "--link", "x"], "--link must be one of"),
     (["plan-replicas", "transformer-lm", "--m", "4,x"], "--m takes integers"),
-    (["plan-replicas", "transformer-lm", "--L", "0"], "needs at least one layer"),
-    (["fit", "transformer-lm", "--L", "0"], "needs at least one layer"),
+    (["plan-replicas", "transformer-lm", "--L", "0"], "--L takes an integer >= 1 for transformer-lm"),
+    (["fit", "transformer-lm", "--L", "0"], "--L takes an integer >= 1 for transformer-lm"),
+    (["fit", "transformer-lm", "--seq-len", "0"], "--seq-len takes an integer >= 1"),
+    (["models", "transformer-lm", "--L", "two"],
+     "--L takes an integer >= 1 for transformer-lm (default 48), got 'two'"),
+    (["plan", "transformer-lm", "--k", "2"], "`gpipe-repro plan` passes the options it does not take "
+                                             "itself to the model, and transformer-lm has no option k"),
     (["fit", "mymodels:make"], "A model of your own (module:function) is simulated by `gpipe-repro "
                                "throughput --model mymodels:make`"),
     (["plan", "mymodels:make"], "MemoryPlanner(layers, sample, target, loss_fn).plan(K, M)"),
@@ -160,3 +165,18 @@ def test_pipeline_options_are_checked_before_any_process_starts(no_launch: None,
     --timeout 0 printed c10d's C++ stack; --threads 0 was accepted."""
     _usage_error(args, says=says)
 
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--fail-rank", "1"], "--fail-rank and --fail-call say where --fail-mode injects its failure"),
+    (["--fail-call", "3"], "add --fail-mode (raise | kill | exit | hang)"),
+    (["--fail-mode", "raise", "--fail-call", "0"], "--fail-call must be >= 1"),
+    (["--launcher", "torchrun"], "start the job with torchrun, e.g. `torchrun --nproc-per-node 2 -- "
+                                 "$(which gpipe-repro) pipeline --launcher torchrun --k 2`"),
+])
+def test_pipeline_fault_options_without_effect_and_torchrun_without_torchrun_are_usage_errors(
+        no_launch: None, monkeypatch: pytest.MonkeyPatch, args: list[str], says: str) -> None:
+    """--fail-rank / --fail-call without --fail-mode, and --fail-call 0, trained as if not given;
+    --launcher torchrun outside torchrun ended in a traceback advising a script's launch."""
+    monkeypatch.delenv("RANK", raising=False)
+    _usage_error(["pipeline", *args], says=says)

@@ -450,3 +450,44 @@ def test_a_rank_frozen_during_a_collective_of_the_users_was_not_blamed() -> None
     assert lost_a_peer(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
                                     "10000ms for recv operation to complete"))
     assert not lost_a_peer(RuntimeError("CUDA out of memory")) and not lost_a_peer(ValueError("x"))
+
+
+def sleep_after_noting_pid(folder: str) -> None:
+    Path(folder, f"pid{os.environ['RANK']}").write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+def test_a_ctrl_c_to_the_launcher_was_reported_as_a_failed_job(capfd: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C to `gpipe-repro pipeline`: the stages, which do not stop gracefully, each printed a
+    KeyboardInterrupt traceback, the launcher "job failed: rank 0 failed", and the command exited 1.
+    The failure now carries the signal the launcher passed on; the stages print one line each, the
+    launcher none, and the command ends as interrupted (130)."""
+    import threading
+
+    import typer
+
+    from gpipe_repro.commands.run import interrupted_by
+
+    with tempfile.TemporaryDirectory() as folder:
+        def interrupt_once_started() -> None:
+            bound = time.time() + 600     # however long a busy host takes to start two processes
+            while not all(Path(folder, f"pid{r}").is_file() for r in range(2)) and time.time() < bound:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)
+        threading.Thread(target=interrupt_once_started, daemon=True).start()
+        with pytest.raises(JobFailed) as info:
+            launch_local(sleep_after_noting_pid, 2, folder, timeout=TIMEOUT, grace=GRACE)
+    assert info.value.signal == signal.SIGINT
+    assert "job failed" not in capfd.readouterr().err
+    with pytest.raises(typer.Exit) as ended:
+        interrupted_by(info.value)
+    assert ended.value.exit_code == 130
+    assert "interrupted by SIGINT" in capfd.readouterr().err
+    # what a stage prints of its KeyboardInterrupt: one line (the stages' stderr is the forkserver's)
+    from gpipe_repro.distributed.watchdog import report_failure
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as e:
+        report_failure(e)
+    err = capfd.readouterr().err
+    assert "failed: KeyboardInterrupt" in err and "Traceback" not in err, err
