@@ -276,8 +276,10 @@ def register(app: typer.Typer) -> None:
                  else ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
         unknown = [x for x in names if x not in SCHEDULES]
         if unknown or not names:
+            from gpipe_repro.engine.choices import did_you_mean
+            close = did_you_mean(unknown[0], SCHEDULES) if unknown else ""
             raise typer.BadParameter(f"--schedules takes names from {','.join(sorted(SCHEDULES))} "
-                                     f"separated by commas, got {schedules!r}")
+                                     f"separated by commas, got {schedules!r}{close}")
         _check_json_out(json_out, "plan", overwrite)
         from rich.table import Table
 

@@ -262,8 +262,10 @@ def register(app: typer.Typer) -> None:
         if model is not None and input_shape is None:
             input_shape = _default_input_shape(model)
         if model is None or input_shape is None or k is None or m is None:
-            raise typer.BadParameter("give --model, --input-shape, --k and --m (your model), or --replicas R "
-                                     "(the paper's models)")
+            missing = [flag for flag, value in (("--model", model), ("--input-shape", input_shape),
+                                                ("--k", k), ("--m", m)) if value is None]
+            raise typer.BadParameter(f"missing {', '.join(missing)}: give --model, --input-shape, --k "
+                                     "and --m (your model), or --replicas R (the paper's models)")
         from gpipe_repro.engine.partition import OBJECTIVES
         from gpipe_repro.sim.links import LINK_NAMES
         one_of("--objective", objective, OBJECTIVES)
@@ -289,8 +291,9 @@ def register(app: typer.Typer) -> None:
         from gpipe_repro.sim.own_model import check_options
         try:   # a setting to change (exit code 2), before the calibration's work
             check_options(workload, schedule="gpipe", device="cpu", **options)
-        except ValueError as e:
-            raise typer.BadParameter(str(e)) from None
+        except ValueError as e:    # the API's argument names, as this command's options
+            text = str(e).replace("validate=False", "--no-validate").replace("use k <=", "use --k <=")
+            raise typer.BadParameter(text) from None
         try:
             simulate_model.main(workload, out=out, recompute_ahead=recompute_ahead, method=method,
                                 repeats=repeats, rounds=rounds, steps=steps, **options)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe_repro.engine.choices import did_you_mean
 from gpipe_repro.models.amoebanet import amoebanet
 from gpipe_repro.models.hf_gpt2 import gpt2
 from gpipe_repro.models.transformer_lm import transformer_lm
@@ -104,9 +105,10 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in [
 
 def get_family(name: str) -> ModelFamily:
     if name not in FAMILIES:
-        raise ValueError(f"unknown model family {name!r}; choose one of {', '.join(FAMILIES)}, or a "
-                         f"Hugging Face causal LM as hf:<model_type> (e.g. hf:{name.lower()}) or "
-                         "hf:path/to/config.json")
+        close = did_you_mean(name, FAMILIES)
+        raise ValueError(f"unknown model family {name!r}{close or ';'} choose one of "
+                         f"{', '.join(FAMILIES)}, or a Hugging Face causal LM as hf:<model_type> "
+                         "(e.g. hf:llama) or hf:path/to/config.json")
     return FAMILIES[name]
 
 

@@ -155,8 +155,6 @@ class _Run:
                  f"({self.total_steps / self.batches.batches_per_epoch:.3g} epochs), "
                  f"runtime {config.runtime}")
         self.say(f"data: {task.describe_data()}")
-        self.say(f"writing to {config.run_dir}"
-                 + (f" (resuming {self.latest.name})" if self.latest is not None else ""))
         if self.checkpoint is not None and int(self.checkpoint["step"]) > self.total_steps:
             raise ValueError(f"cannot resume: {self.latest} is at step {self.checkpoint['step']}, beyond the "
                              f"run's length of {self.total_steps} steps; give --steps >= "
@@ -182,6 +180,9 @@ class _Run:
                                    sample=sample[0], sample_target=sample[1], balance=saved_balance,
                                    devices=devices, split_backwards=saved_split)
         self.schedule = ScheduledLR(self.pipe.optimizers, lr_function(optimizer))
+        # said once the settings were accepted: a refused one leaves nothing there to look for
+        self.say(f"writing to {config.run_dir}"
+                 + (f" (resuming {self.latest.name})" if self.latest is not None else ""))
 
         # -- what a checkpoint holds, and where this invocation starts
         self.stateful: dict[str, Stateful] = {"pipeline": PipelineState(self.pipe),

@@ -233,3 +233,32 @@ def test_replicas_plan_table_replaced_a_users_plan(tmp_path: Path, monkeypatch: 
     with pytest.raises(OutputRefused, match="pass --overwrite"):
         table.main(ms=[4], devices=[8])
     table.main(ms=[4], devices=[8], overwrite=True)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--input-shape", "32", "--k", "2", "--m", "4"], "missing --model: give --model, --input-shape"),
+    (["--model", "{m}:layers", "--input-shape", "32"], "missing --k, --m: give"),
+    (["--model", "{m}:layers", "--input-shape", "32", "--k", "64", "--m", "4", "--validate"],
+     "use --k <= "),
+])
+def test_own_model_messages_name_this_commands_options(own_model: str, args: list[str], says: str) -> None:
+    """The options missing are named, and a limit is said in the command's options (--no-validate),
+    not in the Python API's arguments (validate=False)."""
+    result = CliRunner().invoke(app, ["throughput", *[a.format(m=own_model) for a in args]],
+                                terminal_width=400)
+    text = " ".join(result.output.replace("│", " ").split())
+    assert result.exit_code == 2 and says in text and "validate=False" not in text, result.output
+
+
+def test_a_mistyped_name_gets_the_closest_choice() -> None:
+    from gpipe_repro.engine.choices import did_you_mean, require_one_of
+    from gpipe_repro.models import get_family
+
+    assert did_you_mean("1fb1", ["gpipe", "1f1b"]) == "; did you mean '1f1b'?"
+    assert did_you_mean("GPipe", {"gpipe", "1f1b"}) == "; did you mean 'gpipe'?"
+    assert did_you_mean("resnet", ["gpipe", "1f1b"]) == ""
+    with pytest.raises(ValueError, match="did you mean 'zb-h1'"):
+        require_one_of("schedule", "zbh1", ["gpipe", "zb-h1"])
+    with pytest.raises(ValueError, match="unknown model family 'transformr-lm'; did you mean "
+                                         "'transformer-lm'"):
+        get_family("transformr-lm")
