@@ -11,6 +11,7 @@ replicas, devices) and builds the schedule once, so that a schedule that cannot 
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -320,6 +321,15 @@ def build_optimizer(factory: Any, cell: nn.Module, stage: int) -> torch.optim.Op
                          "optimizer: the factory must return one built over the parameters it is "
                          "given, e.g. optimizer=lambda params: torch.optim.SGD(params, lr=0.1) (a def "
                          "needs its return); pass optimizer=None to compute gradients without updating")
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        closure = None
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(f"{type(optimizer).__name__}.step needs a closure that evaluates the loss "
+                         "again, which a pipeline's update cannot give (each micro-batch runs one "
+                         "forward and backward before it): use an optimizer whose step takes none "
+                         "(SGD, Adam, AdamW, ...)")
     mine = {id(p) for p in params}
     foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in mine)
     if foreign:

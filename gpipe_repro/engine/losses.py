@@ -156,14 +156,16 @@ class ReductionCheck:
       micro-batches as given, ``(sum, count)`` makes a masked mean exact). Two rows that agree (no
       padding in either, equal class weights) cannot tell, so the check runs on every micro-batch of
       the first step; one whose rows cannot be cut (no output tensor with the target's rows, a loss
-      that fails on fewer rows) is skipped. The targets' rows are cut as the micro-batches are
-      (every tensor of a tuple along its first dimension). The probe's memory is the loss of two
-      rows, whatever the micro-batch;
+      that fails on fewer rows) is skipped, and so is one whose two rows taken the other way round
+      give another loss (the output's dim 0 is not its rows: a time-first (T, n, ...) output with
+      T = n). The targets' rows are cut as the micro-batches are (every tensor of a tuple along its
+      first dimension). The probe's memory is the loss of two rows, whatever the micro-batch;
     - a loss that is not finite where the outputs are: a mean over no counted target (a micro-batch
       or row all padding), which the full batch's mean is not.
 
     Each raises ValueError saying what to change; the micro-batch's loss is not used, so the step
-    changes nothing. Each check reads the device, during the first step only."""
+    changes nothing, and a call counts toward `checked_calls` only once it passed (a refused step run
+    again is checked again). Each check reads the device, during the first step only."""
 
     def __init__(self, loss_fn: Callable[..., Any], checked_calls: int, declared: str | None = None) -> None:
         self.loss_fn = loss_fn
@@ -173,13 +175,13 @@ class ReductionCheck:
     def __call__(self, output: Any, target: Any) -> Any:
         result = self.loss_fn(output, target)
         if self.calls_left > 0:
-            self.calls_left -= 1
             if not (isinstance(result, torch.Tensor) and result.dim() == 0):
                 self.calls_left = 0     # (sum, count): exact whatever the targets
                 return result
             if self.declared != "sum":   # a sum over the targets that count is exact
                 refuse_ignored_targets(target, self._claim())
             self._probe_rows(output, target, result)
+            self.calls_left -= 1   # counted once passed: a refused step, run again, is checked again
         return result
 
     def _claim(self) -> str:
@@ -211,35 +213,52 @@ class ReductionCheck:
                 else:
                     parts = [self.loss_fn(_rows(output, [i], n), _rows(target, [i], n)) for i in pair]
                 both = self.loss_fn(_rows(output, pair, n), _rows(target, pair, n))
+                # the same two rows the other way round: a loss of rows gives the same; where it does
+                # not, the output's dim 0 is not its rows (time-first, (T, n, ...) with T = n) or the
+                # loss depends on their order, and two rows cannot tell
+                swapped = both if n == 1 else self.loss_fn(_rows(output, pair[::-1], n),
+                                                           _rows(target, pair[::-1], n))
             except Exception:     # a loss tied to its batch's rows (a closure over per-row weights)
                 return
-            if not all(isinstance(p, torch.Tensor) and p.dim() == 0 for p in (*parts, both)):
+            if not all(isinstance(p, torch.Tensor) and p.dim() == 0 for p in (*parts, both, swapped)):
                 return
             values = [float(p.float()) for p in parts] * (2 if n == 1 else 1)
-            whole = float(both.float())
-        if not all(math.isfinite(v) for v in (whole, *values)):
+            whole, other = float(both.float()), float(swapped.float())
+        if not all(math.isfinite(v) for v in (whole, other, *values)):
             self._refuse_not_finite(output, "one row of a micro-batch")
             return
         as_mean, as_sum = sum(values) / 2, sum(values)
         low = result.dtype in (torch.float16, torch.bfloat16) or any(
             t.dtype in (torch.float16, torch.bfloat16) for t in tensors(output))
         tolerance = (2e-2 if low else 1e-4) * max(abs(whole), *(abs(v) for v in values), 1e-30)
+        if abs(whole - other) > tolerance:
+            return
         expected = as_sum if self.declared == "sum" else as_mean
         if abs(whole - expected) <= tolerance:
             return
-        if self.declared is None and abs(whole - as_sum) <= tolerance:
+        summing = abs(whole - as_sum) <= tolerance
+        if self.declared is None and summing:
             raise ValueError("loss_fn declares no reduction and sums over its rows (two rows' "
                              "loss is the sum of each one's), but micro-batch losses are combined as "
                              "means: pass loss_reduction='sum' (or give the loss a .reduction)")
+        # a declared reduction contradicted: a sum shows only where neither row's loss is 0 (with
+        # one row masked out, a masked mean is their sum too)
+        summing = summing and all(abs(v) > tolerance for v in values)
+        if self.declared is not None and (summing or abs(whole - as_mean) <= tolerance):
+            does = "sum" if summing else "mean"
+            raise ValueError(f"{self._claim()}, but it computes a {does} over its rows (two rows' loss "
+                             f"is the {does} of each one's): set its reduction to {does!r}, which "
+                             "combines micro-batch losses as its forward computes them")
         what = "a sum" if self.declared == "sum" else "a mean"
+        allowed = (f"pass loss_reduction={self.declared!r} to combine micro-batch losses that way "
+                   "anyway" if self.declared else "pass loss_reduction='mean' or 'sum' to combine "
+                   "micro-batch losses that way anyway")
         raise ValueError(f"{self._claim()} and is not {what} over its rows: two rows together give "
-                         f"{whole:.6g}, neither the mean {as_mean:.6g} nor the sum {as_sum:.6g} of each "
-                         "one's loss (class weights, a mean over a mask, padding, or statistics of the "
+                         f"{whole:.6g}, not the {what[2:]} {expected:.6g} of each one's loss (class "
+                         "weights, a mean over a mask, padding, or statistics of the "
                          "batch), so splitting a mini-batch into micro-batches changes it. Return "
                          "(sum, count) to make a masked mean exact, use nn.CrossEntropyLoss / "
-                         "nn.NLLLoss as they are (the engine makes their weighted mean exact), or pass "
-                         f"loss_reduction={self.declared or 'mean'!r} (or 'sum') to combine micro-batch "
-                         "losses that way anyway")
+                         f"nn.NLLLoss as they are (the engine makes their weighted mean exact), or {allowed}")
 
     def _refuse_not_finite(self, output: Any, where: str) -> None:
         """ValueError where the outputs are finite: then the loss divided by no counted target."""

@@ -343,3 +343,67 @@ def test_silent_no_update_an_optimizer_factory_that_returned_none() -> None:
     # a subset of the cell's parameters (frozen ones left out) is an optimizer of that cell
     GPipe(list(_model()), partitions=2, micro_batches=2, loss_fn=nn.MSELoss(),
           optimizer=lambda ps: torch.optim.SGD(ps[:1], lr=0.1))
+
+
+def test_silent_a_refused_loss_trained_when_the_step_was_run_again() -> None:
+    """The first-step check counted its calls before it refused, so a step run again after the
+    refusal (a notebook cell re-run, a loop that catches and retries) used up the check: the fifth
+    try trained on the row-weighted mean of a class-weighted loss. A call counts once it passed."""
+    class WeightedCE(nn.CrossEntropyLoss):
+        def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return super().forward(out, y)
+    x, y = _batches(False)[0]
+    pipe = GPipe(list(_model()), partitions=2, micro_batches=2, optimizer=_sgd,
+                 loss_fn=WeightedCE(weight=torch.tensor([0.2, 1.0, 3.0, 0.5, 1.5])))
+    before = [p.detach().clone() for p in pipe.parameters()]
+    for _ in range(6):
+        with pytest.raises(ValueError, match="not a mean over its rows"):
+            pipe.train_step(x, y.clamp(min=0))
+    assert all(torch.equal(b, p) for b, p in zip(before, pipe.parameters())) and pipe.step == 0
+
+
+def test_a_time_first_output_whose_length_equals_the_rows_was_refused_as_no_row_mean() -> None:
+    """A time-first model (nn.LSTM's default layout: output (T, n, V)) whose sequence length equals a
+    micro-batch's rows had its time steps cut as rows by the probe, and its per-row mean was refused
+    (at T = n only). The two rows are also taken the other way round: where the loss changes, dim 0
+    is not the rows, and the probe says nothing."""
+    class TimeFirst(nn.Module):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return ids.t().unsqueeze(-1).float().expand(-1, -1, 5) * torch.linspace(0.1, 0.5, 5)
+
+    class Head(nn.Linear):
+        pass
+
+    class TimeFirstCE(nn.CrossEntropyLoss):
+        def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return super().forward(out.reshape(-1, out.shape[-1]), y.t().reshape(-1))
+    g = torch.Generator().manual_seed(5)
+    ids, y = torch.randint(0, 5, (8, 4), generator=g), torch.randint(0, 5, (8, 4), generator=g)
+    layers = [TimeFirst(), Head(5, 5), nn.Tanh(), Head(5, 5)]   # T = 4 = rows of each micro-batch
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    expected = _plain(ref, [(ids, y)], TimeFirstCE())
+    pipe = GPipe(copy.deepcopy(layers), partitions=2, micro_batches=2, loss_fn=TimeFirstCE(),
+                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9))
+    assert pipe.train_step(ids, y) == pytest.approx(expected[0], rel=1e-5)
+    for p, q in zip(pipe.unpartitioned().parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_loss_that_contradicts_its_declared_reduction_is_told_which_to_declare() -> None:
+    """A module declaring reduction='mean' whose forward sums was told "neither the mean nor the sum"
+    (it was the sum) and to pass loss_reduction='sum', which the declared 'mean' refuses."""
+    class SaysMean(nn.MSELoss):
+        def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return ((out - y) ** 2).sum()
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 5, generator=g)
+    pipe = GPipe(list(_model()), partitions=2, micro_batches=2, loss_fn=SaysMean(), optimizer=_sgd)
+    with pytest.raises(ValueError, match="declares reduction='mean'.*but it computes a sum over its "
+                                         "rows.*set its reduction to 'sum'"):
+        pipe.train_step(x, y)
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="LBFGS.step needs a closure"):
+        GPipe(list(_model()), partitions=2, micro_batches=2, loss_fn=nn.MSELoss(),
+              optimizer=lambda ps: torch.optim.LBFGS(ps))
