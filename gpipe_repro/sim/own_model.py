@@ -35,7 +35,7 @@ from gpipe_repro.engine.microbatch import split_sizes
 from gpipe_repro.engine.partition import OBJECTIVES
 from gpipe_repro.engine.schedule import CHECKPOINT_MODES, make_schedule
 from gpipe_repro.models.workload import Workload
-from gpipe_repro.report.host import HostWatch, busy_readings, is_clean, usable_cores
+from gpipe_repro.report.host import HostWatch, busy_readings, fast_share, is_clean, usable_cores
 from gpipe_repro.report.measurement import Figure
 from gpipe_repro.sim import in_situ as situ
 from gpipe_repro.sim.calibration import Calibration, calibrate
@@ -77,6 +77,7 @@ class OwnModelResult:
     rounds: int = 1                            # measured rounds, each after a calibration of its own
     measured_step_times_per_round_s: list[list[float]] | None = None   # in rounds: each round's steps,
     uncorrected_step_per_round_s: list[float] | None = None           # and its simulated step
+    calibrated: dict[str, Any] | None = None   # "cached", or the host's fast share around the timing
 
     @property
     def uncorrected_step_time_s(self) -> float:
@@ -112,7 +113,8 @@ class OwnModelResult:
                              for s, per in enumerate(record["factors"])))
         which = ", in-situ corrected:" if record else ""
         lines.append(f"  simulated step{which} {self.step_time_s * 1e3:.1f} ms, "
-                     f"{self.throughput:.1f} samples/s, bubble {self.bubble_fraction:.1%}")
+                     f"{self.throughput:.1f} samples/s, bubble {self.bubble_fraction:.1%}"
+                     f"{_calibrated(self.calibrated)}")
         if self.speedup is not None and self.single_device_step_time_s is not None:
             lines.append(f"  speedup {self.speedup:.2f}x over one device without a pipeline "
                          f"(simulated {self.single_device_step_time_s * 1e3:.1f} ms per step"
@@ -198,8 +200,14 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     n = m * microbatch
     neighbours = calibration_neighbours(k, device, method)
+    said: list[str] = []
+    timed_on_cpu = method == "time" and device == "cpu"
+    before = fast_share() if timed_on_cpu else None
     calib = calibrate(workload, sorted({microbatch, n}), method=method, device=device,
-                      threads=threads, repeats=repeats, neighbours=neighbours)
+                      threads=threads, repeats=repeats, neighbours=neighbours, progress=said.append)
+    calibrated: dict[str, Any] = (
+        {"cached": True} if said and all(line.endswith("cached)") for line in said) else
+        {"cached": False, "host_fast": None if before is None else (before + fast_share()) / 2})
     balance = choose_partition(calib.partition_costs(microbatch, checkpoint), k, objective,
                                calib.uncertainty_at(microbatch))
     timelines = (in_situ_run(workload, balance, microbatch=microbatch, checkpoint=checkpoint,
@@ -211,6 +219,7 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
                      recompute_ahead=recompute_ahead, schedule=schedule, link=link,
                      in_situ_timelines=timelines, in_situ_steps=in_situ_steps,
                      in_situ_microbatches=in_situ_microbatches, jitter=validate)
+    result.calibrated = calibrated
     if validate:
         # in rounds, each round's steps against the costs calibrated right before them (the first
         # calibration may be the cache's, from another hour): a paired ratio per round
@@ -236,6 +245,7 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
             # timed at the whole mini-batch too
             result.speedup = first.speedup
             result.single_device_step_time_s = first.single_device_step_time_s
+            result.calibrated = {"cached": False, "host_fast": None, "rounds": rounds}
         attach_measurement(result, [t for got in steps_s for t in got], worst_host(hosts))
         result.rounds = rounds
         if rounds > 1:
@@ -284,6 +294,21 @@ def check_options(workload: Workload, *, k: int, m: int, microbatch: int, checkp
     layers = len(workload.build("meta"))
     if k > layers:
         raise ValueError(f"k={k} cells for a model of {layers} layers: use k <= {layers}")
+
+
+def _calibrated(note: dict[str, Any] | None) -> str:
+    """Where the simulated step's costs came from, for :meth:`OwnModelResult.describe`: a figure
+    simulated from costs timed on a busy host is slower by as much as they are."""
+    if not note:
+        return ""
+    if note.get("cached"):
+        return " (costs from the calibration cache, GPIPE_REPRO_CACHE)"
+    if note.get("rounds"):
+        return f" (costs: the median of {note['rounds']} calibrations, one before each round)"
+    if note.get("host_fast") is None:
+        return ""
+    return (f" (costs timed now, the host fast {note['host_fast']:.0%} of the time around it: a busier "
+            "host times every cost slower, and this step with them)")
 
 
 def calibration_neighbours(k: int, device: str, method: str = "time") -> int:
