@@ -303,7 +303,12 @@ def resolve_run_dir(name: str, *, out: str | None, record: bool, resume: bool) -
         raise ValueError("--record writes the result of record to results/training/<name>; --out "
                          "writes elsewhere: give one of them")
     if out is not None:
-        return Path(out)
+        path = Path(out)
+        blocked = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if blocked is not None:
+            raise ValueError(f"--out {out}: {blocked} is a file, not a directory; give a directory "
+                             "(new, or one of this run's)")
+        return path
     if record:
         return RECORD_DIR / name
     if resume:

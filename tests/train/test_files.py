@@ -354,3 +354,14 @@ def test_two_processes_resumed_one_run_at_once_and_interleaved_their_metrics(tmp
     first.release()
     again = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True)
     assert again.returncode == 0, again
+
+
+def test_out_under_a_file_says_which_path_is_a_file(tmp_path: Path) -> None:
+    """`run --out FILE/sub` printed "[Errno 20] Not a directory"; it names the file in the way."""
+    from gpipe_repro.train.run_dir import resolve_run_dir
+
+    (tmp_path / "afile").write_text("mine\n")
+    for out in (tmp_path / "afile" / "sub", tmp_path / "afile"):
+        with pytest.raises(ValueError, match=f"{tmp_path / 'afile'} is a file, not a directory"):
+            resolve_run_dir("r", out=str(out), record=False, resume=False)
+    assert (tmp_path / "afile").read_text() == "mine\n"
