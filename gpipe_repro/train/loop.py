@@ -278,6 +278,10 @@ class _Run:
         if not math.isfinite(loss):
             raise FloatingPointError(f"the training diverged: the loss is {loss} at step {done}; lower "
                                      f"the learning rate (it was {lr:.3g}) and start the run again")
+        if config.precision == "fp16" and pipe.last_step_skipped:   # said, not only in the metrics
+            self.stats["skipped_steps"] = self.stats.get("skipped_steps", 0) + 1
+            self.progress.console.print(f"step {done}: fp16 overflow, the step was skipped (no cell "
+                                        f"updated); the loss scale is now {pipe.loss_scale:g}")
         n = microbatch.batch_size(x)
         self.stats["train_seconds"] += seconds
         self.stats["samples"] += n

@@ -36,6 +36,7 @@ class RunSummary:
     pipeline: dict[str, float]           # mean of the sampled busy/idle/breakdown fractions
     memory: dict[str, float]
     signal: int | None = None            # the signal that interrupted the run (SIGINT, SIGTERM), if any
+    skipped_steps: int = 0               # fp16: steps whose gradients overflowed (no cell updated)
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "losses"}
@@ -68,6 +69,7 @@ def make_summary(status: str, done: int, total_steps: int, stats: dict[str, Any]
         samples_per_s=round(stats["samples"] / stats["train_seconds"], 3) if stats["train_seconds"] else 0.0,
         final_train_loss=round(sum(logged[-20:]) / len(logged[-20:]), 5) if logged else float("nan"),
         resumed_from=int(checkpoint["step"]) if checkpoint is not None else None,
+        skipped_steps=int(stats.get("skipped_steps", 0)),
         run_dir=str(run_dir), losses=losses, params=params, balance=list(pipe.balance),
         pipeline={k: round(v / n, 4) for k, v in pipeline.items()} if n else {}, memory=memory)
 
@@ -119,6 +121,9 @@ def print_summary(summary: RunSummary, metrics: dict[str, dict[str, Any]]) -> No
     table.add_column("value", justify="right")
     for key, value in metrics.items():
         table.add_row(key, format_record(value, 4))
-    print(f"{Path(summary.run_dir).name}: {summary.status}, {summary.steps}/{summary.total_steps} steps")
+    skipped = (f" ({summary.skipped_steps} skipped: fp16 overflow, no cell updated)"
+               if summary.skipped_steps else "")
+    print(f"{Path(summary.run_dir).name}: {summary.status}, {summary.steps}/{summary.total_steps} steps"
+          f"{skipped}")
     table_console().print(table)
     print(f"run directory: {summary.run_dir}")

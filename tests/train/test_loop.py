@@ -370,3 +370,22 @@ def test_the_run_cuts_on_its_first_micro_batch_with_its_targets(tmp_path: Path,
     inputs, targets, _ = split_minibatch(x, y, 2, replicas=2)
     assert torch.equal(first_x, inputs[0]) and torch.equal(first_y, targets[0])
     assert first_x.shape[0] == run.batch_size // 4
+
+
+@pytest.mark.usefixtures("undrawn_curves")
+def test_fp16_skipped_steps_were_said_only_in_the_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """An fp16 run whose every step overflowed said "finished, 4/4 steps" and nothing else: the model
+    never changed, and only train/loss_scale in metrics.jsonl showed it. Each skipped step is now a
+    console line, and the summary counts them."""
+    from gpipe_repro import GPipe
+    from gpipe_repro.train.summary import print_summary
+
+    monkeypatch.setattr(GPipe, "last_step_skipped", property(lambda self: True))
+    run, task = tiny(tmp_path / "fp16", precision="fp16", eval_every=0, timeline_every=0)
+    summary = train(AmoebaNetTask(task), run)
+    out = capsys.readouterr().out
+    assert out.count("fp16 overflow, the step was skipped (no cell updated)") == 4, out
+    assert summary.skipped_steps == 4
+    print_summary(summary, {})
+    assert "finished, 4/4 steps (4 skipped: fp16 overflow, no cell updated)" in capsys.readouterr().out
