@@ -125,12 +125,11 @@ def _print_plan(plan: Any, budget: float, title: str) -> None:
     dualpipe-v), each cell's, then each device's: the sum of its cells' (an upper bound)."""
     from rich.table import Table
 
-    from gpipe_repro.engine.schedule import owner_of_cells
     from gpipe_repro.memory.planner import gib
     from gpipe_repro.report.terminal import table_console
     cats = {"params": "param", "grads": "grad", "optimizer": "optim", "stash": "stash",
             "activations": "activ", "data": "data"}
-    owner = owner_of_cells(plan.schedule, len(plan.stages))
+    owner = plan.device_of_cells
     several = len(plan.device_peaks) != len(plan.stages)
     rows = ([(f"{s.stage} (device {owner[s.stage]})", s, plan.balance[s.stage]) for s in plan.stages]
             if several else _device_rows(plan))

@@ -134,9 +134,7 @@ def check_arguments(*, num_layers: int, partitions: Any, micro_batches: Any, che
         raise ValueError(f"split_backwards must be a count (0 to micro_batches), None (every backward "
                          f"split) or 'auto', got {split_backwards!r}")
     if auto and schedule not in SPLIT_SCHEDULES:
-        raise ValueError(f"split_backwards='auto' is for the zero-bubble schedules "
-                         f"({', '.join(SPLIT_SCHEDULES)}), which split backwards into input and weight "
-                         f"gradients; schedule={schedule!r} runs whole backwards: leave split_backwards out")
+        check_split_backwards(schedule, split_backwards)   # raises: a schedule with nothing to split
     check_split_backwards(schedule, None if auto else split_backwards)
     if not auto and split_backwards is not None and split_backwards > micro_batches:
         raise ValueError(f"split_backwards={split_backwards} is more than micro_batches={micro_batches}: "

@@ -79,11 +79,11 @@ class GPipe(nn.Module):
     A step equals full-batch training of the same layers (same loss, same gradients, same update)
     whatever K, M, the cut, the checkpoint mode or the runtime, under the rules of docs/design.md
     (dropout masks a function of (seed, step, layer, micro-batch), so with dropout a step depends
-    on M; BatchNorm normalizes per
-    micro-batch and commits running statistics once per step; every tensor of the input is cut
-    along dim 0 and other layers treat rows independently). Any layer may work in place. A step
-    is all-or-nothing: if any action of any stage raises, no parameter, optimizer state, BatchNorm
-    statistic or step counter changes (the schedule's AGREE barrier comes before every update).
+    on M; BatchNorm normalizes per micro-batch and commits running statistics once per step; every
+    tensor of the input is cut along dim 0 and other layers treat rows independently). Any layer
+    may work in place. A step is all-or-nothing: if any action of any stage raises, no parameter,
+    optimizer state, BatchNorm statistic or step counter changes (the schedule's AGREE barrier
+    comes before every update).
 
     Args:
         layers: the model as an ``nn.Sequential`` or a list of modules, run in order. Each module

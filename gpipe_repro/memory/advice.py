@@ -8,7 +8,6 @@ offers, each alone: re-materialization, more micro-batches (a smaller working se
 """
 from __future__ import annotations
 
-from gpipe_repro.engine.schedule import owner_of_cells
 from gpipe_repro.memory.compose import PERSISTENT
 from gpipe_repro.memory.planner import MemoryPlan, MemoryPlanner, gib
 
@@ -19,8 +18,7 @@ def _gib(x: float) -> str:
 
 def why(plan: MemoryPlan, budget: float) -> str:
     """One sentence about the device that overflows the most."""
-    owner = owner_of_cells(plan.schedule, len(plan.stages))
-    peaks = plan.device_peaks
+    owner, peaks = plan.device_of_cells, plan.device_peaks
     device = max(range(len(peaks)), key=peaks.__getitem__)
     cells = [s for s in plan.stages if owner[s.stage] == device]
     s = max(cells, key=lambda c: c.peak)

@@ -93,11 +93,16 @@ class MemoryPlan:
     split_backwards: int | None = None   # zero-bubble schedules: the last n backwards split (None: all)
 
     @property
+    def device_of_cells(self) -> list[int]:
+        """The device running each cell: one each, or several cells per device (interleaved round
+        robin, zb-v and dualpipe-v in a V), as the schedule places them."""
+        return owner_of_cells(self.schedule, len(self.stages))
+
+    @property
     def device_peaks(self) -> list[int]:
-        """Each device's peak: its cell's, or where a device runs several cells (interleaved,
-        zb-v, dualpipe-v) the sum of their peaks: an upper bound (the cells need not peak at the
-        same moment)."""
-        owner = owner_of_cells(self.schedule, len(self.stages))
+        """Each device's peak: its cell's, or where a device runs several cells the sum of their
+        peaks: an upper bound (the cells need not peak at the same moment)."""
+        owner = self.device_of_cells
         peaks = [0] * (max(owner) + 1)
         for s in self.stages:
             peaks[owner[s.stage]] += s.peak

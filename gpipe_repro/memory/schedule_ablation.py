@@ -69,7 +69,7 @@ def schedule_ablation(planner: MemoryPlanner, *, devices: int, micro_batches: in
         else:
             assert link is not None and flops_per_second is not None
             sim = planned_step(planner, sched, plan.balance, micro_batches, flops_per_second, link)
-        owner = sched.process_of()
+        owner = plan.device_of_cells
         peak = plan.device_peaks
         activation = [0] * devices
         for s in plan.stages:

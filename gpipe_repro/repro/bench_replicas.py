@@ -83,11 +83,18 @@ def train_alone(width: int, depth: int, batch: int, steps: int, warmup: int) -> 
     return {"times": times}
 
 
-def train_lockstep(width: int, depth: int, batch: int, steps: int, warmup: int) -> dict[str, Any]:
+def train_lockstep(width: int, depth: int, batch: int, steps: int, warmup: int,
+                   all_reduce: bool = False) -> dict[str, Any]:
     """Runs in every process: :func:`train_alone`, but the processes wait for each other after every
     step (a barrier, no data). What a data-parallel job pays for its synchronization alone: each step
     lasts as long as the slower process's, so two cores that run at different speeds (a VM's
-    hyperthreads, another tenant) cost the faster one its lead, before any all-reduce."""
+    hyperthreads, another tenant) cost the faster one its lead, before any all-reduce.
+
+    `all_reduce`: wait in a bare all-reduce (gloo) of as many bytes as the model's gradients
+    instead: what a data-parallel step pays on this host where nothing overlaps the all-reduce, the
+    bound the cores' own speed sets before any implementation's cost (K=1 x R=2 launches its buckets
+    during the backward, but on two cores that both compute the all-reduce has no idle core to run
+    on)."""
     import torch.distributed as dist
 
     from gpipe_repro.distributed.process_group import init_distributed
@@ -95,37 +102,16 @@ def train_lockstep(width: int, depth: int, batch: int, steps: int, warmup: int) 
     torch.set_num_threads(1)
     pipe = GPipe(relu_mlp(width, depth), partitions=1, micro_batches=1, checkpoint="never",
                  loss_fn=nn.CrossEntropyLoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
+    flat = torch.zeros(sum(p.numel() for p in pipe.parameters())) if all_reduce else None
     x, y = batch_of(width, batch)
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
         pipe.train_step(x, y)
-        dist.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return {"times": times}
-
-
-def train_lockstep_allreduce(width: int, depth: int, batch: int, steps: int, warmup: int) -> dict[str, Any]:
-    """Runs in every process: :func:`train_lockstep`, plus one bare all-reduce (gloo) of as many bytes
-    as the model's gradients after every step: what a data-parallel step pays on this host where
-    nothing overlaps the all-reduce, the bound the cores' own speed sets before any implementation's
-    cost (K=1 x R=2 launches its buckets during the backward, but on two cores that both compute the
-    all-reduce has no idle core to run on)."""
-    import torch.distributed as dist
-
-    from gpipe_repro.distributed.process_group import init_distributed
-    init_distributed()
-    torch.set_num_threads(1)
-    pipe = GPipe(relu_mlp(width, depth), partitions=1, micro_batches=1, checkpoint="never",
-                 loss_fn=nn.CrossEntropyLoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
-    flat = torch.zeros(sum(p.numel() for p in pipe.parameters()))
-    x, y = batch_of(width, batch)
-    times = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        pipe.train_step(x, y)
-        dist.all_reduce(flat)
+        if flat is not None:
+            dist.all_reduce(flat)
+        else:
+            dist.barrier()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return {"times": times}
@@ -198,8 +184,7 @@ def jobs(width: int, depth: int, n: int, m: int, steps: int, warmup: int) -> dic
             "half": lambda: median_of(launch_local(train_alone, 1, *alone, timeout=120)[0]),
             "pair": lambda: median_of(*launch_local(train_alone, 2, *alone, timeout=120)),
             "lockstep": lambda: median_of(launch_local(train_lockstep, 2, *alone, timeout=120)[0]),
-            "bound": lambda: median_of(launch_local(train_lockstep_allreduce, 2, *alone,
-                                                    timeout=120)[0])}
+            "bound": lambda: median_of(launch_local(train_lockstep, 2, *alone, True, timeout=120)[0])}
 
 
 def main(*, width: int = 1024, depth: int = 4, batch: int = 1024, m: int = 1, steps: int = 4,

@@ -47,7 +47,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, checkpoint:
     return schedule if split_backwards is None else split_last(schedule, int(split_backwards))
 
 
-def check_split_backwards(name: str, split_backwards: int | None) -> None:
+def check_split_backwards(name: str, split_backwards: int | str | None) -> None:
     """Raise ValueError, saying what to change, for a `split_backwards` the schedule `name` cannot
     take (a schedule that runs whole backwards; not an integer >= 0). The upper bound, M, is
     :func:`split_last`'s."""
