@@ -274,7 +274,7 @@ def refusal(model: Any) -> str | None:
                 "language-model loss alone")
     if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False):
         return "its attention is not causal (is_causal / use_bidirectional_attention)"
-    if getattr(model, "loss_function", None) is not ForCausalLMLoss:
+    if _loss_function(model) is not ForCausalLMLoss:
         return "its loss is not transformers' ForCausalLMLoss"
     others = sorted(set(getattr(config, "layer_types", None) or []) - set(ATTENTION_TYPES))
     if others:
@@ -285,6 +285,19 @@ def refusal(model: Any) -> str | None:
         return f"its forward is not embed -> blocks -> norm -> head: {parts}"
     scalings = _scalings(model, parts["base"])
     return scalings if isinstance(scalings, str) else None
+
+
+def _loss_function(model: Any) -> Any:
+    """The loss `model`'s own forward uses. transformers' ``loss_function`` property warns
+    ("`loss_type=None` was set in the config but it is unrecognized") for every config that names no
+    loss type, GPT-2's included, and then falls back to its causal-LM loss: that fallback is read here
+    without the warning. A model that sets or overrides ``loss_function`` is read as it says."""
+    from transformers import PreTrainedModel
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    if hasattr(model, "_loss_function") or type(model).loss_function is not PreTrainedModel.loss_function:
+        return getattr(model, "loss_function", None)
+    return LOSS_MAPPING.get(getattr(model, "loss_type", None) or "", LOSS_MAPPING["ForCausalLM"])
 
 
 def _layer_types(config: Any, n: int) -> list[str]:

@@ -369,3 +369,24 @@ def test_a_model_whose_own_forward_fails_or_gives_nan_is_named_as_such() -> None
         causal_lm_layers(transformers.AutoModelForCausalLM.from_config(config))
     model = tiny_model("llama", attn_implementation="eager").double()
     assert len(causal_lm_layers(model)) == 4          # its NaN rows are the layers' too: accepted
+
+
+def test_gpt2_is_flattened_without_transformers_unrecognized_loss_type_warning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-2's config names no loss type: reading ``model.loss_function`` logged "`loss_type=None`
+    was set in the config but it is unrecognized" on every gpt2 run."""
+    warned: list[str] = []
+    monkeypatch.setattr(transformers.modeling_utils.logger, "warning_once", warned.append)
+    causal_lm_layers(tiny_model("gpt2"))
+    assert not any("loss_type" in w for w in warned), warned
+
+
+def test_a_model_whose_loss_is_not_the_causal_lm_loss_is_refused() -> None:
+    model = tiny_model("llama")
+    model.loss_function = lambda *args, **kwargs: torch.tensor(0.0)
+    with pytest.raises(ValueError, match="ForCausalLMLoss"):
+        causal_lm_layers(model)
+    masked = tiny_model("llama")
+    masked.loss_type = "ForMaskedLM"
+    with pytest.raises(ValueError, match="ForCausalLMLoss"):
+        causal_lm_layers(masked)
