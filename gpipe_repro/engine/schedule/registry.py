@@ -60,8 +60,8 @@ def check_split_backwards(name: str, split_backwards: int | str | None) -> None:
                          "split_backwards out")
     if isinstance(split_backwards, bool) or not isinstance(split_backwards, numbers.Integral) \
             or split_backwards < 0:
-        raise ValueError("split_backwards must be an integer from 0 to the number of micro-batches "
-                         f"(how many of the last ones split their backward), got {split_backwards!r}")
+        raise ValueError("split_backwards must be an integer from 0 to M (how many of the last "
+                         f"micro-batches split their backward), got {split_backwards!r}")
 
 
 def cells_per_process(name: str) -> int:
