@@ -197,12 +197,14 @@ def compile_options(compile: Any, schedule: Schedule) -> dict[str, Any] | None:
     if unknown:
         raise ValueError(f"compile={compile!r}: {unknown} are not torch.compile arguments GPipe passes "
                          f"on; use {list(COMPILE_ARGUMENTS)}")
-    graphs = options.get("mode") in CUDA_GRAPH_MODES or (options.get("options") or {}).get(
-        "triton.cudagraphs")
+    _check_compile_values(compile, options)
+    graphs = options.get("mode") in CUDA_GRAPH_MODES or options.get("backend") == "cudagraphs" or (
+        options.get("options") or {}).get("triton.cudagraphs")
     if graphs:
         raise ValueError(f"compile={compile!r} records CUDA graphs, whose replays overwrite the previous "
                          "replay's outputs, and a pipeline keeps several micro-batches' activations "
-                         "alive at once: use mode='default' or 'max-autotune-no-cudagraphs'")
+                         "alive at once: use mode='default' or 'max-autotune-no-cudagraphs' (backend "
+                         "'inductor')")
     if any(a.kind is ActionKind.BACKWARD_INPUT for actions in schedule.stages for a in actions):
         raise ValueError(f"compile={compile!r} with schedule={schedule.name!r}: a compiled layer's "
                          "backward is one autograd node computing its input and weight gradients "
@@ -210,6 +212,34 @@ def compile_options(compile: Any, schedule: Schedule) -> dict[str, Any] | None:
                          "gradients; use schedule='1f1b' or 'gpipe' with compile, split_backwards=0 "
                          "(every backward whole), or compile=False")
     return options
+
+
+def _check_compile_values(compile: Any, options: Mapping[str, Any]) -> None:
+    """Raise ValueError, naming the choices, for a mode or a backend torch.compile does not know, and
+    for a mode given with options (torch.compile takes one or the other): torch's own errors would
+    come as its exception types, or only at the first step."""
+    import torch._dynamo
+    import torch._inductor
+
+    mode = options.get("mode")
+    if mode is not None:
+        modes = list(torch._inductor.list_mode_options())
+        if mode not in modes:
+            raise ValueError(f"compile={compile!r}: {mode!r} is not a torch.compile mode; use one of "
+                             f"{', '.join(m for m in modes if m not in CUDA_GRAPH_MODES)} (or True for "
+                             "torch.compile's defaults)")
+        if options.get("options"):
+            raise ValueError(f"compile={compile!r}: torch.compile takes a mode or options, not both; "
+                             "drop one")
+    backend = options.get("backend")
+    if isinstance(backend, str):
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in backends:
+            raise ValueError(f"compile={compile!r}: {backend!r} is not a torch.compile backend here; "
+                             f"use one of {', '.join(backends)}")
+    elif backend is not None and not callable(backend):
+        raise ValueError(f"compile={compile!r}: a backend is a name or a callable, got "
+                         f"{type(backend).__name__}")
 
 
 def check_running_statistics(layers: Sequence[nn.Module], micro_batches: int, checkpoint: str) -> None:

@@ -120,5 +120,13 @@ class InputGuard:
                            error: RuntimeError) -> None:
         """A layer raised `error`: if it is autograd's in-place check on an uncopied input, that is
         this guard's case (:meth:`caught`); otherwise nothing to do here."""
-        if "leaf Variable that requires grad" in str(error) and fed.copy is False:
+        if fed.copy is False and any(check in str(error) for check in AUTOGRAD_INPLACE_CHECKS):
             self.caught(fed, training, microbatch, error)
+
+
+#: How autograd's in-place checks read when a layer modifies the view it was fed: in eager mode, a
+#: view of a leaf that requires grad; a compiled layer re-materialized after a no-grad forward
+#: (Dynamo raises it wrapped), a view made under no_grad whose base changed with grad enabled.
+AUTOGRAD_INPLACE_CHECKS = ("leaf Variable that requires grad",
+                           "A view was created in no_grad mode and its base or another view of its "
+                           "base has been modified inplace")

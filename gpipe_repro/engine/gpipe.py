@@ -169,9 +169,10 @@ class GPipe(nn.Module):
             dict of its arguments (``{"backend": "aot_eager"}``, ``{"mode": "max-autotune-no-cudagraphs"}``).
             Per layer, not per cell: the engine seeds each layer's dropout masks and checks its
             output between layers. The model's modules are not changed (``state_dict`` keys stay).
-            Refused: CUDA-graph modes ("reduce-overhead", "max-autotune": a replay overwrites the
-            activations the pipeline keeps alive) and zero-bubble schedules (a compiled layer's
-            backward cannot be split into its input and weight halves).
+            Refused: CUDA graphs (modes "reduce-overhead", "max-autotune", the "cudagraphs"
+            backend: a replay overwrites the activations the pipeline keeps alive) and a zero-bubble
+            schedule that splits backwards (a compiled layer's backward cannot be split into its
+            input and weight halves; ``split_backwards=0`` runs every backward whole and is taken).
 
     Raises:
         TypeError: `layers` is not a sequence of modules.

@@ -72,6 +72,13 @@ def test_compile_leaves_the_model_and_its_state_dict_as_they_are() -> None:
     ({"compile": AOT, "schedule": "zb-v", "partitions": 4}, "schedule='zb-v'"),
     ({"compile": {"backnd": "eager"}}, r"\['backnd'\] are not torch.compile arguments"),
     ({"compile": 3}, "compile must be True, False"),
+    ({"compile": {"backend": "cudagraphs"}}, "records CUDA graphs"),
+    ({"compile": "turbo"}, "'turbo' is not a torch.compile mode; use one of default, lite, "
+                           "max-autotune-no-cudagraphs"),
+    ({"compile": ""}, "'' is not a torch.compile mode"),
+    ({"compile": {"backend": "no_such_backend"}}, "'no_such_backend' is not a torch.compile backend"),
+    ({"compile": {"backend": 3}}, "a backend is a name or a callable"),
+    ({"compile": {"mode": "default", "options": {"trace.enabled": False}}}, "a mode or options, not both"),
 ])
 def test_combinations_compile_cannot_serve_are_refused_before_any_work(kwargs: dict, message: str) -> None:
     built: list[int] = []
@@ -84,3 +91,43 @@ def test_combinations_compile_cannot_serve_are_refused_before_any_work(kwargs: d
     with pytest.raises(ValueError, match=message):
         GPipe([Counted(4, 4) for _ in range(4)], micro_batches=2, optimizer=None, **options)
     assert not built
+
+
+class StartsInPlaceLater(nn.Module):
+    """``x * 2`` until `in_place` is set, then ``x.mul_(2)`` on the input it was fed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_place = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2) if self.in_place else x * 2
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_compiled_layer_that_starts_working_in_place_is_caught_then_copied(checkpoint: str) -> None:
+    """Under compile, a cell re-materialized after its no-grad forward met autograd's "view created
+    in no_grad mode ... modified inplace" (wrapped by Dynamo) instead of the guard's own check: every
+    later step failed with Dynamo's error. Now, as in eager mode: that step fails before any update,
+    the cell's input is copied from then on, and the next step trains as plain PyTorch does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 8), StartsInPlaceLater(), nn.Linear(8, 3))
+    pipe = GPipe(model, partitions=3, micro_batches=2, checkpoint=checkpoint, balance=[1, 1, 2],
+                 loss_fn=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                 compile=AOT)
+    x, y = batch()
+    pipe.train_step(x, y)
+    model[2].in_place = True
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match="modified its input in place .* no cell was updated"):
+        pipe.train_step(x, y)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+    reference = copy.deepcopy(model)
+    reference[2].in_place = False        # plain training of the same function: x * 2
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    nn.functional.cross_entropy(reference(x), y).backward()
+    opt.step()
+    pipe.train_step(x, y)
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, msg=name)
