@@ -70,6 +70,7 @@ from gpipe_repro.engine.schedule import (
     ScheduleError,
     forward_on_processes,
 )
+from gpipe_repro.engine.schedule.receive_window import receive_window
 from gpipe_repro.engine.stage import StageExecutor
 from gpipe_repro.engine.tied import Tie
 from gpipe_repro.engine.timeline import Timeline
@@ -102,6 +103,7 @@ class DistributedRuntime:
                            key=lambda e: e.stage)
         num_stages = executors[0].num_stages
         self.process_of = list(process_of) if process_of is not None else list(range(num_stages))
+        self._windows: dict[int, tuple[Schedule, int]] = {}
         layout = layout or Layout(max(self.process_of) + 1, 1)
         here = layout.stage_of(context.rank)
         mine = [s for s, p in enumerate(self.process_of) if p == here]
@@ -248,6 +250,14 @@ class DistributedRuntime:
             e.reseed(seed)
 
     # -- internals ----------------------------------------------------------------------------------
+    def _receive_window(self, schedule: Schedule) -> int:
+        """The receives of each channel posted ahead for `schedule` (worked out once per schedule)."""
+        known = self._windows.get(id(schedule))
+        if known is None or known[0] is not schedule:
+            known = (schedule, receive_window(schedule.programs(), schedule.num_microbatches))
+            self._windows[id(schedule)] = known
+        return known[1]
+
     def _run(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any] | None,
              weights: list[float | torch.Tensor] | None, config: StepConfig | None = None) -> float:
         self._check_usable()
@@ -273,7 +283,8 @@ class DistributedRuntime:
         actions = programs[self.rank]
         by_stage = {ex.stage: ex for ex in self.executors}
         self.transport.begin_step(signature(microbatches, schedule.training), actions,
-                                  None if len(programs) == schedule.num_stages else placed)
+                                  None if len(programs) == schedule.num_stages else placed,
+                                  window=self._receive_window(schedule))
         # Replicas: the stage's gradients are final after its last backward; sum them from there.
         reducer = self.reducer
         last_backward = None

@@ -24,9 +24,11 @@ spec too.
 Sends are non-blocking (``isend``): the step waits for them at its end (:meth:`finish_step`), and
 before each compute action for those issued before the previous one (:meth:`release_sent`), so a sent
 activation is not kept alive for the rest of the step. Receives block when their action runs. On gloo,
-once the specs are known, every receive of the step is posted at the step's start (``prepost``): the
+once the specs are known, the step's receives are posted ahead of their actions (``prepost``): the
 bytes then move as soon as the sender sends, while the receiver is still computing, instead of when it
-reaches the RECV action (and a gloo send cannot complete before its receive is posted). NCCL would
+reaches the RECV action (and a gloo send cannot complete before its receive is posted). At most a
+window of each channel's receives is posted at once, the next one as one is used, so the buffers
+waiting do not grow with M (:mod:`gpipe_repro.engine.schedule.receive_window` chooses the window). NCCL would
 queue a posted receive in front of later sends on the same pair's stream, so there it receives at the
 action.
 
@@ -36,6 +38,7 @@ hanging it.
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import pickle
 from collections.abc import Callable, Hashable, Iterable, Iterator
@@ -136,6 +139,9 @@ class ProcessGroupTransport:
         self._generation = 0
         self._posted: dict[tuple[int, int, int],
                            tuple[Message, list[torch.Tensor], list[dist.Work | None]]] = {}
+        # per channel (kind, sending stage): the micro-batches whose receives are not posted yet
+        self._pending: dict[tuple[int, int], collections.deque[int]] = collections.defaultdict(
+            collections.deque)
         # Values between two stages on this same process (zb-v's chunks K-1 and K): handed over in
         # memory, (kind, sending stage, micro-batch) -> a copy of the value.
         self._local: dict[tuple[int, int, int], Any] = {}
@@ -149,8 +155,10 @@ class ProcessGroupTransport:
 
     # -- step lifecycle -----------------------------------------------------------------------------
     def begin_step(self, key: Hashable, actions: Iterable[Action],
-                   process_of: list[int] | None = None) -> None:
-        """Start a step with input signature `key`; post its receives early when specs are known.
+                   process_of: list[int] | None = None, window: int | None = None) -> None:
+        """Start a step with input signature `key`; post its receives early when specs are known:
+        the first `window` of each channel (None: every one; see
+        :mod:`gpipe_repro.engine.schedule.receive_window`), then one more each time one is used.
         `process_of[s]` is the process (within this pipeline) running stage s; default: s."""
         if self._posted or self._sends:
             raise RuntimeError("the previous step left messages in flight; call finish_step()")
@@ -162,22 +170,28 @@ class ProcessGroupTransport:
         self._key = key
         self._learning = key not in self.specs
         self._known = self.specs.setdefault(key, {})
+        self._pending.clear()
         if self.prepost and not self._learning:
             for a in actions:
                 m = a.microbatch
                 if a.kind is ActionKind.RECV_ACT and m is not None and not self._here(a.stage - 1):
-                    self._post(ACTIVATION, a.stage - 1, m)
+                    self._pending[(ACTIVATION, a.stage - 1)].append(m)
                 elif a.kind is ActionKind.RECV_GRAD and m is not None and not self._here(a.stage + 1):
-                    self._post(GRADIENT, a.stage + 1, m)
+                    self._pending[(GRADIENT, a.stage + 1)].append(m)
+            for (kind, stage), waiting in self._pending.items():
+                for _ in range(len(waiting) if window is None else min(window, len(waiting))):
+                    self._post(kind, stage, waiting.popleft())
 
     def finish_step(self) -> None:
         """Wait for every send of the step (a receiver that never receives fails here, by timeout)."""
         sends, self._sends = self._sends, []
         for work, _, _, dst in sends:
             self._wait(work, f"sending to rank {dst}", dst)
-        if self._posted:
-            left = sorted(self._posted)
+        if self._posted or any(self._pending.values()):
+            left = sorted(self._posted) + sorted((kind, stage, m) for (kind, stage), waiting
+                                                 in self._pending.items() for m in waiting)
             self._posted.clear()
+            self._pending.clear()
             raise RuntimeError(f"rank {self.rank}: receives posted but never used: {left}")
         if self._local:
             left = sorted(self._local)
@@ -283,6 +297,9 @@ class ProcessGroupTransport:
                     "send before it receives between its own stages") from None
         what = f"the {_KIND_NAMES[kind]} of micro-batch {microbatch} from rank {src}"
         posted = self._posted.pop((kind, stage, microbatch), None)
+        waiting = self._pending.get((kind, stage))
+        if posted is not None and waiting:      # the channel's next receive takes this one's place
+            self._post(kind, stage, waiting.popleft())
         if posted is None:
             slot = (kind, stage, microbatch)
             if self._learning:
@@ -352,8 +369,8 @@ class ProcessGroupTransport:
         """Called before each compute action: wait for sends older than the previous compute action,
         so their buffers are freed during the step rather than at its end.
 
-        Only when this step's receives were posted at its start (every receiver posts all of them
-        before it blocks on anything, so these waits cannot deadlock, and by now they are done).
+        Only when this step's receives are posted ahead (the window they are posted in is one under
+        which these waits cannot deadlock: :mod:`gpipe_repro.engine.schedule.receive_window`).
         Otherwise (first step of a signature, NCCL) only sends already known complete are dropped."""
         self._generation += 1
         if self.prepost and not self._learning:

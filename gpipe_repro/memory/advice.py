@@ -11,6 +11,9 @@ from __future__ import annotations
 from gpipe_repro.memory.compose import PERSISTENT
 from gpipe_repro.memory.planner import MemoryPlan, MemoryPlanner, gib
 
+#: Re-materialization from none to the most: each mode keeps less than the one before.
+REMATERIALIZATION = ("never", "except_last", "always")
+
 
 def _gib(x: float) -> str:
     return f"{gib(x)} GiB"
@@ -52,18 +55,27 @@ def what_would_fit(planner: MemoryPlanner, plan: MemoryPlan, budget: float,
         except ValueError:
             return None
     out: list[str] = []
-    if ckpt == "never" and (p := planned(cells, m, "except_last")) is not None:
-        out.append(f"re-materialization (--checkpoint except_last): {_gib(p.max_peak)} per device"
+    # more re-materialization, least first: except_last keeps the last micro-batch's activations,
+    # which under 1F1B is about all that never keeps at the peak
+    lighter = list(REMATERIALIZATION[REMATERIALIZATION.index(ckpt) + 1:])
+    tried = [(c, p) for c in lighter if (p := planned(cells, m, c)) is not None]
+    if tried:
+        c, p = next(((c, p) for c, p in tried if p.fits(budget)), min(tried, key=lambda t: t[1].max_peak))
+        out.append(f"re-materialization (--checkpoint {c}): {_gib(p.max_peak)} per device"
                    + (" - fits" if p.fits(budget) else " - still too much"))
     m2 = m * 2
     while m2 <= planner.batch:
-        p = planned(cells, m2, ckpt)
-        if p is not None and p.fits(budget):
-            out.append(f"more micro-batches: M={m2} fits ({_gib(p.max_peak)} per device)")
+        found = next(((c, p) for c in [ckpt, *lighter]
+                      if (p := planned(cells, m2, c)) is not None and p.fits(budget)), None)
+        if found is not None:
+            c, p = found
+            also = "" if c == ckpt else f" with --checkpoint {c}"
+            out.append(f"more micro-batches: M={m2}{also} fits ({_gib(p.max_peak)} per device)")
             break
         m2 *= 2
     else:
-        out.append(f"more micro-batches alone does not fit (M up to the batch, {planner.batch})")
+        out.append(f"more micro-batches does not fit, with any re-materialization (M up to the batch, "
+                   f"{planner.batch})")
     limit = min(planner.num_layers, max_partitions or planner.num_layers)
     k2 = cells * 2
     while k2 <= limit:

@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from gpipe_repro.engine.schedule import ActionKind, Schedule
+from gpipe_repro.engine.schedule import COMPUTE, ActionKind, Schedule
 from gpipe_repro.memory.profile import LayerProfile
 from gpipe_repro.models.signature import ValueSig
 
@@ -139,11 +139,38 @@ def boundary_bytes(sig: ValueSig) -> int:
 
 
 def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerProfile]],
-               base: dict[str, int], optimizer_transient: int, timeline: bool = False) -> StageMemory:
+               base: dict[str, int], optimizer_transient: int, timeline: bool = False,
+               receives_ahead: int | None = None) -> StageMemory:
     """Replay `stage`'s actions of `schedule`; `cells[m]` are the cell's layer profiles for
     micro-batch m (the last stage's end with the loss). `base`: persistent bytes by category
-    (parameters, buffers, optimizer state); gradients are added by the first backward."""
+    (parameters, buffers, optimizer state); gradients are added by the first backward.
+
+    `receives_ahead`: None, a value is received at its action and a sent one let go at once (one
+    process; NCCL). A number, the distributed runtime on gloo (:mod:`gpipe_repro.distributed.transport`):
+    that many receives of each kind are posted (their buffers allocated) at the step's start, the
+    next as one is used, and a sent value is held until the compute action after next."""
     st = _Store(base)
+    ahead: dict[ActionKind, list[int]] = {ActionKind.RECV_ACT: [], ActionKind.RECV_GRAD: []}
+    for action in schedule.stages[stage]:
+        if action.kind in ahead and action.microbatch is not None:
+            ahead[action.kind].append(action.microbatch)
+    posted: dict[tuple[ActionKind, int], list[int]] = {}
+
+    def post(kind: ActionKind) -> None:
+        if receives_ahead is None or not ahead[kind]:
+            return
+        m = ahead[kind].pop(0)
+        if kind is ActionKind.RECV_ACT:
+            posted[(kind, m)] = [st.new(b, STASH, ("stash", m))
+                                 for b in _group_copy_bytes(cells[m][0].in_sig)]
+        else:
+            posted[(kind, m)] = [st.new(boundary_grad_bytes(cells[m][-1].out_sig), ACTIVATIONS,
+                                        ("gin", m))]
+    for kind in ahead:
+        for _ in range(receives_ahead or 0):
+            post(kind)
+    held: list[tuple[Hashable, int]] = []      # sent values in flight: (holder, compute actions before)
+    computes = 0
     first, last = stage == 0, stage == schedule.num_stages - 1
     checkpointed = schedule.checkpointed(stage)
     inputs: dict[int, list[int]] = {}
@@ -155,6 +182,11 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
     for action in schedule.stages[stage]:
         m, kind, where = action.microbatch, action.kind, str(action)
         st.window = st.live
+        if receives_ahead is not None and kind in COMPUTE:
+            computes += 1
+            for holder, _ in [h for h in held if h[1] <= computes - 2]:
+                st.release(holder)
+            held = [h for h in held if h[1] > computes - 2]
         if kind is ActionKind.AGREE:
             pass            # the barrier before the update: a few scalars, nothing worth counting
         elif kind is ActionKind.OPTIMIZER_STEP:
@@ -167,7 +199,10 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
             raise ValueError(f"stage {stage}: action {where} has no micro-batch")
         elif kind is ActionKind.RECV_ACT:
             sig = cells[m][0].in_sig
-            inputs[m] = [st.new(b, STASH, ("stash", m)) for b in _group_copy_bytes(sig)]
+            early = posted.pop((kind, m), None)
+            inputs[m] = early if early is not None else [st.new(b, STASH, ("stash", m))
+                                                         for b in _group_copy_bytes(sig)]
+            post(kind)
         elif kind is ActionKind.FORWARD or kind is ActionKind.RECOMPUTE:
             if first and m not in inputs:   # the caller's mini-batch: data, counted apart
                 inputs[m] = [st.new(0, STASH, ("stash", m)) for _ in cells[m][0].in_sig.group_bytes]
@@ -189,9 +224,12 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
             outputs[m] = out
             st.release(("var", m))
         elif kind is ActionKind.SEND_ACT:
-            st.release(("outbox", m))
+            _sent(st, held, ("outbox", m), receives_ahead, computes)
         elif kind is ActionKind.RECV_GRAD:
-            grads_in[m] = st.new(boundary_grad_bytes(cells[m][-1].out_sig), ACTIVATIONS, ("gin", m))
+            early = posted.pop((kind, m), None)
+            grads_in[m] = early[0] if early is not None else st.new(boundary_grad_bytes(cells[m][-1].out_sig),
+                                                        ACTIVATIONS, ("gin", m))
+            post(kind)
         elif kind is ActionKind.BACKWARD:
             _backward(st, cells[m], m, grads_in.get(m), accumulate=have_grads, send=not first,
                       where=where)
@@ -224,10 +262,21 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
             for j in range(len(cells[m])):
                 st.release(("graph", m, j))
         elif kind is ActionKind.SEND_GRAD:
-            st.release(("gout", m))
+            _sent(st, held, ("gout", m), receives_ahead, computes)
         if timeline:
             events.append((where, st.live, st.window))
     return StageMemory(stage, st.peak, st.peak_parts, st.peak_at, events, st.activation_high)
+
+
+def _sent(st: _Store, held: list[tuple[Hashable, int]], holder: Hashable, receives_ahead: int | None,
+          computes: int) -> None:
+    """A value sent: let go now (one process), or held as a gloo send in flight (see walk_stage)."""
+    if receives_ahead is None:
+        st.release(holder)
+        return
+    sending = ("sending", holder)
+    st.rename(holder, sending)
+    held.append((sending, computes))
 
 
 def _group_copy_bytes(sig: ValueSig) -> list[int]:

@@ -30,8 +30,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from gpipe_repro.engine import microbatch
+from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.engine.partition import check_balance, partition
 from gpipe_repro.engine.schedule import make_schedule, owner_of_cells
+from gpipe_repro.engine.schedule.receive_window import receive_window
 from gpipe_repro.memory.compose import (
     ACTIVATIONS,
     BUFFERS,
@@ -55,6 +57,9 @@ from gpipe_repro.memory.profile import (
 )
 from gpipe_repro.models.signature import LayerRun, compress, layer_key, microbatch_sig
 from gpipe_repro.sim.tied import layer_ties
+
+#: How values cross the cuts, for :meth:`MemoryPlanner.plan`'s `transport`.
+TRANSPORTS = ("in-process", "nccl", "gloo")
 
 GiB = 2 ** 30
 
@@ -246,28 +251,37 @@ class MemoryPlanner:
 
     def plan(self, partitions: int, micro_batches: int, checkpoint: str = "except_last",
              balance: Sequence[int] | None = None, schedule: str = "gpipe",
-             timeline: bool = False, split_backwards: int | None = None) -> MemoryPlan:
+             timeline: bool = False, split_backwards: int | None = None,
+             transport: str = "in-process") -> MemoryPlan:
         """Each device's peak memory for one training step (see the module docstring). Without a
         `balance`, the candidate cut with the smallest largest peak (then the most even peaks).
         `split_backwards`: a zero-bubble schedule splitting only its last micro-batches' backwards
-        (:func:`gpipe_repro.engine.schedule.split_last`; None: every one)."""
+        (:func:`gpipe_repro.engine.schedule.split_last`; None: every one). `transport`: how values
+        cross the cuts (:data:`TRANSPORTS`): "in-process" (the local runtime) and "nccl" hand each
+        over at its action; "gloo" (``runtime="distributed"`` on CPU) posts a few receives ahead of
+        their actions and holds a sent value until the compute action after next, a few boundary
+        values more per stage (:mod:`gpipe_repro.engine.schedule.receive_window`)."""
+        require_one_of("transport", transport, TRANSPORTS)
         if partitions > self.num_layers:
             raise ValueError(f"partitions={partitions} is larger than the number of layers "
                              f"({self.num_layers})")
         if balance is not None:
             return self._plan(partitions, micro_batches, checkpoint, list(balance), schedule, timeline,
-                              split_backwards)
-        plans = [self._plan(partitions, micro_batches, checkpoint, cut, schedule, timeline, split_backwards)
+                              split_backwards, transport)
+        plans = [self._plan(partitions, micro_batches, checkpoint, cut, schedule, timeline, split_backwards,
+                            transport)
                  for cut in self.candidate_balances(partitions, micro_batches, checkpoint)]
         return min(plans, key=lambda p: (p.max_peak, sum(float(s.peak) ** 2 for s in p.stages)))
 
     def _plan(self, partitions: int, micro_batches: int, checkpoint: str, balance: list[int],
-              schedule: str, timeline: bool, split_backwards: int | None = None) -> MemoryPlan:
+              schedule: str, timeline: bool, split_backwards: int | None = None,
+              transport: str = "in-process") -> MemoryPlan:
         sizes = self.sizes(micro_batches)
         by_size = {n: self.profiles(n) for n in set(sizes)}
         check_balance(balance, self.num_layers, partitions)
         sched = make_schedule(schedule, partitions, micro_batches, checkpoint,
                               split_backwards=split_backwards)
+        ahead = receive_window(sched.programs(), micro_batches) if transport == "gloo" else None
         walked: dict[tuple, StageMemory] = {}
         stages: list[StageMemory] = []
         state: list[int] = []
@@ -277,7 +291,7 @@ class MemoryPlanner:
             end = start + n_layers
             cell_of = {n: p[start:end] + ([p[-1]] if last else []) for n, p in by_size.items()}
             cells = [cell_of[n] for n in sizes]
-            key = stage_key(sched, s, cells)
+            key = (stage_key(sched, s, cells), ahead)
             if key not in walked or timeline:
                 one = cell_of[sizes[0]]
                 layers = one[:-1] if last else one
@@ -287,7 +301,7 @@ class MemoryPlanner:
                 peaks = [p.opt_peak for p in layers] or [0]
                 transient = max(sum(peaks) if self.optimizer_foreach else max(peaks),
                                 commit_transient(sum(self._bn_features[start:end]), len(sizes)))
-                walked[key] = walk_stage(sched, s, cells, base, transient, timeline)
+                walked[key] = walk_stage(sched, s, cells, base, transient, timeline, ahead)
             stages.append(self._with_data(relabel(walked[key], s), s, partitions))
             state.append(sum(p.param_bytes + p.buffer_bytes + p.grad_bytes + p.opt_state_bytes
                              for p in by_size[sizes[0]][start:end]))

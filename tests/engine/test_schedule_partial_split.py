@@ -59,7 +59,7 @@ def test_split_backwards_is_refused_where_it_means_nothing_or_is_out_of_range() 
     with pytest.raises(ValueError, match=r"split_backwards=1 is for the zero-bubble schedules .*"
                                          r"schedule='1f1b' runs whole backwards: leave split_backwards out"):
         make_schedule("1f1b", 2, 4, "never", split_backwards=1)
-    with pytest.raises(ValueError, match=r"must be an integer from 0 to M \(how many of the last micro-batches"):
+    with pytest.raises(ValueError, match=r"from 0 to M \(how many of the last micro-batches"):
         make_schedule("zb-h1", 2, 4, "never", split_backwards=-1)
     with pytest.raises(ValueError, match=r"from 0 to M = 4 .* got 5"):
         make_schedule("zb-h1", 2, 4, "never", split_backwards=5)

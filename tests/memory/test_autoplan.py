@@ -91,5 +91,28 @@ def test_silent_advice_planned_gpipe_for_a_plan_of_another_schedule(schedule: st
     expected = planner.plan(2, 2, "except_last", schedule=schedule, split_backwards=split)
     gpipe = planner.plan(2, 2, "except_last")
     assert gib(expected.max_peak) != gib(gpipe.max_peak)     # the schedule matters here
-    lines = what_would_fit(planner, plan, budget=1.0)
-    assert lines[0].startswith("re-materialization") and f"{gib(expected.max_peak)} GiB" in lines[0]
+    # except_last fits exactly: the advice names it (the least re-materialization that fits)
+    lines = what_would_fit(planner, plan, budget=expected.max_peak)
+    assert lines[0].startswith("re-materialization (--checkpoint except_last)")
+    assert f"{gib(expected.max_peak)} GiB" in lines[0]
+
+
+def test_advice_names_the_re_materialization_that_fits_and_combines_it_with_more_micro_batches() -> None:
+    """`fit --checkpoint never --schedule 1f1b` suggested only except_last, which under 1F1B keeps
+    about what never keeps ("still too much"), not always, which fits; and said more micro-batches
+    did not fit where more micro-batches with re-materialization did."""
+    from gpipe_repro.memory.advice import what_would_fit
+
+    planner = _tiny()
+    plan = planner.plan(2, 2, "never", schedule="1f1b")
+    peaks = {c: planner.plan(2, 2, c, schedule="1f1b").max_peak for c in ("except_last", "always")}
+    assert peaks["always"] < peaks["except_last"] <= plan.max_peak
+    budget = (peaks["always"] + peaks["except_last"]) / 2      # only always fits at M=2
+    lines = what_would_fit(planner, plan, budget=budget)
+    assert lines[0].startswith("re-materialization (--checkpoint always)") and lines[0].endswith("fits")
+    four = {c: planner.plan(2, 4, c, schedule="1f1b").max_peak for c in ("never", "always")}
+    budget = (four["never"] + four["always"]) / 2       # M=4 fits with always only, M=2 not at all
+    assert peaks["always"] > budget
+    lines = what_would_fit(planner, plan, budget=budget)
+    assert lines[0].startswith("re-materialization (--checkpoint always)") and lines[0].endswith("too much")
+    assert "more micro-batches: M=4 with --checkpoint always fits" in lines[1]
