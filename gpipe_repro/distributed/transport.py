@@ -28,9 +28,9 @@ once the specs are known, the step's receives are posted ahead of their actions 
 bytes then move as soon as the sender sends, while the receiver is still computing, instead of when it
 reaches the RECV action (and a gloo send cannot complete before its receive is posted). At most a
 window of each channel's receives is posted at once, the next one as one is used, so the buffers
-waiting do not grow with M (:mod:`gpipe_repro.engine.schedule.receive_window` chooses the window). NCCL would
-queue a posted receive in front of later sends on the same pair's stream, so there it receives at the
-action.
+waiting do not grow with M (:mod:`gpipe_repro.engine.schedule.receive_window` chooses the window).
+NCCL would queue a posted receive in front of later sends on the same pair's stream, so there it
+receives at the action.
 
 Every wait has a timeout, and a failed or timed-out operation raises :class:`PeerFailure` naming the
 peer rank and the message, so a dead neighbour ends this process within the timeout instead of
