@@ -40,9 +40,11 @@ from gpipe_repro.commands.options import (
 )
 
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
-MODEL_HELP = ("model family (gpipe-repro models lists them), hf:<family> (llama, mistral, qwen2, qwen3, "
-              "gemma, gpt2, gpt-neox) with --layers --hidden --heads --kv-heads --intermediate --vocab, "
-              "or a Hugging Face config.json; then its size options, and --seq-len")
+MODEL_HELP = ("the model: a family (gpipe-repro models lists them), hf:<family> (llama, mistral, qwen2, "
+              "qwen3, gemma, gpt2, gpt-neox) with --layers --hidden --heads --kv-heads --intermediate "
+              "--vocab, or a Hugging Face config.json; size options follow it, each with a default (a "
+              "language model's batch: --batch-size 32 sequences of --seq-len 2048 tokens unless given; "
+              "the plan's header says what it planned)")
 
 
 #: What the plans assume of the optimizer (the planner's `rmsprop_foreach`), said with every plan:

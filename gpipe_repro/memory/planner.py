@@ -16,7 +16,7 @@ Conventions: a steady-state step (optimizer state exists; gradients are freed at
 by the engine and re-created by the first backward); the caller's mini-batch lives on the first
 device and the targets on the last (``data``); parameters are counted once per layer that owns them
 (a parameter tied across cells is on every device holding a copy, as in the engine,
-:mod:`gpipe_repro.engine.tied`; tied inside one cell it is over-counted by one copy).
+:mod:`gpipe_repro.engine.tied`; tied inside one cell it is counted once: :func:`shared_in_cell`).
 """
 from __future__ import annotations
 
@@ -146,6 +146,37 @@ class MemoryPlan:
                 "activation_memory_bytes": self.activation_memory,
                 "stages": [{"stage": s.stage, "peak_bytes": s.peak, "peak_at": s.peak_at,
                             "parts_bytes": dict(s.parts)} for s in self.stages]}
+
+
+def shared_in_cell(ties: Sequence[tuple[float, Sequence[int]]], balance: Sequence[int]) -> dict[int, int]:
+    """Bytes of parameters that a layer shares with a later layer of the same cell under the cut
+    `balance` (`ties`: :func:`gpipe_repro.sim.tied.layer_ties`), by layer position. The cell holds one
+    copy, one gradient and one optimizer state of each: the later holder counts them (its backward
+    runs first, so makes the gradient), the earlier ones do not."""
+    cell_of = [c for c, n in enumerate(balance) for _ in range(n)]
+    out: dict[int, int] = {}
+    for nbytes, at in ties:
+        by_cell: dict[int, list[int]] = {}
+        for i in sorted(set(at)):
+            by_cell.setdefault(cell_of[i], []).append(i)
+        for positions in by_cell.values():
+            for i in positions[:-1]:
+                out[i] = out.get(i, 0) + int(nbytes)
+    return out
+
+
+def without_shared(profile: LayerProfile, nbytes: int) -> LayerProfile:
+    """`profile` less `nbytes` of parameters counted by another layer of its cell (see
+    :func:`shared_in_cell`): their bytes, gradients and optimizer state (at the layer's own state per
+    parameter byte)."""
+    if not nbytes or not profile.param_bytes:
+        return profile
+    share = min(1.0, nbytes / profile.param_bytes)
+    return dataclasses.replace(
+        profile, param_bytes=profile.param_bytes - round(share * profile.param_bytes),
+        grad_bytes=profile.grad_bytes - round(share * profile.grad_bytes),
+        deferred_grad_bytes=profile.deferred_grad_bytes - round(share * profile.deferred_grad_bytes),
+        opt_state_bytes=profile.opt_state_bytes - round(share * profile.opt_state_bytes))
 
 
 class MemoryPlanner:
@@ -286,10 +317,12 @@ class MemoryPlanner:
         stages: list[StageMemory] = []
         state: list[int] = []
         start = 0
+        shared = shared_in_cell(self.ties, balance)
         for s, n_layers in enumerate(balance):
             last = s == partitions - 1
             end = start + n_layers
-            cell_of = {n: p[start:end] + ([p[-1]] if last else []) for n, p in by_size.items()}
+            cell_of = {n: [without_shared(q, shared.get(start + j, 0)) for j, q in enumerate(p[start:end])]
+                       + ([p[-1]] if last else []) for n, p in by_size.items()}
             cells = [cell_of[n] for n in sizes]
             key = (stage_key(sched, s, cells), ahead)
             if key not in walked or timeline:
@@ -304,7 +337,7 @@ class MemoryPlanner:
                 walked[key] = walk_stage(sched, s, cells, base, transient, timeline, ahead)
             stages.append(self._with_data(relabel(walked[key], s), s, partitions))
             state.append(sum(p.param_bytes + p.buffer_bytes + p.grad_bytes + p.opt_state_bytes
-                             for p in by_size[sizes[0]][start:end]))
+                             for p in cell_of[sizes[0]][:n_layers]))
             start = end
         return MemoryPlan(partitions, micro_batches, checkpoint, schedule, balance, stages,
                           self.parameters, sizes, state, split_backwards)

@@ -114,8 +114,10 @@ def _summary(samples: Sequence[tuple[float, ...]], has_params: bool, splits: boo
     """:data:`ActionSeconds` from samples of (forward, checkpointed forward, recompute, backward into
     fresh gradients, optimizer, backward into existing ones, split input, split weight)."""
     f, fng, r, b, o, b_acc, b_in, b_w = (robust_seconds(col) for col in zip(*samples))
+    # the split input backward is a difference of timings (its own, plus the split forward's extra
+    # over a recompute), which a busy host's few samples can take below zero
     return (f, fng, r, b, o, (max(0.0, b_acc - b) if has_params else 0.0),
-            b_in if splits else None, b_w if splits else None)
+            max(0.0, b_in) if splits else None, b_w if splits else None)
 
 
 def time_layer_actions(layer: nn.Module, x: Any, device: torch.device | str, *, index: int = 0,
