@@ -252,10 +252,12 @@ class DistributedRuntime:
     # -- internals ----------------------------------------------------------------------------------
     def _receive_window(self, schedule: Schedule) -> int:
         """The receives of each channel posted ahead for `schedule` (worked out once per schedule)."""
-        known = self._windows.get(id(schedule))
+        known = self._windows.pop(id(schedule), None)
         if known is None or known[0] is not schedule:
             known = (schedule, receive_window(schedule.programs(), schedule.num_microbatches))
-            self._windows[id(schedule)] = known
+        self._windows[id(schedule)] = known          # the most recent last
+        while len(self._windows) > 8:                # inference builds a schedule per call
+            del self._windows[next(iter(self._windows))]
         return known[1]
 
     def _run(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any] | None,

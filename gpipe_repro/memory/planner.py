@@ -321,8 +321,9 @@ class MemoryPlanner:
         for s, n_layers in enumerate(balance):
             last = s == partitions - 1
             end = start + n_layers
-            cell_of = {n: [without_shared(q, shared.get(start + j, 0)) for j, q in enumerate(p[start:end])]
-                       + ([p[-1]] if last else []) for n, p in by_size.items()}
+            cell_of = {n: ([without_shared(q, shared.get(start + j, 0)) for j, q in enumerate(p[start:end])]
+                           if shared else p[start:end]) + ([p[-1]] if last else [])
+                       for n, p in by_size.items()}
             cells = [cell_of[n] for n in sizes]
             key = (stage_key(sched, s, cells), ahead)
             if key not in walked or timeline:
