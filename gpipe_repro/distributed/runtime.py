@@ -70,7 +70,7 @@ from gpipe_repro.engine.schedule import (
     ScheduleError,
     forward_on_processes,
 )
-from gpipe_repro.engine.schedule.receive_window import receive_window
+from gpipe_repro.engine.schedule.receive_window import receive_window, sends_waited_at_first_step
 from gpipe_repro.engine.stage import StageExecutor
 from gpipe_repro.engine.tied import Tie
 from gpipe_repro.engine.timeline import Timeline
@@ -103,7 +103,7 @@ class DistributedRuntime:
                            key=lambda e: e.stage)
         num_stages = executors[0].num_stages
         self.process_of = list(process_of) if process_of is not None else list(range(num_stages))
-        self._windows: dict[int, tuple[Schedule, int]] = {}
+        self._windows: dict[int, tuple[Schedule, tuple[int, bool]]] = {}
         layout = layout or Layout(max(self.process_of) + 1, 1)
         here = layout.stage_of(context.rank)
         mine = [s for s, p in enumerate(self.process_of) if p == here]
@@ -250,11 +250,14 @@ class DistributedRuntime:
             e.reseed(seed)
 
     # -- internals ----------------------------------------------------------------------------------
-    def _receive_window(self, schedule: Schedule) -> int:
-        """The receives of each channel posted ahead for `schedule` (worked out once per schedule)."""
+    def _receive_window(self, schedule: Schedule) -> tuple[int, bool]:
+        """For `schedule`: the receives of each channel posted ahead, and whether sends may be waited
+        for where receives are made at their actions (worked out once per schedule)."""
         known = self._windows.pop(id(schedule), None)
         if known is None or known[0] is not schedule:
-            known = (schedule, receive_window(schedule.programs(), schedule.num_microbatches))
+            programs = schedule.programs()
+            known = (schedule, (receive_window(programs, schedule.num_microbatches),
+                                sends_waited_at_first_step(programs)))
         self._windows[id(schedule)] = known          # the most recent last
         while len(self._windows) > 8:                # inference builds a schedule per call
             del self._windows[next(iter(self._windows))]
@@ -286,7 +289,7 @@ class DistributedRuntime:
         by_stage = {ex.stage: ex for ex in self.executors}
         self.transport.begin_step(signature(microbatches, schedule.training), actions,
                                   None if len(programs) == schedule.num_stages else placed,
-                                  window=self._receive_window(schedule))
+                                  *self._receive_window(schedule))
         # Replicas: the stage's gradients are final after its last backward; sum them from there.
         reducer = self.reducer
         last_backward = None

@@ -133,6 +133,7 @@ class ProcessGroupTransport:
         self.specs: dict[Hashable, dict[tuple[int, int, int], Message]] = {}
         self._known: dict[tuple[int, int, int], Message] = {}
         self._learning = True
+        self._waits_at_action = False
         self._key: Hashable = None
         # in-flight sends: (work, tensors kept alive, generation, destination rank)
         self._sends: list[tuple[dist.Work | None, list[torch.Tensor], int, int]] = []
@@ -155,10 +156,14 @@ class ProcessGroupTransport:
 
     # -- step lifecycle -----------------------------------------------------------------------------
     def begin_step(self, key: Hashable, actions: Iterable[Action],
-                   process_of: list[int] | None = None, window: int | None = None) -> None:
+                   process_of: list[int] | None = None, window: int | None = None,
+                   waits_at_action: bool = False) -> None:
         """Start a step with input signature `key`; post its receives early when specs are known:
         the first `window` of each channel (None: every one; see
         :mod:`gpipe_repro.engine.schedule.receive_window`), then one more each time one is used.
+        `waits_at_action`: where receives are made at their actions (the first step of a signature,
+        or ``prepost`` off), whether :meth:`release_sent` may still wait for older sends
+        (:func:`~gpipe_repro.engine.schedule.receive_window.sends_waited_at_first_step`).
         `process_of[s]` is the process (within this pipeline) running stage s; default: s."""
         if self._posted or self._sends:
             raise RuntimeError("the previous step left messages in flight; call finish_step()")
@@ -169,6 +174,7 @@ class ProcessGroupTransport:
         self.agreed = None
         self._key = key
         self._learning = key not in self.specs
+        self._waits_at_action = waits_at_action
         self._known = self.specs.setdefault(key, {})
         self._pending.clear()
         if self.prepost and not self._learning:
@@ -370,10 +376,12 @@ class ProcessGroupTransport:
         so their buffers are freed during the step rather than at its end.
 
         Only when this step's receives are posted ahead (the window they are posted in is one under
-        which these waits cannot deadlock: :mod:`gpipe_repro.engine.schedule.receive_window`).
+        which these waits cannot deadlock: :mod:`gpipe_repro.engine.schedule.receive_window`), or
+        received at their actions under a schedule where these waits cannot deadlock either
+        (`waits_at_action`; on gloo, whose works say they are done only when waited for).
         Otherwise (first step of a signature, NCCL) only sends already known complete are dropped."""
         self._generation += 1
-        if self.prepost and not self._learning:
+        if (self.prepost and not self._learning) or (self._waits_at_action and self.device.type != "cuda"):
             for work, _, g, dst in self._sends:
                 if g < self._generation - 1:
                     self._wait(work, f"sending to rank {dst}", dst)

@@ -76,7 +76,7 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01)
 
 
-def _peak_during_a_step(micro_batches: int, schedule: str = "1f1b") -> int:
+def _peak_during_a_step(micro_batches: int, schedule: str = "1f1b", first: bool = False) -> int:
     """The most bytes this rank's allocator held during one training step beyond what it held before
     it (torch.profiler's CPU 'Total Allocated' counter), after warm-up steps, the gradients dropped
     (so that they count as the step's)."""
@@ -89,6 +89,8 @@ def _peak_during_a_step(micro_batches: int, schedule: str = "1f1b") -> int:
     x, y = _batch(micro_batches)
     pipe.train_step(x, y)
     pipe.train_step(x, y)            # receives posted ahead from the second step with these shapes
+    if first:                        # one more row per micro-batch: new shapes, their first step
+        x, y = torch.cat([x, x[:micro_batches]]), torch.cat([y, y[:micro_batches]])
     for p in layers.parameters():
         p.grad = None
     gc.collect()
@@ -133,3 +135,16 @@ def test_silent_the_plan_of_a_gloo_run_left_out_its_receives_and_sends_in_flight
         parts = stage.parts
         planned = stage.peak - sum(parts.get(k, 0) for k in ("params", "optimizer", "buffers", "data"))
         assert abs(planned - got) <= 0.01 * got, (stage.stage, planned, got)
+
+
+def test_the_first_step_of_new_shapes_lets_its_sends_go_during_the_step() -> None:
+    """The first step of an input signature receives each value at its action (the boundary specs
+    travel first); on gloo it kept everything it sent until the step's end, M micro-batches' worth. A
+    schedule whose waits cannot deadlock that way (1F1B here) now waits for them during the step, as
+    later steps do."""
+    peaks = {m: launch_local(_peak_during_a_step, 2, m, "1f1b", True, threads=1) for m in (4, 16)}
+    boundary = (ROWS + 1) * WIDTH * 4
+    for rank in range(2):
+        grown = peaks[16][rank] - peaks[4][rank]
+        assert grown < 2 * boundary, (f"rank {rank}: the first step's peak grew by "
+                                      f"{grown / boundary:.1f} micro-batches' boundary values ({peaks})")

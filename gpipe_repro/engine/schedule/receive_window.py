@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from gpipe_repro.engine.schedule.actions import COMPUTE, Action, ActionKind
 
-__all__ = ["completes", "receive_window"]
+__all__ = ["completes", "receive_window", "sends_waited_at_first_step"]
 
 Message = tuple[ActionKind, int, int]    # (RECV_ACT or RECV_GRAD, sending stage, micro-batch)
 
@@ -50,7 +50,8 @@ def _message(a: Action) -> tuple[Message, int] | None:
 
 def completes(programs: Sequence[Sequence[Action]], window: int) -> bool:
     """Whether a step of `programs` (one per process) runs to its end when each process posts at
-    most `window` receives ahead per channel (see the module docstring)."""
+    most `window` receives ahead per channel (see the module docstring); 0: each at its own action,
+    as the first step of an input signature receives (its boundary specs travel first)."""
     owner = {a.stage: p for p, actions in enumerate(programs) for a in actions}
     sent_at: dict[Message, tuple[int, int]] = {}
     received_at: dict[Message, tuple[int, int]] = {}
@@ -66,11 +67,15 @@ def completes(programs: Sequence[Sequence[Action]], window: int) -> bool:
             else:
                 received_at[msg] = (p, i)
                 channel_order[msg[:2]].append(msg)
-    # a message's receive is posted once its process has passed this index (-1: at the start)
+    # a message's receive is posted once its process has passed this index (-1: at the start);
+    # window 0: when the process reaches the receive's own action
     posted_after: dict[Message, int] = {}
     for msgs in channel_order.values():
         for k, msg in enumerate(msgs):
-            posted_after[msg] = -1 if k < window else received_at[msgs[k - window]][1]
+            if window == 0:
+                posted_after[msg] = received_at[msg][1] - 1
+            else:
+                posted_after[msg] = -1 if k < window else received_at[msgs[k - window]][1]
     sends_here = {where: msg for msg, where in sent_at.items()}
     # before each compute action: the sends issued before the previous compute action
     waits: list[dict[int, list[Message]]] = []
@@ -128,3 +133,11 @@ def receive_window(programs: Sequence[Sequence[Action]], micro_batches: int) -> 
     while window < micro_batches and not completes(programs, window):
         window *= 2
     return min(window, micro_batches)
+
+
+def sends_waited_at_first_step(programs: Sequence[Sequence[Action]]) -> bool:
+    """Whether the first step of an input signature, which receives each value at its action, may
+    still wait for its older sends before each compute action (so that what it sent is let go during
+    the step, not at its end): where that completes (:func:`completes` with window 0). gpipe, 1f1b and
+    zb-h1 do; interleaved and zb-v can deadlock that way, so there a first step holds its sends."""
+    return completes(programs, 0)
