@@ -156,16 +156,24 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
             ahead[action.kind].append(action.microbatch)
     posted: dict[tuple[ActionKind, int], list[int]] = {}
 
-    def post(kind: ActionKind) -> None:
-        if receives_ahead is None or not ahead[kind]:
-            return
-        m = ahead[kind].pop(0)
+    def buffers(kind: ActionKind, m: int) -> list[int]:
+        """The storages a receive of `kind` for micro-batch m fills: the stash, or the gradient."""
         if kind is ActionKind.RECV_ACT:
-            posted[(kind, m)] = [st.new(b, STASH, ("stash", m))
-                                 for b in _group_copy_bytes(cells[m][0].in_sig)]
-        else:
-            posted[(kind, m)] = [st.new(boundary_grad_bytes(cells[m][-1].out_sig), ACTIVATIONS,
-                                        ("gin", m))]
+            return [st.new(b, STASH, ("stash", m)) for b in _group_copy_bytes(cells[m][0].in_sig)]
+        return [st.new(boundary_grad_bytes(cells[m][-1].out_sig), ACTIVATIONS, ("gin", m))]
+
+    def received(kind: ActionKind, m: int) -> list[int]:
+        """At a receive: its buffers (posted earlier, or now), and the channel's next one posted."""
+        got = posted.pop((kind, m), None)
+        if got is None:
+            got = buffers(kind, m)
+        post(kind)
+        return got
+
+    def post(kind: ActionKind) -> None:
+        if receives_ahead is not None and ahead[kind]:
+            m = ahead[kind].pop(0)
+            posted[(kind, m)] = buffers(kind, m)
     for kind in ahead:
         for _ in range(receives_ahead or 0):
             post(kind)
@@ -198,11 +206,7 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
         elif m is None:     # every other action belongs to a micro-batch
             raise ValueError(f"stage {stage}: action {where} has no micro-batch")
         elif kind is ActionKind.RECV_ACT:
-            sig = cells[m][0].in_sig
-            early = posted.pop((kind, m), None)
-            inputs[m] = early if early is not None else [st.new(b, STASH, ("stash", m))
-                                                         for b in _group_copy_bytes(sig)]
-            post(kind)
+            inputs[m] = received(kind, m)
         elif kind is ActionKind.FORWARD or kind is ActionKind.RECOMPUTE:
             if first and m not in inputs:   # the caller's mini-batch: data, counted apart
                 inputs[m] = [st.new(0, STASH, ("stash", m)) for _ in cells[m][0].in_sig.group_bytes]
@@ -226,10 +230,7 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
         elif kind is ActionKind.SEND_ACT:
             _sent(st, held, ("outbox", m), receives_ahead, computes)
         elif kind is ActionKind.RECV_GRAD:
-            early = posted.pop((kind, m), None)
-            grads_in[m] = early[0] if early is not None else st.new(boundary_grad_bytes(cells[m][-1].out_sig),
-                                                        ACTIVATIONS, ("gin", m))
-            post(kind)
+            grads_in[m] = received(kind, m)[0]
         elif kind is ActionKind.BACKWARD:
             _backward(st, cells[m], m, grads_in.get(m), accumulate=have_grads, send=not first,
                       where=where)

@@ -26,27 +26,11 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from gpipe_repro.engine.schedule.actions import BACKWARDS, COMPUTE, Action, ActionKind
+from gpipe_repro.engine.schedule.actions import BACKWARDS, COMPUTE, RECVS, SENDS, Action, ActionKind
 
 __all__ = ["completes", "fill_drain", "receive_window", "sends_waited_at_first_step"]
 
-Message = tuple[ActionKind, int, int]    # (RECV_ACT or RECV_GRAD, sending stage, micro-batch)
-
-
-def _message(a: Action) -> tuple[Message, int] | None:
-    """The message a send or receive action moves, and the stage at its other end; None otherwise."""
-    m = a.microbatch
-    if m is None:
-        return None
-    if a.kind is ActionKind.SEND_ACT:
-        return (ActionKind.RECV_ACT, a.stage, m), a.stage + 1
-    if a.kind is ActionKind.SEND_GRAD:
-        return (ActionKind.RECV_GRAD, a.stage, m), a.stage - 1
-    if a.kind is ActionKind.RECV_ACT:
-        return (ActionKind.RECV_ACT, a.stage - 1, m), a.stage - 1
-    if a.kind is ActionKind.RECV_GRAD:
-        return (ActionKind.RECV_GRAD, a.stage + 1, m), a.stage + 1
-    return None
+Message = Action    # a value between processes, named by its send (the receive is its peer())
 
 
 def completes(programs: Sequence[Sequence[Action]], window: int) -> bool:
@@ -59,15 +43,15 @@ def completes(programs: Sequence[Sequence[Action]], window: int) -> bool:
     channel_order: dict[tuple[ActionKind, int], list[Message]] = defaultdict(list)
     for p, actions in enumerate(programs):
         for i, a in enumerate(actions):
-            moved = _message(a)
-            if moved is None or owner.get(moved[1], p) == p:
+            if a.kind not in SENDS and a.kind not in RECVS or a.microbatch is None:
+                continue
+            if owner.get(a.peer().stage, p) == p:
                 continue                            # handed over inside the process: no wait
-            msg = moved[0]
-            if a.kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD):
-                sent_at[msg] = (p, i)
+            if a.kind in SENDS:
+                sent_at[a] = (p, i)
             else:
-                received_at[msg] = (p, i)
-                channel_order[msg[:2]].append(msg)
+                received_at[a.peer()] = (p, i)
+                channel_order[(a.kind, a.peer().stage)].append(a.peer())
     # a message's receive is posted once its process has passed this index (-1: at the start);
     # window 0: when the process reaches the receive's own action
     posted_after: dict[Message, int] = {}
@@ -106,12 +90,9 @@ def completes(programs: Sequence[Sequence[Action]], window: int) -> bool:
         a = programs[p][i]
         if any(not done_send(msg) for msg in waits[p].get(i, ())):
             return False
-        if a.kind in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD):
-            moved = _message(a)
-            assert moved is not None
-            if moved[0] in received_at:
-                sender, j = sent_at[moved[0]]
-                return pos[sender] > j
+        if a.kind in RECVS and a.microbatch is not None and a.peer() in received_at:
+            sender, j = sent_at[a.peer()]
+            return pos[sender] > j
         if a.kind is ActionKind.AGREE and i == first_agree[p]:
             return all(f is None or pos[q] >= f for q, f in enumerate(first_agree))
         return True
