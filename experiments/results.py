@@ -42,7 +42,8 @@ def _python(module: str, *args: str) -> tuple[str, ...]:
 #: throughput-table 703-760, 906 in a slow hour (calibration, at most 10 rounds per model in at most
 #: 270 s, then about 140 s of pages and charts), validate-sim 429-547 (3 rounds, calibrated in
 #: each), validate-unseen 308-411 (over 450 in a slow hour: the two validations stop after their
-#: second round where a third would not fit their --budget), memory-table 95-119 (over 135 once, its
+#: second round where a third would not fit their --budget; a second round itself ends at the
+#: first configuration that would end past it), memory-table 95-119 (over 135 once, its
 #: searches 20% slower in a slow hour), bench-overhead
 #: 34-58, bench-runtime 153-163, bench-schedules 108-116, bench-replicas 80-85, replicas-plan 24-34,
 #: regression detector 63-75. The throughput table ran out of its 860 s once (calibrations 180 s,
@@ -56,12 +57,12 @@ PARTS: tuple[Part, ...] = (
     Part("validate-sim", _python("experiments.validate_simulator", "--ms", "2,8", "--steps", "2",
                                  "--rounds", "3", "--budget", "560"), 600,
          ("throughput",), "simulator vs real stage processes, M = 2 and 8, every configuration in 3 "
-         "interleaved rounds (2 where a third would not fit --budget), calibrated in each; "
+         "interleaved rounds (fewer where they would not fit --budget), calibrated in each; "
          "re-renders throughput_table.md"),
     Part("validate-unseen", _python("experiments.validate_unseen", "--ms", "2,8", "--steps", "2",
                                     "--rounds", "3", "--repeats", "8", "--budget", "420"), 450,
          ("throughput",), "three models the simulator was never tuned on, K=2, M = 2 and 8, each "
-         "also corrected in situ, in 3 interleaved rounds (2 where a third would not fit --budget), "
+         "also corrected in situ, in 3 interleaved rounds (fewer where they would not fit --budget), "
          "calibrated in each"),
     Part("memory-table", _python("experiments.memory_table"), 160, ("memory",)),
     Part("bench-overhead", _python("experiments.bench_overhead", "--budget", "50"), 65, ("overhead",)),

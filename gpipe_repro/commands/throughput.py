@@ -108,8 +108,10 @@ def register(app: typer.Typer) -> None:
             rounds: Optional[int] = typer.Option(None, "--rounds", help="rounds: every configuration "
                                                  "measured once per round, the rounds interleaved "
                                                  "(default 3)"),
-            budget: Optional[float] = typer.Option(None, "--budget", help="seconds after which no "
-                                                   "round past the second starts (default: none)"),
+            budget: Optional[float] = typer.Option(None, "--budget", help="seconds the rounds end "
+                                                   "within: a round past the second starts only where "
+                                                   "it fits, and the second ends at the first "
+                                                   "configuration that would not (default: none)"),
             out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: "
                                                "results/throughput, under $GPIPE_REPRO_RESULTS when set)"),
             overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier validation (and "
@@ -151,9 +153,11 @@ def register(app: typer.Typer) -> None:
                                        "`throughput --validate --rounds 1` runs it, in one burst)"),
             repeats: int = typer.Option(20, "--repeats", min=1, help="timings a layer and action per "
                                         "calibration of a round (with --rounds > 1)"),
-            budget: Optional[float] = typer.Option(None, "--budget", min=1, help="seconds after which "
-                                                   "no round past the second starts (with --rounds > "
-                                                   "2; default: none)"),
+            budget: Optional[float] = typer.Option(None, "--budget", min=1, help="seconds the rounds end "
+                                                   "within (with --rounds > 1): a round past the "
+                                                   "second starts only where it fits, and the second "
+                                                   "ends at the first configuration that would not "
+                                                   "(default: none)"),
             out: Optional[str] = typer.Option(None, "--out", help="output directory (default: "
                                               "results/throughput/)"),
             in_situ: bool = typer.Option(True, "--in-situ/--no-in-situ", help="also correct each "

@@ -214,6 +214,17 @@ def another_round(done: int, asked: int, elapsed_s: float, budget_s: float | Non
     return elapsed_s + elapsed_s / done <= budget_s
 
 
+def item_fits(elapsed_s: float, expected_s: float, budget_s: float | None) -> bool:
+    """Whether an item of a round (a configuration's run, with its model's calibration where it is
+    the round's first) expected to take `expected_s` seconds, started `elapsed_s` into `budget_s`
+    (None: no budget), ends within it. The validations check it before every item of every round
+    after the first, the rounds :func:`another_round` always starts included, and end that round
+    there: in a slow hour a second round of minutes ran past the wall-clock limit its caller runs
+    under (``make results``), and the part's results were lost with it. The configurations it
+    leaves out keep the rounds they had (each row says how many)."""
+    return budget_s is None or elapsed_s + expected_s <= budget_s
+
+
 def round_order(names: Sequence[str], index: int, seed: int | None = None) -> list[str]:
     """The order of round `index`: `names` rotated by the round's index (each runs first equally
     often), or with a `seed` shuffled (the same seed and index: the same order in every process)."""

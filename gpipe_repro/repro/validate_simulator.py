@@ -114,8 +114,8 @@ def main(*, models: Sequence[str] = MODELS, ms: Sequence[int] = VALIDATION_MS,
     """Check the options and the output directory (before any work), validate, write.
 
     `out` defaults to results/throughput (under $GPIPE_REPRO_RESULTS when set); `record` lets the run
-    replace the results of record (what `make validate-sim` gives); `budget`: seconds after which
-    no round past the second starts (:func:`gpipe_repro.report.measurement.another_round`).
+    replace the results of record (what `make validate-sim` gives); `budget`: seconds the rounds
+    end within (:func:`gpipe_repro.report.measurement.another_round` and ``item_fits``).
 
     Raises:
         ValueError: an option this host or these models cannot take (the message names the fix).

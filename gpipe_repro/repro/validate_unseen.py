@@ -34,7 +34,7 @@ from torch import nn
 
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import usable_cores
-from gpipe_repro.report.measurement import another_round
+from gpipe_repro.report.measurement import another_round, item_fits
 from gpipe_repro.report.output_guard import OutputRefused, check_manifest_outputs
 from gpipe_repro.report.records import (
     measured,
@@ -165,7 +165,9 @@ def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps:
     from the median of its model's calibrations (:meth:`Calibration.median_of`), its cut from the
     first, its in-situ correction (where `in_situ`) from a run of its own before its first
     measurement. With `budget_s`, a round after the second starts only where one more round of
-    the mean length so far fits in it (:func:`another_round`); each row says the rounds it ran.
+    the mean length so far fits in it (:func:`another_round`), and a round after the first ends
+    at the first configuration that would not end within it (:func:`item_fits`); each row says the
+    rounds it ran.
     The public path's steps (calibrate, partition, correct in situ, simulate, measure), with the
     calibrations and the measured steps spread over the same stretch of the host's states
     instead of one calibration before them all and one burst per configuration."""
@@ -181,16 +183,27 @@ def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps:
     started = clock()
     say("measuring how action durations vary in a pipeline on this host now")
     seams.variation()
-    r = 0
-    while another_round(r, rounds, clock() - started, budget_s):
+    took: dict[int, float] = {}               # each configuration's last run, seconds
+    calibrating: dict[str, float] = {}        # each model's last calibration, seconds
+    r, cut_short = 0, False
+    while not cut_short and another_round(r, rounds, clock() - started, budget_s):
         order = range(len(configs)) if r % 2 == 0 else range(len(configs) - 1, -1, -1)
         fresh: set[str] = set()
         for i in order:
             name, checkpoint, m = configs[i]
             microbatch = batch // m
+            expected = took.get(i, 0.0) + (calibrating.get(name, 0.0) if name not in fresh else 0.0)
+            if r > 0 and not item_fits(clock() - started, expected, budget_s):
+                say(f"round {r + 1} ends after {sum(len(x) > r for x in steps_of.values())} of "
+                    f"{len(configs)} configurations: the next would not end within the "
+                    f"{budget_s:g} s budget")
+                cut_short = True
+                break
             if name not in fresh:
                 say(f"calibrating {name} at {sizes[name]} rows (round {r + 1} of {rounds})")
+                began = clock()
                 calibrations[name].append(seams.calibrate(workloads[name], sizes[name], repeats))
+                calibrating[name] = clock() - began
                 fresh.add(name)
             if i not in balances:
                 first = calibrations[name][0]
@@ -201,8 +214,10 @@ def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps:
                                                  checkpoint=checkpoint, schedule="gpipe", threads=1,
                                                  steps=3, micro_batches=in_situ_m)
             say(f"{name}: K={K} M={m} checkpoint={checkpoint} (round {r + 1} of {rounds})")
+            began = clock()
             got, host = seams.measure(workloads[name], balances[i], m=m, microbatch=microbatch,
                                       checkpoint=checkpoint, steps=steps)
+            took[i] = clock() - began
             steps_of[i].append(list(got))
             hosts[i].append(host)
         r += 1
@@ -214,13 +229,20 @@ def run_in_rounds(configs: Sequence[tuple[str, str, int]], *, batch: int, steps:
                          in_situ_microbatches=in_situ_m, jitter=True)
         attach_measurement(result, [t for got in steps_of[i] for t in got], worst_host(hosts[i]))
         row = result.to_json()
-        row["model"], row["rounds"] = name, r
+        row["model"], row["rounds"] = name, len(steps_of[i])
         row["measured_step_times_per_round_s"] = steps_of[i]
         row["uncorrected_step_per_round_s"] = [
             predict(workloads[name], cal, balances[i], m=m, microbatch=batch // m,
                     checkpoint=checkpoint, jitter=True).step_time_s for cal in calibrations[name]]
         rows.append(row)
     return rows
+
+
+def _cut_round(rows: Sequence[dict[str, Any]]) -> int | None:
+    """How many configurations a round cut short by the budget measured (those with a run more
+    than the others); None where every configuration ran the same rounds."""
+    counts = [r.get("rounds", 1) for r in rows]
+    return sum(c > min(counts) for c in counts) if counts and max(counts) > min(counts) else None
 
 
 def _print_row(row: dict[str, Any]) -> None:
@@ -258,8 +280,7 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
     if rounds < 1 or repeats < 1:
         raise SystemExit(f"--rounds {rounds}, --repeats {repeats}: both must be >= 1")
     if budget is not None and not budget > 0:
-        raise SystemExit(f"--budget {budget}: give the seconds after which no round past the second "
-                         "starts, > 0")
+        raise SystemExit(f"--budget {budget}: give the seconds the rounds end within, > 0")
     bad = [m for m in ms if m < 1 or batch % m]
     if bad:
         raise SystemExit(f"--ms {bad}: every M must divide --batch-size {batch}")
@@ -285,7 +306,8 @@ def main(*, batch: int = 256, ms: Sequence[int] = (1, 2, 4, 8, 16),
             _print_row(row)
             rows.append(row)
     config = {"batch": batch, "ms": list(ms), "checkpoints": list(checkpoints), "models": list(models),
-              "steps": steps, "rounds": max((r.get("rounds", 1) for r in rows), default=rounds),
+              "steps": steps, "rounds": min((r.get("rounds", 1) for r in rows), default=rounds),
+              "last_round_configurations": _cut_round(rows),
               "rounds_asked": rounds, "budget_s": budget, "repeats": repeats, "out": out,
               "in_situ": in_situ,
               "in_situ_m": in_situ_m}

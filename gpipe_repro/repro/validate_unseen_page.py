@@ -125,7 +125,11 @@ def render(payload: dict[str, Any]) -> str:
     note = f"{IN_SITU_NOTE.format(m=in_situ_m)}{_moved(payload)}\n\n" if corrected else ""
     rounds = config.get("rounds", 1)
     asked = config.get("rounds_asked") or rounds
-    short = (f" ({rounds} of the {asked} rounds asked for: another would not have ended within the "
+    cut = config.get("last_round_configurations")
+    short = (f" ({rounds} of the {asked} rounds asked for, and {cut} of the configurations in one more, "
+             f"before the next would have ended past the {config.get('budget_s'):g} s budget.)"
+             if cut is not None else
+             f" ({rounds} of the {asked} rounds asked for: another would not have ended within the "
              f"{config.get('budget_s'):g} s budget.)" if asked > rounds else "")
     how = (f"In {rounds} rounds: each model calibrated afresh in every round right before its "
            f"configurations ({config.get('repeats', 20)} timings a layer and action), every "

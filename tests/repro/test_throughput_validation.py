@@ -258,6 +258,33 @@ def test_validation_stops_after_the_second_round_when_a_third_would_not_fit(
     assert [r["measured_rounds"] for r in again["rows"]] == [3, 3]
 
 
+def test_a_slow_hours_second_round_ended_past_the_limit_of_make_results(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second round always started (two rounds at least), and in a slow hour it ran past the
+    600 s that `make results` gives validate-sim, which lost the part's results. A round after the
+    first now ends at the first configuration whose last run would not end within the budget; the
+    configurations it ran keep their extra run, and the page says so."""
+    monkeypatch.setattr(validation, "calibrate", _calibrate)
+    monkeypatch.setattr(validation, "platform_for", lambda name, **kw: Platform(PRESETS["ideal"]))
+    monkeypatch.setattr(validation, "measure_jitter", lambda **kw: None)
+    monkeypatch.setattr(validation, "fast_share", lambda: 0.5)
+    now = [0.0]
+    exact = _fake_measure("gpipe", 1.0)
+
+    def measuring(*args: Any) -> dict[str, Any]:
+        now[0] += 50.0                     # each run takes 50 s: a round of 2 runs, 100 s
+        return exact(*args)
+    result = validation.validate_simulator(SweepSettings(link="ideal"), measuring, models=["transformer"],
+                                           ks=[2], ms=[1, 2], checkpoints=("never",), rounds=3,
+                                           budget_s=160.0, clock=lambda: now[0])
+    assert now[0] == 150.0                 # the second round's second run would have ended at 200 s
+    assert [r["measured_rounds"] for r in result["rows"]] == [1, 2]   # round 2 runs M=2 first
+    assert (result["summary"]["rounds"], result["summary"]["last_round_configurations"]) == (1, 1)
+    assert ("1 of the 3 rounds asked for, and 1 of the 2 configurations of one more (with a run more "
+            "each) before the next would have ended past the 160 s budget"
+            ) in render_validation_summary(result)
+
+
 def test_zero_bubble_is_compared_with_1f1b_step_by_step_within_each_round() -> None:
     """validate-sim's page answers the schedules issue's question: each schedule that splits
     backwards against 1F1B of the same model, checkpoint mode and M, their measured steps paired

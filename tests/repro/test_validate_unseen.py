@@ -211,6 +211,42 @@ def test_rounds_stop_after_the_second_where_a_third_would_not_fit_the_budget(
                 out=str(tmp_path))
 
 
+def test_a_slow_hours_second_round_ended_past_the_limit_of_make_results(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As validate-sim's: the second round, always started, ran past the part's limit in a slow
+    hour. It now ends at the first configuration that would not end within --budget, its
+    calibration counted where the configuration comes first for its model."""
+    from gpipe_repro.sim import platform
+    from gpipe_repro.sim.calibration import calibrate
+    from gpipe_repro.sim.jitter import Jitter
+
+    monkeypatch.setattr(platform, "measure_jitter", lambda: Jitter((0.01,), ((1.0,),)))
+    now = [0.0]
+    monkeypatch.setattr(vu.time, "monotonic", lambda: now[0])
+
+    def calibrating(w: Workload, sizes: list[int], repeats: int) -> Any:
+        now[0] += 30.0
+        return calibrate(w, sizes, method="flops")
+
+    def fake_measure(workload: Workload, balance: list[int], *, m: int, microbatch: int,
+                     checkpoint: str, steps: int) -> tuple[list[float], dict[str, Any]]:
+        now[0] += 60.0
+        return [1.0] * steps, {}
+    seams = vu.Seams(calibrating, lambda *a, **k: pytest.fail("no in-situ run asked for"),
+                     fake_measure, lambda: None)
+    payload = vu.main(models=["conv net 6x32 on 16x16"], ms=[2, 8], checkpoints=["never"], steps=2,
+                      rounds=3, repeats=5, in_situ=False, out=str(tmp_path), seams=seams, budget=200)
+    assert now[0] == 150.0            # round 1: 30 + 2 x 60; then 150 + 30 + 60 > 200: no more
+    assert [r["rounds"] for r in payload["rows"]] == [1, 1]
+    payload = vu.main(models=["conv net 6x32 on 16x16"], ms=[2, 8], checkpoints=["never"], steps=2,
+                      rounds=3, repeats=5, in_situ=False, out=str(tmp_path), seams=seams, budget=250,
+                      overwrite=True)
+    assert [r["rounds"] for r in payload["rows"]] == [1, 2]    # round 2 runs M=8 first, then stops
+    assert (payload["config"]["rounds"], payload["config"]["last_round_configurations"]) == (1, 1)
+    page = (tmp_path / "validation_unseen.md").read_text()
+    assert "(1 of the 3 rounds asked for, and 1 of the configurations in one more, before the next" in page
+
+
 def test_validate_unseen_replaced_the_users_files_in_its_out_folder(tmp_path: Path) -> None:
     """--out DIR holding a validation_unseen.json/.md of the user's was written over without a
     word (the command had no --overwrite). It is now refused before any work, names the file, and

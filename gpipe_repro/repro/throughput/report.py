@@ -374,7 +374,12 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
                 if rounds > 1 else "")
              + "; the bounds of the median and the worst come from the intervals' ends, so a busy "
              "host widens them and can leave the verdict inconclusive.")
-    if (summary.get("rounds_asked") or 0) > (summary.get("rounds") or 0) > 0:
+    if summary.get("last_round_configurations") is not None:
+        head += (f" {summary['rounds']} of the {summary['rounds_asked']} rounds asked for, and "
+                 f"{summary['last_round_configurations']} of the {len(rows)} configurations of one "
+                 f"more (with a run more each) before the next would have ended past the "
+                 f"{summary['budget_s']:g} s budget.")
+    elif (summary.get("rounds_asked") or 0) > (summary.get("rounds") or 0) > 0:
         head += (f" {summary['rounds']} of the {summary['rounds_asked']} rounds asked for: another "
                  f"would not have ended within the {summary['budget_s']:g} s budget.")
     unpaired = summary.get("unpaired")

@@ -10,7 +10,7 @@ from typing import Any
 from gpipe_repro.engine.schedule import SPLIT_SCHEDULES, cells_per_process, make_schedule, num_processes
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import HostWatch, fast_share, usable_cores
-from gpipe_repro.report.measurement import another_round
+from gpipe_repro.report.measurement import another_round, item_fits
 from gpipe_repro.repro.throughput.measure import MeasureFn
 from gpipe_repro.repro.throughput.settings import MODELS, SweepSettings
 from gpipe_repro.repro.throughput.simulator_error import (
@@ -262,7 +262,9 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     (on a host whose speed drifts, a calibration in one burst before the measurements made 38 of 40
     errors one sign; the median of all rounds' costs against all the steps is kept beside it as
     ``unpaired_error``). With `budget_s`, a round after the second starts only where one more round
-    of the mean length so far fits in it (:func:`another_round`), counted from the call."""
+    of the mean length so far fits in it (:func:`another_round`), counted from the call, and a round
+    after the first ends at the first configuration that would not end within it
+    (:func:`item_fits`: its last run, and its model's calibration where it comes first)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     names = list(schedules) if schedules else [settings.schedule]
@@ -310,7 +312,12 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
         calibration_fast.append((before + fast_share()) / 2)
         return calib
 
-    calibrations = {model: [calibrated(model)] for model in models}
+    calibrations: dict[str, list[Calibration]] = {}
+    calibrating: dict[str, float] = {}        # each model's last calibration, seconds
+    for model in models:
+        began = clock()
+        calibrations[model] = [calibrated(model)]
+        calibrating[model] = clock() - began
     configs: list[_Config] = []
     for model in models:
         b, calib = dict(settings.microbatch)[model], calibrations[model][0]
@@ -341,17 +348,29 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     # steps are compared with the costs of the same round, minutes apart at most, and over the rounds
     # both span the host's states over the whole validation.
     runs: list[list[dict[str, Any]]] = [[] for _ in configs]
-    r = 0
-    while another_round(r, rounds, clock() - started, budget_s):
+    took: dict[int, float] = {}               # each configuration's last run, seconds
+    r, cut_short = 0, False
+    while not cut_short and another_round(r, rounds, clock() - started, budget_s):
         order = range(len(configs)) if r % 2 == 0 else range(len(configs) - 1, -1, -1)
         fresh: set[str] = set()
         for i in order:
             model = configs[i].model
-            if r > 0 and fresh_calibration and model not in fresh:
+            recalibrate = r > 0 and fresh_calibration and model not in fresh
+            expected = took.get(i, 0.0) + (calibrating.get(model, 0.0) if recalibrate else 0.0)
+            if r > 0 and not item_fits(clock() - started, expected, budget_s):
+                say(f"round {r + 1} ends after {sum(len(x) > r for x in runs)} of {len(configs)} "
+                    f"configurations: the next would not end within the {budget_s:g} s budget")
+                cut_short = True
+                break
+            if recalibrate:
+                began = clock()
                 calibrations[model].append(calibrated(model))
+                calibrating[model] = clock() - began
                 fresh.add(model)
             say(f"validating {configs[i].describe()} (round {r + 1} of {rounds})")
+            began = clock()
             runs[i].append(_measure_once(configs[i]))
+            took[i] = clock() - began
         r += 1
     # The cuts stay those of the first calibration (the runs measured them).
     rows = [_row(c, calibrations[c.model], done, timelines) for c, done in zip(configs, runs)]
@@ -367,7 +386,8 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                "replay_max_abs_error": max(replays) if replays else None,
                "host_fast": statistics.fmean(r["host_fast"] for r in rows) if rows else None,
                "host_fast_calibrating": statistics.fmean(calibration_fast),
-               "rounds": r, "rounds_asked": rounds, "budget_s": budget_s,
+               "rounds": r - cut_short, "rounds_asked": rounds, "budget_s": budget_s,
+               "last_round_configurations": sum(len(x) == r for x in runs) if cut_short else None,
                "per_schedule": {n: _per_schedule([r for r in rows if r["schedule"] == n])
                                 for n in names},
                "not_validated": dict(NOT_VALIDATED),
