@@ -103,7 +103,7 @@ class DistributedRuntime:
                            key=lambda e: e.stage)
         num_stages = executors[0].num_stages
         self.process_of = list(process_of) if process_of is not None else list(range(num_stages))
-        self._windows: dict[int, tuple[Schedule, tuple[int, bool]]] = {}
+        self._windows: dict[tuple[tuple[Action, ...], ...], tuple[int, bool]] = {}
         layout = layout or Layout(max(self.process_of) + 1, 1)
         here = layout.stage_of(context.rank)
         mine = [s for s, p in enumerate(self.process_of) if p == here]
@@ -253,15 +253,15 @@ class DistributedRuntime:
     def _receive_window(self, schedule: Schedule) -> tuple[int, bool]:
         """For `schedule`: the receives of each channel posted ahead, and whether sends may be waited
         for where receives are made at their actions (worked out once per schedule)."""
-        known = self._windows.pop(id(schedule), None)
-        if known is None or known[0] is not schedule:
-            programs = schedule.programs()
-            known = (schedule, (receive_window(programs, schedule.num_microbatches),
-                                sends_waited_at_first_step(programs)))
-        self._windows[id(schedule)] = known          # the most recent last
-        while len(self._windows) > 8:                # inference builds a schedule per call
+        programs = schedule.programs()
+        known = self._windows.pop(programs, None)   # by value: inference builds a schedule per call
+        if known is None:
+            known = (receive_window(programs, schedule.num_microbatches),
+                     sends_waited_at_first_step(programs))
+        self._windows[programs] = known              # the most recent last
+        while len(self._windows) > 8:
             del self._windows[next(iter(self._windows))]
-        return known[1]
+        return known
 
     def _run(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any] | None,
              weights: list[float | torch.Tensor] | None, config: StepConfig | None = None) -> float:

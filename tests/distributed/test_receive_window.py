@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import tempfile
+from typing import Any
 
 import pytest
 import torch
@@ -152,3 +153,26 @@ def test_the_first_step_of_new_shapes_lets_its_sends_go_during_the_step() -> Non
         grown = peaks[16][rank] - peaks[4][rank]
         assert grown < 2 * boundary, (f"rank {rank}: the first step's peak grew by "
                                       f"{grown / boundary:.1f} micro-batches' boundary values ({peaks})")
+
+
+def test_inference_works_out_the_window_once_for_equal_schedules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inference builds a new schedule per call: the runtime's cache of the window, keyed by the
+    schedule object, worked the window out again on every call. Keyed by the programs, an equal
+    schedule is looked up; another one is worked out."""
+    from types import SimpleNamespace
+
+    from gpipe_repro.distributed import runtime
+
+    calls: list[int] = []
+    real = runtime.receive_window
+
+    def counted(programs: Any, m: int) -> int:
+        calls.append(m)
+        return real(programs, m)
+    monkeypatch.setattr(runtime, "receive_window", counted)
+    host = SimpleNamespace(_windows={})
+    for _ in range(3):
+        got = runtime.DistributedRuntime._receive_window(host, make_schedule("1f1b", 2, 4, "never"))  # type: ignore[arg-type]
+    assert got == (2, True) and calls == [4]
+    runtime.DistributedRuntime._receive_window(host, make_schedule("1f1b", 2, 8, "never"))  # type: ignore[arg-type]
+    assert calls == [4, 8]
