@@ -14,8 +14,9 @@ one that applies: gpipe, 1f1b, interleaved, zb-h1, zb-v) and the memory-capped p
 simulated throughput under the budget, and says why each other schedule lost. Model options are
 those of ``gpipe-repro models`` (any
 builder keyword, e.g. ``--L 24 --d-model 1024``), plus ``--seq-len`` (language models) and
-``--image-size`` (AmoebaNet). A Hugging Face causal LM is ``hf:<family>`` (llama, mistral, qwen2, qwen3,
-gemma, gpt2, gpt-neox) with size options (``--layers --hidden --heads --kv-heads --intermediate
+``--image-size`` (AmoebaNet). A Hugging Face causal LM is ``hf:<family>`` (its transformers model_type: any
+decoder family the engine pipelines, e.g. llama, mistral, qwen2, qwen3, gemma, gemma2, granite, phi3,
+gpt2, gpt_neox) with size options (``--layers --hidden --heads --kv-heads --intermediate
 --head-dim --vocab --positions``, or any attribute of the family's config by its name), or the path
 of its ``config.json``; its batch is ``--batch-size`` sequences (default 32) of ``--seq-len`` tokens
 (default 2048, at most the model's positions). Models are built on the meta device and measured on
@@ -40,8 +41,9 @@ from gpipe_repro.commands.options import (
 )
 
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
-MODEL_HELP = ("the model: a family (gpipe-repro models lists them), hf:<family> (llama, mistral, qwen2, "
-              "qwen3, gemma, gpt2, gpt-neox) with --layers --hidden --heads --kv-heads --intermediate "
+MODEL_HELP = ("the model: a family (gpipe-repro models lists them), hf:<family> (a transformers "
+              "model_type the engine pipelines: llama, mistral, qwen2, qwen3, gemma, gemma2, granite, phi3, "
+              "gpt2, gpt_neox, ...) with --layers --hidden --heads --kv-heads --intermediate "
               "--vocab, or a Hugging Face config.json; size options follow it, each with a default (a "
               "language model's batch: --batch-size 32 sequences of --seq-len 2048 tokens unless given; "
               "the plan's header says what it planned)")

@@ -23,14 +23,16 @@ unpadded and without a mask, and in training where its config asks for dropout
 (CTRL's scaled sinusoids, a dropout applied as a function of an attribute no flattener knows) is
 refused too.
 
-The layers are ``embeddings`` (token ids, or ``(input_ids, attention_mask)``, to hidden states),
-``block_i`` (one decoder layer each) and ``head`` (final norm, ``lm_head``, logits). Between layers
-flows the hidden state, or ``(hidden, attention_mask)`` when a mask was given: the 2-D padding mask
-crosses cells as an integer tensor (no gradient). Each block recomputes what the base model's
-forward computes once for all blocks, exactly as it does: the positions (``arange`` of the
-sequence, as transformers derives them without a cache), the causal mask of its own layer type
-(``create_causal_mask``, or ``create_sliding_window_causal_mask`` for a sliding layer, from
-``config.layer_types`` or, without them, ``config.sliding_window``) and its rotary cos/sin, from its
+The layers are ``embeddings`` (token ids, ``(input_ids, attention_mask)`` or ``(input_ids,
+attention_mask, position_ids)``, the mask possibly None, to hidden states), ``block_i`` (one decoder
+layer each) and ``head`` (final norm, ``lm_head``, logits). Between layers flows the hidden state,
+with the 2-D padding mask and the position ids where the batch had them, as integer tensors (no
+gradient). Each block recomputes what the base model's forward computes once for all blocks,
+exactly as it does: the positions (the ones given, else ``arange`` of the sequence, as transformers
+derives them without a cache), the causal mask of its own layer type (``create_causal_mask``, or
+``create_sliding_window_causal_mask`` for a sliding layer, from ``config.layer_types`` or, without
+them, ``config.sliding_window``; packed sequences read off the position ids where no padding mask is
+given and ``config.use_cache`` is off, as the model's forward reads them) and its rotary cos/sin, from its
 own copy of the parameter-free rotary module (a module object may sit in one layer only, and cells
 may live on different devices). Each family's scalings are kept, read off the model: the embedding
 multiplier (Granite's ``embedding_multiplier``; Gemma's sqrt(hidden) is inside its embedding module),
@@ -56,7 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_repro.models.hf_check import check_same_function
+from gpipe_repro.models.hf_check import WRITE_YOUR_OWN, check_same_function
 from gpipe_repro.models.hf_config import hf_config
 
 __all__ = ["CausalLMLoss", "causal_lm_layers", "hf_config", "refusal", "TokenEmbedding", "DecoderBlock",
@@ -64,16 +66,40 @@ __all__ = ["CausalLMLoss", "causal_lm_layers", "hf_config", "refusal", "TokenEmb
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")   # the layer types with a causal mask
 BLOCK_INPUTS = ("attention_mask", "position_ids", "position_embeddings")   # what a block is given
+#: Inputs a family's blocks require that its forward passes as None where its config turns them off,
+#: by the config's say: Falcon's ``alibi`` without ALiBi (``config.alibi`` False: rotary positions,
+#: Falcon-7B and 40B).
+NONE_INPUTS: dict[str, Callable[[Any], bool]] = {"alibi": lambda config: not getattr(config, "alibi", True)}
 
 
-def _hidden_and_mask(value: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if isinstance(value, tuple):
-        return value[0], value[1]
-    return value, None
+def _unpack(value: Any) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+    """What flows between the layers: hidden states (token ids into the first), and the mask and
+    position ids where the batch had them: a bare tensor, ``(x, mask)`` or ``(x, mask,
+    position_ids)`` (the mask may be None)."""
+    if isinstance(value, list):
+        value = tuple(value)
+    if not isinstance(value, tuple):
+        return value, None, None
+    if not 1 <= len(value) <= 3:
+        raise ValueError(f"a causal LM's batch is input_ids, (input_ids, attention_mask) or (input_ids, "
+                         f"attention_mask, position_ids), the mask possibly None; got a tuple of "
+                         f"{len(value)} items: the layers take no other input")
+    return value[0], (value[1] if len(value) > 1 else None), (value[2] if len(value) > 2 else None)
 
 
-def _positions(hidden: torch.Tensor) -> torch.Tensor:
-    """Position ids as transformers derives them without a cache: arange of the sequence, (1, T)."""
+def _pack(hidden: Any, mask: torch.Tensor | None, positions: torch.Tensor | None) -> Any:
+    """What a layer passes on: the hidden states alone, or with the mask and the position ids
+    where the batch gave them."""
+    if positions is not None:
+        return hidden, mask, positions
+    return hidden if mask is None else (hidden, mask)
+
+
+def _positions(hidden: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor:
+    """The position ids given with the batch, else as transformers derives them without a cache:
+    arange of the sequence, (1, T)."""
+    if given is not None:
+        return given
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
@@ -89,17 +115,17 @@ class TokenEmbedding(nn.Module):
         self.multiplier, self.dropout_p = multiplier, dropout_p
 
     def forward(self, batch: Any) -> Any:
-        ids, mask = _hidden_and_mask(batch)
+        ids, mask, given = _unpack(batch)
         hidden = self.tokens(ids)
         if self.multiplier is not None:
             hidden = hidden * self.multiplier
         if self.positions is not None:
-            hidden = hidden + self.positions(_positions(hidden))
+            hidden = hidden + self.positions(_positions(hidden, given))
         if self.dropout is not None:
             hidden = self.dropout(hidden)
         if self.dropout_p:
             hidden = nn.functional.dropout(hidden, p=self.dropout_p, training=self.training)
-        return hidden if mask is None else (hidden, mask)
+        return _pack(hidden, mask, given)
 
 
 class DecoderBlock(nn.Module):
@@ -126,24 +152,31 @@ class DecoderBlock(nn.Module):
         params = inspect.signature(block.forward).parameters
         self.takes_position_ids = "position_ids" in params or any(
             p.kind is p.VAR_KEYWORD for p in params.values())
+        self.none_inputs = [name for name in NONE_INPUTS if name in params]   # passed as None
 
     def forward(self, value: Any) -> Any:
-        hidden, mask = _hidden_and_mask(value)
-        positions = _positions(hidden)
-        # the mask is built without position_ids: they are always arange here, and given, transformers
-        # looks for packed sequences with a data-dependent check that meta tensors (planning) cannot run
+        hidden, mask, given = _unpack(value)
+        positions = _positions(hidden, given)
+        # Without a padding mask and without a cache, transformers reads packed sequences off the
+        # position ids (positions that start again at 0) and masks attention between them; the base
+        # model's forward builds a cache where config.use_cache is set (the default), and then it
+        # does not. So the mask gets the position ids the batch gave where the forward would read
+        # them. The check reads their values, which meta tensors (planning) do not have.
+        packed = given if given is not None and not hidden.is_meta and not getattr(
+            self.config, "use_cache", False) else None
         skip = {"allow_is_causal_skip": False} if self.materialize_mask else {}
         kwargs: dict[str, Any] = {
             "attention_mask": self.make_mask(config=self.config, inputs_embeds=hidden, attention_mask=mask,
-                                             cache=None, position_ids=None, **skip)}
+                                             cache=None, position_ids=packed, **skip)}
         if self.takes_position_ids:
             kwargs["position_ids"] = positions
+        kwargs.update(dict.fromkeys(self.none_inputs))
         if self.rotary is not None:
             by_type = (self.layer_type,) if self.rotary_takes_layer_type else ()
             kwargs["position_embeddings"] = self.rotary(hidden, positions, *by_type)
         out = self.block(hidden, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
-        return out if mask is None else (out, mask)
+        return _pack(out, mask, given)
 
 
 class LMHead(nn.Module):
@@ -157,7 +190,7 @@ class LMHead(nn.Module):
         self.scale, self.divisor, self.softcap = scale, divisor, softcap
 
     def forward(self, value: Any) -> torch.Tensor:
-        hidden, _ = _hidden_and_mask(value)
+        hidden, _, _ = _unpack(value)
         logits = self.lm_head(self.norm(hidden))
         if self.scale is not None:
             logits = logits * self.scale
@@ -231,23 +264,32 @@ def _base_parts(model: Any) -> dict[str, Any] | str:
                 "dropout" if isinstance(child, nn.Dropout) else
                 "positions" if type(child) is nn.Embedding else "norm")   # offsets, sinusoids: unknown
         roles[role].append(name)
+    children = ", ".join(f"{n} ({type(c).__name__})" for n, c in base.named_children())
     if not any(child is tokens for child in base.children()):
-        return f"its token embedding is not a direct part of {type(base).__name__}"
+        where = next((n for n, m in base.named_modules() if m is tokens), None)
+        return (f"its token embedding is {type(base).__name__}.{where}, not one of its direct parts "
+                f"({children}): embedding, blocks and final norm are read off the base model's own "
+                "children" if where else
+                f"its token embedding is not part of {type(base).__name__} ({children})")
     if len(roles["blocks"]) != 1:
-        return (f"{type(base).__name__} has {len(roles['blocks'])} module lists "
-                f"({', '.join(roles['blocks']) or 'none'}), not one list of decoder blocks")
+        return (f"{type(base).__name__} has {len(roles['blocks']) or 'no'} lists of modules "
+                f"(nn.ModuleList) among its parts ({children}), not one list of decoder blocks")
     for role in ("rotary", "dropout", "positions"):
         if len(roles[role]) > 1:
             return f"{type(base).__name__} has several {role} modules: {', '.join(roles[role])}"
-    if len(roles["norm"]) != 1:
-        found = ", ".join(f"{n} ({type(getattr(base, n)).__name__})" for n in roles["norm"]) or "none"
+    if not roles["norm"]:
+        return f"{type(base).__name__} has no final norm after its blocks ({children})"
+    if len(roles["norm"]) > 1:
+        found = ", ".join(f"{n} ({type(getattr(base, n)).__name__})" for n in roles["norm"])
         return (f"{type(base).__name__} has parts that are not embedding, blocks, rotary, dropout "
                 f"or one final norm: {found}")
     for role, names in roles.items():
         parts[role] = getattr(base, names[0]) if names else None
     if len(parts["blocks"]):
         params = list(inspect.signature(parts["blocks"][0].forward).parameters.values())[1:]
+        off = {name for name, is_off in NONE_INPUTS.items() if is_off(model.config)}
         needed = [p.name for p in params if p.default is p.empty and p.name not in BLOCK_INPUTS
+                  and p.name not in off
                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         if needed:
             return (f"its blocks need {', '.join(needed)}, which its forward computes for them (only "
@@ -324,7 +366,7 @@ def causal_lm_layers(model: Any, *, check: bool = True) -> nn.Sequential:
     if reason is not None:
         family = getattr(getattr(model, "config", None), "model_type", "not a transformers model")
         raise ValueError(f"{type(model).__name__} ({family}) cannot be pipelined by causal_lm_layers: "
-                         f"{reason}")
+                         f"{reason}{'' if 'set ' in reason else '. ' + WRITE_YOUR_OWN}")
     parts, scalings = _base_parts(model), _scalings(model, model.base_model)
     assert not isinstance(parts, str) and not isinstance(scalings, str)
     config = model.config

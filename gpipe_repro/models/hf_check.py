@@ -58,7 +58,7 @@ def check_same_function(model: Any, layers: nn.Sequential) -> None:
                 raise ValueError(f"{_family(model)} cannot be pipelined by causal_lm_layers: its forward "
                                  f"computes something the layers do not (largest logit difference {diff} "
                                  f"on a test batch {given}); it is not embed -> blocks -> norm -> head "
-                                 "with the scalings read off the model")
+                                 f"with the scalings read off the model. {WRITE_YOUR_OWN}")
         dropouts = _dropout_settings(model.config)
         if dropouts:
             model.train()
@@ -74,6 +74,13 @@ def check_same_function(model: Any, layers: nn.Sequential) -> None:
     finally:
         for m, training in modes.items():
             m.training = training
+
+
+#: What a refused family can do instead (the end of a refusal that names no setting to change).
+WRITE_YOUR_OWN = ("GPipe takes any sequence of layers: write the model's forward as an nn.Sequential of "
+                  "its modules, each layer taking and returning what flows between them (e.g. "
+                  "(hidden, attention_mask)), as gpipe_repro.models.hf's TokenEmbedding, DecoderBlock "
+                  "and LMHead do for the families it reads, and check its logits against model(...)")
 
 
 def _family(model: Any) -> str:
@@ -98,7 +105,8 @@ def _both_logits(model: Any, layers: nn.Sequential, ids: torch.Tensor,
                 got = layer(got)
         except Exception as e:   # the block takes its inputs otherwise than the family's forward
             raise ValueError(f"{_family(model)} cannot be pipelined by causal_lm_layers: its blocks fail "
-                             f"when called as the flattener calls them ({type(e).__name__}: {e})") from e
+                             f"when called as the flattener calls them ({type(e).__name__}: {e}). "
+                             f"{WRITE_YOUR_OWN}") from e
     return expected, got
 
 
