@@ -44,7 +44,8 @@ def causal_lm(
                                        "the offline gettext corpus)"),
     data_dir: Optional[str] = typer.Option(None, help="where corpora live (default: "
                                            "$GPIPE_REPRO_DATA_DIR or data/translation/)"),
-    warmup_steps: Optional[int] = typer.Option(None, help="linear warm-up steps before the cosine decay"),
+    warmup_steps: Optional[int] = typer.Option(None, help="linear warm-up steps before the cosine decay "
+                                          "(default: a tenth of the steps, at most 30)"),
     pipeline: dict[str, Any],
 ) -> None:
     """A Hugging Face causal LM (LLaMA, Mistral, Qwen2/3, Gemma, GPT-2, GPT-NeoX) on byte-level

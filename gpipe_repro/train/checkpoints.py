@@ -174,16 +174,18 @@ def _check_training_checkpoint(checkpoint: Any, path: Path) -> dict[str, Any]:
 
 
 def load_latest_checkpoint(directory: str | os.PathLike[str], *,
-                           warn: Callable[[str], None] | None = None) -> tuple[dict[str, Any], Path]:
-    """The newest readable training checkpoint in `directory` and its path; the temporary file of a
-    save cut short by a killed process is removed.
+                           warn: Callable[[str], None] | None = None,
+                           remove_leftovers: bool = True) -> tuple[dict[str, Any], Path]:
+    """The newest readable training checkpoint in `directory` and its path; with
+    `remove_leftovers`, the temporary file of a save cut short by a killed process is removed (only
+    by the process that holds the run directory: another one's save may be under way).
 
     A newer file that cannot be read (cut short, empty, foreign) is skipped with a warning naming it,
     and the next older one is used. No checkpoint at all, or none readable, raises naming the
     directory (FileNotFoundError / CheckpointError)."""
     directory = Path(directory)
-    for leftover in directory.glob(".step-*.pt.*.tmp"):   # a save the killed run never finished
-        leftover.unlink(missing_ok=True)
+    for leftover in directory.glob(".step-*.pt.*.tmp") if remove_leftovers else ():
+        leftover.unlink(missing_ok=True)                   # a save the killed run never finished
     found = list_checkpoints(directory)
     if not found:
         raise FileNotFoundError(f"--resume: no checkpoint in {directory} (nothing to continue): check "

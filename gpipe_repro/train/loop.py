@@ -134,13 +134,17 @@ class _Run:
         self.writer = ranks.is_writer(self.rank)
         self.checkpoint: dict[str, Any] | None = None
         self.latest = None
-        if config.resume:
-            self.checkpoint, self.latest = load_latest_checkpoint(config.checkpoint_dir)
-            for note in check_resumable(self.checkpoint["extra"], config, task):
-                self.say(f"note: {note}")
+        # the directory is claimed before anything in it is read or removed: a --resume started
+        # while the run still trained removed its checkpoint half-written (the temporary file of a
+        # save), and that run failed, before the second found the directory taken
         self.directory = (RunDirectory(config.run_dir, task.name, resume=config.resume,
                                        overwrite=config.overwrite) if self.writer
                           else None)
+        if config.resume:
+            self.checkpoint, self.latest = load_latest_checkpoint(config.checkpoint_dir,
+                                                                  remove_leftovers=self.writer)
+            for note in check_resumable(self.checkpoint["extra"], config, task):
+                self.say(f"note: {note}")
 
         # -- what: data, length, optimizer recipe
         devices = None if self.rank is not None else resolve_devices(config.device, config.partitions)

@@ -119,3 +119,24 @@ def test_resume_trained_on_a_text_edited_under_the_same_path(tmp_path: Path) -> 
     _text(text)
     again = CliRunner().invoke(app, [*args, "--steps", "3", "--resume"])
     assert again.exit_code == 0, (again.output, again.exception)
+
+
+def test_silent_warmup_steps_given_were_cut_to_a_tenth_of_the_run() -> None:
+    """`run causal-lm --steps 20 --warmup-steps 15` warmed up for 2 steps (the warm-up was capped at
+    a tenth of the run, given or not) and run.json said 15. A given --warmup-steps is now used as
+    given; one that leaves no step to decay is refused, naming both options; the default stays a
+    tenth of the run, at most 30."""
+    from types import SimpleNamespace
+
+    from gpipe_repro.train.tasks.causal_lm import CausalLMConfig, CausalLMTask
+
+    def warmup(given: int | None, steps: int) -> int:
+        task = SimpleNamespace(settings=CausalLMConfig(warmup_steps=given))
+        config = CausalLMTask.optimizer_config(task, total_steps=steps, steps_per_epoch=10,  # type: ignore[arg-type]
+                                               batch_size=4)
+        return config.warmup_steps
+    assert warmup(15, 20) == 15 and warmup(0, 20) == 0
+    assert warmup(None, 300) == 30 and warmup(None, 100) == 10 and warmup(None, 1000) == 30
+    with pytest.raises(ValueError, match="--warmup-steps 30 leaves no step for the cosine decay of a "
+                                         "20-step run"):
+        warmup(30, 20)

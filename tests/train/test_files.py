@@ -365,3 +365,22 @@ def test_out_under_a_file_says_which_path_is_a_file(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=f"{tmp_path / 'afile'} is a file, not a directory"):
             resolve_run_dir("r", out=str(out), record=False, resume=False)
     assert (tmp_path / "afile").read_text() == "mine\n"
+
+
+def test_a_resume_started_while_the_run_trained_removed_its_half_written_checkpoint(tmp_path: Path) -> None:
+    """`run --resume` read the checkpoints, and removed the temporary file of a save cut short,
+    before it claimed the directory: started while the run still trained, it removed that run's
+    checkpoint as it was being written, the run failed on it ("No such file or directory:
+    .step-00000016.pt...tmp"), and the resume then found the directory free and trained on. The
+    directory is now claimed first: the resume is refused and the save under way is left alone."""
+    run = tmp_path / "run"
+    training = RunDirectory(run, "amoebanet", resume=False)
+    save_checkpoint(checkpoint_path(run / "checkpoints", 8), fake_state(8), keep_last=None)
+    writing = run / "checkpoints" / ".step-00000016.pt.nqg0cty5.tmp"
+    writing.write_bytes(b"half a checkpoint")
+    training.update()
+    result = CliRunner().invoke(app, ["run", "amoebanet", "--preset", "smoke", "--resume", "--out", str(run),
+                                      "--wandb", "disabled"])
+    assert result.exit_code != 0 and "another process is writing" in " ".join(result.output.split())
+    assert writing.read_bytes() == b"half a checkpoint"
+    training.release()

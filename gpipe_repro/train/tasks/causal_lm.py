@@ -67,7 +67,7 @@ class CausalLMConfig:
     data_dir: str | None = None
     # -- recipe
     lr: float = 3e-3
-    warmup_steps: int = 30
+    warmup_steps: int | None = None         # None: a tenth of the steps, at most 30
     weight_decay: float = 0.1
     eval_rows: int = 64                     # held-out rows scored per evaluation
 
@@ -75,7 +75,8 @@ class CausalLMConfig:
         model_type(self.family)             # an unknown family is refused here, before any work
         checks = [(self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}"),
                   (self.lr > 0, f"lr must be > 0, got {self.lr}"),
-                  (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}"),
+                  (self.warmup_steps is None or self.warmup_steps >= 0,
+                   f"--warmup-steps must be >= 0, got {self.warmup_steps}"),
                   (self.eval_rows >= 1, f"eval_rows must be >= 1, got {self.eval_rows}")]
         for ok, message in checks:
             if not ok:
@@ -201,7 +202,11 @@ class CausalLMTask(Task):
     def optimizer_config(self, *, total_steps: int, steps_per_epoch: int,
                          batch_size: int) -> OptimizerConfig:
         s = self.settings
-        warmup = min(s.warmup_steps, total_steps // 10)
+        if s.warmup_steps is not None and s.warmup_steps >= total_steps:
+            raise ValueError(f"--warmup-steps {s.warmup_steps} leaves no step for the cosine decay of a "
+                             f"{total_steps}-step run: give fewer warm-up steps or more --steps")
+        # given: as given; else a tenth of the run, at most 30
+        warmup = s.warmup_steps if s.warmup_steps is not None else min(30, total_steps // 10)
         return OptimizerConfig(name="adamw", lr=s.lr, betas=(0.9, 0.95), adam_eps=1e-8,
                                weight_decay=s.weight_decay, schedule="cosine", warmup_steps=warmup,
                                total_steps=total_steps)
