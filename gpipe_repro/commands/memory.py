@@ -49,17 +49,42 @@ MODEL_HELP = ("the model: a family (gpipe-repro models lists them), hf:<family> 
               "the plan's header says what it planned)")
 
 
-#: What the plans assume of the optimizer (the planner's `rmsprop_foreach`), said with every plan:
-#: Adam(W) keeps two states per parameter, one more 4 bytes a parameter than this.
-OPTIMIZER_STATE = ("optimizer state as RMSProp's (weight + gradient + 1 state: 12 bytes a parameter "
-                   "in fp32; Adam/AdamW keep 16)")
+#: The optimizers a plan can assume (--optimizer): each updates a cell's parameters in one
+#: multi-tensor pass (CUDA's default), and what it keeps per fp32 parameter beside weight and gradient.
+OPTIMIZERS: dict[str, tuple[str, str]] = {
+    "sgd": ("SGD", "no state: 8 bytes a parameter in fp32"),
+    "momentum": ("SGD with momentum", "1 state: 12 bytes a parameter in fp32"),
+    "rmsprop": ("RMSProp", "1 state: 12 bytes a parameter in fp32"),
+    "adam": ("Adam", "2 states: 16 bytes a parameter in fp32"),
+    "adamw": ("AdamW", "2 states: 16 bytes a parameter in fp32"),
+}
+OPTIMIZER_HELP = ("the optimizer the training runs, for its state: " + ", ".join(OPTIMIZERS)
+                  + " (default rmsprop, the paper's)")
+
+
+def optimizer_state(name: str) -> str:
+    """What a plan says it assumed of the optimizer."""
+    title, state = OPTIMIZERS[name]
+    return f"optimizer state as {title}'s (weight + gradient + {state})"
+
+
+def _optimizer(name: str) -> Any:
+    """The optimizer factory the planner runs (on fake tensors) for `name`."""
+    import functools
+
+    import torch
+    factory = {"sgd": functools.partial(torch.optim.SGD, lr=1e-3, foreach=True),
+               "momentum": functools.partial(torch.optim.SGD, lr=1e-3, momentum=0.9, foreach=True),
+               "rmsprop": functools.partial(torch.optim.RMSprop, lr=1e-3, foreach=True),
+               "adam": functools.partial(torch.optim.Adam, lr=1e-3, foreach=True),
+               "adamw": functools.partial(torch.optim.AdamW, lr=1e-3, foreach=True)}
+    return factory[name]
 
 def _planner(family: str, batch: Optional[int], extra: list[str], attention: str,
-             command: str = "fit") -> tuple[Any, Any]:
+             command: str = "fit", optimizer: str = "rmsprop") -> tuple[Any, Any]:
     from gpipe_repro.commands._hf_models import hf_workload, is_hf_model
     from gpipe_repro.commands.models import parse_options
     from gpipe_repro.memory.planner import MemoryPlanner
-    from gpipe_repro.memory.profile import rmsprop_foreach
     from gpipe_repro.memory.workloads import SUPPORTED, workload
     if not is_hf_model(family) and family not in SUPPORTED:
         own = (" A model of your own (module:function) is simulated by `gpipe-repro throughput "
@@ -78,7 +103,7 @@ def _planner(family: str, batch: Optional[int], extra: list[str], attention: str
                  "and " if "has no option" in str(e) else "")
         raise typer.BadParameter(f"{where}{e}" + (f" (`gpipe-repro {command} --help` lists the "
                                                   "command's own)" if where else "")) from e
-    planner = MemoryPlanner(layers, sample, target, loss_fn, optimizer=rmsprop_foreach,
+    planner = MemoryPlanner(layers, sample, target, loss_fn, optimizer=_optimizer(optimizer),
                             attention=attention, optimizer_foreach=True)
     return work, planner
 
@@ -164,6 +189,7 @@ def register(app: typer.Typer) -> None:
             checkpoint: str = typer.Option("except_last", "--checkpoint",
                                            help="re-materialization: except_last | always | never"),
             attention: str = typer.Option("fused", "--attention", help="fused | math (materialized)"),
+            optimizer: str = typer.Option("rmsprop", "--optimizer", help=OPTIMIZER_HELP),
             schedule: str = typer.Option("gpipe", "--schedule", help="pipeline schedule: gpipe | 1f1b | "
                                          "interleaved | zb-h1 | zb-v | dualpipe-v (interleaved, zb-v "
                                          "and dualpipe-v run 2 of the K cells per device)"),
@@ -190,6 +216,8 @@ def register(app: typer.Typer) -> None:
         positive("--m", micro_batches, "micro-batches")
         positive("--batch-size", batch)
         positive_number("--memory", memory, "GiB")
+        one_of("--attention", attention, ("fused", "math"))
+        one_of("--optimizer", optimizer, tuple(OPTIMIZERS))
         cuts = int_list("--balance", balance, "3,4,4,3") if balance else None
         try:    # the schedule's own rules (M, K, the split count) before any model is built
             from gpipe_repro.engine.schedule import make_schedule
@@ -197,7 +225,7 @@ def register(app: typer.Typer) -> None:
         except ValueError as e:
             raise typer.BadParameter(str(e).replace("split_backwards", "--split-backwards")) from e
         _check_json_out(json_out, "fit", overwrite)
-        work, planner = _planner(family, batch, list(ctx.args), attention)
+        work, planner = _planner(family, batch, list(ctx.args), attention, optimizer=optimizer)
         try:
             plan = planner.plan(partitions, micro_batches, checkpoint, balance=cuts, schedule=schedule,
                                 split_backwards=split_backwards)
@@ -206,7 +234,7 @@ def register(app: typer.Typer) -> None:
         budget = memory * GiB
         console = table_console()
         console.print(f"{work.describe()}: {planner.parameters:,} parameters, "
-                      f"{planner.num_layers} layers; {OPTIMIZER_STATE}", soft_wrap=True)
+                      f"{planner.num_layers} layers; {optimizer_state(optimizer)}", soft_wrap=True)
         split = "" if split_backwards is None else f" (last {split_backwards} backwards split)"
         _print_plan(plan, budget, f"K={partitions}, M={micro_batches}, checkpoint={checkpoint}, "
                                   f"schedule={schedule}{split}, {memory:g} GiB per device (simulated)")
@@ -253,6 +281,7 @@ def register(app: typer.Typer) -> None:
              m: Optional[str] = typer.Option(None, "--m", "-m", help="M candidates, e.g. 4,8,32 (default: "
                                               "powers of two up to the batch)"),
              attention: str = typer.Option("fused", "--attention", help="fused | math"),
+             optimizer: str = typer.Option("rmsprop", "--optimizer", help=OPTIMIZER_HELP),
              top: int = typer.Option(8, "--top", help="candidates to show"),
              schedules: Optional[str] = typer.Option(
                  None, "--schedules", help="schedules to choose from, e.g. gpipe,1f1b (default: "
@@ -271,6 +300,8 @@ def register(app: typer.Typer) -> None:
         positive_number("--tflops", tflops, "TFLOP/s")
         from gpipe_repro.sim.links import LINK_NAMES
         one_of("--link", link, LINK_NAMES)
+        one_of("--attention", attention, ("fused", "math"))
+        one_of("--optimizer", optimizer, tuple(OPTIMIZERS))
         ms = int_list("--m", micro_batches) if micro_batches else None
         if ms is not None and min(ms) < 1:
             raise typer.BadParameter(f"--m candidates must be >= 1, got {micro_batches}")
@@ -291,20 +322,23 @@ def register(app: typer.Typer) -> None:
         from gpipe_repro.memory.planner import GiB, gib
         from gpipe_repro.report.terminal import table_console
         from gpipe_repro.sim.links import get_link
-        work, planner = _planner(family, batch, list(ctx.args), attention, "plan")
+        work, planner = _planner(family, batch, list(ctx.args), attention, "plan", optimizer)
         if ms is not None and max(ms) > planner.batch:
             raise typer.BadParameter(f"--m candidates must be at most the batch size {planner.batch}, got "
                                      f"{micro_batches}: use a larger --batch-size or smaller M")
         budget = memory * GiB
         from gpipe_repro.memory.profile import LayerNotTraceable
+        left_out: dict[int, str] = {}
         try:
-            cands = search(planner, devices, budget, get_link(link), tflops * 1e12, ms, schedules=names)
+            cands = search(planner, devices, budget, get_link(link), tflops * 1e12, ms, schedules=names,
+                           left_out=left_out)
         except LayerNotTraceable as e:
             raise typer.BadParameter(f"{family}: {e}") from None
         console = table_console()
         console.print(f"{work.describe()}: {planner.parameters:,} parameters, "
                       f"{planner.num_layers} layers; {devices} devices of {memory:g} GiB, "
-                      f"{tflops:g} TFLOP/s, link {link}; {OPTIMIZER_STATE} (simulated)", soft_wrap=True)
+                      f"{tflops:g} TFLOP/s, link {link}; {optimizer_state(optimizer)} (simulated)",
+                      soft_wrap=True)
         several = [x for x in names if cells_per_process(x) > 1]
         table = Table("K", "M", "schedule", "checkpoint", "fits", "peak GiB", "samples/s", "bubble",
                       "balance", title="fastest configurations, those that fit first",
@@ -317,9 +351,14 @@ def register(app: typer.Typer) -> None:
                           f"{c.throughput:.1f}" if c.fits else "-",
                           f"{c.bubble:.2f}" if c.fits else "-", cuts)
         console.print(table)
+        for reason in left_out.values():
+            console.print(f"not planned: {reason}", soft_wrap=True)
         best = cands[0] if cands and cands[0].fits else None
         if best is not None:
-            console.print(f"[green]choose[/green] K={best.partitions}, M={best.micro_batches}, "
+            cells = len(best.balance)
+            devices_of = (f" devices of {cells} cells (fit --k {cells}; GPipe partitions={cells})"
+                          if cells != best.partitions else "")
+            console.print(f"[green]choose[/green] K={best.partitions}{devices_of}, M={best.micro_batches}, "
                           f"schedule={best.schedule}, checkpoint={best.checkpoint}, "
                           f"balance={best.balance}: {best.throughput:.1f} samples/s, largest device "
                           f"peak {gib(best.max_peak)} GiB", soft_wrap=True)

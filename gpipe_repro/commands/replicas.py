@@ -59,9 +59,17 @@ def register(app: typer.Typer) -> None:
             inputs = work.planner_inputs()      # builds the model: a bad size (--L 0) fails here
         except (ValueError, TypeError) as e:
             raise typer.BadParameter(str(e)) from e
+        from gpipe_repro.memory.profile import LayerNotTraceable
         planner = MemoryPlanner(*inputs, optimizer=rmsprop_foreach, optimizer_foreach=True)
-        cands = plan_replicas(planner, devices, memory * GiB, get_link(link), tflops * 1e12,
-                              micro_batches=ms, devices_per_host=devices_per_host, algorithm=algorithm)
+        left_out: dict[int, str] = {}
+        try:
+            cands = plan_replicas(planner, devices, memory * GiB, get_link(link), tflops * 1e12,
+                                  micro_batches=ms, devices_per_host=devices_per_host,
+                                  algorithm=algorithm, left_out=left_out)
+        except LayerNotTraceable as e:
+            raise typer.BadParameter(f"{family}: {e}") from None
+        for why in left_out.values():
+            print(f"not planned: {why}")
         print(f"{work.describe()}: {devices} devices of {memory:g} GiB, {tflops:g} TFLOP/s, "
               f"{devices_per_host} per host, {algorithm} all-reduce; replica mini-batch "
               f"{planner.batch} (simulated)")

@@ -163,16 +163,47 @@ def evaluate(planner: MemoryPlanner, partitions: int, micro_batches: int, checkp
     return cand
 
 
+def micro_batch_candidates(planner: MemoryPlanner, given: Sequence[int] | None,
+                           left_out: dict[int, str] | None = None) -> list[int]:
+    """The M candidates to plan: `given` (each must run: a LayerNotTraceable names the M), else the
+    powers of two up to the batch that the model's layers can train on; those they cannot (a
+    micro-batch of one example, which a BatchNorm after global pooling refuses in training) are
+    left out, with why, into `left_out`. A model that runs at none of them raises the first one's
+    error (a layer that cannot be planned at all)."""
+    from gpipe_repro.memory.profile import LayerNotTraceable
+
+    kept, failed = [], []
+    for m in (list(given) if given else _powers(planner.batch)):
+        try:
+            for size in set(planner.sizes(m)):
+                planner.profiles(size)
+        except LayerNotTraceable as e:
+            rows = planner.batch // m
+            why = f"M={m} (micro-batches of {rows} example{'' if rows == 1 else 's'}): {e}"
+            if given:
+                raise LayerNotTraceable(f"{why}; give --m candidates that leave more per micro-batch") from e
+            failed.append((m, why, e))
+            continue
+        kept.append(m)
+    if failed and not kept:
+        raise failed[0][2]
+    if left_out is not None:
+        left_out.update((m, why) for m, why, _ in failed)
+    return kept
+
+
 def search(planner: MemoryPlanner, max_devices: int, budget: float, link: LinkModel,
            flops_per_second: float, micro_batches: Sequence[int] | None = None,
            checkpoints: Sequence[str] = ("except_last", "never"),
-           schedule: str = "gpipe", schedules: Sequence[str] | None = None) -> list[Candidate]:
+           schedule: str = "gpipe", schedules: Sequence[str] | None = None,
+           left_out: dict[int, str] | None = None) -> list[Candidate]:
     """Every candidate, the fastest fitting one first. With `schedules` (e.g.
     ``sorted(engine.schedule.SCHEDULES)``) every schedule that applies to a (K, M)
     (:func:`not_applicable`) is a candidate too, each with its own memory plan and simulated step,
-    so the answer chooses the schedule; otherwise `schedule` only."""
+    so the answer chooses the schedule; otherwise `schedule` only. The M candidates are
+    :func:`micro_batch_candidates`' (`left_out` gets the default ones the model cannot run)."""
     ks = sorted(set(_powers(max_devices)) | {max_devices})
-    ms = list(micro_batches) if micro_batches else _powers(planner.batch)
+    ms = micro_batch_candidates(planner, micro_batches, left_out)
     names = list(schedules) if schedules else [schedule]
     unknown = [n for n in names if n not in SCHEDULES]
     if unknown:

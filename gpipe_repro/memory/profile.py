@@ -439,6 +439,11 @@ def profile_layer(layer: nn.Module, in_sig: ValueSig, optimizer: OptimizerFactor
         inner = getattr(layer, "block", None)
         what = type(layer).__name__ + (f" ({type(inner).__name__})" if isinstance(inner, nn.Module) else "")
         cause = " ".join(str(e).split())[:300]
+        if "more than 1 value per channel" in cause:     # BatchNorm in training, on one value
+            raise LayerNotTraceable(
+                f"{name or what} does not train on this micro-batch ({type(e).__name__}: {cause}): its "
+                "BatchNorm needs more than one value per channel, so more examples per micro-batch "
+                "(a smaller M or a larger batch)") from e
         raise LayerNotTraceable(
             f"{name or what} cannot be run on fake tensors ({type(e).__name__}: {cause}); the memory "
             "planner measures every layer without real data or memory, so a model with such a layer "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpipe_repro.engine.schedule import make_schedule
-from gpipe_repro.memory.autoplan import Candidate, _powers, evaluate, simulate_step
+from gpipe_repro.memory.autoplan import Candidate, evaluate, micro_batch_candidates, simulate_step
 from gpipe_repro.memory.planner import MemoryPlanner
 from gpipe_repro.sim.data_parallel import ReplicatedSimulation, replicate
 from gpipe_repro.sim.links import LinkModel
@@ -67,8 +67,10 @@ class ReplicaCandidate:
 def plan_replicas(planner: MemoryPlanner, devices: int, budget: float, link: LinkModel,
                   flops_per_second: float, *, micro_batches: Sequence[int] | None = None,
                   checkpoints: Sequence[str] = ("except_last", "never"), devices_per_host: int = 8,
-                  algorithm: str = "ring", schedule: str = "gpipe") -> list[ReplicaCandidate]:
-    """Every (K, R = devices / K, M, checkpoint) candidate, the fastest fitting one first."""
+                  algorithm: str = "ring", schedule: str = "gpipe",
+                  left_out: dict[int, str] | None = None) -> list[ReplicaCandidate]:
+    """Every (K, R = devices / K, M, checkpoint) candidate, the fastest fitting one first (the M
+    candidates: :func:`~gpipe_repro.memory.autoplan.micro_batch_candidates`)."""
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
     # every K that divides the devices and lays pipelines on hosts whole (K divides a host's
@@ -76,7 +78,7 @@ def plan_replicas(planner: MemoryPlanner, devices: int, budget: float, link: Lin
     devices_per_host = min(devices_per_host, devices)    # fewer devices than a host holds: one host
     ks = [k for k in range(1, min(devices, planner.num_layers) + 1) if devices % k == 0
           and (devices_per_host % k == 0 or k % devices_per_host == 0)]
-    ms = list(micro_batches) if micro_batches else _powers(planner.batch)
+    ms = micro_batch_candidates(planner, micro_batches, left_out)
     out = []
     for k in ks:
         r = devices // k

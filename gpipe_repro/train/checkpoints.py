@@ -140,8 +140,9 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: str | torch.d
                     weights_only: bool = True) -> dict[str, Any]:
     """Read a checkpoint (tensors land on `map_location`; move the model afterwards).
 
-    A file that is empty, cut short, or not a checkpoint at all raises :class:`CheckpointError`
-    naming the file and saying what to do (never torch's bare zip or unpickling error)."""
+    A file that is empty, cut short, damaged (a record whose CRC does not match: torch.load does
+    not check them) or not a checkpoint at all raises :class:`CheckpointError` naming the file and
+    saying what to do (never torch's bare zip or unpickling error)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
@@ -153,6 +154,16 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: str | torch.d
     if not zipfile.is_zipfile(path):   # torch.save's format; a cut-off file lacks the zip directory
         raise CheckpointError(f"the checkpoint {path} is truncated or not a torch checkpoint ({size} bytes, "
                               f"no complete zip archive): {advice}")
+    try:   # torch.load does not check the archive's CRCs: a flipped bit would load as a value
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError) as e:
+        raise CheckpointError(f"the checkpoint {path} cannot be read ({type(e).__name__}: {e}): "
+                              f"{advice}") from e
+    if damaged is not None:
+        raise CheckpointError(f"the checkpoint {path} is damaged: its record {damaged} fails its CRC "
+                              "check (the file changed after it was written: the disk, a copy): "
+                              f"{advice}")
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     except Exception as e:  # noqa: BLE001 - every reason to fail is reported the same way, with the file

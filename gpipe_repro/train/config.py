@@ -70,9 +70,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         checks = [
             (isinstance(self.partitions, int) and self.partitions >= 1,
-             f"partitions (K) must be >= 1, got {self.partitions}"),
+             f"--k (partitions) must be >= 1, got {self.partitions}"),
             (isinstance(self.micro_batches, int) and self.micro_batches >= 1,
-             f"micro_batches (M) must be >= 1, got {self.micro_batches}"),
+             f"--m (micro-batches) must be >= 1, got {self.micro_batches}"),
             (self.batch_size >= self.micro_batches,
              f"batch_size {self.batch_size} < micro_batches {self.micro_batches}: every micro-batch "
              "needs an example; raise --batch-size or lower --m"),
@@ -107,20 +107,21 @@ class RunConfig:
              f"wandb must be one of {WANDB_MODES}, got {self.wandb!r}"),
             (isinstance(self.seed, int) and 0 <= self.seed < 2 ** 63,
              f"seed (--seed) must be a whole number from 0 to 2**63 - 1, got {self.seed}"),
-            (self.steps is None or self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
-            (self.epochs is None or self.epochs > 0, f"epochs must be > 0, got {self.epochs}"),
+            (self.steps is None or self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
+            (self.epochs is None or self.epochs > 0, f"--epochs must be > 0, got {self.epochs}"),
             (self.steps is not None or self.epochs is not None, "give the run a length: steps or epochs"),
-            (min(self.eval_every, self.save_every) >= 0,
-             "eval_every and save_every must be >= 0 (0: only at the end)"),
+            (self.eval_every >= 0, f"--eval-every must be >= 0 (0: only at the end), got {self.eval_every}"),
+            (self.save_every >= 0, f"--save-every must be >= 0 (0: only at the end), got {self.save_every}"),
             (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}"),
-            (self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}"),
-            (self.timeout > 0, f"timeout must be > 0 seconds, got {self.timeout}"),
+            (self.threads is None or self.threads >= 1, f"--threads must be >= 1, got {self.threads}"),
+            (self.timeout > 0, f"--timeout must be > 0 seconds, got {self.timeout}"),
             (self.precision in ("fp32", "bf16", "fp16"),
              f"precision must be fp32, bf16 or fp16, got {self.precision!r}"),
             (self.clip_grad_norm is None or self.clip_grad_norm > 0,
-             f"clip_grad_norm must be > 0 (or not given), got {self.clip_grad_norm}"),
-            (self.log_every >= 1 and self.timeline_every >= 0,
-             "log_every must be >= 1 and timeline_every >= 0"),
+             f"--clip-grad-norm must be > 0 (or not given), got {self.clip_grad_norm}"),
+            (self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}"),
+            (self.timeline_every >= 0,
+             f"--timeline-every must be >= 0 (0: never), got {self.timeline_every}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -172,7 +172,14 @@ class RunDirectory:
         check_run_dir(path, task, resume=resume, overwrite=overwrite)   # before making anything
         self.path, self.task = path, task
         self.created = not path.exists()     # by this run: removed again if it never starts
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f".{MANIFEST}.{os.getpid()}.probe"
+            probe.touch()                     # a read-only directory fails here, before any work
+            probe.unlink()
+        except OSError as e:
+            raise OSError(e.errno, f"cannot write the run directory {path} ({e.strerror}): give --out a "
+                                   "directory this user can write, or --name for a fresh runs/<name>") from e
         self._lock: int | None = _claim(path)
         try:                                 # again, now that no other process can change it
             check_run_dir(path, task, resume=resume, overwrite=overwrite)

@@ -45,6 +45,9 @@ def _usage_error(args: list[str], *, says: str) -> None:
      "is for the zero-bubble schedules"),
     (["fit", "transformer-lm", "--k", "2", "--m", "4", "--schedule", "zb-h1", "--split-backwards", "5"],
      "--split-backwards must be an integer from 0 to M = 4"),
+    (["plan", "transformer-lm", "--attention", "x"], "--attention must be one of fused, math, got 'x'"),
+    (["fit", "transformer-lm", "--optimizer", "lion"],
+     "--optimizer must be one of sgd, momentum, rmsprop, adam, adamw, got 'lion'"),
 ])
 def test_planner_mistakes_are_usage_errors_before_any_work(no_planning: None, args: list[str],
                                                            says: str) -> None:
@@ -180,3 +183,39 @@ def test_pipeline_fault_options_without_effect_and_torchrun_without_torchrun_are
     --launcher torchrun outside torchrun ended in a traceback advising a script's launch."""
     monkeypatch.delenv("RANK", raising=False)
     _usage_error(["pipeline", *args], says=says)
+
+
+def test_fit_plans_the_optimizer_the_training_runs(tmp_path: Path) -> None:
+    """fit and plan assumed RMSProp's state (one 4-byte state a parameter) whatever the training ran:
+    an AdamW training that did not fit was said to fit (an independent check measured 27.2 MB against
+    a 25.3 MB budget fit had passed). --optimizer names it; the plan holds its state."""
+    state = {}
+    for name in ("sgd", "rmsprop", "adamw"):
+        out = tmp_path / f"{name}.json"
+        result = CliRunner().invoke(app, ["fit", *TINY, "--k", "1", "--m", "2", "--optimizer", name,
+                                          "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        assert {"sgd": "SGD's (weight + gradient + no state", "rmsprop": "RMSProp's (weight + gradient + 1",
+                "adamw": "AdamW's (weight + gradient + 2 states"}[name] in " ".join(result.output.split())
+        stage = json.loads(out.read_text())["plan"]["stages"][0]
+        state[name] = stage["parts_bytes"].get("optimizer", 0)
+    # one 4-byte state a parameter against two (and Adam's step counts)
+    assert state["sgd"] == 0 and state["rmsprop"] > 0
+    assert state["adamw"] == pytest.approx(2 * state["rmsprop"], rel=0.01)
+
+
+def test_plan_leaves_out_the_micro_batches_batchnorm_cannot_train_on() -> None:
+    """plan amoebanet-d failed with its default M candidates (powers of two up to the batch): at one
+    example per micro-batch the auxiliary head's BatchNorm (after global pooling) has one value per
+    channel, and the message blamed fake tensors and mixture-of-experts layers; plan-replicas printed
+    a traceback. Such a default M is now left out, said why; an M the user gave is refused naming it."""
+    small = ["amoebanet-d", "--L", "3", "--F", "8", "--image-size", "32", "--batch-size", "4"]
+    result = CliRunner().invoke(app, ["plan", *small, "--devices", "2", "--memory", "16",
+                                      "--schedules", "gpipe"])
+    assert result.exit_code == 0, result.output
+    assert "not planned: M=4 (micro-batches of 1 example)" in " ".join(result.output.split())
+    assert "BatchNorm needs more than one value per channel" in " ".join(result.output.split())
+    _usage_error(["plan", *small, "--m", "2,4", "--devices", "2"],
+                 says="M=4 (micro-batches of 1 example)")
+    result = CliRunner().invoke(app, ["plan-replicas", *small, "--devices", "2", "--memory", "16"])
+    assert result.exit_code == 0 and "not planned: M=4" in result.output, result.output

@@ -384,3 +384,22 @@ def test_a_resume_started_while_the_run_trained_removed_its_half_written_checkpo
     assert result.exit_code != 0 and "another process is writing" in " ".join(result.output.split())
     assert writing.read_bytes() == b"half a checkpoint"
     training.release()
+
+
+def test_silent_a_checkpoint_with_a_flipped_bit_was_resumed_from(tmp_path: Path) -> None:
+    """One byte of a weight in the newest checkpoint changed on disk: --resume loaded it as a value
+    (torch.load does not check the archive's CRCs) and trained on from a different model. The
+    damaged file is now named, and the one before it is resumed from."""
+    directory = tmp_path / "checkpoints"
+    save_checkpoint(checkpoint_path(directory, 2), fake_state(2), keep_last=None)
+    latest = save_checkpoint(checkpoint_path(directory, 4), fake_state(4), keep_last=None)
+    data = bytearray(latest.read_bytes())
+    at = bytes(data).find((torch.arange(4.0) + 4).numpy().tobytes())
+    assert at > 0
+    data[at + 5] ^= 0x01
+    latest.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="is damaged: its record .* fails its CRC check"):
+        load_checkpoint(latest)
+    warnings: list[str] = []
+    checkpoint, path = load_latest_checkpoint(directory, warn=warnings.append)
+    assert checkpoint["step"] == 2 and len(warnings) == 1 and "damaged" in warnings[0]

@@ -43,8 +43,9 @@ def pretrained_checkpoint(source: str | os.PathLike[str]) -> Path:
         found = latest_checkpoint(directory)
         if found is not None:
             return found
-    raise FileNotFoundError(f"no checkpoint in {source}: give a run directory (e.g. results/training/"
-                            "amoebanet-cpu, made by `gpipe-repro run amoebanet --preset cpu`), its "
+    raise FileNotFoundError(f"no checkpoint in {source}: give --from a pretraining run directory (e.g. "
+                            "runs/amoebanet-cpu, made by `gpipe-repro run amoebanet --preset cpu`, or "
+                            "results/training/amoebanet-cpu, by `make train-amoebanet`), its "
                             "checkpoints/ directory or a step-*.pt file")
 
 
