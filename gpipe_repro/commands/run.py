@@ -269,7 +269,7 @@ def register(app: typer.Typer) -> None:
         from pathlib import Path
 
         from gpipe_repro.data.images import DatasetUnavailableError
-        from gpipe_repro.train.run_dir import resolve_run_dir
+        from gpipe_repro.train.run_dir import release_unused_claims, resolve_run_dir
         from gpipe_repro.train.tasks.transfer import TransferConfig, transfer_runs, write_transfer_report
 
         try:
@@ -293,6 +293,7 @@ def register(app: typer.Typer) -> None:
             results = transfer_runs(config)
         except (DatasetUnavailableError, FileNotFoundError, ValueError, RuntimeError,
                 KeyboardInterrupt) as e:
+            release_unused_claims()     # a transfer that never started leaves no empty runs/transfer-N
             fail(str(e))
         json_path, md_path = write_transfer_report(results, config)
         for variant, r in results["runs"].items():

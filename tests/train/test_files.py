@@ -403,3 +403,15 @@ def test_silent_a_checkpoint_with_a_flipped_bit_was_resumed_from(tmp_path: Path)
     warnings: list[str] = []
     checkpoint, path = load_latest_checkpoint(directory, warn=warnings.append)
     assert checkpoint["step"] == 2 and len(warnings) == 1 and "damaged" in warnings[0]
+
+
+def test_a_transfer_without_a_pretraining_run_left_an_empty_runs_transfer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gpipe-repro run transfer` in a fresh directory fails (no pretraining checkpoint at its
+    default --from) and left an empty runs/transfer, so the next one wrote runs/transfer-2. It now
+    leaves nothing, and its message says how to get a pretraining run."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["run", "transfer", "--from", str(tmp_path / "nothing"),
+                                      "--wandb", "disabled"])
+    assert result.exit_code == 2 and "make train-amoebanet" in " ".join(result.output.split())
+    assert not (tmp_path / "runs" / "transfer").exists()
