@@ -2,6 +2,7 @@
 'measured' runs: the orchestration, the per-schedule summary and the refusals. Nothing is timed."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -233,28 +234,33 @@ def test_a_round_past_the_second_starts_only_where_it_fits_the_budget() -> None:
     assert not another_round(1, 1, 0.0, 100.0)
 
 
-def test_validation_stops_after_the_second_round_when_a_third_would_not_fit(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def _timed_validation(monkeypatch: pytest.MonkeyPatch, now: list[float]) -> Callable[..., dict[str, Any]]:
+    """validate_simulator of two configurations whose runs take 50 s each on the clock `now`
+    (calibrations take none): a round of 2 runs, 100 s. Call it with budget_s= (and clock=)."""
     monkeypatch.setattr(validation, "calibrate", _calibrate)
     monkeypatch.setattr(validation, "platform_for", lambda name, **kw: Platform(PRESETS["ideal"]))
     monkeypatch.setattr(validation, "measure_jitter", lambda **kw: None)
     monkeypatch.setattr(validation, "fast_share", lambda: 0.5)
-    now = [0.0]
     exact = _fake_measure("gpipe", 1.0)
 
     def measuring(*args: Any) -> dict[str, Any]:
-        now[0] += 50.0                     # each run takes 50 s: a round of 2 runs, 100 s
+        now[0] += 50.0
         return exact(*args)
-    result = validation.validate_simulator(SweepSettings(link="ideal"), measuring, models=["transformer"],
-                                           ks=[2], ms=[1, 2], checkpoints=("never",), rounds=3,
-                                           budget_s=250.0, clock=lambda: now[0])
+    return lambda **kw: validation.validate_simulator(
+        SweepSettings(link="ideal"), measuring, models=["transformer"], ks=[2], ms=[1, 2],
+        checkpoints=("never",), rounds=3, **{"clock": lambda: now[0], **kw})
+
+
+def test_validation_stops_after_the_second_round_when_a_third_would_not_fit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [0.0]
+    validate = _timed_validation(monkeypatch, now)
+    result = validate(budget_s=250.0)
     assert [r["measured_rounds"] for r in result["rows"]] == [2, 2]
     assert (result["summary"]["rounds"], result["summary"]["rounds_asked"]) == (2, 3)
     assert "2 of the 3 rounds asked for: another would not have ended within the 250 s budget" in (
         render_validation_summary(result))
-    again = validation.validate_simulator(SweepSettings(link="ideal"), measuring, models=["transformer"],
-                                          ks=[2], ms=[1, 2], checkpoints=("never",), rounds=3,
-                                          budget_s=300.0, clock=lambda: now[0] - 400.0)
+    again = validate(budget_s=300.0, clock=lambda: now[0] - 400.0)
     assert [r["measured_rounds"] for r in again["rows"]] == [3, 3]
 
 
@@ -264,19 +270,8 @@ def test_a_slow_hours_second_round_ended_past_the_limit_of_make_results(
     600 s that `make results` gives validate-sim, which lost the part's results. A round after the
     first now ends at the first configuration whose last run would not end within the budget; the
     configurations it ran keep their extra run, and the page says so."""
-    monkeypatch.setattr(validation, "calibrate", _calibrate)
-    monkeypatch.setattr(validation, "platform_for", lambda name, **kw: Platform(PRESETS["ideal"]))
-    monkeypatch.setattr(validation, "measure_jitter", lambda **kw: None)
-    monkeypatch.setattr(validation, "fast_share", lambda: 0.5)
     now = [0.0]
-    exact = _fake_measure("gpipe", 1.0)
-
-    def measuring(*args: Any) -> dict[str, Any]:
-        now[0] += 50.0                     # each run takes 50 s: a round of 2 runs, 100 s
-        return exact(*args)
-    result = validation.validate_simulator(SweepSettings(link="ideal"), measuring, models=["transformer"],
-                                           ks=[2], ms=[1, 2], checkpoints=("never",), rounds=3,
-                                           budget_s=160.0, clock=lambda: now[0])
+    result = _timed_validation(monkeypatch, now)(budget_s=160.0)
     assert now[0] == 150.0                 # the second round's second run would have ended at 200 s
     assert [r["measured_rounds"] for r in result["rows"]] == [1, 2]   # round 2 runs M=2 first
     assert (result["summary"]["rounds"], result["summary"]["last_round_configurations"]) == (1, 1)
