@@ -263,6 +263,7 @@ def register(app: typer.Typer) -> None:
                 console.print(f"  - {line}")
         if json_out:
             _write_json_out(json_out, "fit", {"model": work.describe(), "budget_gib": memory,
+                                              "optimizer": optimizer,
                                               "fits": plan.fits(budget), "plan": plan.to_dict(),
                                               "advice": advice, "method": "simulated"})
         if not plan.fits(budget):
@@ -382,7 +383,7 @@ def register(app: typer.Typer) -> None:
         if json_out:
             _write_json_out(json_out, "plan", {
                 "model": work.describe(), "budget_gib": memory, "devices": devices, "link": link,
-                "tflops": tflops, "method": "simulated", "schedules": names,
+                "tflops": tflops, "optimizer": optimizer, "method": "simulated", "schedules": names,
                 "schedule_verdict": verdict,
                 "choice": None if best is None else {
                     "partitions": best.partitions, "micro_batches": best.micro_batches,

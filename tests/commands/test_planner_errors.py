@@ -197,7 +197,9 @@ def test_fit_plans_the_optimizer_the_training_runs(tmp_path: Path) -> None:
         assert result.exit_code == 0, result.output
         assert {"sgd": "SGD's (weight + gradient + no state", "rmsprop": "RMSProp's (weight + gradient + 1",
                 "adamw": "AdamW's (weight + gradient + 2 states"}[name] in " ".join(result.output.split())
-        stage = json.loads(out.read_text())["plan"]["stages"][0]
+        written = json.loads(out.read_text())
+        assert written["optimizer"] == name
+        stage = written["plan"]["stages"][0]
         state[name] = stage["parts_bytes"].get("optimizer", 0)
     # one 4-byte state a parameter against two (and Adam's step counts)
     assert state["sgd"] == 0 and state["rmsprop"] > 0
