@@ -362,6 +362,7 @@ def _own_workload(model: str, options: dict[str, Any], kind: Optional[str], shap
     checked before any work."""
     from gpipe_repro.commands._hf_models import is_hf_model, throughput_model
     from gpipe_repro.models.workload import KINDS, Workload
+    name = model                 # what the user named, in the header (the factory is internal)
     if is_hf_model(model):
         try:
             model, options, vocabulary = throughput_model(model, options)
@@ -370,7 +371,7 @@ def _own_workload(model: str, options: dict[str, Any], kind: Optional[str], shap
         kind, classes = kind or "tokens", classes or vocabulary
     one_of("--kind", kind or "features", KINDS)
     try:
-        return Workload.create(model, model, kind or "features", shape, classes or 10, **options)
+        return Workload.create(name, model, kind or "features", shape, classes or 10, **options)
     except ValueError as e:
         own = ("" if ":" in model or "/" in model else
                f"; your own model is named as module:function, e.g. --model {model}:make_model")

@@ -86,9 +86,18 @@ def preflight(workload: Workload, batch: int, *, options: dict[str, Any]) -> str
         for i, layer in enumerate(layers):
             try:
                 x = layer(x)
-            except Exception as e:  # noqa: BLE001 - any failure here means the shape does not fit
+            except Exception as e:  # noqa: BLE001 - any failure here means the input does not fit
                 where = "its first layer" if i == 0 else f"its layer {i} ({type(layer).__name__})"
-                return f"--input-shape {shape} does not fit the model: {where} raised: {_one_line(e)}"
+                said = _one_line(e)
+                if "more than 1 value per channel" in said:     # BatchNorm training on one example
+                    return (f"--microbatch {batch}: {where} (a BatchNorm) cannot train on one value "
+                            f"per channel ({said}); give --microbatch 2 or more")
+                if "must have the same dtype" in said:         # ids into a float layer, or back
+                    given = "integer token ids" if workload.kind == "tokens" else "floats"
+                    return (f"--kind {workload.kind} gives the model {given}, and {where} raised "
+                            f"{said}: give the --kind of inputs the model takes (features, image, "
+                            "tokens)")
+                return f"--input-shape {shape} does not fit the model: {where} raised: {said}"
         try:
             workload.loss_fn()(x, target)
         except Exception as e:  # noqa: BLE001 - the output does not fit the targets

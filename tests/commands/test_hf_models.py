@@ -132,6 +132,8 @@ def test_throughput_of_a_hugging_face_model_needs_no_input_shape() -> None:
                                       "--microbatch", "2", "--method", "flops"], terminal_width=200)
     assert result.exit_code == 0, (result.output, result.exception)
     assert "examples of 128 token ids (--input-shape N for another length)" in _flat(result.output)
+    # the results say the model's name, not the internal factory that builds it
+    assert "hf:llama: K=2, M=2" in _flat(result.output) and "causal_lm_layers_for" not in result.output
 
 
 def test_models_counts_a_hugging_face_config_without_building_it() -> None:

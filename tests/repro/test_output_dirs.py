@@ -162,6 +162,8 @@ def own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
             return [shared, nn.ReLU(), shared, nn.Linear(32, 10)]
         def as_dict():
             return {"a": nn.Linear(32, 10)}
+        def normed():
+            return [nn.Linear(32, 16), nn.BatchNorm1d(16), nn.Linear(16, 10)]
         NOT_CALLABLE = 3
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -173,6 +175,11 @@ def own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 @pytest.mark.parametrize("args, says", [
     (["--model", "{m}:layers", "--input-shape", "31"],
      "--input-shape (31) does not fit the model: its first layer raised: RuntimeError"),
+    # the option to change named: a BatchNorm on one example, token ids into a float layer
+    (["--model", "{m}:normed", "--input-shape", "32", "--microbatch", "1"],
+     "--microbatch 1: its layer 1 (BatchNorm1d) (a BatchNorm) cannot train on one value per channel"),
+    (["--model", "{m}:layers", "--input-shape", "32", "--kind", "tokens"],
+     "--kind tokens gives the model integer token ids, and its first layer raised"),
     (["--model", "{m}:layers", "--input-shape", "-3"], "--input-shape takes sizes >= 1"),
     (["--model", "{m}:layers", "--input-shape", "0"], "--input-shape takes sizes >= 1"),
     (["--model", "{m}:notseq", "--input-shape", "32"], "must return an nn.Sequential or a list of "
