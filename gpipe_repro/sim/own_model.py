@@ -36,7 +36,7 @@ from gpipe_repro.engine.partition import OBJECTIVES
 from gpipe_repro.engine.schedule import CHECKPOINT_MODES, make_schedule
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.host import HostWatch, busy_readings, fast_share, is_clean, usable_cores
-from gpipe_repro.report.measurement import Figure
+from gpipe_repro.report.measurement import Figure, median_interval
 from gpipe_repro.sim import in_situ as situ
 from gpipe_repro.sim.calibration import Calibration, calibrate
 from gpipe_repro.sim.error import error_figure, paired_error_figure
@@ -126,9 +126,13 @@ class OwnModelResult:
             spread = (f" in {self.rounds} rounds, the costs calibrated again before each, each "
                       "round's steps against its own costs"
                       if self.rounds > 1 else "")
+            steps = self.measured_step_times_s or [self.measured_step_time_s]
+            low, high, how = median_interval(steps, per="steps")
+            interval = (f" [{low * 1e3:.1f}, {high * 1e3:.1f}]" if low is not None and high is not None
+                        else "")
             lines.append(f"  measured on {self.K} stage processes: step "
-                         f"{self.measured_step_time_s * 1e3:.1f} ms (median of "
-                         f"{len(self.measured_step_times_s or [0])} steps{spread}){busy}")
+                         f"{self.measured_step_time_s * 1e3:.1f} ms{interval} (median of "
+                         f"{len(steps)} steps{spread}; interval: {how}){busy}")
             if record:
                 raw = self.error(corrected=False)
                 assert raw is not None

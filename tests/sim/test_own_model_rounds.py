@@ -58,6 +58,8 @@ def test_each_round_calibrates_afresh_its_steps_are_paired_with_its_costs_and_th
     assert result.speedup == pytest.approx(first.speedup)   # both sides from one calibration
     text = result.describe()
     assert "median of 6 steps in 3 rounds, the costs calibrated again before each" in text
+    # the measured step with its interval, as every measured figure (the steps: 0.8, 1.0, 1.2 s twice)
+    assert "step 1000.0 ms [800.0, 1200.0] (median of 6 steps" in text and "interval: " in text
     # the least idle round decides, and the page says what it saw instead of "not clean"
     assert "host busy or slow: idle 83%" in text and "the error's interval spans it" in text
 
