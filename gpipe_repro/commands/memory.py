@@ -49,42 +49,29 @@ MODEL_HELP = ("the model: a family (gpipe-repro models lists them), hf:<family> 
               "the plan's header says what it planned)")
 
 
-#: The optimizers a plan can assume (--optimizer): each updates a cell's parameters in one
-#: multi-tensor pass (CUDA's default), and what it keeps per fp32 parameter beside weight and gradient.
-OPTIMIZERS: dict[str, tuple[str, str]] = {
-    "sgd": ("SGD", "no state: 8 bytes a parameter in fp32"),
-    "momentum": ("SGD with momentum", "1 state: 12 bytes a parameter in fp32"),
-    "rmsprop": ("RMSProp", "1 state: 12 bytes a parameter in fp32"),
-    "adam": ("Adam", "2 states: 16 bytes a parameter in fp32"),
-    "adamw": ("AdamW", "2 states: 16 bytes a parameter in fp32"),
-}
-OPTIMIZER_HELP = ("the optimizer the training runs, for its state: " + ", ".join(OPTIMIZERS)
-                  + " (default rmsprop, the paper's)")
+OPTIMIZER_HELP = ("the optimizer the training runs, for its state: sgd, momentum, rmsprop, adam, adamw "
+                  "(default rmsprop, the paper's)")
 
 
 def optimizer_state(name: str) -> str:
-    """What a plan says it assumed of the optimizer."""
-    title, state = OPTIMIZERS[name]
+    """What a plan says it assumed of the optimizer (memory.profile.OPTIMIZERS)."""
+    from gpipe_repro.memory.profile import OPTIMIZERS
+    _, title, state = OPTIMIZERS[name]
     return f"optimizer state as {title}'s (weight + gradient + {state})"
 
 
-def _optimizer(name: str) -> Any:
-    """The optimizer factory the planner runs (on fake tensors) for `name`."""
-    import functools
+def check_optimizer(name: str) -> None:
+    """Refuse an --optimizer the plans do not know (before any work)."""
+    from gpipe_repro.memory.profile import OPTIMIZERS
+    one_of("--optimizer", name, tuple(OPTIMIZERS))
 
-    import torch
-    factory = {"sgd": functools.partial(torch.optim.SGD, lr=1e-3, foreach=True),
-               "momentum": functools.partial(torch.optim.SGD, lr=1e-3, momentum=0.9, foreach=True),
-               "rmsprop": functools.partial(torch.optim.RMSprop, lr=1e-3, foreach=True),
-               "adam": functools.partial(torch.optim.Adam, lr=1e-3, foreach=True),
-               "adamw": functools.partial(torch.optim.AdamW, lr=1e-3, foreach=True)}
-    return factory[name]
 
 def _planner(family: str, batch: Optional[int], extra: list[str], attention: str,
              command: str = "fit", optimizer: str = "rmsprop") -> tuple[Any, Any]:
     from gpipe_repro.commands._hf_models import hf_workload, is_hf_model
     from gpipe_repro.commands.models import parse_options
     from gpipe_repro.memory.planner import MemoryPlanner
+    from gpipe_repro.memory.profile import OPTIMIZERS
     from gpipe_repro.memory.workloads import SUPPORTED, workload
     if not is_hf_model(family) and family not in SUPPORTED:
         own = (" A model of your own (module:function) is simulated by `gpipe-repro throughput "
@@ -103,7 +90,7 @@ def _planner(family: str, batch: Optional[int], extra: list[str], attention: str
                  "and " if "has no option" in str(e) else "")
         raise typer.BadParameter(f"{where}{e}" + (f" (`gpipe-repro {command} --help` lists the "
                                                   "command's own)" if where else "")) from e
-    planner = MemoryPlanner(layers, sample, target, loss_fn, optimizer=_optimizer(optimizer),
+    planner = MemoryPlanner(layers, sample, target, loss_fn, optimizer=OPTIMIZERS[optimizer][0],
                             attention=attention, optimizer_foreach=True)
     return work, planner
 
@@ -217,7 +204,7 @@ def register(app: typer.Typer) -> None:
         positive("--batch-size", batch)
         positive_number("--memory", memory, "GiB")
         one_of("--attention", attention, ("fused", "math"))
-        one_of("--optimizer", optimizer, tuple(OPTIMIZERS))
+        check_optimizer(optimizer)
         cuts = int_list("--balance", balance, "3,4,4,3") if balance else None
         try:    # the schedule's own rules (M, K, the split count) before any model is built
             from gpipe_repro.engine.schedule import make_schedule
@@ -302,7 +289,7 @@ def register(app: typer.Typer) -> None:
         from gpipe_repro.sim.links import LINK_NAMES
         one_of("--link", link, LINK_NAMES)
         one_of("--attention", attention, ("fused", "math"))
-        one_of("--optimizer", optimizer, tuple(OPTIMIZERS))
+        check_optimizer(optimizer)
         ms = int_list("--m", micro_batches) if micro_batches else None
         if ms is not None and min(ms) < 1:
             raise typer.BadParameter(f"--m candidates must be >= 1, got {micro_batches}")

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from gpipe_repro.commands.memory import OPTIMIZER_HELP, check_optimizer, optimizer_state
 from gpipe_repro.commands.options import EXPERIMENTS
 
 
@@ -28,6 +29,7 @@ def register(app: typer.Typer) -> None:
                 8, "--devices-per-host", help="devices per host: whole pipelines share a host (K divides "
                      "it) or a pipeline spans whole hosts (K a multiple of it)"),
             algorithm: str = typer.Option("ring", "--algorithm", help="all-reduce: ring | tree"),
+            optimizer: str = typer.Option("rmsprop", "--optimizer", help=OPTIMIZER_HELP),
             micro_batches: Optional[str] = typer.Option(None, "--m",
                                                         help="M candidates, e.g. 4,8,32"),
             top: int = typer.Option(6, "--top", help="candidates to show")) -> None:
@@ -36,7 +38,7 @@ def register(app: typer.Typer) -> None:
         from gpipe_repro.commands.models import parse_options
         from gpipe_repro.commands.options import int_list, one_of, positive, positive_number
         from gpipe_repro.memory.planner import GiB, MemoryPlanner
-        from gpipe_repro.memory.profile import rmsprop_foreach
+        from gpipe_repro.memory.profile import OPTIMIZERS
         from gpipe_repro.memory.replicas_plan import plan_replicas
         from gpipe_repro.memory.workloads import workload
         from gpipe_repro.sim.links import LINK_NAMES, get_link
@@ -51,6 +53,7 @@ def register(app: typer.Typer) -> None:
         positive_number("--tflops", tflops, "TFLOP/s")
         one_of("--link", link, LINK_NAMES)
         one_of("--algorithm", algorithm, ("ring", "tree"))
+        check_optimizer(optimizer)
         ms = int_list("--m", micro_batches) if micro_batches else None
         if ms is not None and min(ms) < 1:
             raise typer.BadParameter(f"--m candidates must be >= 1, got {micro_batches}")
@@ -60,7 +63,7 @@ def register(app: typer.Typer) -> None:
         except (ValueError, TypeError) as e:
             raise typer.BadParameter(str(e)) from e
         from gpipe_repro.memory.profile import LayerNotTraceable
-        planner = MemoryPlanner(*inputs, optimizer=rmsprop_foreach, optimizer_foreach=True)
+        planner = MemoryPlanner(*inputs, optimizer=OPTIMIZERS[optimizer][0], optimizer_foreach=True)
         left_out: dict[int, str] = {}
         try:
             cands = plan_replicas(planner, devices, memory * GiB, get_link(link), tflops * 1e12,
@@ -72,7 +75,7 @@ def register(app: typer.Typer) -> None:
             print(f"not planned: {why}")
         print(f"{work.describe()}: {devices} devices of {memory:g} GiB, {tflops:g} TFLOP/s, "
               f"{devices_per_host} per host, {algorithm} all-reduce; replica mini-batch "
-              f"{planner.batch} (simulated)")
+              f"{planner.batch}; {optimizer_state(optimizer)} (simulated)")
         print(f"{'K':>4} {'R':>5} {'M':>4} {'checkpoint':<12} {'fits':<4} {'peak GiB':>8} "
               f"{'samples/s':>10}  why")
         for c in cands[:top]:

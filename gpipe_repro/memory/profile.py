@@ -63,6 +63,37 @@ def rmsprop_foreach(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.RMSprop(params, lr=1e-3, foreach=True)
 
 
+def sgd_foreach(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """Plain SGD (no state), in one multi-tensor pass."""
+    return torch.optim.SGD(params, lr=1e-3, foreach=True)
+
+
+def momentum_foreach(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD with momentum (one state slot), in one multi-tensor pass."""
+    return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True)
+
+
+def adam_foreach(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """Adam (two state slots and a step count per parameter), in one multi-tensor pass."""
+    return torch.optim.Adam(params, lr=1e-3, foreach=True)
+
+
+def adamw_foreach(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW (Adam's state), in one multi-tensor pass."""
+    return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+
+
+#: The optimizers a plan can hold the state of, by the name `fit`, `plan` and `plan-replicas` take
+#: (``--optimizer``): (factory, title, what it keeps per fp32 parameter beside weight and gradient).
+OPTIMIZERS: dict[str, tuple[OptimizerFactory, str, str]] = {
+    "sgd": (sgd_foreach, "SGD", "no state: 8 bytes a parameter in fp32"),
+    "momentum": (momentum_foreach, "SGD with momentum", "1 state: 12 bytes a parameter in fp32"),
+    "rmsprop": (rmsprop_foreach, "RMSProp", "1 state: 12 bytes a parameter in fp32"),
+    "adam": (adam_foreach, "Adam", "2 states: 16 bytes a parameter in fp32"),
+    "adamw": (adamw_foreach, "AdamW", "2 states: 16 bytes a parameter in fp32"),
+}
+
+
 @dataclass(frozen=True)
 class LayerProfile:
     """One layer on one input signature (bytes; see the module docstring)."""

@@ -24,6 +24,7 @@ user's in `images/`, `tables/` or `wandb/` is never the run's (:func:`run_files`
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -172,14 +173,13 @@ class RunDirectory:
         check_run_dir(path, task, resume=resume, overwrite=overwrite)   # before making anything
         self.path, self.task = path, task
         self.created = not path.exists()     # by this run: removed again if it never starts
+        what = "give --out a directory this user can write, or --name for a fresh runs/<name>"
         try:
             path.mkdir(parents=True, exist_ok=True)
-            probe = path / f".{MANIFEST}.{os.getpid()}.probe"
-            probe.touch()                     # a read-only directory fails here, before any work
-            probe.unlink()
         except OSError as e:
-            raise OSError(e.errno, f"cannot write the run directory {path} ({e.strerror}): give --out a "
-                                   "directory this user can write, or --name for a fresh runs/<name>") from e
+            raise OSError(e.errno, f"cannot write the run directory {path} ({e.strerror}): {what}") from e
+        if not os.access(path, os.W_OK):     # read-only (a mount, or a mode), before any work
+            raise PermissionError(errno.EACCES, f"cannot write the run directory {path}: {what}")
         self._lock: int | None = _claim(path)
         try:                                 # again, now that no other process can change it
             check_run_dir(path, task, resume=resume, overwrite=overwrite)

@@ -56,6 +56,7 @@ def test_planner_mistakes_are_usage_errors_before_any_work(no_planning: None, ar
 
 @pytest.mark.parametrize("args, says", [
     (["plan-replicas", "transformer-lm", "--algorithm", "x"], "--algorithm must be one of ring, tree"),
+    (["plan-replicas", "transformer-lm", "--optimizer", "lion"], "--optimizer must be one of sgd, momentum"),
     (["plan-replicas", "transformer-lm", "--tflops", "0"], "--tflops must be a number > 0"),
     (["plan-replicas", "transformer-lm", "--link", "x"], "--link must be one of"),
     (["plan-replicas", "transformer-lm", "--m", "4,x"], "--m takes integers"),
