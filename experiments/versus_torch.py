@@ -15,9 +15,16 @@ Two parts:
   per stage with the embedding and the head on the end stages (torchtitan's cut). M = 4, 8; target:
   ours-best / torch-best >= 1.10.
 
-Every schedule of each side runs in every round (those the side refuses for a configuration are
-listed, with the reason); ours-best and torch-best are the fastest by median, and their figure is
-the median of the per-round paired ratios (torch time / ours time) with its 95% interval. Writes
+Each group runs in two phases of alternating rounds. Selection: every schedule of each side (those
+the side refuses for a configuration are listed, with the reason) in ``--select-rounds`` rounds;
+the ``--finalists`` fastest of each side by median go on. Record: the finalists alone, in rounds
+until their intervals are within tolerance or the group's share of ``--budget`` is spent; with
+four items instead of a dozen a round is three times shorter, so the same budget gives three times
+the pairs (the figure of record comes from these rounds only, not from the ones that chose them:
+no winner's curse; among two finalists per side, the faster by median is each side's best, a
+choice made alike on both sides). ``--finalists 0`` keeps every schedule in every round, as one
+phase. Ours-best and torch-best are the fastest by median, and their figure is the median of the
+per-round paired ratios (torch time / ours time) with its 95% interval. Writes
 results/schedules/versus_torch.{json,md} (rows ``model, heterogeneous, K, M, batch, ours_best,
 torch_best, ratio, ci_low, ci_high``); it refuses to write the results of record (the checkout's
 results/, not $GPIPE_REPRO_RESULTS) from a tree whose tracked files differ from its commit.
@@ -182,10 +189,19 @@ def bench_processes(cfg: dict[str, Any]) -> dict[str, Any]:
             x, y = model(name).sample(rows, cfg["tiny"])
         items, refused, cuts = group_items(cfg, name, rank, m, x, y)
         gain = cut_gain(model(name), x, y, m, cfg["tiny"]) if name != "mlp" and rank == 0 else None
-        measurement = rounds_in_processes(items, [], rule, x, y, warmup=cfg["warmup"],
-                                          label=f"versus-torch {name} {rows}/{m}")
-        out[f"{name}/{rows}/{m}"] = {"measurement": measurement, "refused": refused, "cuts": cuts,
-                                     "cut_gain": gain}
+        label = f"versus-torch {name} {rows}/{m}"
+        selection = None
+        if cfg["finalists"]:
+            select_rule = StopRule(min_rounds=cfg["select_rounds"], max_rounds=cfg["select_rounds"],
+                                   budget_s=rule.budget_s, tolerance=rule.tolerance)
+            selection = rounds_in_processes(items, [], select_rule, x, y, warmup=cfg["warmup"],
+                                            label=f"{label} selection")
+            kept = _agreed(finalists(selection, cfg["finalists"]) if selection is not None else None)
+            items = {n: items[n] for n in kept}
+        measurement = rounds_in_processes(items, [], rule, x, y,
+                                          warmup=0 if cfg["finalists"] else cfg["warmup"], label=label)
+        out[f"{name}/{rows}/{m}"] = {"measurement": measurement, "selection": selection,
+                                     "refused": refused, "cuts": cuts, "cut_gain": gain}
         if measurement is not None:     # rank 0: the group's row now, in case a later group fails
             row = rows_of({f"{name}/{rows}/{m}": out[f"{name}/{rows}/{m}"]})[0]
             print(f"{COMMAND} {name} batch {rows} M={m}: {row['ours_best']} / {row['torch_best']} "
@@ -194,6 +210,29 @@ def bench_processes(cfg: dict[str, Any]) -> dict[str, Any]:
                   + (f"; same cut {row['same_cut']}" if row["same_cut"] else ""), flush=True)
         del items
     return out
+
+
+def finalists(selection: dict[str, Any], per_side: int) -> list[str]:
+    """The items the record's rounds keep: each side's `per_side` fastest by median in the selection
+    rounds, and every item timed on torchtitan's cut with PyTorch's same schedule beside it."""
+    times = Measurement.from_json(selection).times
+    kept = []
+    for side in ("ours:", "torch:"):
+        kept += sorted((n for n in times if n.startswith(side)), key=lambda n: times[n].value)[:per_side]
+    for ours, theirs in SAME_CUT.items():
+        if f"same-cut:{ours}" in times and f"torch:{theirs}" in times:
+            kept += [f"same-cut:{ours}", f"torch:{theirs}"]
+    return list(dict.fromkeys(kept))
+
+
+def _agreed(names: list[str] | None) -> list[str]:
+    """Rank 0's `names` on every rank."""
+    import torch.distributed as dist
+
+    box = [names]
+    dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None
+    return box[0]
 
 
 def cut_gain(spec: Any, x: torch.Tensor, y: torch.Tensor, m: int, tiny: bool) -> dict[str, Any]:
@@ -249,12 +288,18 @@ def rows_of(per_group: dict[str, Any]) -> list[dict[str, Any]]:
         heterogeneous = name != "mlp"
         ours, theirs, ratio = best_against_best(result, TARGET_HETEROGENEOUS if heterogeneous
                                                 else TARGET_UNIFORM)
+        chosen_from = (Measurement.from_json(data["selection"]) if data.get("selection") is not None
+                       else result)
         rows.append({"model": name, "heterogeneous": heterogeneous, "K": 2, "M": int(m), "batch": int(rows_n),
                      "ours_best": ours.removeprefix("ours:"), "torch_best": theirs.removeprefix("torch:"),
                      "ratio": ratio.value, "ci_low": ratio.low, "ci_high": ratio.high,
                      "target": ratio.target, "verdict": ratio.verdict, "rounds": ratio.rounds,
                      "host_fast": ratio.host_fast, "ratio_figure": ratio.to_json(),
                      "times_ms": {n: round(f.value * 1e3, 2) for n, f in result.times.items()},
+                     "finalists": sorted(result.times) if chosen_from is not result else None,
+                     "selection_rounds": chosen_from.rounds if chosen_from is not result else None,
+                     "selection_times_ms": {n: round(f.value * 1e3, 2)
+                                            for n, f in chosen_from.times.items()},
                      "our_cuts": data["cuts"], "not_applicable": data["refused"],
                      "cut_gain": data.get("cut_gain"),
                      "same_cut": same_cut(result)})
@@ -277,6 +322,9 @@ def page(rows: list[dict[str, Any]], tiny: bool, host: dict[str, Any]) -> str:
     same = [f"- {r['model']} M={r['M']}, {s}: ours {v['ours_ms']} ms, torch {v['torch_ms']} ms, ratio "
             f"{cell(v['ratio'])}x [{cell(v['ci_low'])}, {cell(v['ci_high'])}]"
             for r in rows for s, v in r.get("same_cut", {}).items()]
+    selection = [f"- {r['model']} batch {r['batch']} M={r['M']}: " + ", ".join(
+        f"{n} {t}" for n, t in sorted(r["selection_times_ms"].items(), key=lambda kv: kv[1]))
+        for r in rows if r.get("finalists")]
     refused = sorted({f"{r['model']} M={r['M']}, {n}: {why}"
                       for r in rows for n, why in r["not_applicable"].items()})
     models = "\n".join(f"- {spec.name}: {spec.description}" for spec in MODELS.values())
@@ -285,7 +333,14 @@ def page(rows: list[dict[str, Any]], tiny: bool, host: dict[str, Any]) -> str:
         + (", TINY RUN: not of record)" if tiny else ")"),
         "ratio = torch-best step time / ours-best step time, the median over alternating rounds with its "
         "95% bootstrap interval (a busy host widens it; the verdict is met only where the interval's "
-        "lower bound reaches the target). Uniform: the MLP of bench-schedules on the same equal cells "
+        "lower bound reaches the target). "
+        + (f"Each group's schedules ran {rows[0]['selection_rounds']} alternating selection round(s) "
+           f"together; the {sum(n.startswith('ours:') for n in rows[0]['finalists'])} fastest of each "
+           "side by median went on alone to the rounds of record "
+           "(`rounds`), which give every figure here (none from the rounds that chose them); "
+           "`selection` lists each schedule's median step in the selection rounds. "
+           if rows and rows[0].get("finalists") else "")
+        + "Uniform: the MLP of bench-schedules on the same equal cells "
         "both sides. Heterogeneous: ours cut automatically by measured time (`GPipe(..., sample=x, "
         "sample_target=y)`, the loss timed with the last layer; zero bubble with "
         "`split_backwards=\"auto\"`, its split where those timings say it pays); "
@@ -306,6 +361,8 @@ def page(rows: list[dict[str, Any]], tiny: bool, host: dict[str, Any]) -> str:
            "ceiling of a lead that comes from the partition):\n" + "\n".join(gains)] if gains else []),
         *(["Ours on torchtitan's cut against PyTorch's same schedule (torch / ours):\n" + "\n".join(same)]
           if same else []),
+        *(["Selection rounds, each schedule's median step (ms), fastest first:\n" + "\n".join(selection)]
+          if selection else []),
         "Not applicable:\n" + ("\n".join(f"- {x}" for x in refused) or "- none")])
 
 
@@ -321,9 +378,15 @@ def main(models: str = typer.Option(",".join(MODELS), help=f"comma-separated, of
          same_cut_part: bool = typer.Option(False, "--same-cut/--no-same-cut",
                                             help="also time ours on torchtitan's cut (gpipe, 1f1b) "
                                             "against PyTorch's same schedule"),
+         finalists_per_side: int = typer.Option(2, "--finalists", min=0,
+                                                help="schedules of each side that the rounds of record "
+                                                "keep after the selection rounds (0: every schedule "
+                                                "in every round)"),
+         select_rounds: int = typer.Option(3, min=1, help="rounds of every schedule that choose the "
+                                           "finalists"),
          tiny: bool = typer.Option(False, "--tiny", help="tiny sizes and rounds to check that everything "
                                    "runs (seconds); nothing is written"),
-         budget: Budget = 300.0, tolerance: Tolerance = 0.02, min_rounds: MinRounds = 5,
+         budget: Budget = 600.0, tolerance: Tolerance = 0.02, min_rounds: MinRounds = 5,
          max_rounds: MaxRounds = 30) -> None:
     """Ours against torch.distributed.pipelining, best schedule against best, K=2."""
     chosen = [m for m in models.split(",") if m]
@@ -336,7 +399,7 @@ def main(models: str = typer.Option(",".join(MODELS), help=f"comma-separated, of
     except ValueError as e:
         raise typer.BadParameter(f"{ms!r}: give whole numbers, e.g. 4,8", param_hint="--ms") from e
     if tiny:
-        budget, min_rounds, max_rounds, micro = 10.0, 3, 3, [2]
+        budget, min_rounds, max_rounds, micro, select_rounds = 10.0, 3, 3, [2], 1
     from gpipe_repro.report.host import usable_cores
     from gpipe_repro.report.provenance import git_state
 
@@ -344,7 +407,8 @@ def main(models: str = typer.Option(",".join(MODELS), help=f"comma-separated, of
     write = not tiny
     check_publish("schedules", "versus_torch", COMMAND, write=write)
     cfg: dict[str, Any] = {"models": chosen, "uniform_part": uniform, "ms": micro, "tiny": tiny,
-                           "warmup": warmup, "same_cut": same_cut_part,
+                           "warmup": warmup, "same_cut": same_cut_part, "finalists": finalists_per_side,
+                           "select_rounds": select_rounds,
                            "uniform": TINY_UNIFORM if tiny else UNIFORM}
     rule = stop_rule(budget, tolerance, min_rounds, max_rounds, groups=len(groups(cfg)))
     cfg["rule"] = vars(rule)

@@ -96,3 +96,17 @@ def test_the_entry_point_refuses_a_dirty_tree_before_any_work(monkeypatch: pytes
     with pytest.raises(SystemExit, match="only from a clean commit"):
         versus_torch.main(models="transformer", uniform=True, ms="4,8", warmup=1, tiny=False, budget=1.0,
                           tolerance=0.02, min_rounds=1, max_rounds=1)
+
+
+def test_finalists_keep_each_sides_fastest_and_the_same_cut_pairs() -> None:
+    from experiments.versus_torch import finalists
+    from gpipe_repro.report.measurement import Figure, Measurement
+
+    medians = {"ours:gpipe": 3.0, "ours:1f1b": 1.0, "ours:zb-h1": 2.0, "torch:ScheduleGPipe": 5.0,
+               "torch:Schedule1F1B": 4.0, "torch:ScheduleDualPipeV": 6.0, "same-cut:gpipe": 9.0}
+    times = {n: Figure.of(n, [t, t]) for n, t in medians.items()}
+    selection = Measurement({}, times, 2, "max rounds", 1.0, None).to_json()
+    assert finalists(selection, 2) == ["ours:1f1b", "ours:zb-h1", "torch:Schedule1F1B",
+                                       "torch:ScheduleGPipe", "same-cut:gpipe"]
+    assert finalists(selection, 1) == ["ours:1f1b", "torch:Schedule1F1B", "same-cut:gpipe",
+                                       "torch:ScheduleGPipe"]
