@@ -8,7 +8,7 @@ export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help venv test test-core test-host-data lint throughput-table throughput-reproducibility memory-table validate-sim validate-unseen bench-overhead bench-runtime \
-        bench-replicas bench-schedules versus-torch bench-latency replicas-plan-table deep-vs-wide train-amoebanet corpus baseline \
+        bench-replicas bench-schedules versus-torch bench-zero-bubble bench-latency replicas-plan-table deep-vs-wide train-amoebanet corpus baseline \
         gpu-check check-speedups check-regression-detector results device-results bench-compile clean
 
 help:
@@ -26,6 +26,7 @@ help:
 	@echo "make replicas-plan-table  K x R x M for Transformer-L / AmoebaNet-D on 8-2048 devices (simulated)"
 	@echo "make bench-schedules   every schedule of ours vs every torch.distributed.pipelining schedule, K=2"
 	@echo "make versus-torch      ours vs torch.distributed.pipelining, each used its default way, K=2, results/schedules/versus_torch.*"
+	@echo "make bench-zero-bubble zb-h1 and zb-v vs 1f1b on the validations' models, K=2, results/schedules/zero_bubble.*"
 	@echo "make bench-compile     torch.compile vs eager (GPipe and plain), launch-bound M=32, host sync, results/compile/ (DEVICE=cuda on a GPU)"
 	@echo "make bench-latency     seconds of fit (80B Transformer) and of an offline W&B run vs targets, host load"
 	@echo "make train-amoebanet   AmoebaNet-B on the offline MNIST sample (CPU preset)"
@@ -128,6 +129,9 @@ bench-schedules: $(STAMP)
 
 versus-torch: $(STAMP)
 	$(PY) -m experiments.versus_torch $(if $(BUDGET),--budget $(BUDGET))
+
+bench-zero-bubble: $(STAMP)
+	$(PY) -m experiments.bench_zero_bubble $(if $(BUDGET),--budget $(BUDGET))
 
 DEVICE ?=
 bench-compile: $(STAMP)

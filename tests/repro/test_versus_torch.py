@@ -110,3 +110,4 @@ def test_finalists_keep_each_sides_fastest_and_the_same_cut_pairs() -> None:
                                        "torch:ScheduleGPipe", "same-cut:gpipe"]
     assert finalists(selection, 1) == ["ours:1f1b", "torch:Schedule1F1B", "same-cut:gpipe",
                                        "torch:ScheduleGPipe"]
+

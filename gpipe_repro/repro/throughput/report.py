@@ -428,7 +428,10 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
                  "is faster; each schedule on its own cut, a zero-bubble one with the cut and the "
                  "count of split backwards, the last micro-batches', whose simulated step from the "
                  "calibration is shortest: sim/split_choice). Target: lower bound >= 1.00 on every "
-                 f"row; met on {met} of {len(figures)}.\n\n" + markdown_table(
+                 f"row; met on {met} of {len(figures)}. These are the validation's few pairs; the "
+                 "same comparison on every model of both validations, one step of each schedule "
+                 "per round for tens of rounds, is `make bench-zero-bubble` "
+                 "([zero_bubble.md](../schedules/zero_bubble.md)).\n\n" + markdown_table(
                      ["model", "K", "checkpoint", "M", "schedule", "split", "cut", "1f1b's cut",
                       "1f1b / zero bubble [95%]", "pairs"],
                      [[v["model"], v.get("K", "-"), v["checkpoint"], v["M"], v["schedule"],
