@@ -33,6 +33,7 @@ from gpipe_repro.engine.schedule import (
     make_schedule,
     num_processes,
 )
+from gpipe_repro.engine.stand_ins import shown_to_optimizer
 
 __all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_auto_split",
            "check_materialized",
@@ -335,13 +336,17 @@ def check_sample_target(sample: Any, sample_target: Any, loss_fn: Any,
     return loss_fn, sample_target
 
 
-def build_optimizer(factory: Any, cell: nn.Module, stage: int) -> torch.optim.Optimizer:
+def build_optimizer(factory: Any, cell: nn.Module, stage: int,
+                    tied_originals: Mapping[int, nn.Parameter] | None = None) -> torch.optim.Optimizer:
     """``factory(cell's parameters)``, refused before any step where it is not an optimizer of those
     parameters: None (a factory that forgot its ``return``: nothing would ever update), or one
     holding parameters of other cells (built over ``model.parameters()`` rather than the parameters
-    given: every cell's optimizer would update them, once per cell)."""
+    given: every cell's optimizer would update them, once per cell). A tied parameter's copy is
+    shown to the factory as its original (`tied_originals`: id of a copy -> the original;
+    :func:`~gpipe_repro.engine.stand_ins.shown_to_optimizer`), so param groups chosen by identity
+    give every copy the original's settings."""
     params = list(cell.parameters())
-    optimizer = factory(params)
+    optimizer = shown_to_optimizer(factory, params, tied_originals or {})
     if optimizer is None or not callable(getattr(optimizer, "step", None)) \
             or not isinstance(getattr(optimizer, "param_groups", None), list):
         what = "None" if optimizer is None else f"a {type(optimizer).__name__}"

@@ -57,6 +57,7 @@ from gpipe_repro.engine.runtime import Runtime, build_runtime
 from gpipe_repro.engine.schedule import Schedule, gpipe_schedule, make_schedule
 from gpipe_repro.engine.split_count import cut_and_split
 from gpipe_repro.engine.stage import LossFn, StageExecutor
+from gpipe_repro.engine.stand_ins import StandIns
 from gpipe_repro.engine.tied import refuse_diverging_copies, refuse_hooked_copies, uncounted_names, untie
 from gpipe_repro.engine.timeline import Timeline
 
@@ -235,10 +236,14 @@ class GPipe(nn.Module):
         placement.check_same_on_every_rank((balance, len(layer_list), seed), "balance, layer count "
                                            "and seed")
 
+        given = list(layer_list)
         if deferred_batchnorm:
             layer_list = [DeferredBatchNorm.convert(layer) for layer in layer_list]
         cells = split_cells(layer_list, balance)
         self.ties = untie(cells)   # a parameter held by several cells: one copy per cell (engine.tied)
+        # what the cells run in place of the caller's modules and parameters follows them (stand_ins)
+        self._stand_ins = StandIns(given, cells)
+        tied_originals = self._stand_ins.copies()
         placement.check_same_weights(cells, self.ties)
         self._eval_batch_statistics = BatchStatisticsInEval(layer_list)
         # runtime="distributed": this process's index in its pipeline: its stage, or with
@@ -251,6 +256,7 @@ class GPipe(nn.Module):
                 devices = [placement.context.device] * partitions
             # This process runs only its own cells; the others' layers are not kept.
             cells = [c if s in self.stages_here else nn.Sequential() for s, c in enumerate(cells)]
+            self._stand_ins.keep_only(cells)
         if devices is None:
             devices = [next(iter(c.parameters()), torch.empty(0)).device for c in cells]
         self.devices = [torch.device(d) for d in devices]
@@ -267,13 +273,11 @@ class GPipe(nn.Module):
         # cross-entropy's mean divides by the weight of the targets that count (engine.losses)
         stage_loss, self._loss_denominator = exact_mean(loss_fn)
         # a loss that declares no reduction is assumed a per-row mean, and one declared by a forward
-        # of the user's is taken at its word: both checked during the first step (one micro-batch on
-        # one replica is the whole batch: any loss is then plain training's)
+        # of the user's is taken at its word: both checked during the first step that splits the
+        # mini-batch (one micro-batch on one replica is the whole batch: any loss is plain training's)
         declared = declared_reduction(loss_fn)
-        if loss_fn is not None and loss_reduction is None and micro_batches * replicas > 1 \
-                and (declared is None or own_forward(loss_fn)):
-            stage_loss = ReductionCheck(stage_loss, checked_calls=2 * micro_batches * replicas,
-                                        declared=declared)
+        if loss_fn is not None and loss_reduction is None and (declared is None or own_forward(loss_fn)):
+            stage_loss = ReductionCheck(stage_loss, self._parts, declared=declared)
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.precision = precision
         self.loss_scaler = LossScaler(enabled=precision == "fp16")
@@ -282,8 +286,9 @@ class GPipe(nn.Module):
         factory = None if optimizer is _NOT_GIVEN else optimizer
         # One optimizer per cell; a cell with no parameters (e.g. only activations) has none.
         self.optimizers: list[torch.optim.Optimizer | None] = [
-            build_optimizer(factory, c, s) if factory and any(True for _ in c.parameters()) else None
-            for s, c in enumerate(self.cells)]
+            build_optimizer(factory, c, s, tied_originals) if factory and any(True for _ in c.parameters())
+            else None for s, c in enumerate(self.cells)]
+        self._stand_ins.updated()     # the cells were moved where they run: their values are the given
         self.seed, self.step = int(seed), 0
         self._forward_calls = 0
         self.last_timeline: Timeline | None = None
@@ -298,6 +303,10 @@ class GPipe(nn.Module):
                                               replicas=replicas, bucket_cap_mb=bucket_cap_mb,
                                               batchnorm_stats=batchnorm_stats)
         self.distributed = placement.plugin is not None
+
+    def _parts(self) -> int:
+        """The micro-batches a mini-batch is split into, over every replica (its loss checks)."""
+        return self.micro_batches * self.replicas
 
     # -- the runtime ------------------------------------------------------------------------------
     @property
@@ -358,6 +367,7 @@ class GPipe(nn.Module):
                              "torch.optim.SGD(params, lr=0.1)); pass optimizer=None to compute "
                              "gradients without updating")
         refuse_hooked_copies(self.ties, {s: c for s, c in enumerate(self.cells) if s in self.stages_here})
+        self._stand_ins.follow()     # what the caller changed in its own modules since
         # before any work: every rank of a distributed pipeline has the same mini-batch
         self.runtime.check_same_batch((batch_key(inputs, targets), self.micro_batches, self.training))
         mbs, tgts, sizes = microbatch.split_minibatch(inputs, targets, self.micro_batches, self.replicas)
@@ -370,6 +380,7 @@ class GPipe(nn.Module):
         for e in self.runtime.executors:   # the optimizers as they are now (one may have been replaced)
             e.optimizer = self.optimizers[e.stage]
         agreement = self.runtime.train_step(schedule, self.step, mbs, tgts, weights, config)
+        self._stand_ins.updated()
         self.last_timeline = self.runtime.last_timeline
         self.step += 1
         self._last_agreement = agreement
@@ -400,6 +411,7 @@ class GPipe(nn.Module):
         output depends on M (BatchNorm normalizes per micro-batch), so, as for ``train_step``, a batch
         smaller than M is an error; each call draws fresh dropout masks."""
         n = microbatch.batch_size(inputs)
+        self._stand_ins.follow()     # what the caller changed in its own modules since
         # before any work: every rank of a distributed pipeline has the same batch
         self.runtime.check_same_batch((batch_key(inputs, None), self.micro_batches, self.training))
         if self.replicas > 1:   # each replica infers on its slice; the outputs are joined in order

@@ -139,8 +139,11 @@ def own_forward(loss_fn: Any) -> bool:
 
 class ReductionCheck:
     """`loss_fn`, whose reduction the engine cannot read from its code (none declared, or one its own
-    ``forward`` declares: :func:`own_forward`), checked over its first `checked_calls` calls (the
-    caller gives two steps' worth: a micro-batch's loss may be computed again at its recompute) to be
+    ``forward`` declares: :func:`own_forward`), checked over two steps' worth of calls (a
+    micro-batch's loss may be computed again at its recompute) from the first call where a
+    mini-batch is split (`parts()`: its micro-batches over every replica, read at each call until
+    the checks start: a pipeline built with one micro-batch, whose loss is any loss's, and given
+    more afterwards, ``pipe.micro_batches = 4``, is checked then) to be
     the reduction the pipeline then combines micro-batches by (`declared`, "mean" where None; see the
     module docstring), wherever it returns a 0-dim tensor (a ``(sum, count)`` result is exact and ends
     the checks):
@@ -148,18 +151,22 @@ class ReductionCheck:
     - integer targets (a tensor, or one of a tuple's) holding :data:`IGNORED_TARGET`, for a mean: a
       function's mean over the targets that count (``F.cross_entropy``'s) would weigh each
       micro-batch by its rows, not by its counted targets;
-    - two rows of the micro-batch (its first and last; one row: repeated twice): a per-row mean of
-      both is the mean of each one's loss, a sum their sum. Where an undeclared loss is their sum, it
-      is refused (pass ``loss_reduction="sum"``); where the loss is not what it declares or is
-      assumed (class weights, a mean over a mask, padding marked otherwise, statistics of the batch),
-      micro-batching changes the loss, and it is refused too (``loss_reduction`` accepts combining
-      micro-batches as given, ``(sum, count)`` makes a masked mean exact). Two rows that agree (no
-      padding in either, equal class weights) cannot tell, so the check runs on every micro-batch of
-      the first step; one whose rows cannot be cut (no output tensor with the target's rows, a loss
-      that fails on fewer rows) is skipped, and so is one whose two rows taken the other way round
-      give another loss (the output's dim 0 is not its rows: a time-first (T, n, ...) output with
-      T = n). The targets' rows are cut as the micro-batches are (every tensor of a tuple along its
-      first dimension). The probe's memory is the loss of two rows, whatever the micro-batch;
+    - three rows of the micro-batch (its first, middle and last; two rows: both; one row: repeated
+      twice), in float64 where the loss computes in it: a per-row mean of them is the mean of each
+      one's loss, a sum their sum (a median or another statistic of the rows is neither, which two
+      rows could not tell: their median is their mean; a float64 probe sees a small term of batch
+      statistics, e.g. a router's load-balancing loss at 0.001, that float32's rounding hid). Where
+      an undeclared loss is their sum, it is refused (pass ``loss_reduction="sum"``); where the loss
+      is not what it declares or is assumed (class weights, a mean over a mask, padding marked
+      otherwise, statistics of the batch), micro-batching changes the loss, and it is refused too
+      (``loss_reduction`` accepts combining micro-batches as given, ``(sum, count)`` makes a masked
+      mean exact). Rows that agree (no padding in any, equal class weights) cannot tell, so the
+      check runs on every micro-batch of the first step; one whose rows cannot be cut (no output
+      tensor with the target's rows, a loss that fails on fewer rows) is skipped, and so is one
+      whose rows taken the other way round give another loss (the output's dim 0 is not its rows:
+      a time-first (T, n, ...) output with T = n). The targets' rows are cut as the micro-batches
+      are (every tensor of a tuple along its first dimension). The probe's memory is the loss of
+      three rows, whatever the micro-batch;
     - a loss that is not finite where the outputs are: a mean over no counted target (a micro-batch
       or row all padding), which the full batch's mean is not.
 
@@ -167,14 +174,18 @@ class ReductionCheck:
     changes nothing, and a call counts toward `checked_calls` only once it passed (a refused step run
     again is checked again). Each check reads the device, during the first step only."""
 
-    def __init__(self, loss_fn: Callable[..., Any], checked_calls: int, declared: str | None = None) -> None:
+    def __init__(self, loss_fn: Callable[..., Any], parts: Callable[[], int],
+                 declared: str | None = None) -> None:
         self.loss_fn = loss_fn
-        self.calls_left = checked_calls
+        self.calls_left: int | None = None     # None: not started (no mini-batch split yet)
+        self.parts = parts
         self.declared = declared
 
     def __call__(self, output: Any, target: Any) -> Any:
         result = self.loss_fn(output, target)
-        if self.calls_left > 0:
+        if self.calls_left is None and self.parts() > 1:
+            self.calls_left = 2 * self.parts()
+        if self.calls_left is not None and self.calls_left > 0:
             if not (isinstance(result, torch.Tensor) and result.dim() == 0):
                 self.calls_left = 0     # (sum, count): exact whatever the targets
                 return result
@@ -203,34 +214,24 @@ class ReductionCheck:
         if not math.isfinite(float(result.detach().float())):
             self._refuse_not_finite(output, "a micro-batch")
             return
-        # Two rows (the first and the last), each alone and together: the probe's own memory is the
-        # loss of two rows, whatever the micro-batch's size (it runs at the step's peak).
-        pair = [0, 0] if n == 1 else [0, n - 1]
-        with torch.no_grad():
-            try:
-                if n == 1:     # the row alone, and twice: a mean gives its loss again, a sum twice it
-                    parts = [result.detach()]
-                else:
-                    parts = [self.loss_fn(_rows(output, [i], n), _rows(target, [i], n)) for i in pair]
-                both = self.loss_fn(_rows(output, pair, n), _rows(target, pair, n))
-                # the same two rows the other way round: a loss of rows gives the same; where it does
-                # not, the output's dim 0 is not its rows (time-first, (T, n, ...) with T = n) or the
-                # loss depends on their order, and two rows cannot tell
-                swapped = both if n == 1 else self.loss_fn(_rows(output, pair[::-1], n),
-                                                           _rows(target, pair[::-1], n))
-            except Exception:     # a loss tied to its batch's rows (a closure over per-row weights)
-                return
-            if not all(isinstance(p, torch.Tensor) and p.dim() == 0 for p in (*parts, both, swapped)):
-                return
-            values = [float(p.float()) for p in parts] * (2 if n == 1 else 1)
-            whole, other = float(both.float()), float(swapped.float())
+        # Three rows (the first, the middle and the last), each alone and together: the probe's own
+        # memory is the loss of three rows, whatever the micro-batch's size (it runs at the step's
+        # peak). In float64 where the loss computes in it, else as the step computes it.
+        picked = [0, 0] if n == 1 else [0, n - 1] if n == 2 else [0, n // 2, n - 1]
+        probed = self._probe(output, target, picked, n, result, torch.float64)
+        if probed is None:
+            probed = self._probe(output, target, picked, n, result, None)
+        if probed is None:
+            return
+        values, whole, other, exact = probed
         if not all(math.isfinite(v) for v in (whole, other, *values)):
             self._refuse_not_finite(output, "one row of a micro-batch")
             return
-        as_mean, as_sum = sum(values) / 2, sum(values)
+        as_mean, as_sum = sum(values) / len(values), sum(values)
         low = result.dtype in (torch.float16, torch.bfloat16) or any(
             t.dtype in (torch.float16, torch.bfloat16) for t in tensors(output))
-        tolerance = (2e-2 if low else 1e-4) * max(abs(whole), *(abs(v) for v in values), 1e-30)
+        tolerance = (1e-9 if exact else 2e-2 if low else 1e-4) * max(abs(whole), *(abs(v) for v in values),
+                                                                      1e-30)
         if abs(whole - other) > tolerance:
             return
         expected = as_sum if self.declared == "sum" else as_mean
@@ -238,7 +239,7 @@ class ReductionCheck:
             return
         summing = abs(whole - as_sum) <= tolerance
         if self.declared is None and summing:
-            raise ValueError("loss_fn declares no reduction and sums over its rows (two rows' "
+            raise ValueError("loss_fn declares no reduction and sums over its rows (rows' "
                              "loss is the sum of each one's), but micro-batch losses are combined as "
                              "means: pass loss_reduction='sum' (or give the loss a .reduction)")
         # a declared reduction contradicted: a sum shows only where neither row's loss is 0 (with
@@ -246,19 +247,50 @@ class ReductionCheck:
         summing = summing and all(abs(v) > tolerance for v in values)
         if self.declared is not None and (summing or abs(whole - as_mean) <= tolerance):
             does = "sum" if summing else "mean"
-            raise ValueError(f"{self._claim()}, but it computes a {does} over its rows (two rows' loss "
+            raise ValueError(f"{self._claim()}, but it computes a {does} over its rows (rows' loss "
                              f"is the {does} of each one's): set its reduction to {does!r}, which "
                              "combines micro-batch losses as its forward computes them")
         what = "a sum" if self.declared == "sum" else "a mean"
         allowed = (f"pass loss_reduction={self.declared!r} to combine micro-batch losses that way "
                    "anyway" if self.declared else "pass loss_reduction='mean' or 'sum' to combine "
                    "micro-batch losses that way anyway")
-        raise ValueError(f"{self._claim()} and is not {what} over its rows: two rows together give "
+        raise ValueError(f"{self._claim()} and is not {what} over its rows: {len(values)} rows together give "
                          f"{whole:.6g}, not the {what[2:]} {expected:.6g} of each one's loss (class "
                          "weights, a mean over a mask, padding, or statistics of the "
                          "batch), so splitting a mini-batch into micro-batches changes it. Return "
                          "(sum, count) to make a masked mean exact, use nn.CrossEntropyLoss / "
                          f"nn.NLLLoss as they are (the engine makes their weighted mean exact), or {allowed}")
+
+    def _probe(self, output: Any, target: Any, picked: list[int], n: int, result: torch.Tensor,
+               dtype: torch.dtype | None) -> tuple[list[float], float, float, bool] | None:
+        """The loss of each `picked` row alone (a row repeated: the micro-batch's one row), of them
+        together and together the other way round; with `dtype`, the outputs' floating tensors cast
+        to it first. None where the loss cannot be taken so (its rows tied to its batch's, a loss
+        that refuses the dtype, one that is not a 0-dim tensor). Also whether it computed in
+        float64 throughout (the results' dtype)."""
+        out = output if dtype is None else _cast_floats(output, dtype)
+        rows = list(dict.fromkeys(picked))
+        with torch.no_grad():
+            try:
+                if n == 1 and dtype is None:   # the row alone, and twice: a mean gives its loss again
+                    parts = [result.detach()]
+                else:
+                    parts = [self.loss_fn(_rows(out, [i], n), _rows(target, [i], n)) for i in rows]
+                together = self.loss_fn(_rows(out, picked, n), _rows(target, picked, n))
+                # the same rows the other way round: a loss of rows gives the same; where it does
+                # not, the output's dim 0 is not its rows (time-first, (T, n, ...) with T = n) or the
+                # loss depends on their order, and the probe cannot tell
+                swapped = together if n == 1 else self.loss_fn(_rows(out, picked[::-1], n),
+                                                                _rows(target, picked[::-1], n))
+            except Exception:     # a loss tied to its batch's rows (a closure over per-row weights)
+                return None
+            if not all(isinstance(p, torch.Tensor) and p.dim() == 0 for p in (*parts, together, swapped)):
+                return None
+            exact = all(p.dtype is torch.float64 for p in (*parts, together, swapped))
+            if dtype is not None and not exact:
+                return None
+            values = [float(p.double()) for p in parts] * (2 if n == 1 else 1)
+            return values, float(together.double()), float(swapped.double()), exact
 
     def _refuse_not_finite(self, output: Any, where: str) -> None:
         """ValueError where the outputs are finite: then the loss divided by no counted target."""
@@ -270,6 +302,15 @@ class ReductionCheck:
                          "into micro-batches changes it. Return (sum, count) to make a masked mean "
                          "exact, or use nn.CrossEntropyLoss(ignore_index=...) (the engine divides by "
                          "the whole mini-batch's count)")
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """`value` with every floating tensor cast to `dtype` (detached), the rest as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    return value
 
 
 def _rows(value: Any, rows: Any, n: int) -> Any:

@@ -392,3 +392,49 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_at_construction() ->
     with pytest.raises(ValueError, match="LBFGS.step needs a closure"):
         GPipe(list(_model()), partitions=2, micro_batches=2, loss_fn=nn.MSELoss(),
               optimizer=lambda ps: torch.optim.LBFGS(ps))
+
+
+def test_silent_a_summing_loss_went_unchecked_when_micro_batches_were_raised_after_construction() -> None:
+    """Built with M=1 (any loss is then plain training's), the check was never installed: set to
+    M=4 afterwards (``pipe.micro_batches = 4``), a summing function trained on a quarter of its loss
+    (4.55 for 18.18). The check now starts at the first step that splits the mini-batch."""
+    def summed(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, y, reduction="sum")
+    x, y = torch.randn(8, 6), torch.randint(0, 5, (8,))
+    pipe = GPipe(list(_model()), partitions=2, micro_batches=1, loss_fn=summed, optimizer=_sgd)
+    pipe.train_step(x, y)                     # M=1: exact, not refused
+    pipe.micro_batches = 4
+    with pytest.raises(ValueError, match="sums over its rows.*loss_reduction='sum'"):
+        pipe.train_step(x, y)
+
+
+def test_silent_a_median_over_rows_passed_as_a_mean() -> None:
+    """The median of two rows' losses is their mean, so the two-row probe let a median loss through
+    (loss 1.749 for the full batch's 1.795, gradients off by 70%). Three rows tell."""
+    def median(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.quantile(nn.functional.cross_entropy(out, y, reduction="none"), 0.5)
+    x, y = torch.randn(8, 6), torch.randint(0, 5, (8,))
+    pipe = GPipe(list(_model()), partitions=2, micro_batches=2, loss_fn=median, optimizer=_sgd)
+    with pytest.raises(ValueError, match="not a mean over its rows: 3 rows"):
+        pipe.train_step(x, y)
+
+
+def test_silent_a_small_load_balancing_term_passed_within_float32_rounding() -> None:
+    """A Switch-style load-balancing term (a statistic of the batch's rows) at 0.001 changed the
+    loss of three rows by less than float32's tolerance, and the router's gradient trained 1.5% off.
+    The probe computes in float64 where the loss does, and sees it; the same loss without the term
+    still trains."""
+    def balanced(coefficient: float) -> Any:
+        def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            share = out.softmax(-1).mean(0)
+            return nn.functional.cross_entropy(out, y) + coefficient * out.shape[-1] * (share * share).sum()
+        return loss
+    x, y = torch.randn(8, 6), torch.randint(0, 5, (8,))
+    pipe = GPipe(list(_model()), partitions=2, micro_batches=2, loss_fn=balanced(1e-3), optimizer=_sgd)
+    with pytest.raises(ValueError, match="not a mean over its rows"):
+        pipe.train_step(x, y)
+    layers = list(_model())
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    expected = _plain(ref, [(x, y)], balanced(0.0))
+    pipe = GPipe(layers, partitions=2, micro_batches=2, loss_fn=balanced(0.0), optimizer=_sgd)
+    assert pipe.train_step(x, y) == pytest.approx(expected[0], rel=1e-6)

@@ -1,0 +1,163 @@
+"""The modules and parameters a pipeline runs in place of the caller's, and how they follow them.
+
+GPipe trains the caller's own layers, but two things it must put in their place: a
+:class:`~gpipe_repro.engine.batchnorm.DeferredBatchNorm` for each BatchNorm (with shallow copies of
+the modules above it), and in every cell but the first holding a parameter tied across cells, a
+copy of that parameter (with shallow copies of the modules holding it; :mod:`gpipe_repro.engine.tied`).
+The caller keeps the originals, and plain PyTorch would train whatever the caller does to them
+after the pipeline was built: ``model[3].eval()``, a new momentum or attribute on a block,
+``model.load_state_dict(...)``, ``model[0].weight.requires_grad_(False)``. Unfollowed, each of those
+silently trained the old module or the old value in the cells holding a stand-in.
+
+:class:`StandIns` finds every stand-in by walking the caller's layers beside the cells (a module or
+parameter at the same place that is not the same object) and, at the start of every step and
+forward (:meth:`StandIns.follow`), brings each up to date with its original:
+
+- a module: every attribute of the original (its ``__dict__``, but for the module machinery:
+  parameters, buffers, children and hooks, which a stand-in shares or replaces on purpose) that
+  changed since the last look is set on the stand-in. Only changes are followed, so
+  ``pipe.eval()``, which sets the stand-ins themselves, holds until the original changes;
+- a tied parameter's copy: the original's ``requires_grad`` where it changed, and its value where
+  it was changed in place since the pipeline last updated it (its version counter moved: a
+  ``load_state_dict`` or an in-place edit; :meth:`StandIns.updated` records the pipeline's own
+  updates after each step).
+
+The originals are held weakly: with the distributed runtime a process keeps only its own cells,
+and the caller's model may be dropped (then there is nothing left to follow).
+
+:func:`shown_to_optimizer` lets an optimizer factory that groups parameters by identity
+(``p is model[0].weight``) find a tied parameter's copy: the factory is given the original in the
+copy's place, and the optimizer then holds the copy.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["StandIns", "shown_to_optimizer"]
+
+#: A module's own machinery in its ``__dict__`` (parameters, buffers, children, hooks): not followed.
+_MACHINERY = frozenset(nn.Module().__dict__) - {"training"}
+_MISSING = object()
+
+
+@dataclass
+class _ModulePair:
+    original: weakref.ref[nn.Module]
+    stand_in: nn.Module
+    seen: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _ParameterPair:
+    original: weakref.ref[nn.Parameter]
+    copy: nn.Parameter
+    seen_version: int
+    seen_requires_grad: bool
+
+
+def _attributes(module: nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in module.__dict__.items() if k not in _MACHINERY}
+
+
+class StandIns:
+    """The stand-ins of one pipeline's cells (see the module docstring)."""
+
+    def __init__(self, layers: Sequence[nn.Module], cells: Sequence[nn.Module]) -> None:
+        """`layers`: the caller's layers, in order; `cells`: the cells made of them (every cell,
+        before a process drops the others' layers)."""
+        self.modules: list[_ModulePair] = []
+        self.parameters: list[_ParameterPair] = []
+        ran = [layer for cell in cells for layer in cell._modules.values() if layer is not None]
+        if len(ran) != len(layers):
+            raise AssertionError(f"{len(ran)} layers in the cells for {len(layers)} given")
+        for original, stand_in in zip(layers, ran):
+            self._walk(original, stand_in)
+
+    def _walk(self, original: nn.Module, stand_in: nn.Module) -> None:
+        if original is stand_in:
+            return
+        self.modules.append(_ModulePair(weakref.ref(original), stand_in, _attributes(original)))
+        for key, p in original._parameters.items():
+            q = stand_in._parameters.get(key)
+            if p is not None and q is not None and q is not p:
+                self.parameters.append(_ParameterPair(weakref.ref(p), q, p._version, p.requires_grad))
+        for key, child in original._modules.items():
+            other = stand_in._modules.get(key)
+            if child is not None and other is not None:
+                self._walk(child, other)
+
+    def keep_only(self, modules: Sequence[nn.Module]) -> None:
+        """Forget the stand-ins outside `modules` (the cells this process keeps)."""
+        kept = {id(m) for cell in modules for m in cell.modules()}
+        held = {id(p) for cell in modules for p in cell.parameters()}
+        self.modules = [pair for pair in self.modules if id(pair.stand_in) in kept]
+        self.parameters = [pair for pair in self.parameters if id(pair.copy) in held]
+
+    def copies(self) -> dict[int, nn.Parameter]:
+        """id(a tied parameter's copy) -> its original, while the original lives."""
+        out = {}
+        for pair in self.parameters:
+            original = pair.original()
+            if original is not None:
+                out[id(pair.copy)] = original
+        return out
+
+    def follow(self) -> None:
+        """Bring every stand-in up to date with what changed in its original since the last look."""
+        for m in self.modules:
+            original = m.original()
+            if original is None:
+                continue
+            now = _attributes(original)
+            for key in now.keys() | m.seen.keys():
+                value = now.get(key, _MISSING)
+                if value is not m.seen.get(key, _MISSING):
+                    if value is _MISSING:
+                        m.stand_in.__dict__.pop(key, None)
+                    else:
+                        m.stand_in.__dict__[key] = value
+            m.seen = now
+        for p in self.parameters:
+            value = p.original()
+            if value is None:
+                continue
+            if value.requires_grad is not p.seen_requires_grad:
+                p.copy.requires_grad_(value.requires_grad)
+                p.seen_requires_grad = value.requires_grad
+            if value._version != p.seen_version:
+                with torch.no_grad():
+                    p.copy.copy_(value)
+                p.seen_version = value._version
+
+    def updated(self) -> None:
+        """The pipeline updated its parameters (a step): the originals' values now are its own."""
+        for p in self.parameters:
+            original = p.original()
+            if original is not None:
+                p.seen_version = original._version
+
+
+def shown_to_optimizer(factory: Callable[[list[nn.Parameter]], Any], params: Sequence[nn.Parameter],
+                       originals: Mapping[int, nn.Parameter]) -> Any:
+    """``factory(params)`` with every tied parameter's copy shown as its original (`originals`: id of
+    a copy -> the original), the optimizer then made to hold the copies instead (its param groups,
+    and any state it made for them at construction)."""
+    shown = [originals.get(id(p), p) for p in params]
+    optimizer = factory(shown)
+    back = {id(originals[id(p)]): p for p in params if id(p) in originals}
+    if not back or not isinstance(getattr(optimizer, "param_groups", None), list):
+        return optimizer
+    for group in optimizer.param_groups:
+        if isinstance(group, dict) and isinstance(group.get("params"), list):
+            group["params"] = [back.get(id(p), p) for p in group["params"]]
+    state = getattr(optimizer, "state", None)
+    if isinstance(state, dict):
+        for key in [k for k in state if id(k) in back]:
+            state[back[id(key)]] = state.pop(key)
+    return optimizer
