@@ -66,6 +66,22 @@ def check_optimizer(name: str) -> None:
     one_of("--optimizer", name, tuple(OPTIMIZERS))
 
 
+
+_FIT_FLAGS = ((r"\bpartitions=(\d+)", r"--k \1"), (r"\bmicro_batches=(\d+)", r"--m \1"),
+              (r"\bsplit_backwards=", "--split-backwards "), (r"\bbalance=", "--balance "),
+              (r"\bpartitions\b", "--k"), (r"\bmicro_batches\b", "--m"),
+              (r"\bsplit_backwards\b", "--split-backwards"))
+
+
+def _fit_flags(message: str) -> str:
+    """An engine or planner message with its argument names as fit's options (partitions=20 ->
+    --k 20)."""
+    import re
+    for pattern, flag in _FIT_FLAGS:
+        message = re.sub(pattern, flag, message)
+    return message
+
+
 def _planner(family: str, batch: Optional[int], extra: list[str], attention: str,
              command: str = "fit", optimizer: str = "rmsprop") -> tuple[Any, Any]:
     from gpipe_repro.commands._hf_models import hf_workload, is_hf_model
@@ -210,14 +226,14 @@ def register(app: typer.Typer) -> None:
             from gpipe_repro.engine.schedule import make_schedule
             make_schedule(schedule, partitions, micro_batches, checkpoint, split_backwards=split_backwards)
         except ValueError as e:
-            raise typer.BadParameter(str(e).replace("split_backwards", "--split-backwards")) from e
+            raise typer.BadParameter(_fit_flags(str(e))) from e
         _check_json_out(json_out, "fit", overwrite)
         work, planner = _planner(family, batch, list(ctx.args), attention, optimizer=optimizer)
         try:
             plan = planner.plan(partitions, micro_batches, checkpoint, balance=cuts, schedule=schedule,
                                 split_backwards=split_backwards)
         except ValueError as e:
-            raise typer.BadParameter(str(e)) from e
+            raise typer.BadParameter(_fit_flags(str(e))) from e
         budget = memory * GiB
         console = table_console()
         console.print(f"{work.describe()}: {planner.parameters:,} parameters, "
@@ -355,7 +371,16 @@ def register(app: typer.Typer) -> None:
             console.print("schedules (best fitting configuration of each):")
             for line in verdict:
                 console.print(f"  - {line}", soft_wrap=True)
-        if best is None:
+        if not cands:
+            from gpipe_repro.memory.autoplan import device_counts, micro_batch_candidates, why_none_applies
+            tried = micro_batch_candidates(planner, ms, {})
+            console.print(f"[red]nothing to plan[/red]: none of the K tried "
+                          f"({', '.join(map(str, device_counts(devices)))}) and M "
+                          f"({', '.join(map(str, tried))}) can run {', '.join(names)}; the schedules' "
+                          "rules, not memory (change --devices, --m or --schedules):", soft_wrap=True)
+            for line in why_none_applies(devices, tried, names, planner.num_layers):
+                console.print(f"  - {line}", soft_wrap=True)
+        elif best is None:
             console.print(f"[red]nothing fits[/red] on up to {devices} devices of {memory:g} GiB.")
             closest = min((c for c in cands if c.plan is not None
                            and cells_per_process(c.schedule) == 1),

@@ -109,6 +109,25 @@ def not_applicable(schedule: str, partitions: int, micro_batches: int, num_layer
     return ""
 
 
+def device_counts(max_devices: int) -> list[int]:
+    """The K a search tries: the powers of two up to `max_devices`, and `max_devices` itself."""
+    return sorted(set(_powers(max_devices)) | {max_devices})
+
+
+def why_none_applies(max_devices: int, micro_batches: Sequence[int], schedules: Sequence[str],
+                     num_layers: int) -> list[str]:
+    """Where a search has no candidate at all: each schedule's reasons over the (K, M) it tried
+    (:func:`device_counts`, `micro_batches`), one line per schedule and reason."""
+    reasons: dict[str, list[str]] = {}
+    for name in schedules:
+        for k in device_counts(max_devices):
+            for m in micro_batches:
+                why = not_applicable(name, k, m, num_layers)
+                if why and _skip(name, k, m, num_layers, several=len(schedules) > 1):
+                    reasons.setdefault(f"{name}: {why}", []).append(f"K={k} M={m}")
+    return [f"{reason} ({', '.join(where)})" for reason, where in reasons.items()]
+
+
 def _skip(schedule: str, partitions: int, micro_batches: int, num_layers: int, *, several: bool) -> bool:
     why = not_applicable(schedule, partitions, micro_batches, num_layers)
     # Asked for one schedule only, K=1 is still a candidate (it runs gpipe's actions under its name).
@@ -202,7 +221,7 @@ def search(planner: MemoryPlanner, max_devices: int, budget: float, link: LinkMo
     (:func:`not_applicable`) is a candidate too, each with its own memory plan and simulated step,
     so the answer chooses the schedule; otherwise `schedule` only. The M candidates are
     :func:`micro_batch_candidates`' (`left_out` gets the default ones the model cannot run)."""
-    ks = sorted(set(_powers(max_devices)) | {max_devices})
+    ks = device_counts(max_devices)
     ms = micro_batch_candidates(planner, micro_batches, left_out)
     names = list(schedules) if schedules else [schedule]
     unknown = [n for n in names if n not in SCHEDULES]
@@ -248,4 +267,5 @@ def schedule_verdict(cands: Sequence[Candidate], schedules: Sequence[str], budge
     return lines
 
 
-__all__ = ["Candidate", "evaluate", "not_applicable", "schedule_verdict", "search"]
+__all__ = ["Candidate", "device_counts", "evaluate", "not_applicable", "schedule_verdict", "search",
+           "why_none_applies"]

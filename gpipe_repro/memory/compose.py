@@ -257,6 +257,8 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
                           where=where)
             elif not have_grads:
                 st.add(GRADS, sum(p.deferred_grad_bytes for p in cells[m]))
+            else:   # each module's new gradients exist beside its .grad until added into it
+                st.touch(max((p.deferred_grad_max_bytes for p in cells[m]), default=0), where)
             have_grads = True
             for name in ("cell", "gin", "stash", "var"):
                 st.release((name, m))

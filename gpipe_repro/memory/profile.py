@@ -126,6 +126,8 @@ class LayerProfile:
     # layers whose weight gradients it defers and their outputs' gradients (engine.backward_split)
     deferred_bytes: int = 0
     deferred_grad_bytes: int = 0        # .grad bytes of those layers' parameters (made at W)
+    # the most of those one module's W makes at once: added into .grad already there, a transient
+    deferred_grad_max_bytes: int = 0
 
     def out_new_bytes(self) -> int:
         return sum(b for b, o in zip(self.out_sig.group_bytes, self.out_origin) if o is None)
@@ -300,7 +302,7 @@ class _Profiler:
             "state_bytes": sum(b for k, b in born_alive.items() if k not in saved and k not in out_keys),
             "fwd_flops": fwd_flops,
             "deferred_bytes": deferred.bytes if any(t.requires_grad for t in self.leaves.values()) else 0,
-            "deferred_grad_bytes": deferred.grad_bytes}
+            "deferred_grad_bytes": deferred.grad_bytes, "deferred_grad_max_bytes": deferred.grad_max_bytes}
 
         # Backward from gradients created inside it; nothing but the graph holds x or the output.
         rg = [t for t in {id(t): t for t in pytree.tree_leaves(out)
@@ -424,8 +426,10 @@ class _DeferredSizes:
     def __init__(self, layer: nn.Module) -> None:
         self.modules = [m for m in layer.modules() if deferrable(m)
                         and getattr(m, "weight", None) is not None and m.weight.requires_grad]
-        self.grad_bytes = sum(q.numel() * q.element_size() for m in self.modules
-                              for q in m.parameters(recurse=False) if q.requires_grad)
+        per_module = [sum(q.numel() * q.element_size() for q in m.parameters(recurse=False)
+                          if q.requires_grad) for m in self.modules]
+        self.grad_bytes = sum(per_module)
+        self.grad_max_bytes = max(per_module, default=0)    # what one module's W makes at once
         self.bytes = 0
         self._inputs: set[int] = set()
         self._handles: list[Any] = []
@@ -493,7 +497,8 @@ def profile_layer(layer: nn.Module, in_sig: ValueSig, optimizer: OptimizerFactor
         buffer_bytes=sum(b.numel() * b.element_size() for b in layer.buffers() if id(b) not in skip),
         grad_bytes=first["grad_bytes"], opt_state_bytes=opt_state, opt_peak=opt_peak,
         fwd_flops=first["fwd_flops"], bwd_flops=first["bwd_flops"], has_flops=flops,
-        deferred_bytes=first["deferred_bytes"], deferred_grad_bytes=first["deferred_grad_bytes"])
+        deferred_bytes=first["deferred_bytes"], deferred_grad_bytes=first["deferred_grad_bytes"],
+        deferred_grad_max_bytes=first["deferred_grad_max_bytes"])
 
 
 class ProfileCache:

@@ -73,6 +73,26 @@ def test_plan_explains_when_nothing_fits() -> None:
     assert "nothing fits" in result.output and "or devices with at least" in result.output
 
 
+def test_plan_says_when_the_schedules_rules_leave_nothing_to_plan() -> None:
+    """M=3 under interleaved on up to 4 devices: no (K, M) tried can run it; the plan said 'nothing
+    fits' as if memory were the reason."""
+    result = CliRunner().invoke(app, ["plan", *TINY, "--devices", "4", "--m", "3", "--schedules",
+                                      "interleaved"], terminal_width=200)
+    assert result.exit_code == 1, result.output
+    assert "nothing fits" not in result.output
+    assert "nothing to plan" in result.output and "not memory" in result.output
+    assert "M=3 is not a multiple of 2 (K=2 M=3)" in result.output
+
+
+def test_fit_errors_name_its_options_not_the_engines_arguments() -> None:
+    for args, message in ((["--k", "3", "--schedule", "zb-v"], "use --k 4"),
+                          (["--m", "64", "--batch-size", "8"], "--m 64 is larger than the batch size 8"),
+                          (["--k", "99"], "--k 99 is larger than the number of layers")):
+        result = CliRunner().invoke(app, ["fit", *TINY, *args], terminal_width=200)
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert "partitions" not in result.output and "micro_batches" not in result.output
+
+
 def test_bad_counts_are_one_clear_line_before_any_work() -> None:
     for args, message in ((["plan", *TINY, "--devices", "0"], "--devices must be >= 1"),
                           (["fit", *TINY, "--k", "0"], "--k must be >= 1")):

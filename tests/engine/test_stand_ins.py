@@ -26,7 +26,8 @@ def _data(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(10, 8, generator=g), torch.randint(0, 8, (10,), generator=g)
 
 
-def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+                y: torch.Tensor) -> float:
     optimizer.zero_grad(set_to_none=True)
     loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
@@ -54,7 +55,8 @@ def test_silent_a_tied_weights_own_param_group_missed_its_copy() -> None:
 
     def factory(params: Any) -> torch.optim.Optimizer:
         params = list(params)
-        return torch.optim.AdamW([{"params": [p for p in params if p is tied], "lr": 0.05, "weight_decay": 0.1},
+        return torch.optim.AdamW([{"params": [p for p in params if p is tied], "lr": 0.05,
+                                   "weight_decay": 0.1},
                                   {"params": [p for p in params if p is not tied]}], lr=0.01)
     pipe = GPipe(model, partitions=2, micro_batches=2, loss_fn=nn.CrossEntropyLoss(), optimizer=factory)
     ref_tied = ref[0].weight
