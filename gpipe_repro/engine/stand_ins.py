@@ -79,6 +79,12 @@ class StandIns:
         for original, stand_in in zip(layers, ran):
             self._walk(original, stand_in)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> StandIns:
+        """A deep copy of the pipeline is its own model: no caller's modules for it to follow."""
+        empty = StandIns.__new__(StandIns)
+        empty.modules, empty.parameters = [], []
+        return empty
+
     def _walk(self, original: nn.Module, stand_in: nn.Module) -> None:
         if original is stand_in:
             return

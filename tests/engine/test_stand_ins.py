@@ -200,3 +200,14 @@ def test_weights_loaded_after_wrapping_reach_the_tied_copy_in_another_process() 
     expected = [_plain_step(model, ref_opt, *_data(seed)) for seed in range(2)]
     got = launch_local(_distributed_load_after_wrapping, 2)
     assert got[0] == pytest.approx(expected, rel=1e-6) and got[1] == got[0]
+
+
+def test_a_deep_copy_of_the_pipeline_does_not_follow_the_callers_model() -> None:
+    """A deep copy holds copies of every layer: the caller's model is not its own to follow."""
+    model = _bn_model()
+    pipe = GPipe(model, partitions=2, micro_batches=2)
+    twin = copy.deepcopy(pipe)
+    model[1].eval()
+    pipe(torch.randn(4, 8))
+    twin(torch.randn(4, 8))
+    assert not pipe.cells[0][1].training and twin.cells[0][1].training
