@@ -134,7 +134,7 @@ def test_time_calibration_times_every_action_of_the_schedule() -> None:
     assert len(relu) == 8 and relu[5] == 0.0      # no parameters: nothing to accumulate into
     # the zero-bubble split as the stage executor runs it, except where the input takes no gradient
     assert costs[0].backward_input is None and costs[0].backward_weight is None
-    assert all(c.backward_input and c.backward_weight is not None for c in costs[1:])
+    assert all(c.backward_input is not None and c.backward_weight is not None for c in costs[1:])
 
 
 def test_materialize_gives_real_finite_layers_from_meta() -> None:
