@@ -50,10 +50,22 @@ class StepConfig:
             parameters and optimizer states stay fp32; floating boundary values cross in that dtype.
         clip_grad_norm: the max global L2 norm of all gradients (all cells), or None: no clipping.
         loss_scale: fp16 only: the loss is multiplied by it before backward; gradients are divided.
+        count_scale: fp16 with a ``(sum, count)`` loss: its summed loss is divided by this too (the
+            mini-batch's target elements, known before the step, the same on every stage), so that
+            the loss scale applies to about a mean, as ``torch.amp.GradScaler``'s to a mean loss
+            (times the count, the scale overflowed log2(tokens) halvings early: every step of a
+            run skipped until it came down); gradients are multiplied back.
     """
     precision: str = "fp32"
     clip_grad_norm: float | None = None
     loss_scale: float = 1.0
+    count_scale: float = 1.0
+
+    def backward_scale(self, counted: bool) -> float:
+        """What a micro-batch's weighted loss is multiplied by before its backward (1 unless fp16)."""
+        if self.precision != "fp16":
+            return 1.0
+        return self.loss_scale / self.count_scale if counted else self.loss_scale
 
     @property
     def needs_norm(self) -> bool:
@@ -254,7 +266,7 @@ class Agreement:
                                  "non-padding token)")
             factor, loss = 1.0 / count, loss / count
         if fp16:
-            factor = (torch.ones_like(loss) if factor is None else factor) / config.loss_scale
+            factor = (torch.ones_like(loss) if factor is None else factor) / config.backward_scale(counted)
         norm = None
         if config.needs_norm:
             assert sq_norm is not None

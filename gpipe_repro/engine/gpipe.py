@@ -244,6 +244,8 @@ class GPipe(nn.Module):
         # what the cells run in place of the caller's modules and parameters follows them (stand_ins)
         self._stand_ins = StandIns(given, cells)
         tied_originals = self._stand_ins.copies()
+        # a state taken between steps holds what the caller changed since (its own optimizer's step)
+        self.register_state_dict_pre_hook(lambda *_: self._stand_ins.follow())
         placement.check_same_weights(cells, self.ties)
         self._eval_batch_statistics = BatchStatisticsInEval(layer_list)
         # runtime="distributed": this process's index in its pipeline: its stage, or with
@@ -376,7 +378,9 @@ class GPipe(nn.Module):
             mine = slice(self.replica * self.micro_batches, (self.replica + 1) * self.micro_batches)
             mbs, tgts, weights = mbs[mine], tgts[mine], weights[mine]
         schedule = self.make_schedule()
-        config = StepConfig(self.precision, self.clip_grad_norm, self.loss_scale)
+        config = StepConfig(self.precision, self.clip_grad_norm, self.loss_scale,
+                            count_scale=microbatch.target_count(self.loss_fn, targets)
+                            if self.precision == "fp16" else 1.0)
         for e in self.runtime.executors:   # the optimizers as they are now (one may have been replaced)
             e.optimizer = self.optimizers[e.stage]
         agreement = self.runtime.train_step(schedule, self.step, mbs, tgts, weights, config)

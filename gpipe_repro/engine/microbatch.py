@@ -120,6 +120,18 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def target_count(loss_fn: Any, targets: Any) -> float:
+    """What fp16 divides a ``(sum, count)`` loss by before scaling it
+    (:class:`~gpipe_repro.engine.agreement.StepConfig`): the loss's own ``target_count(targets)``
+    where it has one (the count it will return, e.g. :class:`~gpipe_repro.models.hf.CausalLMLoss`'s
+    tokens), else the elements of the mini-batch's first target tensor (padding included), at least 1."""
+    counter = getattr(loss_fn, "target_count", None)
+    if callable(counter):
+        return max(1.0, float(counter(targets)))
+    found = _tensors(targets)
+    return float(max(1, found[0].numel())) if found else 1.0
+
+
 def split_minibatch(inputs: Any, targets: Any, micro_batches: int,
                     replicas: int = 1) -> tuple[list[Any], list[Any], list[int]]:
     """A training mini-batch as R x M micro-batches of inputs and of targets (None for each when

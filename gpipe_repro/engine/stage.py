@@ -411,5 +411,5 @@ class StageExecutor:
             if count is not None:
                 self.count_sum = count if self.count_sum is None else self.count_sum + count
         if self.config.precision == "fp16":
-            loss = loss * self.config.loss_scale
+            loss = loss * self.config.backward_scale(count is not None)
         return loss

@@ -218,6 +218,12 @@ class CausalLMLoss(nn.Module):
                                             reduction="sum")
         return total, (shifted != self.ignore_index).sum()
 
+    def target_count(self, labels: torch.Tensor) -> float:
+        """The tokens the mini-batch's loss counts, before the step (fp16 scales the summed loss by
+        the loss scale over it: torch.amp.GradScaler's scale on the token mean)."""
+        shifted = labels[..., 1:]
+        return float((shifted != self.ignore_index).sum())
+
 
 # -- reading the model --------------------------------------------------------------------------------
 

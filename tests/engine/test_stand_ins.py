@@ -211,3 +211,21 @@ def test_a_deep_copy_of_the_pipeline_does_not_follow_the_callers_model() -> None
     pipe(torch.randn(4, 8))
     twin(torch.randn(4, 8))
     assert not pipe.cells[0][1].training and twin.cells[0][1].training
+
+
+def test_a_state_taken_after_the_callers_own_update_holds_it_in_every_tied_copy() -> None:
+    """optimizer=None, the caller's optimizer over its model's parameters: after its step the last
+    cell's copy was stale until the next train_step, so ``pipe.state_dict()`` gave the tie two values
+    and loading it back was refused (a checkpoint that could not be resumed)."""
+    model = _tied()
+    pipe = GPipe(model, partitions=2, micro_batches=2, balance=[2, 3], loss_fn=nn.CrossEntropyLoss(),
+                 optimizer=None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    pipe.train_step(*_data())
+    for p in model.parameters():       # the first cell's are the model's; the copy's gradient too
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    state = pipe.state_dict()
+    torch.testing.assert_close(state["cells.0.0.weight"], state["cells.1.2.weight"], rtol=0, atol=0)
+    pipe.load_state_dict(state)

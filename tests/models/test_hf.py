@@ -439,3 +439,47 @@ def test_silent_position_ids_given_with_the_batch_were_dropped() -> None:
     layers = causal_lm_layers(tiny_model("llama"))
     with pytest.raises(ValueError, match=r"position_ids\), the mask possibly None; got a tuple of 4"):
         layers[0]((ids, mask, positions, positions))
+
+
+def test_silent_fp16_scaled_a_counted_loss_by_its_tokens_and_skipped_every_step() -> None:
+    """Under fp16 a (sum, count) loss's summed loss was multiplied by the loss scale, so the scale
+    applied to the token mean times the tokens: against torch.amp.GradScaler on the plain model
+    (skipping 1 step of 6) the pipeline skipped all 6, its scale halving each time. It now scales the
+    summed loss by the scale over the count (CausalLMLoss.target_count): GradScaler's steps."""
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=True, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(config).train()
+    ref = copy.deepcopy(model)
+    batches = []
+    for s in range(4):
+        g = torch.Generator().manual_seed(100 + s)
+        ids = torch.randint(1, 128, (8, 16), generator=g)
+        mask = torch.ones_like(ids)
+        labels = ids.masked_fill(torch.rand(8, 16, generator=g) < 0.2, -100)
+        batches.append((ids, mask, labels))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu")
+    ref_skipped, ref_scale = [], []
+    for ids, mask, labels in batches:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        ref_skipped.append(scaler.get_scale() < before)
+        ref_scale.append(scaler.get_scale())
+    pipe = GPipe(causal_lm_layers(model), partitions=2, micro_batches=4, balance=[3, 3],
+                 loss_fn=CausalLMLoss(), precision="fp16",
+                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+    skipped, scale = [], []
+    for ids, mask, labels in batches:
+        pipe.train_step((ids, mask), labels)
+        skipped.append(pipe.last_step_skipped)
+        scale.append(pipe.loss_scale)
+    assert skipped == ref_skipped and scale == ref_scale
+    assert not all(skipped)
