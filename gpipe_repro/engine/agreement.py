@@ -51,7 +51,8 @@ class StepConfig:
         clip_grad_norm: the max global L2 norm of all gradients (all cells), or None: no clipping.
         loss_scale: fp16 only: the loss is multiplied by it before backward; gradients are divided.
         count_scale: fp16 with a ``(sum, count)`` loss: its summed loss is divided by this too (the
-            mini-batch's target elements, known before the step, the same on every stage), so that
+            count the loss will give, known before the step, the same on every stage:
+            :func:`~gpipe_repro.engine.microbatch.target_count`), so that
             the loss scale applies to about a mean, as ``torch.amp.GradScaler``'s to a mean loss
             (times the count, the scale overflowed log2(tokens) halvings early: every step of a
             run skipped until it came down); gradients are multiplied back.

@@ -74,6 +74,12 @@ class _Unset:
 _NOT_GIVEN: Any = _Unset()
 
 
+def _follow_callers_model(pipe: GPipe, *_: Any) -> None:
+    """``state_dict``'s pre-hook: the stand-ins up to date with the caller's model first (a function
+    of the module it is given, so a deep copy of the pipeline calls it on itself)."""
+    pipe._stand_ins.follow()
+
+
 class GPipe(nn.Module):
     """Pipeline-parallel training of a sequence of layers (see the module docstring).
 
@@ -245,7 +251,7 @@ class GPipe(nn.Module):
         self._stand_ins = StandIns(given, cells)
         tied_originals = self._stand_ins.copies()
         # a state taken between steps holds what the caller changed since (its own optimizer's step)
-        self.register_state_dict_pre_hook(lambda *_: self._stand_ins.follow())
+        self.register_state_dict_pre_hook(_follow_callers_model)
         placement.check_same_weights(cells, self.ties)
         self._eval_batch_statistics = BatchStatisticsInEval(layer_list)
         # runtime="distributed": this process's index in its pipeline: its stage, or with
