@@ -35,6 +35,24 @@ def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Ten
     return float(loss.detach())
 
 
+def _pipe_and_reference(model: nn.Module, micro_batches: int) -> tuple[GPipe, nn.Module, Any]:
+    """`model` pipelined in 2 cells (cross-entropy, SGD at lr 0.1), a deep copy of it made now, and
+    the copy's plain SGD."""
+    pipe = GPipe(model, partitions=2, micro_batches=micro_batches, loss_fn=nn.CrossEntropyLoss(),
+                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    ref = copy.deepcopy(model)
+    return pipe, ref, torch.optim.SGD(ref.parameters(), lr=0.1)
+
+
+def _steps_alike(pipe: GPipe, ref: nn.Module, seeds: range, optimizer: Any = None) -> None:
+    """Steps on the batches of `seeds`, the pipeline's loss equal to plain PyTorch's on `ref` (SGD,
+    lr 0.1, unless `optimizer` is given for it)."""
+    optimizer = optimizer or torch.optim.SGD(ref.parameters(), lr=0.1)
+    for seed in seeds:
+        x, y = _data(seed)
+        assert pipe.train_step(x, y) == pytest.approx(_plain_step(ref, optimizer, x, y), rel=1e-6)
+
+
 def _assert_trained_alike(pipe: GPipe, ref: nn.Module) -> None:
     """Every parameter under every name it has (a tied one in each cell holding a copy)."""
     got = dict(pipe.unpartitioned().named_parameters(remove_duplicate=False))
@@ -62,9 +80,7 @@ def test_silent_a_tied_weights_own_param_group_missed_its_copy() -> None:
     ref_tied = ref[0].weight
     ref_opt = torch.optim.AdamW([{"params": [ref_tied], "lr": 0.05, "weight_decay": 0.1},
                                  {"params": [p for p in ref.parameters() if p is not ref_tied]}], lr=0.01)
-    for seed in range(3):
-        x, y = _data(seed)
-        assert pipe.train_step(x, y) == pytest.approx(_plain_step(ref, ref_opt, x, y), rel=1e-6)
+    _steps_alike(pipe, ref, range(3), ref_opt)
     _assert_trained_alike(pipe, ref)
 
 
@@ -81,10 +97,7 @@ def test_silent_weights_loaded_into_the_model_after_wrapping_missed_the_tied_cop
     pipe.eval()
     torch.testing.assert_close(pipe(x), ref(x).detach(), rtol=1e-5, atol=1e-5)
     pipe.train()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for seed in range(2):
-        x, y = _data(seed)
-        assert pipe.train_step(x, y) == pytest.approx(_plain_step(ref, ref_opt, x, y), rel=1e-6)
+    _steps_alike(pipe, ref, range(2))
     _assert_trained_alike(pipe, ref)
 
 
@@ -92,18 +105,12 @@ def test_silent_freezing_a_tied_weight_after_wrapping_left_its_copy_training() -
     """``model[0].weight.requires_grad_(False)`` after GPipe was built froze the first cell's tied
     weight; the last cell's copy kept training (it moved 0.025)."""
     model = _tied()
-    pipe = GPipe(model, partitions=2, micro_batches=2, loss_fn=nn.CrossEntropyLoss(),
-                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-    ref = copy.deepcopy(model)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    x, y = _data()
-    assert pipe.train_step(x, y) == pytest.approx(_plain_step(ref, ref_opt, x, y), rel=1e-6)
+    pipe, ref, ref_opt = _pipe_and_reference(model, 2)
+    _steps_alike(pipe, ref, range(1, 2), ref_opt)
     model[0].weight.requires_grad_(False)
     ref[0].weight.requires_grad_(False)
     frozen = pipe.cells[1][-1].weight.detach().clone()     # the last cell's copy
-    for seed in range(2, 4):
-        x, y = _data(seed)
-        assert pipe.train_step(x, y) == pytest.approx(_plain_step(ref, ref_opt, x, y), rel=1e-6)
+    _steps_alike(pipe, ref, range(2, 4), ref_opt)
     _assert_trained_alike(pipe, ref)
     assert torch.equal(pipe.cells[1][-1].weight, frozen)
 
@@ -118,21 +125,15 @@ def test_silent_a_batchnorm_put_in_eval_after_wrapping_still_trained_on_batch_st
     still normalized by the batch and overwrote the running statistics (loss 1.318 for 1.269). A
     momentum set afterwards was ignored too."""
     model = _bn_model()
-    pipe = GPipe(model, partitions=2, micro_batches=1, loss_fn=nn.CrossEntropyLoss(),
-                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-    ref = copy.deepcopy(model)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    x, y = _data()
-    assert pipe.train_step(x, y) == pytest.approx(_plain_step(ref, ref_opt, x, y), rel=1e-6)
+    pipe, ref, ref_opt = _pipe_and_reference(model, 1)
+    _steps_alike(pipe, ref, range(1, 2), ref_opt)
     model[1].eval()
     ref[1].eval()
-    x, y = _data(2)
-    assert pipe.train_step(x, y) == pytest.approx(_plain_step(ref, ref_opt, x, y), rel=1e-6)
+    _steps_alike(pipe, ref, range(2, 3), ref_opt)
     model[1].train()
     model[1].momentum = ref[1].momentum = 0.9
     ref[1].train()
-    x, y = _data(3)
-    assert pipe.train_step(x, y) == pytest.approx(_plain_step(ref, ref_opt, x, y), rel=1e-6)
+    _steps_alike(pipe, ref, range(3, 4), ref_opt)
     _assert_trained_alike(pipe, ref)
     torch.testing.assert_close(model[1].running_mean, ref[1].running_mean)
     torch.testing.assert_close(model[1].running_var, ref[1].running_var)
@@ -158,10 +159,7 @@ def test_silent_an_attribute_set_after_wrapping_on_a_block_holding_a_batchnorm_w
                  optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     model[1].scale = 0.5
     ref = copy.deepcopy(model)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for seed in range(2):
-        x, y = _data(seed)
-        assert pipe.train_step(x, y) == pytest.approx(_plain_step(ref, ref_opt, x, y), rel=1e-6)
+    _steps_alike(pipe, ref, range(2))
     _assert_trained_alike(pipe, ref)
 
 

@@ -8,13 +8,9 @@ import pytest
 @pytest.mark.slow
 def test_zero_bubble_tiny_run_gives_both_zero_bubble_rows_against_1f1b(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from typer.testing import CliRunner
-
     from experiments.bench_zero_bubble import app
-    result = CliRunner().invoke(app, ["--tiny"])
-    assert result.exit_code == 0, result.output
-    print(result.output)
-    text = capsys.readouterr().out
+    from tests.repro.tiny_runs import tiny_page
+    text = tiny_page(app, ["--tiny"], capsys)
     assert "TINY RUN: not of record" in text
     for schedule in ("zb-h1", "zb-v"):
         assert f"| tiny mlp | never      |   2 |     8 | {schedule}" in text

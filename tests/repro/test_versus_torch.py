@@ -58,13 +58,9 @@ def test_every_heterogeneous_model_runs_the_same_in_torchtitans_chunks(name: str
 
 @pytest.mark.slow
 def test_tiny_run_gives_a_row_per_group_with_both_sides_best(capsys: pytest.CaptureFixture[str]) -> None:
-    from typer.testing import CliRunner
-
     from experiments.versus_torch import app
-    result = CliRunner().invoke(app, ["--tiny", "--models", "transformer,llama"])
-    assert result.exit_code == 0, result.output
-    print(result.output)
-    text = capsys.readouterr().out
+    from tests.repro.tiny_runs import tiny_page
+    text = tiny_page(app, ["--tiny", "--models", "transformer,llama"], capsys)
     assert "TINY RUN: not of record" in text
     for name in ("mlp", "transformer", "llama"):
         assert f"| {name} " in text
@@ -74,13 +70,9 @@ def test_tiny_run_gives_a_row_per_group_with_both_sides_best(capsys: pytest.Capt
 @pytest.mark.slow
 def test_same_cut_times_ours_on_torchtitans_cut_against_torchs_same_schedule(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from typer.testing import CliRunner
-
     from experiments.versus_torch import app
-    result = CliRunner().invoke(app, ["--tiny", "--models", "llama", "--no-uniform", "--same-cut"])
-    assert result.exit_code == 0, result.output
-    print(result.output)
-    text = capsys.readouterr().out
+    from tests.repro.tiny_runs import tiny_page
+    text = tiny_page(app, ["--tiny", "--models", "llama", "--no-uniform", "--same-cut"], capsys)
     assert "Ours on torchtitan's cut against PyTorch's same schedule" in text
     for schedule in ("gpipe", "1f1b"):
         assert f"- llama M=2, {schedule}: ours " in text
