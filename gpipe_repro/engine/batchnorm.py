@@ -33,6 +33,10 @@ from gpipe_repro.engine.recompute import is_recomputing
 __all__ = ["DeferredBatchNorm", "check_batchnorms", "commit_all", "commit_many"]
 
 
+#: A module's hook registries that a stand-in shares with the module it stands in for.
+_FORWARD_AND_BACKWARD_HOOKS = tuple(k for k in nn.Module().__dict__ if "hook" in k and "state_dict" not in k)
+
+
 class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
     """A BatchNorm whose running statistics are committed once per mini-batch (see module doc)."""
 
@@ -134,7 +138,8 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         parameters and running statistics. `module` itself is left as it is: a module with a BatchNorm
         inside comes back as a shallow copy whose children are the same modules but for the
         replaced ones (so the caller's model still runs as a plain BatchNorm model, and what the
-        pipeline trains and commits lands in its tensors)."""
+        pipeline trains and commits lands in its tensors). A DeferredBatchNorm runs the BatchNorm's
+        own forward and backward hooks, those registered later included."""
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
                 module, (cls, nn.SyncBatchNorm)):
             new = cls(module.num_features, module.eps, module.momentum, module.affine,
@@ -145,6 +150,10 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
                 new.running_mean, new.running_var = module.running_mean, module.running_var
                 new.num_batches_tracked = module.num_batches_tracked
             new.train(module.training)
+            # its hooks are the BatchNorm's (the same dictionaries: one registered later runs too)
+            for key in _FORWARD_AND_BACKWARD_HOOKS:
+                if key in module.__dict__:
+                    new.__dict__[key] = module.__dict__[key]
             return new
         children = {name: cls.convert(child) for name, child in module.named_children()}
         if all(children[name] is child for name, child in module.named_children()):

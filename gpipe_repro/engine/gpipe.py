@@ -249,6 +249,8 @@ class GPipe(nn.Module):
         self.ties = untie(cells)   # a parameter held by several cells: one copy per cell (engine.tied)
         # what the cells run in place of the caller's modules and parameters follows them (stand_ins)
         self._stand_ins = StandIns(given, cells)
+        if isinstance(layers, nn.Module):
+            self._stand_ins.watch(layers)
         tied_originals = self._stand_ins.copies()
         # a state taken between steps holds what the caller changed since (its own optimizer's step)
         self.register_state_dict_pre_hook(_follow_callers_model)
@@ -311,6 +313,15 @@ class GPipe(nn.Module):
                                               replicas=replicas, bucket_cap_mb=bucket_cap_mb,
                                               batchnorm_stats=batchnorm_stats)
         self.distributed = placement.plugin is not None
+
+    def train(self, mode: bool = True) -> GPipe:
+        """Every cell in training mode (or eval), and the caller's modules that the cells hold a
+        stand-in for with them (:meth:`~gpipe_repro.engine.stand_ins.StandIns.set_mode`)."""
+        super().train(mode)
+        stand_ins = self.__dict__.get("_stand_ins")
+        if stand_ins is not None:
+            stand_ins.set_mode(mode)
+        return self
 
     def _parts(self) -> int:
         """The micro-batches a mini-batch is split into, over every replica (its loss checks)."""

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["StandIns", "shown_to_optimizer"]
+__all__ = ["ReplacedAfterWrapping", "StandIns", "shown_to_optimizer"]
 
 #: A module's own machinery in its ``__dict__`` (parameters, buffers, children, hooks): not followed.
 _MACHINERY = frozenset(nn.Module().__dict__) - {"training"}
@@ -50,7 +50,9 @@ _MISSING = object()
 class _ModulePair:
     original: weakref.ref[nn.Module]
     stand_in: nn.Module
+    name: str                                # where the original is in the caller's layers
     seen: dict[str, Any] = field(default_factory=dict)
+    parts: dict[str, tuple[int, ...]] = field(default_factory=dict)   # its children, parameters, buffers
 
 
 @dataclass
@@ -59,10 +61,25 @@ class _ParameterPair:
     copy: nn.Parameter
     seen_version: int
     seen_requires_grad: bool
+    seen_storage: tuple[int, tuple[int, ...]]   # (data pointer, shape): `.data = ...` replaces them
 
 
 def _attributes(module: nn.Module) -> dict[str, Any]:
     return {k: v for k, v in module.__dict__.items() if k not in _MACHINERY}
+
+
+def _parts(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The identities of `module`'s children, parameters and buffers, by kind."""
+    return {kind: tuple(id(v) for v in getattr(module, kind).values())
+            for kind in ("_modules", "_parameters", "_buffers")}
+
+
+def _storage(p: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    return (p.data_ptr(), tuple(p.shape))
+
+
+class ReplacedAfterWrapping(ValueError):
+    """The caller replaced a module, parameter or buffer that a stand-in holds, after GPipe was built."""
 
 
 class StandIns:
@@ -76,27 +93,46 @@ class StandIns:
         ran = [layer for cell in cells for layer in cell._modules.values() if layer is not None]
         if len(ran) != len(layers):
             raise AssertionError(f"{len(ran)} layers in the cells for {len(layers)} given")
-        for original, stand_in in zip(layers, ran):
-            self._walk(original, stand_in)
+        for i, (original, stand_in) in enumerate(zip(layers, ran)):
+            self._walk(original, stand_in, f"layer {i}")
+        self.container: weakref.ref[nn.Module] | None = None
+        self.layer_ids: tuple[int, ...] = tuple(id(layer) for layer in layers)
+
+    def watch(self, container: nn.Module) -> None:
+        """The caller's own container of the layers (an nn.Sequential given to GPipe): a layer
+        replaced in it afterwards (``model[4] = ...``) is refused at the next step, not ignored."""
+        self.container = weakref.ref(container)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StandIns:
         """A deep copy of the pipeline is its own model: no caller's modules for it to follow."""
         empty = StandIns.__new__(StandIns)
-        empty.modules, empty.parameters = [], []
+        empty.modules, empty.parameters, empty.container, empty.layer_ids = [], [], None, ()
         return empty
 
-    def _walk(self, original: nn.Module, stand_in: nn.Module) -> None:
+    def _walk(self, original: nn.Module, stand_in: nn.Module, name: str) -> None:
         if original is stand_in:
             return
-        self.modules.append(_ModulePair(weakref.ref(original), stand_in, _attributes(original)))
+        self.modules.append(_ModulePair(weakref.ref(original), stand_in, name, _attributes(original),
+                                        _parts(original)))
         for key, p in original._parameters.items():
             q = stand_in._parameters.get(key)
             if p is not None and q is not None and q is not p:
-                self.parameters.append(_ParameterPair(weakref.ref(p), q, p._version, p.requires_grad))
+                self.parameters.append(_ParameterPair(weakref.ref(p), q, p._version, p.requires_grad,
+                                                      _storage(p)))
         for key, child in original._modules.items():
             other = stand_in._modules.get(key)
             if child is not None and other is not None:
-                self._walk(child, other)
+                self._walk(child, other, f"{name}.{key}")
+
+    def set_mode(self, training: bool) -> None:
+        """``pipe.train()``/``pipe.eval()``: the originals of the stand-ins take the mode too, as the
+        caller's other layers (the cells' own) do, so that the caller's model and the cells agree and
+        a later ``model.train()``/``model.eval()`` is a change to follow."""
+        for m in self.modules:
+            original = m.original()
+            if original is not None:
+                original.training = training
+                m.seen["training"] = training
 
     def keep_only(self, modules: Sequence[nn.Module]) -> None:
         """Forget the stand-ins outside `modules` (the cells this process keeps)."""
@@ -115,11 +151,30 @@ class StandIns:
         return out
 
     def follow(self) -> None:
-        """Bring every stand-in up to date with what changed in its original since the last look."""
+        """Bring every stand-in up to date with what changed in its original since the last look.
+        Raises :class:`ReplacedAfterWrapping` where a layer, or a module, parameter or buffer under
+        a stand-in, was replaced (the stand-in and the optimizers hold the objects they were built
+        with: a replacement would apply in some cells and not others)."""
+        container = self.container() if self.container is not None else None
+        if container is not None and tuple(
+                id(v) for v in container._modules.values() if v is not None) != self.layer_ids:
+            raise ReplacedAfterWrapping(
+                "a layer of the model given to GPipe was replaced, added or removed after the "
+                "pipeline was built: the pipeline runs the layers it was built with. Build GPipe "
+                "from the model as it is now")
         for m in self.modules:
             original = m.original()
             if original is None:
                 continue
+            parts = _parts(original)
+            if parts != m.parts:
+                kind = next(k for k in parts if parts[k] != m.parts[k]).strip("_")
+                raise ReplacedAfterWrapping(
+                    f"{m.name} ({type(original).__name__}) had one of its {kind} replaced after "
+                    "GPipe was built; the cells run a stand-in of it (a BatchNorm's, or a module "
+                    "holding a weight tied across cells) and the optimizers hold what it was built "
+                    "with, so the replacement would apply nowhere. Replace it before building GPipe "
+                    "(load weights with load_state_dict, without assign=True)")
             now = _attributes(original)
             for key in now.keys() | m.seen.keys():
                 value = now.get(key, _MISSING)
@@ -136,17 +191,23 @@ class StandIns:
             if value.requires_grad is not p.seen_requires_grad:
                 p.copy.requires_grad_(value.requires_grad)
                 p.seen_requires_grad = value.requires_grad
-            if value._version != p.seen_version:
+            storage = _storage(value)
+            if storage[1] != p.seen_storage[1]:
+                raise ReplacedAfterWrapping(
+                    f"a weight tied across cells changed shape after GPipe was built ({p.seen_storage[1]} "
+                    f"-> {storage[1]}, e.g. resize_token_embeddings): its copies and the optimizers "
+                    "hold the old shape. Resize before building GPipe")
+            if value._version != p.seen_version or storage != p.seen_storage:
                 with torch.no_grad():
                     p.copy.copy_(value)
-                p.seen_version = value._version
+                p.seen_version, p.seen_storage = value._version, storage
 
     def updated(self) -> None:
         """The pipeline updated its parameters (a step): the originals' values now are its own."""
         for p in self.parameters:
             original = p.original()
             if original is not None:
-                p.seen_version = original._version
+                p.seen_version, p.seen_storage = original._version, _storage(original)
 
 
 def shown_to_optimizer(factory: Callable[[list[nn.Parameter]], Any], params: Sequence[nn.Parameter],

@@ -227,3 +227,68 @@ def test_a_state_taken_after_the_callers_own_update_holds_it_in_every_tied_copy(
     state = pipe.state_dict()
     torch.testing.assert_close(state["cells.0.0.weight"], state["cells.1.2.weight"], rtol=0, atol=0)
     pipe.load_state_dict(state)
+
+
+def test_silent_pipe_eval_then_model_train_left_the_batchnorm_stand_ins_in_eval() -> None:
+    """``pipe.eval(); model.train()``: the caller's own layers went back to training, the BatchNorm
+    stand-ins stayed in eval (loss 0.975 for 1.100). ``pipe.eval()`` now sets the originals too, so
+    ``model.train()`` is a change the stand-ins follow, and ``model.eval()`` after ``pipe.train()``."""
+    model = _bn_model()
+    pipe, ref, ref_opt = _pipe_and_reference(model, 1)
+    pipe.eval()
+    model.train()
+    _steps_alike(pipe, ref, range(1, 2), ref_opt)
+    pipe.train()
+    model.eval()
+    ref.eval()
+    x, _ = _data()
+    torch.testing.assert_close(pipe(x), ref(x).detach())
+    _assert_trained_alike(pipe, ref)
+    torch.testing.assert_close(model[1].running_mean, ref[1].running_mean)
+
+
+def test_silent_a_forward_hook_on_a_batchnorm_never_ran_in_the_pipeline() -> None:
+    """The DeferredBatchNorm standing in for a BatchNorm had no hooks: one registered on the BatchNorm,
+    before or after GPipe was built, never ran (output off by 0.13). It shares the BatchNorm's hooks."""
+    model = _bn_model()
+    model[1].register_forward_hook(lambda module, args, out: out * 2)
+    pipe, ref, ref_opt = _pipe_and_reference(model, 1)
+    model[1].register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+    ref[1].register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+    _steps_alike(pipe, ref, range(2), ref_opt)
+    _assert_trained_alike(pipe, ref)
+
+
+@pytest.mark.parametrize("replace", ["layer", "child", "parameter", "buffer", "assign"])
+def test_silent_a_module_replaced_after_wrapping_applied_in_some_cells_and_not_others(replace: str) -> None:
+    """A layer of the model, a module, parameter or buffer under a stand-in (a block holding a
+    BatchNorm), replaced after GPipe was built, was ignored there and taken elsewhere: the step is
+    refused, saying to build GPipe after the replacement, before any work."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Scaled(), nn.ReLU(), nn.Linear(8, 8))
+    pipe, _, _ = _pipe_and_reference(model, 1)
+    if replace == "layer":
+        model[3] = nn.Linear(8, 8)
+    elif replace == "child":
+        model[1].linear = nn.Linear(8, 8)
+    elif replace == "parameter":
+        model[1].norm.weight = nn.Parameter(torch.ones(8))
+    elif replace == "buffer":
+        model[1].norm.running_mean = torch.zeros(8)
+    else:
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    with pytest.raises(ValueError, match="replaced.*(before building GPipe|Build GPipe)"):
+        pipe.train_step(*_data())
+    assert all(torch.equal(p, q) for p, q in zip(pipe.parameters(), before))
+
+
+def test_a_tied_weights_data_assigned_after_wrapping_reaches_its_copy() -> None:
+    """``weight.data = new`` replaces the storage without moving the version counter; the copy follows
+    it too (an in-place edit through ``.data`` is invisible: the docs say to edit under no_grad)."""
+    model = _tied()
+    pipe, ref, ref_opt = _pipe_and_reference(model, 2)
+    model[0].weight.data = model[0].weight.data * 0.5
+    ref[0].weight.data = ref[0].weight.data * 0.5
+    _steps_alike(pipe, ref, range(2), ref_opt)
+    _assert_trained_alike(pipe, ref)
