@@ -52,7 +52,7 @@ class _ModulePair:
     stand_in: nn.Module
     name: str                                # where the original is in the caller's layers
     seen: dict[str, Any] = field(default_factory=dict)
-    parts: dict[str, tuple[int, ...]] = field(default_factory=dict)   # its children, parameters, buffers
+    parts: dict[str, tuple[int, ...]] = field(default_factory=dict)   # what it does not share (_own_kinds)
 
 
 @dataclass
@@ -68,10 +68,18 @@ def _attributes(module: nn.Module) -> dict[str, Any]:
     return {k: v for k, v in module.__dict__.items() if k not in _MACHINERY}
 
 
-def _parts(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    """The identities of `module`'s children, parameters and buffers, by kind."""
-    return {kind: tuple(id(v) for v in getattr(module, kind).values())
-            for kind in ("_modules", "_parameters", "_buffers")}
+def _parts(module: nn.Module, kinds: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+    """The identities of `module`'s children, parameters or buffers (`kinds`), by kind."""
+    return {kind: tuple(id(v) for v in getattr(module, kind).values()) for kind in kinds}
+
+
+def _own_kinds(original: nn.Module, stand_in: nn.Module) -> tuple[str, ...]:
+    """Which of children, parameters and buffers the stand-in keeps in a dictionary of its own: a
+    replacement there would not reach it. (A shallow copy shares the others' dictionary with its
+    original, so a replacement reaches both, and a module that sets its own buffer in its forward
+    is not taken for the caller replacing it.)"""
+    return tuple(kind for kind in ("_modules", "_parameters", "_buffers")
+                 if getattr(original, kind) is not getattr(stand_in, kind))
 
 
 def _storage(p: torch.Tensor) -> tuple[int, tuple[int, ...]]:
@@ -112,8 +120,9 @@ class StandIns:
     def _walk(self, original: nn.Module, stand_in: nn.Module, name: str) -> None:
         if original is stand_in:
             return
+        kinds = _own_kinds(original, stand_in)
         self.modules.append(_ModulePair(weakref.ref(original), stand_in, name, _attributes(original),
-                                        _parts(original)))
+                                        _parts(original, kinds)))
         for key, p in original._parameters.items():
             q = stand_in._parameters.get(key)
             if p is not None and q is not None and q is not p:
@@ -166,7 +175,7 @@ class StandIns:
             original = m.original()
             if original is None:
                 continue
-            parts = _parts(original)
+            parts = _parts(original, tuple(m.parts))
             if parts != m.parts:
                 kind = next(k for k in parts if parts[k] != m.parts[k]).strip("_")
                 raise ReplacedAfterWrapping(

@@ -292,3 +292,28 @@ def test_a_tied_weights_data_assigned_after_wrapping_reaches_its_copy() -> None:
     ref[0].weight.data = ref[0].weight.data * 0.5
     _steps_alike(pipe, ref, range(2), ref_opt)
     _assert_trained_alike(pipe, ref)
+
+
+class _Counting(nn.Module):
+    """A block holding a BatchNorm that sets a buffer of its own in its forward (a new tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return self.norm(x)
+
+
+def test_a_block_setting_its_own_buffer_in_its_forward_is_not_taken_for_a_replacement() -> None:
+    """The shallow copy above a BatchNorm shares its buffers' dictionary with the caller's block, so
+    a forward that sets a buffer is seen there too, and is not refused as the caller replacing it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Counting(), nn.Linear(8, 8))
+    pipe = GPipe(model, partitions=2, micro_batches=1, balance=[1, 2])
+    pipe.eval()
+    for _ in range(2):
+        pipe(torch.randn(4, 8))
+    assert float(model[1].calls) == 2.0
