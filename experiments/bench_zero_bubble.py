@@ -23,13 +23,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import typer
 
 from experiments.command import Budget, MaxRounds, MinRounds, Tolerance
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.report.measurement import Comparison, Measurement, StopRule
-from gpipe_repro.repro.harness import check_publish, publish, rounds_in_processes, sgd, stop_rule
+from gpipe_repro.repro.harness import OursAutoCut, check_publish, publish, rounds_in_processes, stop_rule
 
 COMMAND = "bench-zero-bubble"
 TARGET = 1.0
@@ -64,27 +63,6 @@ def groups(cfg: dict[str, Any]) -> list[tuple[str, str, int, int]]:
     return out
 
 
-class Schedule:
-    """One schedule of ours as a user runs it by default (the module's docstring)."""
-
-    def __init__(self, workload: Workload, m: int, schedule: str, checkpoint: str, x: torch.Tensor,
-                 y: torch.Tensor) -> None:
-        from gpipe_repro import GPipe
-        from gpipe_repro.engine.schedule import SPLIT_SCHEDULES, cells_per_process
-        rows = max(1, x.shape[0] // m)
-        self.pipe = GPipe(workload.build(), partitions=2 * cells_per_process(schedule), micro_batches=m,
-                          schedule=schedule, sample=x[:rows], sample_target=y[:rows],
-                          checkpoint=checkpoint, loss_fn=workload.loss_fn(), optimizer=sgd,
-                          runtime="distributed",
-                          split_backwards="auto" if schedule in SPLIT_SCHEDULES else None)
-        self.pipe.make_schedule()
-        self.balance = list(self.pipe.balance)
-        self.split_backwards = getattr(self.pipe, "split_backwards", None)
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.pipe.train_step(x, y)
-
-
 def bench_processes(cfg: dict[str, Any]) -> dict[str, Any]:
     """Runs in each of the 2 stage processes: every group's rounds (rank 0 returns the results)."""
     from gpipe_repro.distributed.process_group import init_distributed
@@ -100,7 +78,7 @@ def bench_processes(cfg: dict[str, Any]) -> dict[str, Any]:
         refused: dict[str, str] = {}
         for s in ("1f1b", *ZERO_BUBBLE):
             try:
-                items[s] = Schedule(workload, m, s, checkpoint, x, y)
+                items[s] = OursAutoCut(workload.build(), workload.loss_fn(), m, s, x, y, checkpoint)
             except ValueError as e:     # the engine's verdict on this configuration (alike everywhere)
                 refused[s] = str(e).splitlines()[0][:200]
         comparisons = [Comparison(f"1f1b / {s}", "1f1b", s, target=TARGET) for s in ZERO_BUBBLE

@@ -48,6 +48,7 @@ from gpipe_repro.repro.harness import (
     TORCH_SINGLE,
     TORCH_V,
     Ours,
+    OursAutoCut,
     TorchSchedule,
     batch,
     check_publish,
@@ -64,31 +65,16 @@ TINY_UNIFORM = {"width": 64, "blocks": 8, "batches": [16], "ms": [2]}
 HETEROGENEOUS_MS = [4, 8]
 
 
-class OursAuto:
-    """``GPipe(layers, partitions, micro_batches=m, schedule=S, sample=one micro-batch,
-    sample_target=its targets, checkpoint="never", runtime="distributed")``: cut by measured time
-    (the default with a sample; the loss timed with the last layer;
-    rank 0's cut on every rank), two cells per process for the interleaved and V schedules; no
-    re-materialization, as PyTorch's schedules run. A zero-bubble schedule with
-    ``split_backwards="auto"`` (the count of split backwards and the cut from the same timings)."""
+class OursAuto(OursAutoCut):
+    """:class:`~gpipe_repro.repro.harness.OursAutoCut` on a heterogeneous model, checkpoint "never"
+    (PyTorch's schedules do not re-materialize)."""
 
     def __init__(self, spec: Any, m: int, schedule: str, x: torch.Tensor, y: torch.Tensor,
                  tiny: bool) -> None:
-        from gpipe_repro import GPipe
-        from gpipe_repro.engine.schedule import SPLIT_SCHEDULES, cells_per_process
-        rows = max(1, x.shape[0] // m)
-        self.pipe = GPipe(spec.build(tiny), partitions=2 * cells_per_process(schedule), micro_batches=m,
-                          schedule=schedule, sample=x[:rows], sample_target=y[:rows], checkpoint="never",
-                          loss_fn=spec.loss_fn, optimizer=sgd, runtime="distributed",
-                          split_backwards="auto" if schedule in SPLIT_SCHEDULES else None)
-        self.pipe.make_schedule()
-        self.balance = list(self.pipe.balance)
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.pipe.train_step(x, y)
+        super().__init__(spec.build(tiny), spec.loss_fn, m, schedule, x, y)
 
 
-class OursTorchCut(OursAuto):
+class OursTorchCut:
     """Ours on torchtitan's cut (:func:`~experiments.versus_models.chunk_layers` with 2 chunks):
     ``GPipe(..., balance=those chunks' lengths, checkpoint="never", runtime="distributed")``, one cell
     per process, the tie kept."""
@@ -101,6 +87,9 @@ class OursTorchCut(OursAuto):
                           checkpoint="never", loss_fn=spec.loss_fn, optimizer=sgd, runtime="distributed")
         self.pipe.make_schedule()
         self.balance = list(self.pipe.balance)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.pipe.train_step(x, y)
 
 
 SAME_CUT = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}   # ours on torchtitan's cut -> torch's
@@ -177,7 +166,7 @@ def groups(cfg: dict[str, Any]) -> list[tuple[str, int, int]]:
 
 def bench_processes(cfg: dict[str, Any]) -> dict[str, Any]:
     """Runs in each of the 2 stage processes: every group's rounds (rank 0 returns the results)."""
-    from gpipe_repro.distributed.process_group import init_distributed
+    from gpipe_repro.distributed.process_group import broadcast_object, init_distributed
 
     rank = init_distributed().rank
     rule = StopRule(**cfg["rule"])
@@ -196,7 +185,8 @@ def bench_processes(cfg: dict[str, Any]) -> dict[str, Any]:
                                    budget_s=rule.budget_s, tolerance=rule.tolerance)
             selection = rounds_in_processes(items, [], select_rule, x, y, warmup=cfg["warmup"],
                                             label=f"{label} selection")
-            kept = _agreed(finalists(selection, cfg["finalists"]) if selection is not None else None)
+            kept = broadcast_object(finalists(selection, cfg["finalists"]) if selection is not None
+                                    else None)
             items = {n: items[n] for n in kept}
         measurement = rounds_in_processes(items, [], rule, x, y,
                                           warmup=0 if cfg["finalists"] else cfg["warmup"], label=label)
@@ -223,16 +213,6 @@ def finalists(selection: dict[str, Any], per_side: int) -> list[str]:
         if f"same-cut:{ours}" in times and f"torch:{theirs}" in times:
             kept += [f"same-cut:{ours}", f"torch:{theirs}"]
     return list(dict.fromkeys(kept))
-
-
-def _agreed(names: list[str] | None) -> list[str]:
-    """Rank 0's `names` on every rank."""
-    import torch.distributed as dist
-
-    box = [names]
-    dist.broadcast_object_list(box, src=0)
-    assert box[0] is not None
-    return box[0]
 
 
 def cut_gain(spec: Any, x: torch.Tensor, y: torch.Tensor, m: int, tiny: bool) -> dict[str, Any]:

@@ -66,7 +66,6 @@ def check_optimizer(name: str) -> None:
     one_of("--optimizer", name, tuple(OPTIMIZERS))
 
 
-
 _FIT_FLAGS = ((r"\bpartitions=(\d+)", r"--k \1"), (r"\bmicro_batches=(\d+)", r"--m \1"),
               (r"\bsplit_backwards=", "--split-backwards "), (r"\bbalance=", "--balance "),
               (r"\bpartitions\b", "--k"), (r"\bmicro_batches\b", "--m"),

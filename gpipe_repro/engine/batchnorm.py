@@ -30,7 +30,13 @@ from torch import nn
 
 from gpipe_repro.engine.recompute import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "check_batchnorms", "commit_all", "commit_many"]
+__all__ = ["DeferredBatchNorm", "check_batchnorms", "commit_all", "commit_many", "is_one_value_per_channel"]
+
+
+def is_one_value_per_channel(error: BaseException | str) -> bool:
+    """Whether `error` is PyTorch's refusal of batch statistics over one value per channel (a
+    BatchNorm training on a micro-batch of one row, or after global pooling on one example)."""
+    return "Expected more than 1 value per channel when training" in " ".join(str(error).split())
 
 
 #: A module's hook registries that a stand-in shares with the module it stands in for.

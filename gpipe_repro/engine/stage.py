@@ -36,7 +36,7 @@ from torch import nn
 from gpipe_repro.engine import boundary
 from gpipe_repro.engine.agreement import Agreement, Contribution, StepConfig, stage_contribution
 from gpipe_repro.engine.backward_split import DeferredWeights, WeightWork, full_backward, splits_input
-from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_many
+from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_many, is_one_value_per_channel
 from gpipe_repro.engine.compiled import compiled_runner
 from gpipe_repro.engine.feeding import InputGuard
 from gpipe_repro.engine.layer_state import BufferWatch
@@ -62,10 +62,6 @@ class Transport(Protocol):
     def agree(self, stage: int, contribution: Callable[[], Contribution]) -> Contribution:
         """The sum over all stages of their contributions (`contribution()` computes this stage's)."""
         ...
-
-
-# PyTorch's error for batch statistics over a single value per channel (BatchNorm on one row)
-_ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"
 
 
 class StageExecutor:
@@ -380,7 +376,7 @@ class StageExecutor:
             guard.caught_by_autograd(entry, training, m, e)
             raise
         except ValueError as e:
-            if _ONE_VALUE_PER_CHANNEL not in str(e):
+            if not is_one_value_per_channel(e):
                 raise
             rows = [t.shape[0] for t in boundary.tensors(entry.value) if t.dim() > 0][:1]
             raise ValueError(

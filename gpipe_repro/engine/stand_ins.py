@@ -6,21 +6,25 @@ the modules above it), and in every cell but the first holding a parameter tied 
 copy of that parameter (with shallow copies of the modules holding it; :mod:`gpipe_repro.engine.tied`).
 The caller keeps the originals, and plain PyTorch would train whatever the caller does to them
 after the pipeline was built: ``model[3].eval()``, a new momentum or attribute on a block,
-``model.load_state_dict(...)``, ``model[0].weight.requires_grad_(False)``. Unfollowed, each of those
-silently trained the old module or the old value in the cells holding a stand-in.
+``model.load_state_dict(...)``, ``model[0].weight.requires_grad_(False)``.
 
 :class:`StandIns` finds every stand-in by walking the caller's layers beside the cells (a module or
 parameter at the same place that is not the same object) and, at the start of every step and
-forward (:meth:`StandIns.follow`), brings each up to date with its original:
+forward and in ``state_dict()`` (:meth:`StandIns.follow`), brings each up to date with its original:
 
 - a module: every attribute of the original (its ``__dict__``, but for the module machinery:
   parameters, buffers, children and hooks, which a stand-in shares or replaces on purpose) that
-  changed since the last look is set on the stand-in. Only changes are followed, so
-  ``pipe.eval()``, which sets the stand-ins themselves, holds until the original changes;
+  changed since the last look is set on the stand-in. ``pipe.train()``/``pipe.eval()`` set the
+  originals' mode with the stand-ins' (:meth:`StandIns.set_mode`), so the two agree and a later
+  ``model.train()`` is a change like any other;
 - a tied parameter's copy: the original's ``requires_grad`` where it changed, and its value where
-  it was changed in place since the pipeline last updated it (its version counter moved: a
-  ``load_state_dict`` or an in-place edit; :meth:`StandIns.updated` records the pipeline's own
-  updates after each step).
+  it was changed since the pipeline last updated it: its version counter moved (a
+  ``load_state_dict``, an edit under no_grad) or its storage was replaced (``.data = ...``);
+  :meth:`StandIns.updated` records the pipeline's own updates after each step. An in-place edit
+  through ``.data`` moves neither and is not seen;
+- a replacement is refused (:class:`ReplacedAfterWrapping`): a layer of the container the caller
+  gave, a child, parameter or buffer the stand-in keeps in a dictionary of its own, a tied
+  parameter's shape. The stand-ins and the optimizers hold the objects they were built with.
 
 The originals are held weakly: with the distributed runtime a process keeps only its own cells,
 and the caller's model may be dropped (then there is nothing left to follow).

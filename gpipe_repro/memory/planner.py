@@ -172,10 +172,12 @@ def without_shared(profile: LayerProfile, nbytes: int) -> LayerProfile:
     if not nbytes or not profile.param_bytes:
         return profile
     share = min(1.0, nbytes / profile.param_bytes)
+    deferred = profile.deferred_grad_bytes - round(share * profile.deferred_grad_bytes)
     return dataclasses.replace(
         profile, param_bytes=profile.param_bytes - round(share * profile.param_bytes),
         grad_bytes=profile.grad_bytes - round(share * profile.grad_bytes),
-        deferred_grad_bytes=profile.deferred_grad_bytes - round(share * profile.deferred_grad_bytes),
+        deferred_grad_bytes=deferred,
+        deferred_grad_max_bytes=min(profile.deferred_grad_max_bytes, deferred),
         opt_state_bytes=profile.opt_state_bytes - round(share * profile.opt_state_bytes))
 
 

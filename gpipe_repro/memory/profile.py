@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_repro.engine.backward_split import deferrable
-from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_many
+from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_many, is_one_value_per_channel
 from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.memory.fake import fake_module
 from gpipe_repro.memory.tracker import MemoryTracker, storage_of
@@ -474,7 +474,7 @@ def profile_layer(layer: nn.Module, in_sig: ValueSig, optimizer: OptimizerFactor
         inner = getattr(layer, "block", None)
         what = type(layer).__name__ + (f" ({type(inner).__name__})" if isinstance(inner, nn.Module) else "")
         cause = " ".join(str(e).split())[:300]
-        if "more than 1 value per channel" in cause:     # BatchNorm in training, on one value
+        if is_one_value_per_channel(cause):
             raise LayerNotTraceable(
                 f"{name or what} does not train on this micro-batch ({type(e).__name__}: {cause}): its "
                 "BatchNorm needs more than one value per channel, so more examples per micro-batch "

@@ -211,8 +211,12 @@ class CausalLMLoss(nn.Module):
         super().__init__()
         self.ignore_index = ignore_index
 
+    def _shifted(self, labels: torch.Tensor) -> torch.Tensor:
+        """Each position's target: the next token, the last position ignored."""
+        return nn.functional.pad(labels, (0, 1), value=self.ignore_index)[..., 1:]
+
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shifted = nn.functional.pad(labels, (0, 1), value=self.ignore_index)[..., 1:].to(logits.device)
+        shifted = self._shifted(labels).to(logits.device)
         total = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                             shifted.reshape(-1), ignore_index=self.ignore_index,
                                             reduction="sum")
@@ -221,8 +225,7 @@ class CausalLMLoss(nn.Module):
     def target_count(self, labels: torch.Tensor) -> float:
         """The tokens the mini-batch's loss counts, before the step (fp16 scales the summed loss by
         the loss scale over it: torch.amp.GradScaler's scale on the token mean)."""
-        shifted = labels[..., 1:]
-        return float((shifted != self.ignore_index).sum())
+        return float((self._shifted(labels) != self.ignore_index).sum())
 
 
 # -- reading the model --------------------------------------------------------------------------------

@@ -122,6 +122,30 @@ class Ours:
         self.pipe.train_step(x, y)
 
 
+class OursAutoCut:
+    """A user's default way: ``GPipe(layers, partitions, micro_batches=m, schedule=S, sample=one
+    micro-batch, sample_target=its targets, checkpoint=C, runtime="distributed")``, 2 processes: cut
+    by measured time (the default with a sample; the loss timed with the last layer; rank 0's cut on
+    every rank), two cells per process for the interleaved and V schedules, a zero-bubble schedule
+    with ``split_backwards="auto"`` (its count and cut from the same timings)."""
+
+    def __init__(self, layers: Sequence[nn.Module], loss_fn: Any, m: int, schedule: str,
+                 x: torch.Tensor, y: torch.Tensor, checkpoint: str = "never") -> None:
+        from gpipe_repro import GPipe
+        from gpipe_repro.engine.schedule import SPLIT_SCHEDULES, cells_per_process
+        rows = max(1, x.shape[0] // m)
+        self.pipe = GPipe(list(layers), partitions=2 * cells_per_process(schedule), micro_batches=m,
+                          schedule=schedule, sample=x[:rows], sample_target=y[:rows],
+                          checkpoint=checkpoint, loss_fn=loss_fn, optimizer=sgd, runtime="distributed",
+                          split_backwards="auto" if schedule in SPLIT_SCHEDULES else None)
+        self.pipe.make_schedule()
+        self.balance = list(self.pipe.balance)
+        self.split_backwards = self.pipe.split_backwards
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.pipe.train_step(x, y)
+
+
 TORCH_SINGLE = ("ScheduleGPipe", "Schedule1F1B")
 TORCH_LOOPED = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble")
 TORCH_V = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")

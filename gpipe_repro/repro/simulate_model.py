@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from gpipe_repro.engine.arguments import as_layers
+from gpipe_repro.engine.batchnorm import is_one_value_per_channel
 from gpipe_repro.models.workload import Workload
 from gpipe_repro.sim.own_model import simulate_model
 
@@ -89,7 +90,7 @@ def preflight(workload: Workload, batch: int, *, options: dict[str, Any]) -> str
             except Exception as e:  # noqa: BLE001 - any failure here means the input does not fit
                 where = "its first layer" if i == 0 else f"its layer {i} ({type(layer).__name__})"
                 said = _one_line(e)
-                if "more than 1 value per channel" in said:     # BatchNorm training on one example
+                if is_one_value_per_channel(e):
                     return (f"--microbatch {batch}: {where} (a BatchNorm) cannot train on one value "
                             f"per channel ({said}); give --microbatch 2 or more")
                 if "must have the same dtype" in said:         # ids into a float layer, or back
