@@ -81,6 +81,23 @@ def check_batchnorm_micro_batches(config: Any, *, uses_batchnorm: bool, allow: b
             "--small-micro-batches runs it anyway")
 
 
+def check_cells_fit(config: Any, layers: int, *, more_layers: str) -> None:
+    """Refuse, before the data is read, a pipeline with more cells than the model has layers
+    (K cells; K x 2 for the schedules with two cells per process). `more_layers`: the option that
+    gives the model more layers."""
+    from gpipe_repro.engine.schedule import cells_per_process
+
+    per_process = cells_per_process(config.schedule)
+    cells = config.partitions * per_process
+    if cells <= layers:
+        return
+    two = (f" ({config.schedule} runs {per_process} cells per process: {config.partitions} x "
+           f"{per_process} = {cells} cells)" if per_process > 1 else "")
+    raise ValueError(f"--k {config.partitions} cuts the model into {cells} cells{two}, and it has "
+                     f"{layers} layers: use --k {max(1, layers // per_process)} or less, or give the "
+                     f"model more layers ({more_layers})")
+
+
 def apply_pipeline_options(run_config: Any, options: dict[str, Any], *, task: str | None = None,
                            batchnorm: bool = False) -> Any:
     """The preset's RunConfig with the options given on the command line (None = not given).
@@ -238,7 +255,9 @@ def register(app: typer.Typer) -> None:
             run_config, task_config = get_preset(preset)
             task_config = task_config.replace(dataset=dataset, image_size=image_size, L=L, F=F,
                                               genotype=genotype)
+            layers = task_config.layer_count()     # a bad genotype, L or F: refused before the data
             config = apply_pipeline_options(run_config, pipeline, task=AmoebaNetTask.name, batchnorm=True)
+            check_cells_fit(config, layers, more_layers="--L")
             check_batchnorm_micro_batches(config, uses_batchnorm=True, allow=small_micro_batches)
             return functools.partial(AmoebaNetTask, task_config), config
 

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import typer
 
 from gpipe_repro.commands.options import pipeline_options
-from gpipe_repro.commands.run import apply_pipeline_options, run_task
+from gpipe_repro.commands.run import apply_pipeline_options, check_cells_fit, run_task
 
 
 @pipeline_options(batch_size_help="packed rows (sequences of --seq-len bytes) per mini-batch")
@@ -71,8 +71,9 @@ def causal_lm(
             family=family, config_file=config_file, layers=layers, hidden=hidden, heads=heads,
             kv_heads=kv_heads, intermediate=intermediate, tie_embeddings=tie_embeddings,
             seq_len=seq_len, text=text, data_dir=data_dir, warmup_steps=warmup_steps)
-        task_config.model_config()               # a bad size or file: refused before the data work
+        count = task_config.layer_count()        # a bad size or file: refused before the data work
         config = apply_pipeline_options(run_config, pipeline, task=CausalLMTask.name)  # before the data
+        check_cells_fit(config, count, more_layers="--layers")
         return functools.partial(CausalLMTask, task_config), config
 
     run_task(build)

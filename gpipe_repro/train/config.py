@@ -17,6 +17,7 @@ from typing import Any
 
 from gpipe_repro.engine.partition import OBJECTIVES
 from gpipe_repro.engine.schedule import CHECKPOINT_MODES, SCHEDULES, SPLIT_SCHEDULES, cells_per_process
+from gpipe_repro.train.optim import OPTIMIZERS
 
 RUNTIMES = ("local", "distributed")
 LAUNCHERS = ("local", "torchrun")
@@ -91,6 +92,9 @@ class RunConfig:
             (self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}, got {self.objective!r}"),
             (self.runtime in RUNTIMES, f"runtime must be one of {RUNTIMES}, got {self.runtime!r}"),
             (self.launcher in LAUNCHERS, f"launcher must be one of {LAUNCHERS}, got {self.launcher!r}"),
+            (self.optimizer is None or self.optimizer in OPTIMIZERS,
+             f"--optimizer {self.optimizer}: unknown; use one of {', '.join(OPTIMIZERS)} (or leave it "
+             "out for the task's recipe)"),
             (self.lr is None or (math.isfinite(self.lr) and self.lr > 0),
              f"lr must be a finite number > 0, got {self.lr!r}"),
             (isinstance(self.replicas, int) and self.replicas >= 1,

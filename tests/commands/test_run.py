@@ -83,7 +83,7 @@ def test_a_distributed_mistake_is_one_line_before_any_process_starts(tmp_path: P
     result = CliRunner().invoke(app, ["run", "amoebanet", "--preset", "smoke", "--k", "50", "--runtime",
                                       "distributed", "--out", str(tmp_path / "run"), "--wandb", "disabled"])
     assert result.exit_code == 2
-    assert "--k 50: the model has" in result.output and "no process was started" in result.output
+    assert "--k 50 cuts the model into 50 cells, and it has 10 layers" in result.output
     assert len(result.output.strip().splitlines()) <= 3, result.output   # no process: launch_local fails
 
 
@@ -333,3 +333,23 @@ def test_split_backwards_reaches_the_run_or_is_refused_with_what_to_change(launc
     result = runner.invoke(app, ["run", "amoebanet", "--schedule", "zb-h1", "--split-backwards", "auto",
                                  "--partition-cost", "time"])
     assert result.exit_code == 0 and launched[-1].split_backwards == "auto", result.output
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["amoebanet", "--preset", "smoke", "--k", "50"], "--k 50 cuts the model into 50 cells, and it has 10"),
+    (["amoebanet", "--preset", "smoke", "--k", "6", "--schedule", "zb-v"], "6 x 2 = 12 cells"),
+    (["amoebanet", "--preset", "smoke", "--optimizer", "lion"], "--optimizer lion: unknown"),
+    (["amoebanet", "--preset", "smoke", "--genotype", "Z"], "unknown AmoebaNet genotype 'Z'"),
+    (["causal-lm", "--preset", "smoke", "--k", "50"], "it has 4 layers: use --k 4 or less"),
+    (["transformer", "--preset", "smoke", "--k", "50"], "give the model more layers (--layers)"),
+])
+def test_a_k_an_optimizer_or_a_genotype_the_model_cannot_take_is_refused_before_the_data(
+        launched: list[Any], argv: list[str], says: str) -> None:
+    """`run causal-lm --k 50` built the offline corpus for 45 s, and `run amoebanet --k 50`,
+    `--optimizer lion`, `--genotype Z` loaded the images, before the model or the optimizer said no
+    (naming `partitions=50`, not the option). The layer count comes from the model built on the meta
+    device, and each is one line naming the option before the run is launched (the launch builds
+    the task, which reads the data)."""
+    result = CliRunner().invoke(app, ["run", *argv, "--wandb", "disabled"])
+    assert result.exit_code == 2 and says in " ".join(result.output.split()), result.output
+    assert not launched

@@ -110,6 +110,11 @@ class CausalLMConfig:
                               "lower --seq-len")
         return config
 
+    def layer_count(self) -> int:
+        """How many layers the model has, without the data (built on the meta device: no weights)."""
+        with torch.device("meta"):
+            return len(causal_lm_layers_of(self.model_config()))
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

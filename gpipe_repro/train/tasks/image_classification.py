@@ -80,6 +80,13 @@ class AmoebaNetConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def layer_count(self) -> int:
+        """How many layers the model has, without the data (built on the meta device: no weights);
+        a bad genotype, L or F is refused here, before any work."""
+        with torch.device("meta"):
+            return len(amoebanet(self.L, self.F, self.genotype, 10, aux_head=self.aux_head,
+                                 image_size=self.image_size or 224))
+
     def replace(self, **changes: Any) -> AmoebaNetConfig:
         """A copy with `changes` (None values are ignored: "not given on the command line")."""
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})

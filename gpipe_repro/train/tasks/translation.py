@@ -116,6 +116,13 @@ class TranslationConfig:
             if not ok:
                 raise ValueError(message)
 
+    def layer_count(self) -> int:
+        """How many layers T(L, H, A) has, without the data (built on the meta device: no weights)."""
+        with torch.device("meta"):
+            return len(translation_transformer(self.L, self.H, self.A, d_model=self.d_model,
+                                               head_dim=self.head_dim, vocab_size=self.vocab_size,
+                                               tie_embeddings=self.tie_embeddings))
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["languages"] = None if self.languages is None else list(self.languages)
