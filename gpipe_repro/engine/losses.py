@@ -35,6 +35,7 @@ user's computation.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -87,7 +88,7 @@ def exact_mean(loss_fn: Any) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor
     if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and stock and loss_fn.reduction == "mean":
         summed = copy.copy(loss_fn)        # the same loss (weights shared), summing
         summed.reduction = "sum"
-        return summed, lambda target: denominator(loss_fn, target)
+        return summed, functools.partial(denominator, loss_fn)
     return loss_fn, None
 
 

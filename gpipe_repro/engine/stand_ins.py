@@ -121,6 +121,10 @@ class StandIns:
         empty.modules, empty.parameters, empty.container, empty.layer_ids = [], [], None, ()
         return empty
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A pipeline saved whole (``torch.save(pipe)``) loads as its own model, as a deep copy does."""
+        return {"modules": [], "parameters": [], "container": None, "layer_ids": ()}
+
     def _walk(self, original: nn.Module, stand_in: nn.Module, name: str) -> None:
         if original is stand_in:
             return

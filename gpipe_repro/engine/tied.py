@@ -161,8 +161,18 @@ def refuse_diverging_copies(pipe: nn.Module, ties: Sequence[Tie]) -> None:
     copies (``cells.<c>.<name>``) different values, or a value for some of them and not the others;
     the copies would no longer be one parameter. (Each process of the distributed runtime checks the
     copies it holds.)"""
-    def check(module: nn.Module, state: Mapping[str, Any], prefix: str, *args: Any) -> None:
-        for tie in ties:
+    pipe.register_load_state_dict_pre_hook(_DivergingCopiesCheck(tuple(ties)))
+
+
+class _DivergingCopiesCheck:
+    """:func:`refuse_diverging_copies`'s hook (a class, not a closure: a pipeline saved whole with
+    ``torch.save(pipe)`` pickles its hooks)."""
+
+    def __init__(self, ties: tuple[Tie, ...]) -> None:
+        self.ties = ties
+
+    def __call__(self, module: nn.Module, state: Mapping[str, Any], prefix: str, *args: Any) -> None:
+        for tie in self.ties:
             keys = [f"{prefix}cells.{c}.{name}" for c, name in tie.holders
                     if len(module.cells[c]) > 0]   # type: ignore[index]
             given = [k for k in keys if k in state]
@@ -175,7 +185,6 @@ def refuse_diverging_copies(pipe: nn.Module, ties: Sequence[Tie]) -> None:
                 raise ValueError(f"the state gives the tied parameter different values under {given}: "
                                  "its copies must stay one parameter; give the same value under every "
                                  "name")
-    pipe.register_load_state_dict_pre_hook(check)
 
 
 def refuse_hooked_copies(ties: Sequence[Tie], cells: Mapping[int, nn.Module]) -> None:
