@@ -47,7 +47,7 @@ class StepConfig:
 
     Args:
         precision: "fp32", "bf16" or "fp16": autocast dtype of each cell's forward (and loss);
-            parameters and optimizer states stay fp32; floating boundary values cross in that dtype.
+            parameters and optimizer states stay fp32; boundary values cross as computed.
         clip_grad_norm: the max global L2 norm of all gradients (all cells), or None: no clipping.
         loss_scale: fp16 only: the loss is multiplied by it before backward; gradients are divided.
         count_scale: fp16 with a ``(sum, count)`` loss: its summed loss is divided by this too (the
@@ -56,11 +56,14 @@ class StepConfig:
             the loss scale applies to about a mean, as ``torch.amp.GradScaler``'s to a mean loss
             (times the count, the scale overflowed log2(tokens) halvings early: every step of a
             run skipped until it came down); gradients are multiplied back.
+        low_precision_boundaries: under bf16/fp16, floating boundary values cross in that dtype
+            (half the bytes sent and kept), not as computed.
     """
     precision: str = "fp32"
     clip_grad_norm: float | None = None
     loss_scale: float = 1.0
     count_scale: float = 1.0
+    low_precision_boundaries: bool = False
 
     def backward_scale(self, counted: bool) -> float:
         """What a micro-batch's weighted loss is multiplied by before its backward (1 unless fp16)."""

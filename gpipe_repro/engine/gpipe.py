@@ -132,9 +132,15 @@ class GPipe(nn.Module):
         clip_grad_norm: clip the global L2 norm of all cells' gradients to this value before the
             update, as ``torch.nn.utils.clip_grad_norm_`` on the whole model would; None: no clipping.
         precision: "fp32" (default), "bf16" or "fp16": each cell runs under ``torch.autocast`` with
-            that dtype, parameters and optimizer states stay fp32, floating boundary values cross in
-            the low dtype. "fp16" adds a dynamic loss scale (GradScaler's rule): if any gradient of any
-            cell is not finite, no cell updates and the scale halves.
+            that dtype, parameters and optimizer states stay fp32, boundary values cross as computed
+            (what plain autocast gives the next layer). "fp16" adds a dynamic loss scale
+            (GradScaler's rule): if any gradient of any cell is not finite, no cell updates and the
+            scale halves.
+        low_precision_boundaries: under bf16/fp16, every floating boundary value crosses in that
+            dtype: half the bytes sent, and kept for the backward, where a cell's output is fp32 (a
+            residual stream autocast keeps in fp32); the next cell's fp32 ops (a norm) then see a
+            rounded input, so training differs from plain autocast by about as much as the low dtype
+            differs from fp32. Default False: equal to plain autocast.
         schedule: "gpipe" (fill-drain), "1f1b", "zb-h1" (zero bubble), "interleaved"
             (interleaved 1F1B: `partitions` = K*v cells, v=2 per process round robin; with
             runtime="distributed" the job has partitions/2 processes per replica, each running its
@@ -198,7 +204,8 @@ class GPipe(nn.Module):
                  split_backwards: int | str | None = None, seed: int = 0,
                  deferred_batchnorm: bool = True, runtime: str = "local", replicas: int = 1,
                  batchnorm_stats: str = "per_replica", bucket_cap_mb: float = 25.0,
-                 compile: bool | str | Mapping[str, Any] = False) -> None:
+                 compile: bool | str | Mapping[str, Any] = False,
+                 low_precision_boundaries: bool = False) -> None:
         super().__init__()
         layer_list = as_layers(layers)
         training_schedule = check_arguments(
@@ -290,6 +297,7 @@ class GPipe(nn.Module):
             stage_loss = ReductionCheck(stage_loss, self._parts, declared=declared)
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.precision = precision
+        self.low_precision_boundaries = bool(low_precision_boundaries)
         self.loss_scaler = LossScaler(enabled=precision == "fp16")
         self._last_agreement: Agreement | None = None   # the last step's (last_grad_norm, ...)
         self._has_optimizer = optimizer is not _NOT_GIVEN
@@ -397,7 +405,8 @@ class GPipe(nn.Module):
         schedule = self.make_schedule()
         config = StepConfig(self.precision, self.clip_grad_norm, self.loss_scale,
                             count_scale=microbatch.target_count(self.loss_fn, targets)
-                            if self.precision == "fp16" else 1.0)
+                            if self.precision == "fp16" else 1.0,
+                            low_precision_boundaries=self.low_precision_boundaries)
         for e in self.runtime.executors:   # the optimizers as they are now (one may have been replaced)
             e.optimizer = self.optimizers[e.stage]
         agreement = self.runtime.train_step(schedule, self.step, mbs, tgts, weights, config)
@@ -452,7 +461,8 @@ class GPipe(nn.Module):
         # negative step numbers are never used by train_step.
         step = -1 - self._forward_calls
         self._forward_calls += 1
-        out = self.runtime.forward(schedule, step, mbs, StepConfig(self.precision))
+        out = self.runtime.forward(schedule, step, mbs, StepConfig(
+            self.precision, low_precision_boundaries=self.low_precision_boundaries))
         self.last_timeline = self.runtime.last_timeline
         if self.training:
             for cell in self.cells:

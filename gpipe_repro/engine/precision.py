@@ -2,7 +2,7 @@
 
 - :data:`PRECISIONS`: "fp32", "bf16", "fp16" and their autocast dtypes;
 - :func:`autocast`: the context of a cell's forward (and loss);
-- :func:`cast_boundary`: floating boundary values cross in the low dtype;
+- :func:`cast_boundary`: floating boundary values cross as computed, or in the low dtype where asked;
 - :func:`upcast`: a low-precision loss is summed (and seeds the backward) in float32.
 
 Parameters and optimizer states stay float32; fp16's dynamic loss scale is
@@ -29,11 +29,14 @@ def autocast(precision: str, device: torch.device) -> Any:
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
-def cast_boundary(value: Any, precision: str) -> Any:
-    """Under bf16/fp16, floating boundary values cross in that dtype (half the bytes); tensors
-    sharing memory are cast once and stay shared (:mod:`gpipe_repro.engine.aliasing`)."""
+def cast_boundary(value: Any, precision: str, low: bool) -> Any:
+    """A cell's output as it crosses to the next cell: as computed (the dtypes plain autocast gives
+    the next layer: a residual stream autocast keeps in fp32 stays fp32), or with `low` under
+    bf16/fp16 every floating value in that dtype (half the bytes sent and kept for the backward; the
+    next cell's fp32 ops then see rounded inputs); tensors sharing memory are cast once and stay
+    shared (:mod:`gpipe_repro.engine.aliasing`)."""
     dtype = PRECISIONS[precision]
-    if dtype is None:
+    if dtype is None or not low:
         return value
     return aliasing.map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
 

@@ -244,8 +244,8 @@ class StageExecutor:
                 with self._autocast():
                     self._loss(out, m)
         else:
-            self.outbox[(ActionKind.SEND_ACT, m)] = cast_boundary(boundary.detach(out),
-                                                                  self.config.precision)
+            self.outbox[(ActionKind.SEND_ACT, m)] = cast_boundary(
+                boundary.detach(out), self.config.precision, self.config.low_precision_boundaries)
 
     def _send_act(self, m: int | None) -> None:
         assert m is not None
