@@ -153,7 +153,7 @@ def _device_rows(plan: Any) -> list[tuple[str, Any, int]]:
 
 def _print_plan(plan: Any, budget: float, title: str) -> None:
     """Each device's peak and what fills it; where a device runs several cells (interleaved, zb-v,
-    dualpipe-v), each cell's, then each device's: the sum of its cells' (an upper bound)."""
+    dualpipe-v), each cell's, then each device's: its cells' actions walked together."""
     from rich.table import Table
 
     from gpipe_repro.memory.planner import gib
@@ -174,7 +174,7 @@ def _print_plan(plan: Any, budget: float, title: str) -> None:
     console = table_console()
     console.print(table)
     if several:
-        console.print("device peaks, GiB (the sum of each device's cells' peaks, an upper bound): "
+        console.print("device peaks, GiB (each device's cells walked together): "
                       + ", ".join(f"{d}: {gib(p)}{'' if p <= budget else ' (NO)'}"
                                   for d, p in enumerate(plan.device_peaks)), soft_wrap=True)
 
@@ -345,8 +345,8 @@ def register(app: typer.Typer) -> None:
         several = [x for x in names if cells_per_process(x) > 1]
         table = Table("K", "M", "schedule", "checkpoint", "fits", "peak GiB", "samples/s", "bubble",
                       "balance", title="fastest configurations, those that fit first",
-                      caption=(f"{', '.join(several)}: 2 cells per device, peak = the sum of their "
-                               "peaks") if several else None)
+                      caption=(f"{', '.join(several)}: 2 cells per device, peak = the two walked "
+                               "together") if several else None)
         for c in cands[:top]:
             cuts = ",".join(map(str, c.balance)) if len(c.balance) <= 8 else f"{len(c.balance)} cells"
             table.add_row(str(c.partitions), str(c.micro_batches), c.schedule, c.checkpoint,

@@ -35,7 +35,7 @@ def why(plan: MemoryPlan, budget: float) -> str:
     held = ", ".join(str(c.stage) for c in cells)
     layers = sum(plan.balance[c.stage] for c in cells)
     return (f"device {device} (cells {held}: {layers} layers) needs {_gib(peaks[device])} of "
-            f"{_gib(budget)}, the sum of its cells' peaks (an upper bound); its largest, cell "
+            f"{_gib(budget)}, its cells' actions walked together; its largest, cell "
             f"{s.stage}, peaks during {s.peak_at}: {parts}.{reason}")
 
 

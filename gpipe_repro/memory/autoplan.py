@@ -12,8 +12,8 @@ with and without re-materialization, and for every schedule asked for (those tha
 3. if it fits, simulate one step (:func:`gpipe_repro.sim.simulator.simulate`: the schedule's actions
    with per-stage compute times and the link model) for its throughput.
 
-Interleaved 1F1B cuts 2K cells, two per device (cell c on device c mod K); a device's peak is the
-sum of its two cells' peaks (an upper bound, as in :mod:`gpipe_repro.memory.schedule_ablation`).
+Interleaved 1F1B cuts 2K cells, two per device (cell c on device c mod K); a device's peak is its
+two cells' actions walked together in its process's order (:func:`gpipe_repro.memory.compose.walk_device`).
 
 The answer is the fitting configuration with the highest simulated throughput. All numbers are
 simulated; the time model is compute-bound (FLOPs at a fixed rate), so it ranks configurations by
@@ -138,7 +138,7 @@ def evaluate(planner: MemoryPlanner, partitions: int, micro_batches: int, checkp
              budget: float, link: LinkModel, flops_per_second: float, schedule: str = "gpipe",
              attempts: int = 4) -> Candidate:
     """One (K, M, checkpoint, schedule): a memory-capped cut, its plan and, if it fits, its
-    throughput. Interleaved cuts 2K cells and a device's peak is the sum of its two cells' peaks."""
+    throughput. Interleaved cuts 2K cells and a device's peak is its two cells' walked together."""
     cand = Candidate(partitions, micro_batches, checkpoint, schedule=schedule)
     cells = partitions * cells_per_process(schedule)
     per_device = cells // partitions

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpipe_repro.engine.schedule import COMPUTE, ActionKind, Schedule
+from gpipe_repro.engine.schedule import COMPUTE, Action, ActionKind, Schedule
 from gpipe_repro.memory.profile import LayerProfile
 from gpipe_repro.models.signature import ValueSig
 
@@ -149,92 +149,155 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
     process; NCCL). A number, the distributed runtime on gloo (:mod:`gpipe_repro.distributed.transport`):
     that many receives of each kind are posted (their buffers allocated) at the step's start, the
     next as one is used, and a sent value is held until the compute action after next."""
-    st = _Store(base)
-    ahead: dict[ActionKind, list[int]] = {ActionKind.RECV_ACT: [], ActionKind.RECV_GRAD: []}
-    for action in schedule.stages[stage]:
-        if action.kind in ahead and action.microbatch is not None:
-            ahead[action.kind].append(action.microbatch)
-    posted: dict[tuple[ActionKind, int], list[int]] = {}
+    return walk_device(schedule, schedule.stages[stage], {stage: cells}, {stage: base},
+                       {stage: optimizer_transient}, timeline, receives_ahead, label=stage)
 
-    def buffers(kind: ActionKind, m: int) -> list[int]:
+
+def walk_device(schedule: Schedule, program: Sequence[Action],
+                cells: Mapping[int, Sequence[Sequence[LayerProfile]]], bases: Mapping[int, dict[str, int]],
+                optimizer_transients: Mapping[int, int], timeline: bool = False,
+                receives_ahead: int | None = None, label: int = 0) -> StageMemory:
+    """One device's memory over its process's `program` (:meth:`Schedule.programs`): the actions of
+    each stage it holds (``cells[stage]``, ``bases[stage]``, ``optimizer_transients[stage]``, as
+    :func:`walk_stage` takes them for one) walked together, in the order the process runs them, on
+    one store: a device holding two cells (interleaved, zb-v, dualpipe-v) peaks when what both hold
+    at one moment does, not at the sum of their peaks. `label`: the stage number the result carries."""
+    base: dict[str, int] = defaultdict(int)
+    for b in bases.values():
+        for category, nbytes in b.items():
+            base[category] += nbytes
+    st = _Store(dict(base))
+    walks = {s: _CellWalk(_Holders(st, s), schedule, s, cells[s], optimizer_transients[s], receives_ahead)
+             for s in cells}
+    events: list[tuple[str, int, int]] = []
+    computes = 0
+    for action in program:
+        st.window = st.live
+        if action.kind in COMPUTE:
+            computes += 1
+        walks[action.stage].step(action, computes)
+        if timeline:
+            events.append((str(action), st.live, st.window))
+    return StageMemory(label, st.peak, st.peak_parts, st.peak_at, events, st.activation_high)
+
+
+class _Holders:
+    """A store seen by one stage of a device: its holders tagged with the stage, so that two cells'
+    micro-batch m hold apart."""
+
+    def __init__(self, store: _Store, stage: int) -> None:
+        self.store, self.stage = store, stage
+
+    def new(self, nbytes: int, category: str, holder: Hashable) -> int:
+        return self.store.new(nbytes, category, (self.stage, holder))
+
+    def hold(self, sid: int, holder: Hashable) -> None:
+        self.store.hold(sid, (self.stage, holder))
+
+    def release(self, holder: Hashable) -> None:
+        self.store.release((self.stage, holder))
+
+    def rename(self, old: Hashable, new: Hashable) -> None:
+        self.store.rename((self.stage, old), (self.stage, new))
+
+    def add(self, category: str, nbytes: int) -> None:
+        self.store.add(category, nbytes)
+
+    def touch(self, transient: int, where: str, category: str = ACTIVATIONS) -> None:
+        self.store.touch(transient, where, category)
+
+
+class _CellWalk:
+    """One stage's actions replayed on a (shared) store: what :class:`StageExecutor` holds and frees
+    at each (see the module docstring and :func:`walk_stage`)."""
+
+    def __init__(self, st: _Holders, schedule: Schedule, stage: int,
+                 cells: Sequence[Sequence[LayerProfile]], optimizer_transient: int,
+                 receives_ahead: int | None) -> None:
+        self.st, self.cells, self.stage = st, cells, stage
+        self.optimizer_transient, self.receives_ahead = optimizer_transient, receives_ahead
+        self.ahead: dict[ActionKind, list[int]] = {ActionKind.RECV_ACT: [], ActionKind.RECV_GRAD: []}
+        for action in schedule.stages[stage]:
+            if action.kind in self.ahead and action.microbatch is not None:
+                self.ahead[action.kind].append(action.microbatch)
+        self.posted: dict[tuple[ActionKind, int], list[int]] = {}
+        for kind in self.ahead:
+            for _ in range(receives_ahead or 0):
+                self._post(kind)
+        self.held: list[tuple[Hashable, int]] = []   # sent values in flight: (holder, compute actions before)
+        self.first, self.last = stage == 0, stage == schedule.num_stages - 1
+        self.checkpointed = schedule.checkpointed(stage)
+        self.training = schedule.training
+        self.inputs: dict[int, list[int]] = {}
+        self.grads_in: dict[int, int] = {}
+        self.have_grads = self.have_state = False
+        self.have_input_grads = False      # the gradients a zero-bubble I makes (what it does not defer)
+
+    def _buffers(self, kind: ActionKind, m: int) -> list[int]:
         """The storages a receive of `kind` for micro-batch m fills: the stash, or the gradient."""
         if kind is ActionKind.RECV_ACT:
-            return [st.new(b, STASH, ("stash", m)) for b in _group_copy_bytes(cells[m][0].in_sig)]
-        return [st.new(boundary_grad_bytes(cells[m][-1].out_sig), ACTIVATIONS, ("gin", m))]
+            return [self.st.new(b, STASH, ("stash", m)) for b in _group_copy_bytes(self.cells[m][0].in_sig)]
+        return [self.st.new(boundary_grad_bytes(self.cells[m][-1].out_sig), ACTIVATIONS, ("gin", m))]
 
-    def received(kind: ActionKind, m: int) -> list[int]:
+    def _received(self, kind: ActionKind, m: int) -> list[int]:
         """At a receive: its buffers (posted earlier, or now), and the channel's next one posted."""
-        got = posted.pop((kind, m), None)
+        got = self.posted.pop((kind, m), None)
         if got is None:
-            got = buffers(kind, m)
-        post(kind)
+            got = self._buffers(kind, m)
+        self._post(kind)
         return got
 
-    def post(kind: ActionKind) -> None:
-        if receives_ahead is not None and ahead[kind]:
-            m = ahead[kind].pop(0)
-            posted[(kind, m)] = buffers(kind, m)
-    for kind in ahead:
-        for _ in range(receives_ahead or 0):
-            post(kind)
-    held: list[tuple[Hashable, int]] = []      # sent values in flight: (holder, compute actions before)
-    computes = 0
-    first, last = stage == 0, stage == schedule.num_stages - 1
-    checkpointed = schedule.checkpointed(stage)
-    inputs: dict[int, list[int]] = {}
-    outputs: dict[int, list[int]] = {}
-    grads_in: dict[int, int] = {}
-    have_grads = have_state = False
-    have_input_grads = False      # the gradients a zero-bubble I makes (what it does not defer)
-    events: list[tuple[str, int, int]] = []
-    for action in schedule.stages[stage]:
+    def _post(self, kind: ActionKind) -> None:
+        if self.receives_ahead is not None and self.ahead[kind]:
+            m = self.ahead[kind].pop(0)
+            self.posted[(kind, m)] = self._buffers(kind, m)
+
+    def step(self, action: Action, computes: int) -> None:
+        """`action`, the process's `computes`-th compute action or after it."""
+        st, cells, first = self.st, self.cells, self.first
         m, kind, where = action.microbatch, action.kind, str(action)
-        st.window = st.live
-        if receives_ahead is not None and kind in COMPUTE:
-            computes += 1
-            for holder, _ in [h for h in held if h[1] <= computes - 2]:
+        if self.receives_ahead is not None and kind in COMPUTE:
+            for holder, _ in [h for h in self.held if h[1] <= computes - 2]:
                 st.release(holder)
-            held = [h for h in held if h[1] > computes - 2]
+            self.held = [h for h in self.held if h[1] > computes - 2]
         if kind is ActionKind.AGREE:
-            pass            # the barrier before the update: a few scalars, nothing worth counting
-        elif kind is ActionKind.OPTIMIZER_STEP:
-            st.touch(optimizer_transient, where, OPTIMIZER)
-            if have_state:  # DeferredBatchNorm commits and drops its statistics
+            return          # the barrier before the update: a few float64 numbers all-reduced
+        if kind is ActionKind.OPTIMIZER_STEP:
+            st.touch(self.optimizer_transient, where, OPTIMIZER)
+            if self.have_state:  # DeferredBatchNorm commits and drops its statistics
                 st.add(ACTIVATIONS, -sum(p.state_bytes for p in cells[-1]))
-        elif kind is ActionKind.AGREE:   # a few float64 numbers all-reduced: nothing to count
-            pass
-        elif m is None:     # every other action belongs to a micro-batch
-            raise ValueError(f"stage {stage}: action {where} has no micro-batch")
-        elif kind is ActionKind.RECV_ACT:
-            inputs[m] = received(kind, m)
+            return
+        if m is None:       # every other action belongs to a micro-batch
+            raise ValueError(f"stage {self.stage}: action {where} has no micro-batch")
+        if kind is ActionKind.RECV_ACT:
+            self.inputs[m] = self._received(kind, m)
         elif kind is ActionKind.FORWARD or kind is ActionKind.RECOMPUTE:
-            if first and m not in inputs:   # the caller's mini-batch: data, counted apart
-                inputs[m] = [st.new(0, STASH, ("stash", m)) for _ in cells[m][0].in_sig.group_bytes]
-            keep = kind is ActionKind.RECOMPUTE or (schedule.training and m not in checkpointed)
-            fed = inputs[m]
+            if first and m not in self.inputs:   # the caller's mini-batch: data, counted apart
+                self.inputs[m] = [st.new(0, STASH, ("stash", m)) for _ in cells[m][0].in_sig.group_bytes]
+            keep = kind is ActionKind.RECOMPUTE or (self.training and m not in self.checkpointed)
+            fed = self.inputs[m]
             if first:   # stage 0 feeds its cell a copy of the caller's batch (StageExecutor._copies)
                 fed = [st.new(b, ACTIVATIONS, ("feed", m)) for b in _group_copy_bytes(cells[m][0].in_sig)]
             out = _forward(st, cells[m], fed, m, keep, where)
             st.release(("feed", m))     # what the graph saved of the copy stays with the graph
-            if kind is ActionKind.FORWARD and not have_state:
+            if kind is ActionKind.FORWARD and not self.have_state:
                 st.add(ACTIVATIONS, sum(p.state_bytes for p in cells[m]))  # BatchNorm statistics
-                have_state = True
+                self.have_state = True
             if keep:
                 for sid in out:
                     st.hold(sid, ("cell", m))
-            if kind is ActionKind.FORWARD and not last:
+            if kind is ActionKind.FORWARD and not self.last:
                 for sid in out:
                     st.hold(sid, ("outbox", m))
-            outputs[m] = out
             st.release(("var", m))
         elif kind is ActionKind.SEND_ACT:
-            _sent(st, held, ("outbox", m), receives_ahead, computes)
+            _sent(st, self.held, ("outbox", m), self.receives_ahead, computes)
         elif kind is ActionKind.RECV_GRAD:
-            grads_in[m] = received(kind, m)[0]
+            self.grads_in[m] = self._received(kind, m)[0]
         elif kind is ActionKind.BACKWARD:
-            _backward(st, cells[m], m, grads_in.get(m), accumulate=have_grads, send=not first,
+            _backward(st, cells[m], m, self.grads_in.get(m), accumulate=self.have_grads, send=not first,
                       where=where)
-            have_grads = True
+            self.have_grads = True
             for holder in (("cell", m), ("gin", m), ("stash", m), ("var", m)):
                 st.release(holder)
         elif kind is ActionKind.BACKWARD_INPUT:
@@ -244,34 +307,31 @@ def walk_stage(schedule: Schedule, stage: int, cells: Sequence[Sequence[LayerPro
             # until W each deferred linear or convolution keeps its input and its output's gradient
             # (the profiles' deferred_bytes).
             if not first:
-                _backward(st, cells[m], m, grads_in.get(m), accumulate=True, send=True, where=where)
-                if not have_grads and not have_input_grads:
+                _backward(st, cells[m], m, self.grads_in.get(m), accumulate=True, send=True, where=where)
+                if not self.have_grads and not self.have_input_grads:
                     st.add(GRADS, sum(p.grad_bytes - p.deferred_grad_bytes for p in cells[m]))
-                have_input_grads = True
+                self.have_input_grads = True
                 st.new(sum(p.deferred_bytes for p in cells[m]), ACTIVATIONS, ("graph", m, 0))
                 for name in ("cell", "gin", "stash", "var"):
                     st.release((name, m))
         elif kind is ActionKind.BACKWARD_WEIGHT:
             if first:
-                _backward(st, cells[m], m, grads_in.get(m), accumulate=have_grads, send=False,
+                _backward(st, cells[m], m, self.grads_in.get(m), accumulate=self.have_grads, send=False,
                           where=where)
-            elif not have_grads:
+            elif not self.have_grads:
                 st.add(GRADS, sum(p.deferred_grad_bytes for p in cells[m]))
             else:   # each module's new gradients exist beside its .grad until added into it
                 st.touch(max((p.deferred_grad_max_bytes for p in cells[m]), default=0), where)
-            have_grads = True
+            self.have_grads = True
             for name in ("cell", "gin", "stash", "var"):
                 st.release((name, m))
             for j in range(len(cells[m])):
                 st.release(("graph", m, j))
         elif kind is ActionKind.SEND_GRAD:
-            _sent(st, held, ("gout", m), receives_ahead, computes)
-        if timeline:
-            events.append((where, st.live, st.window))
-    return StageMemory(stage, st.peak, st.peak_parts, st.peak_at, events, st.activation_high)
+            _sent(st, self.held, ("gout", m), self.receives_ahead, computes)
 
 
-def _sent(st: _Store, held: list[tuple[Hashable, int]], holder: Hashable, receives_ahead: int | None,
+def _sent(st: _Holders, held: list[tuple[Hashable, int]], holder: Hashable, receives_ahead: int | None,
           computes: int) -> None:
     """A value sent: let go now (one process), or held as a gloo send in flight (see walk_stage)."""
     if receives_ahead is None:
@@ -290,7 +350,7 @@ def _group_copy_bytes(sig: ValueSig) -> list[int]:
     return [sizes.get(g, b) for g, b in enumerate(sig.group_bytes)]
 
 
-def _forward(st: _Store, layers: Sequence[LayerProfile], x: list[int], m: int, keep: bool,
+def _forward(st: _Holders, layers: Sequence[LayerProfile], x: list[int], m: int, keep: bool,
              where: str) -> list[int]:
     cur = list(x)
     for sid in cur:
@@ -318,7 +378,7 @@ def _forward(st: _Store, layers: Sequence[LayerProfile], x: list[int], m: int, k
     return cur
 
 
-def _backward(st: _Store, layers: Sequence[LayerProfile], m: int, grad_in: int | None,
+def _backward(st: _Holders, layers: Sequence[LayerProfile], m: int, grad_in: int | None,
               accumulate: bool, send: bool, where: str, hold_graph: bool = False) -> None:
     """Walk a cell's backward layer by layer. `hold_graph` (a zero-bubble input-gradient pass): the
     layers' saved tensors stay (for the weight pass) and no parameter gradient is created yet."""
@@ -360,5 +420,5 @@ def relabel(memory: StageMemory, stage: int) -> StageMemory:
     return dataclasses.replace(memory, stage=stage)
 
 
-__all__ = ["StageMemory", "walk_stage", "stage_key", "relabel", "boundary_bytes",
+__all__ = ["StageMemory", "walk_stage", "walk_device", "stage_key", "relabel", "boundary_bytes",
            "boundary_grad_bytes"]

@@ -44,6 +44,7 @@ from gpipe_repro.memory.compose import (
     StageMemory,
     relabel,
     stage_key,
+    walk_device,
     walk_stage,
 )
 from gpipe_repro.memory.profile import (
@@ -96,6 +97,7 @@ class MemoryPlan:
     microbatch_sizes: list[int] = field(default_factory=list)
     state: list[int] = field(default_factory=list)   # per device: params + buffers + grads + optimizer
     split_backwards: int | None = None   # zero-bubble schedules: the last n backwards split (None: all)
+    devices: list[StageMemory] = field(default_factory=list)   # several cells per device: each device's
 
     @property
     def device_of_cells(self) -> list[int]:
@@ -105,8 +107,10 @@ class MemoryPlan:
 
     @property
     def device_peaks(self) -> list[int]:
-        """Each device's peak: its cell's, or where a device runs several cells the sum of their
-        peaks: an upper bound (the cells need not peak at the same moment)."""
+        """Each device's peak: its cell's, or where a device runs several cells, the peak of their
+        actions walked together in the order its process runs them (:func:`walk_device`)."""
+        if self.devices:
+            return [d.peak for d in self.devices]
         owner = self.device_of_cells
         peaks = [0] * (max(owner) + 1)
         for s in self.stages:
@@ -318,6 +322,7 @@ class MemoryPlanner:
         walked: dict[tuple, StageMemory] = {}
         stages: list[StageMemory] = []
         state: list[int] = []
+        walk_args: dict[int, tuple[list[list[LayerProfile]], dict[str, int], int]] = {}
         start = 0
         shared = shared_in_cell(self.ties, balance)
         for s, n_layers in enumerate(balance):
@@ -328,30 +333,43 @@ class MemoryPlanner:
                        for n, p in by_size.items()}
             cells = [cell_of[n] for n in sizes]
             key = (stage_key(sched, s, cells), ahead)
+            one = cell_of[sizes[0]]
+            layers = one[:-1] if last else one
+            base = {PARAMS: sum(p.param_bytes for p in layers),
+                    BUFFERS: sum(p.buffer_bytes for p in layers),
+                    OPTIMIZER: sum(p.opt_state_bytes for p in layers)}
+            peaks = [p.opt_peak for p in layers] or [0]
+            transient = max(sum(peaks) if self.optimizer_foreach else max(peaks),
+                            commit_transient(sum(self._bn_features[start:end]), len(sizes)))
+            walk_args[s] = (cells, base, transient)
             if key not in walked or timeline:
-                one = cell_of[sizes[0]]
-                layers = one[:-1] if last else one
-                base = {PARAMS: sum(p.param_bytes for p in layers),
-                        BUFFERS: sum(p.buffer_bytes for p in layers),
-                        OPTIMIZER: sum(p.opt_state_bytes for p in layers)}
-                peaks = [p.opt_peak for p in layers] or [0]
-                transient = max(sum(peaks) if self.optimizer_foreach else max(peaks),
-                                commit_transient(sum(self._bn_features[start:end]), len(sizes)))
                 walked[key] = walk_stage(sched, s, cells, base, transient, timeline, ahead)
             stages.append(self._with_data(relabel(walked[key], s), s, partitions))
             state.append(sum(p.param_bytes + p.buffer_bytes + p.grad_bytes + p.opt_state_bytes
                              for p in cell_of[sizes[0]][:n_layers]))
             start = end
+        devices: list[StageMemory] = []
+        if sched.processes is not None:     # several cells per device: walked together
+            for p, program in enumerate(sched.programs()):
+                held = sorted({a.stage for a in program})
+                device = walk_device(sched, program, {s: walk_args[s][0] for s in held},
+                                     {s: walk_args[s][1] for s in held}, {s: walk_args[s][2] for s in held},
+                                     timeline, ahead, label=p)
+                for s in held:
+                    device = self._with_data(device, s, partitions)
+                devices.append(device)
         return MemoryPlan(partitions, micro_batches, checkpoint, schedule, balance, stages,
-                          self.parameters, sizes, state, split_backwards)
+                          self.parameters, sizes, state, split_backwards, devices)
 
     def _with_data(self, mem: StageMemory, stage: int, partitions: int) -> StageMemory:
+        """`mem` with the caller's data on `stage`'s device: the mini-batch on the first stage's, the
+        targets on the last's."""
         data = (_data_bytes(self.sample) if stage == 0 else 0) + (
             _data_bytes(self.target) if stage == partitions - 1 else 0)
         if not data:
             return mem
         parts = dict(mem.parts)
-        parts[DATA] = data
+        parts[DATA] = parts.get(DATA, 0) + data
         return dataclasses.replace(mem, peak=mem.peak + data, parts=parts)
 
 

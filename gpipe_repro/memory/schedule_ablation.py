@@ -11,8 +11,8 @@ By default the step is simulated over FLOP-model costs at a fixed device rate (t
 ``simulate_step``; the memory side is the planner's either way.
 
 Interleaved 1F1B (v=2) and ZB-V run two cells per device, so they are planned on 2K cells and a
-device's peak is the SUM of its two cells' peaks: an upper bound (the two cells' peaks need not
-coincide), labelled as such in each row.
+device's peak is its two cells' actions walked together in the order its process runs them
+(:func:`gpipe_repro.memory.compose.walk_device`), labelled as such in each row.
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def schedule_ablation(planner: MemoryPlanner, *, devices: int, micro_batches: in
                     "bubble": sim.bubble_fraction, "peak_bytes_per_device": peak,
                     "activation_peak_bytes_per_device": activation,
                     "max_peak_bytes": max(peak), "max_activation_peak_bytes": max(activation),
-                    "memory_note": ("sum of the device's 2 cells' peaks (an upper bound)"
+                    "memory_note": ("the device's 2 cells walked together"
                                     if cells != devices else "the planner's peak")})
         rows.append(row)
     return rows

@@ -49,9 +49,11 @@ _CATEGORY = {ActionKind.RECV_ACT: STASH, ActionKind.OPTIMIZER_STEP: OPTIMIZER}
 class TrackingTransport(LocalTransport):
     """A LocalTransport whose sends copy, charged to the link until the receiver takes them."""
 
-    def __init__(self, devices: list[torch.device], tracker: MemoryTracker) -> None:
+    def __init__(self, devices: list[torch.device], tracker: MemoryTracker,
+                 label: Sequence[int] | None = None) -> None:
         super().__init__(devices)
         self.tracker = tracker
+        self.label = list(label) if label is not None else list(range(len(devices)))
 
     def _copy(self, value: Any) -> Any:
         with self.tracker.scope(TRANSIT, TRANSIT):
@@ -62,7 +64,7 @@ class TrackingTransport(LocalTransport):
 
     def recv_activation(self, stage: int, microbatch: int) -> Any:
         value = self.box.pop(Action(ActionKind.RECV_ACT, stage, microbatch))
-        self.tracker.move(value, stage, STASH)
+        self.tracker.move(value, self.label[stage], STASH)
         return boundary.map_tensors(value, lambda t: t.detach().requires_grad_(boundary.carries_grad(t)))
 
     def send_gradient(self, stage: int, microbatch: int, grads: list[torch.Tensor | None]) -> None:
@@ -70,7 +72,7 @@ class TrackingTransport(LocalTransport):
 
     def recv_gradient(self, stage: int, microbatch: int) -> list[torch.Tensor | None]:
         grads = self.box.pop(Action(ActionKind.RECV_GRAD, stage, microbatch))
-        self.tracker.move(grads, stage, ACTIVATIONS)
+        self.tracker.move(grads, self.label[stage], ACTIVATIONS)
         return grads
 
 
@@ -84,12 +86,14 @@ class StepTrace:
     fake: bool
 
 
-def _instrument(executor: StageExecutor, tracker: MemoryTracker, params: list[torch.Tensor]) -> None:
-    """Each action in its tracker scope; after it, the parameters' gradients counted as gradients
-    (not through gradient hooks, which would change what the engine runs: a zero-bubble split
-    defers the weight gradients of parameters without hooks differently)."""
+def _instrument(executor: StageExecutor, tracker: MemoryTracker, params: list[torch.Tensor],
+                label: int) -> None:
+    """Each action in its tracker scope (charged to `label`: the stage, or its device); after it,
+    the parameters' gradients counted as gradients (not through gradient hooks, which would change
+    what the engine runs: a zero-bubble split defers the weight gradients of parameters without
+    hooks differently)."""
     run = executor.execute
-    stage = executor.stage
+    stage = label
 
     def execute(action: Action) -> None:
         tracker.begin(stage, str(action))
@@ -138,9 +142,11 @@ def trace_step(layers: Sequence[nn.Module], sample: Any, target: Any,
                checkpoint: str = "except_last", balance: Sequence[int] | None = None,
                optimizer: OptimizerFactory | None = rmsprop, schedule: str = "gpipe",
                fake: bool = True, attention: str = "fused", copy_layers: bool = True,
-               round_to: int = 1, split_backwards: int | None = None) -> StepTrace:
+               round_to: int = 1, split_backwards: int | None = None,
+               per_device: bool = False) -> StepTrace:
     """Run one steady-state training step of GPipe and measure each stage's memory (`schedule` and
-    `split_backwards` as GPipe takes them).
+    `split_backwards` as GPipe takes them); with `per_device`, each device's (process's), which runs
+    two cells in the interleaved and V schedules: ``stages`` then holds one entry per device.
 
     With ``fake=True`` layers (any device, meta included) and batches are replaced by fake copies
     and nothing is allocated. With ``fake=False`` the step really runs (on copies of the layers
@@ -165,22 +171,23 @@ def trace_step(layers: Sequence[nn.Module], sample: Any, target: Any,
                      schedule=schedule, split_backwards=split_backwards,
                      loss_reduction=declared_reduction(loss_fn) or "mean")
         tracker = MemoryTracker(round_to=round_to)
-        transport = TrackingTransport(pipe.devices, tracker)
+        label = pipe.make_schedule().process_of() if per_device else list(range(len(pipe.cells)))
+        transport = TrackingTransport(pipe.devices, tracker, label)
         assert isinstance(pipe.runtime, LocalRuntime)
         pipe.runtime.use_transport(transport)   # instrumentation: see the module docstring
         for s, (executor, cell, opt) in enumerate(zip(pipe.executors, pipe.cells, pipe.optimizers)):
             prime_optimizer(opt)
-            tracker.register(list(cell.parameters()), s, PARAMS)
-            tracker.register(list(cell.buffers()), s, BUFFERS)
+            tracker.register(list(cell.parameters()), label[s], PARAMS)
+            tracker.register(list(cell.buffers()), label[s], BUFFERS)
             if opt is not None:
                 tracker.register([v for st in opt.state.values() for v in st.values()
-                                  if isinstance(v, torch.Tensor)], s, OPTIMIZER)
-            _instrument(executor, tracker, list(cell.parameters()))
+                                  if isinstance(v, torch.Tensor)], label[s], OPTIMIZER)
+            _instrument(executor, tracker, list(cell.parameters()), label[s])
         tracker.reset_peaks()
         with tracker:
             pipe.train_step(sample, target)
         stages = []
-        for s in range(partitions):
+        for s in range(max(label) + 1):
             d = tracker.devices[s]
             stages.append(StageMemory(s, d.peak, dict(d.peak_parts), d.peak_at,
                                       [(mk.label, mk.live, mk.peak) for mk in d.timeline]))

@@ -144,8 +144,8 @@ def test_a_v_schedules_plan_did_not_run_in_gpipe_as_written(tmp_path: Path) -> N
 
 
 def test_fit_plans_the_schedule_asked_for(tmp_path: Path) -> None:
-    """--schedule: K cells as GPipe(partitions=K) cuts them, a device's peak the sum of its cells'
-    where it runs two; --split-backwards as GPipe takes it."""
+    """--schedule: K cells as GPipe(partitions=K) cuts them, a device's peak its cells' walked
+    together where it runs two; --split-backwards as GPipe takes it."""
     from gpipe_repro.memory.planner import MemoryPlanner
     from gpipe_repro.memory.workloads import workload
 
@@ -155,7 +155,7 @@ def test_fit_plans_the_schedule_asked_for(tmp_path: Path) -> None:
                                 terminal_width=200)
     assert result.exit_code == 0, result.output
     assert "schedule=zb-v (last 1 backwards split)" in result.output
-    assert "device peaks, GiB (the sum of each device's cells' peaks" in result.output
+    assert "device peaks, GiB (each device's cells walked together)" in result.output
     plan = json.loads(out.read_text())["plan"]
     assert plan["schedule"] == "zb-v" and plan["split_backwards"] == 1 and len(plan["stages"]) == 4
     work = workload("transformer-lm", 8, L=4, d_model=64, d_ff=128, num_heads=4, vocab_size=500,
