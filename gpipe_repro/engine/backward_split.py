@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from gpipe_repro.engine import boundary
 
@@ -190,12 +191,23 @@ def needs_whole_gradient(p: torch.Tensor) -> bool:
 def _trainable_leaf(t: Any) -> bool:
     """A plain leaf that requires a gradient and has no hook that must see its whole gradient (a
     weight read by a deferred layer and also another way gets its gradient in two shares, at I and
-    at W; a hook would run on each)."""
-    return (type(t) in (torch.Tensor, nn.Parameter) and t.is_leaf and t.requires_grad
-            and t.layout == torch.strided and not needs_whole_gradient(t))
+    at W; a hook would run on each). A fake one too (the memory planner runs the engine on fake
+    tensors: it must defer there as it does on real ones)."""
+    return (type(t) in (*_PLAIN, nn.Parameter) and t.is_leaf
+            and t.requires_grad and t.layout == torch.strided and not needs_whole_gradient(t))
 
 
 _CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+
+def _storage_key(t: torch.Tensor) -> int:
+    """What changes when a tensor's ``.data`` is replaced: its data pointer (a fake tensor has none:
+    the planner's fake layers are never given new data)."""
+    return id(t) if type(t) is FakeTensor else t.data_ptr()
+
+
+#: An input's types a deferred layer takes: a plain tensor, or a fake one (the memory planner runs
+#: the engine on fake tensors, and it must defer there as on real ones).
+_PLAIN = (torch.Tensor, FakeTensor)
 
 
 def _kind(module: nn.Module) -> str | None:
@@ -216,7 +228,8 @@ def _eligible(module: nn.Module, kind: str) -> bool:
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     if weight is None or not _trainable_leaf(weight):
         return False
-    if bias is not None and (type(bias) not in (torch.Tensor, nn.Parameter) or bias.dtype != weight.dtype
+    if bias is not None and (type(bias) not in (*_PLAIN, nn.Parameter)
+                             or bias.dtype != weight.dtype
                              or (bias.requires_grad and not _trainable_leaf(bias))):
         return False
     return kind != "gpt2-conv1d" or bias is not None
@@ -250,8 +263,8 @@ class _Layer:
     def _detached(self, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight and bias detached (autocast: cast), made again where either changed: in place
         (its version), or its ``.data`` replaced (its storage)."""
-        version = (self.weight._version, self.weight.data_ptr(),
-                   None if self.bias is None else (self.bias._version, self.bias.data_ptr()))
+        version = (self.weight._version, _storage_key(self.weight),
+                   None if self.bias is None else (self.bias._version, _storage_key(self.bias)))
         known = self._copies.get(dtype)
         if known is not None and known[0] == version:
             return known[1], known[2]
@@ -276,7 +289,7 @@ class _Layer:
         work: WeightWork | None = getattr(_ACTIVE, "work", None)
         x = args[0] if len(args) == 1 and not kwargs else None
         own = self.module._parameters        # the parameters it was built with, still the module's
-        dtype = (self._dtype(x) if work is not None and type(x) is torch.Tensor and x.requires_grad
+        dtype = (self._dtype(x) if work is not None and type(x) in _PLAIN and x.requires_grad
                  and torch.is_grad_enabled() and x.is_floating_point() and not _saving_hooks()
                  and own.get("weight") is self.weight and own.get("bias") is self.bias
                  and x.layout == torch.strided and self._supports(x) else False)

@@ -41,7 +41,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from gpipe_repro.engine.backward_split import deferrable
+from gpipe_repro.engine.backward_split import DeferredWeights, deferrable
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_many, is_one_value_per_channel
 from gpipe_repro.engine.choices import require_one_of
 from gpipe_repro.memory.fake import fake_module
@@ -353,6 +353,44 @@ class _Profiler:
                       grad_bytes=sum(_nbytes(p.grad) for p in self.params if p.grad is not None))
         return result
 
+    def deferred_kept(self) -> tuple[int, int, int]:
+        """What a zero-bubble split defers, as the engine defers it
+        (:class:`~gpipe_repro.engine.backward_split.DeferredWeights` recording a forward, then its
+        input half): (the bytes its weight half holds between the halves: each deferred layer's input
+        and the gradient that reached its output, each storage once, as an input read by three
+        projections or a gradient the residual stream passes to two layers; the gradient bytes of
+        the parameters it defers; the most of those one layer makes at once). A layer the engine
+        runs whole (a weight also read another way, a hook) is not counted. Every gradient this
+        pass makes is dropped: the other measurements see the layer as they left it."""
+        kept_grads = {id(q): q.grad for q in self.params}
+        x = self._inputs(grad=True)
+        storages: dict[int, int] = {}
+        deferred: dict[int, int] = {}
+        most = 0
+        with self.mode, self._attention():
+            deferral = DeferredWeights(self.layer)
+            with deferral.recording() as work:
+                out = self.layer(x)
+            rg = [t for t in {id(t): t for t in pytree.tree_leaves(out)
+                              if isinstance(t, torch.Tensor) and t.requires_grad}.values()]
+            if rg:
+                torch.autograd.backward(rg, [torch.ones_like(t) for t in rg])
+            for entry in work.entries:
+                for t in (entry.x, entry.grad):
+                    if t is not None:
+                        st = storage_of(t)
+                        storages[id(st)] = st.nbytes()
+                own = {id(q): _nbytes(q) for q in (entry.weight, entry.bias)
+                       if q is not None and q.requires_grad}
+                deferred.update(own)
+                most = max(most, sum(own.values()))
+            deferral.release()
+        for q in self.params:
+            q.grad = kept_grads[id(q)]
+        for leaf in self.leaves.values():
+            leaf.grad = None
+        return sum(storages.values()), sum(deferred.values()), most
+
     def forward_nograd(self) -> int:
         x = self._inputs(grad=False)
         with self.mode, self._attention(), self.tracker, torch.no_grad():
@@ -470,6 +508,10 @@ def profile_layer(layer: nn.Module, in_sig: ValueSig, optimizer: OptimizerFactor
         first = p.forward_backward()
         nograd = p.forward_nograd()
         opt_state, opt_peak = p.optimizer_step()
+        if first["deferred_grad_bytes"]:     # what the engine defers, measured (0 kept where the
+            kept, grads, most = p.deferred_kept()   # layer's input takes no gradient: nothing defers)
+            first.update(deferred_bytes=kept if first["deferred_bytes"] else 0, deferred_grad_bytes=grads,
+                         deferred_grad_max_bytes=most)
     except Exception as e:  # noqa: BLE001 - any kernel's failure on fake tensors is the cause to name
         inner = getattr(layer, "block", None)
         what = type(layer).__name__ + (f" ({type(inner).__name__})" if isinstance(inner, nn.Module) else "")
