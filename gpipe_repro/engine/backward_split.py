@@ -289,7 +289,8 @@ class _Layer:
         work: WeightWork | None = getattr(_ACTIVE, "work", None)
         x = args[0] if len(args) == 1 and not kwargs else None
         own = self.module._parameters        # the parameters it was built with, still the module's
-        dtype = (self._dtype(x) if work is not None and type(x) in _PLAIN and x.requires_grad
+        dtype = (self._dtype(x) if work is not None and isinstance(x, torch.Tensor) and type(x) in _PLAIN
+                 and x.requires_grad
                  and torch.is_grad_enabled() and x.is_floating_point() and not _saving_hooks()
                  and own.get("weight") is self.weight and own.get("bias") is self.bias
                  and x.layout == torch.strided and self._supports(x) else False)

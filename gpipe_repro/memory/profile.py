@@ -377,8 +377,8 @@ class _Profiler:
                 torch.autograd.backward(rg, [torch.ones_like(t) for t in rg])
             for entry in work.entries:
                 for t in (entry.x, entry.grad):
-                    if t is not None:
-                        st = storage_of(t)
+                    st = storage_of(t) if t is not None else None
+                    if st is not None:
                         storages[id(st)] = st.nbytes()
                 own = {id(q): _nbytes(q) for q in (entry.weight, entry.bias)
                        if q is not None and q.requires_grad}
