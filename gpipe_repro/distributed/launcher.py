@@ -131,7 +131,7 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float
         # The launcher holds the only write end: when it dies, every stage reads EOF (see _child).
         lifeline_r, lifeline_w = ctx.Pipe(duplex=False)
         try:
-            with _sigint_held():
+            with _sigint_held(forkserver=start_method == "forkserver"):
                 for rank in range(nprocs):
                     child_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
                                  "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
@@ -167,11 +167,12 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float
 
 
 @contextlib.contextmanager
-def _sigint_held() -> Iterator[None]:
+def _sigint_held(forkserver: bool = False) -> Iterator[None]:
     """While the stage processes start: SIGINT blocked in this thread, so that the processes it
     starts (the forkserver while it imports torch, a spawned stage while it unpickles) inherit it
     blocked and a Ctrl-C does not print their tracebacks; the launcher gets it once they are
-    started (and ends them), each stage takes SIGINT back when it begins (:func:`_child`)."""
+    started (and ends them), each stage takes SIGINT back when it begins (:func:`_child`). The fork
+    server starts here (`forkserver`), SIGTERM ignored too (:func:`_start_forkserver_ignoring_sigterm`)."""
     held = threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask")
     if held:
         # multiprocessing starts its resource tracker with SIGINT blocked and unblocks it after: started
@@ -179,6 +180,8 @@ def _sigint_held() -> Iterator[None]:
         from multiprocessing import resource_tracker
         resource_tracker.ensure_running()
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        if forkserver:
+            _start_forkserver_ignoring_sigterm()
     try:
         yield
     finally:
@@ -186,10 +189,25 @@ def _sigint_held() -> Iterator[None]:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
+def _start_forkserver_ignoring_sigterm() -> None:
+    """Start multiprocessing's fork server (if this program has not yet) with SIGTERM ignored, as it
+    ignores SIGINT: it stays in the launcher's process group, and a SIGTERM to the whole group (a
+    job manager's, ``timeout``'s, ``kill -TERM -- -PGID``) killed it, which ended every stage it had
+    forked as lost before they could finish their step and save. The launcher forwards the SIGTERM
+    to the stages (:func:`_forwarding`); each stage takes SIGTERM back when it begins (:func:`_child`)."""
+    from multiprocessing import forkserver
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)     # ignored survives the exec
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _child(env: dict[str, str], result_path: str, fn: Callable[..., Any], args: tuple,
            lifeline: Any = None) -> None:
     os.environ.update(env)
     os.setpgrp()    # this stage and what it starts (wandb-core) form one group, signalled together
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)   # the fork server it came from ignores it
     if hasattr(signal, "pthread_sigmask"):    # blocked while the launcher started it (_sigint_held):
         signal.signal(signal.SIGINT, signal.SIG_IGN)    # drop a Ctrl-C meant for the launcher,
         signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -198,10 +198,13 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_a_sigterm_to_the_launcher_reaches_every_stage_and_a_killed_launcher_takes_them_with_it(
+def test_a_sigterm_to_the_launchers_group_reaches_every_stage_and_a_killed_launcher_takes_them_with_it(
         tmp_path: Path) -> None:
-    """SIGTERM to the launcher: every stage gets it, stops, and the launcher returns their results
-    (and lives on). SIGKILL to the launcher (no chance to clean up): its stages end with it."""
+    """SIGTERM to the launcher's whole process group (a job manager's, ``timeout``'s): every stage gets
+    it, stops, and the launcher returns their results (and lives on). The fork server, in that group,
+    died of it, and every stage it had forked was taken for lost and killed before it could save (a
+    training run lost its step). SIGKILL to the launcher (no chance to clean up): its stages end with
+    it."""
     term, kill = tmp_path / "term", tmp_path / "kill"
     term.mkdir()
     kill.mkdir()
@@ -209,10 +212,11 @@ def test_a_sigterm_to_the_launcher_reaches_every_stage_and_a_killed_launcher_tak
     with log.open("w") as sink:
         launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)], text=True,
                                     stdout=sink, stderr=subprocess.STDOUT,
-                                    cwd=Path(__file__).resolve().parents[2])
+                                    cwd=Path(__file__).resolve().parents[2], start_new_session=True)
         try:
             wait_for_stages(launcher, term, log)
-            launcher.send_signal(signal.SIGTERM)      # SIGINT takes the same path (launcher._forwarding)
+            os.killpg(launcher.pid, signal.SIGTERM)   # the launcher's group: it and its fork server
+            # (SIGINT takes the launcher's same path: launcher._forwarding)
             hang_bound = time.time() + 60
             while not (term / "result").is_file():
                 assert launcher.poll() is None and time.time() < hang_bound, log.read_text()[-3000:]
