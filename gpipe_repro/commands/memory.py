@@ -33,6 +33,7 @@ import typer
 from gpipe_repro.commands.options import (
     EXPERIMENTS,
     HELP,
+    as_flags,
     check_out_files,
     int_list,
     one_of,
@@ -64,21 +65,6 @@ def check_optimizer(name: str) -> None:
     """Refuse an --optimizer the plans do not know (before any work)."""
     from gpipe_repro.memory.profile import OPTIMIZERS
     one_of("--optimizer", name, tuple(OPTIMIZERS))
-
-
-_FIT_FLAGS = ((r"\bpartitions=(\d+)", r"--k \1"), (r"\bmicro_batches=(\d+)", r"--m \1"),
-              (r"\bsplit_backwards=", "--split-backwards "), (r"\bbalance=", "--balance "),
-              (r"\bpartitions\b", "--k"), (r"\bmicro_batches\b", "--m"),
-              (r"\bsplit_backwards\b", "--split-backwards"))
-
-
-def _fit_flags(message: str) -> str:
-    """An engine or planner message with its argument names as fit's options (partitions=20 ->
-    --k 20)."""
-    import re
-    for pattern, flag in _FIT_FLAGS:
-        message = re.sub(pattern, flag, message)
-    return message
 
 
 def _planner(family: str, batch: Optional[int], extra: list[str], attention: str,
@@ -225,14 +211,14 @@ def register(app: typer.Typer) -> None:
             from gpipe_repro.engine.schedule import make_schedule
             make_schedule(schedule, partitions, micro_batches, checkpoint, split_backwards=split_backwards)
         except ValueError as e:
-            raise typer.BadParameter(_fit_flags(str(e))) from e
+            raise typer.BadParameter(as_flags(str(e))) from e
         _check_json_out(json_out, "fit", overwrite)
         work, planner = _planner(family, batch, list(ctx.args), attention, optimizer=optimizer)
         try:
             plan = planner.plan(partitions, micro_batches, checkpoint, balance=cuts, schedule=schedule,
                                 split_backwards=split_backwards)
         except ValueError as e:
-            raise typer.BadParameter(_fit_flags(str(e))) from e
+            raise typer.BadParameter(as_flags(str(e))) from e
         budget = memory * GiB
         console = table_console()
         console.print(f"{work.describe()}: {planner.parameters:,} parameters, "

@@ -38,6 +38,23 @@ HELP = {
 }
 
 
+#: An engine message's argument names, and the command line's options for them.
+_AS_FLAGS = ((r"\bpartitions=(\d+)", r"--k \1"), (r"\bmicro_batches=(\d+)", r"--m \1"),
+             (r"\bM=(\d+)", r"--m \1"), (r"\bschedule='([\w-]+)'", r"--schedule \1"),
+             (r"\bsplit_backwards=", "--split-backwards "), (r"\bbalance=", "--balance "),
+             (r"\bpartitions\b", "--k"), (r"\bmicro_batches\b", "--m"),
+             (r"\bsplit_backwards\b", "--split-backwards"))
+
+
+def as_flags(message: str) -> str:
+    """An engine or planner message with its argument names as the commands' options
+    (partitions=20 -> --k 20, schedule='zb-v' -> --schedule zb-v)."""
+    import re
+    for pattern, flag in _AS_FLAGS:
+        message = re.sub(pattern, flag, message)
+    return message
+
+
 def positive(flag: str, value: int | float | None, what: str = "") -> None:
     """Refuse a count or size below 1 (before any work), saying what it means."""
     if value is not None and value < 1:

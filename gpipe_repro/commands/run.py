@@ -81,21 +81,25 @@ def check_batchnorm_micro_batches(config: Any, *, uses_batchnorm: bool, allow: b
             "--small-micro-batches runs it anyway")
 
 
-def check_cells_fit(config: Any, layers: int, *, more_layers: str) -> None:
-    """Refuse, before the data is read, a pipeline with more cells than the model has layers
-    (K cells; K x 2 for the schedules with two cells per process). `more_layers`: the option that
-    gives the model more layers."""
-    from gpipe_repro.engine.schedule import cells_per_process
+def check_pipeline_fits(config: Any, layers: int, *, more_layers: str) -> None:
+    """Refuse, before the data is read, a pipeline the model or the schedule cannot run: more cells
+    (--k: cells, as ``GPipe(partitions=K)`` counts them, also for the schedules with two per
+    process) than the model has layers, or a K and M the schedule does not take (the engine's own
+    rules, its message in the command's options). `more_layers`: the option that gives the model
+    more layers."""
+    from gpipe_repro.commands.options import as_flags
+    from gpipe_repro.engine.schedule import make_schedule
 
-    per_process = cells_per_process(config.schedule)
-    cells = config.partitions * per_process
-    if cells <= layers:
-        return
-    two = (f" ({config.schedule} runs {per_process} cells per process: {config.partitions} x "
-           f"{per_process} = {cells} cells)" if per_process > 1 else "")
-    raise ValueError(f"--k {config.partitions} cuts the model into {cells} cells{two}, and it has "
-                     f"{layers} layers: use --k {max(1, layers // per_process)} or less, or give the "
-                     f"model more layers ({more_layers})")
+    if config.partitions > layers:
+        raise ValueError(f"--k {config.partitions} cuts the model into {config.partitions} cells, and it "
+                         f"has {layers} layers: use --k {layers} or less, or give the model more layers "
+                         f"({more_layers})")
+    split = config.split_backwards if isinstance(config.split_backwards, int) else None
+    try:
+        make_schedule(config.schedule, config.partitions, config.micro_batches, config.checkpoint,
+                      split_backwards=split)
+    except ValueError as e:
+        raise ValueError(as_flags(str(e))) from None
 
 
 def apply_pipeline_options(run_config: Any, options: dict[str, Any], *, task: str | None = None,
@@ -257,7 +261,7 @@ def register(app: typer.Typer) -> None:
                                               genotype=genotype)
             layers = task_config.layer_count()     # a bad genotype, L or F: refused before the data
             config = apply_pipeline_options(run_config, pipeline, task=AmoebaNetTask.name, batchnorm=True)
-            check_cells_fit(config, layers, more_layers="--L")
+            check_pipeline_fits(config, layers, more_layers="--L")
             check_batchnorm_micro_batches(config, uses_batchnorm=True, allow=small_micro_batches)
             return functools.partial(AmoebaNetTask, task_config), config
 

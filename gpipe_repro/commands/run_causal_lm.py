@@ -19,7 +19,7 @@ from typing import Any, Optional
 import typer
 
 from gpipe_repro.commands.options import pipeline_options
-from gpipe_repro.commands.run import apply_pipeline_options, check_cells_fit, run_task
+from gpipe_repro.commands.run import apply_pipeline_options, check_pipeline_fits, run_task
 
 
 @pipeline_options(batch_size_help="packed rows (sequences of --seq-len bytes) per mini-batch")
@@ -73,7 +73,7 @@ def causal_lm(
             seq_len=seq_len, text=text, data_dir=data_dir, warmup_steps=warmup_steps)
         count = task_config.layer_count()        # a bad size or file: refused before the data work
         config = apply_pipeline_options(run_config, pipeline, task=CausalLMTask.name)  # before the data
-        check_cells_fit(config, count, more_layers="--layers")
+        check_pipeline_fits(config, count, more_layers="--layers")
         return functools.partial(CausalLMTask, task_config), config
 
     run_task(build)

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import typer
 
 from gpipe_repro.commands.options import pipeline_options
-from gpipe_repro.commands.run import apply_pipeline_options, check_cells_fit, run_task
+from gpipe_repro.commands.run import apply_pipeline_options, check_pipeline_fits, run_task
 
 
 def _languages(value: str | None) -> tuple[str, ...] | None:
@@ -116,7 +116,7 @@ def transformer(
                       f"build`) instead of the preset's {task_config.vocab_size}; --vocab-size chooses")
                 task_config = dataclasses.replace(task_config, vocab_size=built)
         run_config = apply_pipeline_options(run_config, pipeline, task=TranslationTask.name)
-        check_cells_fit(run_config, task_config.layer_count(), more_layers="--layers")
+        check_pipeline_fits(run_config, task_config.layer_count(), more_layers="--layers")
         return functools.partial(TranslationTask, task_config), run_config
 
     run_task(build)

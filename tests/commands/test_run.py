@@ -337,7 +337,13 @@ def test_split_backwards_reaches_the_run_or_is_refused_with_what_to_change(launc
 
 @pytest.mark.parametrize("argv, says", [
     (["amoebanet", "--preset", "smoke", "--k", "50"], "--k 50 cuts the model into 50 cells, and it has 10"),
-    (["amoebanet", "--preset", "smoke", "--k", "6", "--schedule", "zb-v"], "6 x 2 = 12 cells"),
+    (["amoebanet", "--preset", "smoke", "--k", "12", "--schedule", "zb-v"], "it has 10 layers"),
+    (["amoebanet", "--preset", "smoke", "--k", "5", "--schedule", "zb-v"], "is not even; use --k 6"),
+    (["amoebanet", "--preset", "smoke", "--k", "3", "--schedule", "interleaved"], "use --k 2"),
+    (["amoebanet", "--preset", "smoke", "--k", "4", "--m", "3", "--schedule", "interleaved"],
+     "--m 3 is not a multiple of 2; use --m 4"),
+    (["amoebanet", "--preset", "smoke", "--k", "4", "--m", "2", "--schedule", "dualpipe-v",
+      "--small-micro-batches"], "use --m 4 or more, or --schedule zb-v"),
     (["amoebanet", "--preset", "smoke", "--optimizer", "lion"], "--optimizer lion: unknown"),
     (["amoebanet", "--preset", "smoke", "--genotype", "Z"], "unknown AmoebaNet genotype 'Z'"),
     (["causal-lm", "--preset", "smoke", "--k", "50"], "it has 4 layers: use --k 4 or less"),
@@ -346,10 +352,11 @@ def test_split_backwards_reaches_the_run_or_is_refused_with_what_to_change(launc
 def test_a_k_an_optimizer_or_a_genotype_the_model_cannot_take_is_refused_before_the_data(
         launched: list[Any], argv: list[str], says: str) -> None:
     """`run causal-lm --k 50` built the offline corpus for 45 s, and `run amoebanet --k 50`,
-    `--optimizer lion`, `--genotype Z` loaded the images, before the model or the optimizer said no
-    (naming `partitions=50`, not the option). The layer count comes from the model built on the meta
-    device, and each is one line naming the option before the run is launched (the launch builds
-    the task, which reads the data)."""
+    `--optimizer lion`, `--genotype Z`, a --k or --m the schedule does not take (zb-v on an odd K,
+    dualpipe-v with M < 2K) loaded the images, before the model, the optimizer or the schedule said
+    no (naming `partitions=50`, not the option). The layer count comes from the model built on the
+    meta device, K counts cells as GPipe(partitions=K) does, and each is one line naming the
+    options before the run is launched (the launch builds the task, which reads the data)."""
     result = CliRunner().invoke(app, ["run", *argv, "--wandb", "disabled"])
     assert result.exit_code == 2 and says in " ".join(result.output.split()), result.output
     assert not launched
