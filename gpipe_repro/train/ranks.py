@@ -61,30 +61,48 @@ def is_writer(rank: int | None) -> bool:
 
 
 def gather_training_state(pipe: GPipe) -> dict[str, Any] | None:
-    """The whole pipeline's `training_state()` on rank 0 (None elsewhere); local runs: as is."""
+    """The whole pipeline's `training_state()` on rank 0 (None elsewhere); local runs: as is.
+
+    Replica 0's stages give the parameters and optimizer states (every replica holds the same);
+    each other replica gives its buffers under ``replica_buffers`` (BatchNorm's running statistics
+    differ per replica with ``batchnorm_stats="per_replica"``: a resume that gave every replica
+    replica 0's evaluated differently from the run it continued)."""
     state = pipe.training_state()
     if pipe.rank is None:
         return state
     from gpipe_repro.engine.boundary import map_tensors
     mine = map_tensors(state, lambda t: t.detach().cpu())
+    if pipe.replica > 0:      # the parameters and optimizers are replica 0's: only the buffers
+        buffers = {name for name, _ in pipe.named_buffers()}
+        mine = {"model": {k: v for k, v in mine["model"].items() if k in buffers}}
     rank = pipe.replica * pipe.partitions + pipe.rank          # global rank (replica 0: ranks 0..K-1)
     parts: list[Any] = [None] * _dist().get_world_size() if rank == 0 else []
     _dist().gather_object(mine, parts if rank == 0 else None, dst=0, group=_group())
     if rank != 0:
         return None
-    parts = parts[:pipe.partitions]                             # replica 0's stages
-    merged = dict(parts[0])
-    merged["model"] = {k: v for part in parts for k, v in part["model"].items()}
-    merged["optimizers"] = [parts[s]["optimizers"][s] for s in range(pipe.partitions)]
+    first = parts[:pipe.partitions]                             # replica 0's stages
+    merged = dict(first[0])
+    merged["model"] = {k: v for part in first for k, v in part["model"].items()}
+    merged["optimizers"] = [first[s]["optimizers"][s] for s in range(pipe.partitions)]
+    if pipe.replicas > 1:
+        merged["replica_buffers"] = [
+            {k: v for part in parts[r * pipe.partitions:(r + 1) * pipe.partitions]
+             for k, v in part["model"].items()} for r in range(1, pipe.replicas)]
     return merged
 
 
 def own_part(state: dict[str, Any], pipe: GPipe) -> dict[str, Any]:
-    """The part of a whole-pipeline training state that this rank's GPipe holds."""
+    """The part of a whole-pipeline training state that this rank's GPipe holds: its stage's
+    parameters and optimizer state, and its replica's own buffers where the state has them."""
     if pipe.rank is None:
         return state
     keys = set(pipe.state_dict())
-    return {**state, "model": {k: v for k, v in state["model"].items() if k in keys}}
+    model = {k: v for k, v in state["model"].items() if k in keys}
+    others = state.get("replica_buffers")
+    if pipe.replica > 0 and others is not None and pipe.replica - 1 < len(others):
+        model.update({k: v for k, v in others[pipe.replica - 1].items() if k in keys})
+    rest = {k: v for k, v in state.items() if k != "replica_buffers"}
+    return {**rest, "model": model}
 
 
 def any_rank(flag: bool, rank: int | None) -> bool:
