@@ -147,7 +147,7 @@ deep-vs-wide: $(STAMP)
 	$(PY) -m experiments.deep_vs_wide
 
 corpus: $(STAMP)
-	$(VENV)/bin/gpipe-repro corpus build
+	$(VENV)/bin/gpipe-repro corpus build --overwrite
 
 baseline: $(STAMP)
 	$(PY) -m experiments.speedup_baseline --write

@@ -7,7 +7,7 @@ print a table of languages, sizes, resource group and sampling probability.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 
@@ -53,6 +53,36 @@ def print_summary(manifest: Manifest, temperature: float, title: str) -> None:
                   f"test {totals['test']:,}; from {used} origins")
 
 
+def _fail(message: str) -> NoReturn:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=2)
+
+
+def _check_build(name: str, data_dir: Path | None, corpus_dir: Path, *, temperature: float,
+                 vocab_size: int, min_pairs: int, max_chars: int, locale_dir: list[Path] | None,
+                 overwrite: bool) -> None:
+    """`corpus build`'s options, before any catalog is read: ValueError naming the one to change.
+    A corpus built earlier under the same name is replaced only with --overwrite."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("."):
+        raise ValueError(f"--name {name!r} is not a plain folder name (no '/', no leading '.'): the "
+                         "corpus goes to <data-dir>/<name>; use --data-dir to write elsewhere")
+    checks = [(temperature > 0, f"--temperature must be > 0, got {temperature:g}"),
+              (vocab_size >= 0, f"--vocab-size must be >= 0 (0: no tokenizer), got {vocab_size}"),
+              (min_pairs >= 1, f"--min-pairs must be >= 1, got {min_pairs}"),
+              (max_chars >= 1, f"--max-chars must be >= 1, got {max_chars}")]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+    if data_dir is not None and data_dir.exists() and not data_dir.is_dir():
+        raise ValueError(f"--data-dir {data_dir} is a file: give a directory (it is made if missing)")
+    for folder in locale_dir or []:
+        if not folder.is_dir():
+            raise ValueError(f"--locale-dir {folder}: no such directory")
+    if (corpus_dir / "manifest.json").is_file() and not overwrite:
+        raise ValueError(f"{corpus_dir} holds a corpus built earlier; nothing was changed: pass "
+                         "--overwrite to replace it, or give another --name")
+
+
 def register(app: typer.Typer) -> None:
     corpus = typer.Typer(help="Multilingual many-to-English translation corpus and vocabulary.",
                          no_args_is_help=True)
@@ -80,14 +110,22 @@ def register(app: typer.Typer) -> None:
         revision: str | None = typer.Option(None, help="opus100: hub revision to pin"),
         vocab_size: int = typer.Option(8000, help="sentencepiece vocabulary size (0: no tokenizer)"),
         temperature: float = typer.Option(5.0, help="language sampling temperature T"),
+        overwrite: bool = typer.Option(False, "--overwrite", help="replace a corpus built earlier "
+                                       "under the same name"),
     ) -> None:
         """Build a corpus (deduplicated, hash split, manifest) and its shared vocabulary."""
         from gpipe_repro.data import corpus_builders, corpus_hub, corpus_manifest
 
-        config = corpus_manifest.BuildConfig(valid_fraction=valid_fraction, test_fraction=test_fraction,
-                                min_pairs=min_pairs, max_chars=max_chars,
-                                languages=_split_list(languages))
-        corpus_dir = corpus_manifest.corpus_dir_for(name or source, data_dir)
+        try:
+            config = corpus_manifest.BuildConfig(valid_fraction=valid_fraction, test_fraction=test_fraction,
+                                                 min_pairs=min_pairs, max_chars=max_chars,
+                                                 languages=_split_list(languages))
+            corpus_dir = corpus_manifest.corpus_dir_for(name or source, data_dir)
+            _check_build(name or source, data_dir, corpus_dir, temperature=temperature,
+                         vocab_size=vocab_size, min_pairs=min_pairs, max_chars=max_chars,
+                         locale_dir=locale_dir, overwrite=overwrite)
+        except ValueError as error:
+            _fail(str(error))
         try:
             if source == "gettext":
                 manifest = corpus_builders.build_gettext_corpus(
@@ -131,6 +169,8 @@ def register(app: typer.Typer) -> None:
 
         from gpipe_repro.data import corpus_manifest
 
+        if not temperature > 0:
+            _fail(f"--temperature must be > 0, got {temperature:g}")
         corpus_dir = corpus_manifest.corpus_dir_for(name, data_dir)
         try:
             manifest = corpus_manifest.Manifest.load(corpus_dir)

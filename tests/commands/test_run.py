@@ -348,6 +348,8 @@ def test_split_backwards_reaches_the_run_or_is_refused_with_what_to_change(launc
     (["amoebanet", "--preset", "smoke", "--genotype", "Z"], "unknown AmoebaNet genotype 'Z'"),
     (["causal-lm", "--preset", "smoke", "--k", "50"], "it has 4 layers: use --k 4 or less"),
     (["transformer", "--preset", "smoke", "--k", "50"], "give the model more layers (--layers)"),
+    (["transformer", "--preset", "smoke", "--temperature", "0"], "--temperature must be > 0"),
+    (["transformer", "--preset", "smoke", "--data-dir", "/proc/version"], "is a file: give a directory"),
 ])
 def test_a_k_an_optimizer_or_a_genotype_the_model_cannot_take_is_refused_before_the_data(
         launched: list[Any], argv: list[str], says: str) -> None:

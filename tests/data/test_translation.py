@@ -10,6 +10,7 @@ import time
 import unicodedata
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -318,6 +319,43 @@ def test_corpus_command_build_info_and_offline_error(tmp_path: Path,
     offline = runner.invoke(app, ["corpus", "build", "--source", "opus100", "--data-dir",
                                   str(tmp_path), "--vocab-size", "0"])
     assert offline.exit_code == 2 and "gettext" in offline.output
+    # built earlier under the same name: replaced only with --overwrite
+    again = runner.invoke(app, ["corpus", "build", "--data-dir", str(tmp_path), "--languages", "cy",
+                                "--vocab-size", "0"])
+    assert again.exit_code == 2 and "pass --overwrite" in again.output
+    assert "ga" in Manifest.load(tmp_path / "gettext").languages
+
+
+@pytest.mark.parametrize("option, says", [
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--valid-fraction", "-0.1"], "valid_fraction"),
+    (["--valid-fraction", "0.6", "--test-fraction", "0.6"], "must be in [0, 1)"),
+    (["--vocab-size", "-1"], "--vocab-size must be >= 0"),
+    (["--min-pairs", "-1"], "--min-pairs must be >= 1"),
+    (["--max-chars", "0"], "--max-chars must be >= 1"),
+    (["--name", "../x"], "not a plain folder name"),
+    (["--locale-dir", "/nonexistent-locale-dir"], "no such directory"),
+    (["--data-dir", "FILE"], "is a file"),
+])
+def test_corpus_build_refused_bad_options_only_after_building_or_with_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, option: list[str], says: str) -> None:
+    """`corpus build --temperature 0` built the whole gettext corpus (44 s) and then printed a
+    traceback; --valid-fraction -0.1 a traceback; --data-dir <a file> 46 s of work, then a traceback;
+    --name ../x wrote outside --data-dir; --vocab-size -1, --min-pairs -1, a missing --locale-dir were
+    taken. Each is one line, exit 2, before any catalog is read."""
+    from gpipe_repro.data import corpus_builders
+
+    def no_work(*_: Any, **__: Any) -> None:
+        pytest.fail("the corpus was built before the options were checked")
+    monkeypatch.setattr(corpus_builders, "build_gettext_corpus", no_work)
+    (tmp_path / "FILE").write_text("mine")
+    option = [str(tmp_path / "FILE") if o == "FILE" else o for o in option]
+    app = typer.Typer()
+    corpus_command.register(app)
+    args = ["corpus", "build", *([] if "--data-dir" in option else ["--data-dir", str(tmp_path)]), *option]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and says in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "x").exists()
 
 
 # ---------------------------------------------------------------------------------- tokenizer

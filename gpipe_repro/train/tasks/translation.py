@@ -31,6 +31,7 @@ What the loop gets from here:
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -111,6 +112,9 @@ class TranslationConfig:
             (self.eval_sentences is None or self.eval_sentences >= 1, "eval_sentences must be >= 1 or None"),
             (self.max_len >= 4, f"max_len must be >= 4, got {self.max_len}"),
             (self.languages is None or len(self.languages) >= 1, "give at least one language"),
+            (self.temperature > 0, f"--temperature must be > 0, got {self.temperature:g}"),
+            (self.data_dir is None or not Path(self.data_dir).exists() or Path(self.data_dir).is_dir(),
+             f"--data-dir {self.data_dir} is a file: give a directory (it is made if missing)"),
         ]
         for ok, message in checks:
             if not ok:
