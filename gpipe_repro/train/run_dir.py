@@ -272,7 +272,9 @@ def fresh_run_dir(name: str, base: Path = RUNS_DIR) -> Path:
         # under torchrun every rank runs the command and must name the same directory: chosen, not
         # claimed (rank 0 creates it); runs started together must then be given --name or --out
         return base / (name if n == 0 else f"{name}-{n + 1}")
+    made = [p for p in (base, *base.parents) if not p.exists()]     # runs/, if this run makes it
     base.mkdir(parents=True, exist_ok=True)
+    _claimed.extend(reversed(made))
     while True:
         candidate = base / (name if n == 0 else f"{name}-{n + 1}")
         try:
@@ -289,7 +291,7 @@ _claimed: list[Path] = []   # the directories fresh_run_dir claimed in this proc
 def release_unused_claims() -> None:
     """Remove the directories :func:`fresh_run_dir` claimed in this process that are still empty: a
     run refused after its directory was chosen (a size transformers rejects, too small micro-batches)
-    leaves no empty runs/<name>-N behind."""
+    leaves no empty runs/<name>-N behind, nor an empty runs/ it made."""
     while _claimed:
         path = _claimed.pop()
         if path.is_dir() and not any(path.iterdir()):
