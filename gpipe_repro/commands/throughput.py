@@ -237,12 +237,13 @@ def register(app: typer.Typer) -> None:
             replicas: Optional[int] = typer.Option(None, "--replicas", help="R: data-parallel replicas of "
                                                    "a K-stage pipeline of the paper's models (simulated "
                                                    "samples/s, the all-reduce included)"),
-            device: str = typer.Option("p100", "--device", help="with --replicas: the device model, p100 "
-                                       "| tpu-v3-core"),
-            devices_per_host: int = typer.Option(8, "--devices-per-host", help="with --replicas: devices "
-                                                 "per host (a pipeline stays inside one)"),
-            algorithm: str = typer.Option("ring", "--algorithm", help="with --replicas: all-reduce, ring | "
-                                          "tree"),
+            device: Optional[str] = typer.Option(None, "--device", help="with --replicas: the device "
+                                                 "model, p100 (default) | tpu-v3-core"),
+            devices_per_host: Optional[int] = typer.Option(None, "--devices-per-host", help="with "
+                                                           "--replicas: devices per host (a pipeline "
+                                                           "stays inside one; default 8)"),
+            algorithm: Optional[str] = typer.Option(None, "--algorithm", help="with --replicas: "
+                                                    "all-reduce, ring (default) | tree"),
     ) -> None:
         """Simulate your own model (or a Hugging Face causal LM) as a K-stage pipeline: the cut, step
         time and speedup, and a real run where K fits the host; with --replicas R, R data-parallel
@@ -254,11 +255,18 @@ def register(app: typer.Typer) -> None:
             positive(flag, value)
         if checkpoint is not None:
             one_of("--checkpoint", checkpoint, ("always", "except_last", "never"))
+        if replicas is None:
+            given = [flag for flag, value in (("--device", device), ("--devices-per-host", devices_per_host),
+                                              ("--algorithm", algorithm)) if value is not None]
+            if given:
+                raise typer.BadParameter(f"{', '.join(given)}: options of --replicas R (the paper's models "
+                                         "on simulated devices); your own model is timed on this host: "
+                                         "leave them out, or add --replicas")
         if replicas is not None:
-            one_of("--algorithm", algorithm, ("ring", "tree"))
+            one_of("--algorithm", algorithm or "ring", ("ring", "tree"))
             _replicas(model=model or "transformer", k=k or 8, replicas=replicas, m=m or 32,
-                      microbatch=microbatch or 1, device=device, link=link or "nvlink",
-                      devices_per_host=devices_per_host, algorithm=algorithm,
+                      microbatch=microbatch or 1, device=device or "p100", link=link or "nvlink",
+                      devices_per_host=devices_per_host or 8, algorithm=algorithm or "ring",
                       checkpoint=checkpoint or "always", out=out, overwrite=overwrite,
                       own=dict(option=option, kind=kind, input_shape=input_shape, classes=classes,
                                validate=validate, in_situ=in_situ or None))

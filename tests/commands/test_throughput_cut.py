@@ -51,3 +51,12 @@ def test_throughput_names_its_cut_and_gpipes_default(tmp_path: Path, monkeypatch
     assert cuts["simulated"] == [2, 2] and cuts["without_sample"] == [1, 3]
     assert cuts["with_sample_by"] == "time" and cuts["without_sample_by"] == "params"
     assert cuts["without_sample_step_ratio"] > 1
+
+
+@pytest.mark.parametrize("option", [["--device", "tpu"], ["--algorithm", "x"], ["--devices-per-host", "3"]])
+def test_replica_options_without_replicas_were_ignored(option: list[str]) -> None:
+    """`throughput --model ... --device tpu` (or --algorithm, --devices-per-host: options of
+    --replicas) exited 0 having ignored them, a bad value included."""
+    result = CliRunner().invoke(app, ["throughput", "--model", "gpipe_repro.models.mlp:synthetic_mlp",
+                                      "--k", "2", "--m", "4", *option])
+    assert result.exit_code == 2 and "options of --replicas R" in " ".join(result.output.split())
