@@ -8,6 +8,8 @@
   the job quickly with the failing rank named; K local processes without torchrun
   (:mod:`~gpipe_repro.distributed.launch_env`: the environment variables between them);
 - :mod:`~gpipe_repro.distributed.measure`: step times and a timeline for one configuration;
+- :mod:`~gpipe_repro.distributed.model_state`: every stage's trained values in the caller's layers on
+  one rank (to save the whole model);
 - :mod:`~gpipe_repro.distributed.faults`: deliberate failures, to test all of the above.
 
 Use it through ``GPipe(..., runtime="distributed")`` in a function that every stage process runs::
@@ -29,10 +31,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["launch_local", "JobFailed", "stage_main", "init_distributed", "measure_pipeline"]
+__all__ = ["launch_local", "JobFailed", "stage_main", "init_distributed", "measure_pipeline", "gather_layers"]
 
 _WHERE = {"launch_local": "launcher", "JobFailed": "launcher", "stage_main": "watchdog",
-          "init_distributed": "process_group", "measure_pipeline": "measure"}
+          "init_distributed": "process_group", "measure_pipeline": "measure", "gather_layers": "model_state"}
 
 
 def __getattr__(name: str) -> Any:

@@ -291,3 +291,36 @@ def test_silent_a_resume_gave_every_replica_replica_zeros_batchnorm_statistics()
     of which each replica scores with its own, differed from the run it continued (top-5 48.47 for
     48.75 at step 20). Each replica's buffers are saved and restored."""
     assert launch_local(resume_each_replicas_statistics, 2, timeout=60) == [False, True]
+
+
+def train_then_gather(schedule: str, replicas: int) -> bool:
+    """Train a BatchNorm net distributed, then gather the trained layers on rank 0: there they equal
+    the plain reference (tests.equivalence.reference_train, no engine code) trained on the whole
+    mini-batch in the same micro-batches."""
+    from gpipe_repro.distributed.model_state import gather_layers
+
+    build, loss_fn = _model("conv")
+    layers = build()
+    partitions = 4 if schedule == "zb-v" else 2
+    pipe = GPipe(layers, partitions=partitions, micro_batches=2, loss_fn=loss_fn, optimizer=sgd,
+                 runtime="distributed", replicas=replicas, schedule=schedule)
+    x, y = data("conv", n=12)
+    pipe.train_step(x, y)
+    if not gather_layers(pipe, layers):
+        return False
+    reference = build()
+    reference_train(reference, [(x, y)], loss_fn, micro_batches=2 * replicas)
+    for (name, value), expected in zip(nn.Sequential(*layers).named_parameters(),
+                                       nn.Sequential(*reference).parameters()):
+        _close(value.detach(), expected.detach(), name)
+    return True
+
+
+@pytest.mark.parametrize("schedule,replicas,processes", [("1f1b", 1, 2), ("zb-v", 1, 2), ("gpipe", 2, 4)])
+def test_silent_a_distributed_callers_model_held_other_ranks_layers_untrained(
+        schedule: str, replicas: int, processes: int) -> None:
+    """With runtime="distributed" the caller's model on rank 0 held its own layers trained and the
+    others' at their initial values (a `save_pretrained` there wrote a half-trained model, without
+    a word). gather_layers copies every stage's trained values into the caller's layers on rank 0."""
+    got = launch_local(train_then_gather, processes, schedule, replicas, timeout=60)
+    assert got == [True] + [False] * (processes - 1)
