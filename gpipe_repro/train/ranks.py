@@ -75,19 +75,21 @@ def gather_training_state(pipe: GPipe) -> dict[str, Any] | None:
     if pipe.replica > 0:      # the parameters and optimizers are replica 0's: only the buffers
         buffers = {name for name, _ in pipe.named_buffers()}
         mine = {"model": {k: v for k, v in mine["model"].items() if k in buffers}}
-    rank = pipe.replica * pipe.partitions + pipe.rank          # global rank (replica 0: ranks 0..K-1)
-    parts: list[Any] = [None] * _dist().get_world_size() if rank == 0 else []
+    world, rank = _dist().get_world_size(), _dist().get_rank()
+    processes = world // pipe.replicas      # per replica: one per cell, or per two (interleaved, V)
+    parts: list[Any] = [None] * world if rank == 0 else []
     _dist().gather_object(mine, parts if rank == 0 else None, dst=0, group=_group())
     if rank != 0:
         return None
-    first = parts[:pipe.partitions]                             # replica 0's stages
+    first = parts[:processes]                                   # replica 0's processes
+    owner = pipe.make_schedule().process_of()                   # the process holding each cell
     merged = dict(first[0])
     merged["model"] = {k: v for part in first for k, v in part["model"].items()}
-    merged["optimizers"] = [first[s]["optimizers"][s] for s in range(pipe.partitions)]
+    merged["optimizers"] = [first[owner[s]]["optimizers"][s] for s in range(pipe.partitions)]
     if pipe.replicas > 1:
         merged["replica_buffers"] = [
-            {k: v for part in parts[r * pipe.partitions:(r + 1) * pipe.partitions]
-             for k, v in part["model"].items()} for r in range(1, pipe.replicas)]
+            {k: v for part in parts[r * processes:(r + 1) * processes] for k, v in part["model"].items()}
+            for r in range(1, pipe.replicas)]
     return merged
 
 

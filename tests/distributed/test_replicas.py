@@ -324,3 +324,32 @@ def test_silent_a_distributed_callers_model_held_other_ranks_layers_untrained(
     a word). gather_layers copies every stage's trained values into the caller's layers on rank 0."""
     got = launch_local(train_then_gather, processes, schedule, replicas, timeout=60)
     assert got == [True] + [False] * (processes - 1)
+
+
+def save_and_restore_two_cells_per_process(schedule: str) -> bool:
+    """Two processes holding two cells each: the gathered training state restores every cell's
+    weights and optimizer state in a fresh pipeline, whose next step equals the first's."""
+    from gpipe_repro.train.ranks import gather_training_state, own_part
+
+    build, loss_fn = _model("mlp")
+    x, y = data("mlp", n=12)
+
+    def fresh() -> GPipe:
+        return GPipe(build(), partitions=4, micro_batches=2, loss_fn=loss_fn, schedule=schedule,
+                     optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), runtime="distributed")
+
+    pipe = fresh()
+    pipe.train_step(x, y)
+    state = launch_broadcast(gather_training_state(pipe))
+    again = fresh()
+    again.load_training_state(own_part(state, again))
+    assert pipe.train_step(x, y) == again.train_step(x, y)
+    return all(torch.equal(v, again.state_dict()[k]) for k, v in pipe.state_dict().items())
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zb-v"])
+def test_the_training_state_of_two_cells_per_process_failed_to_gather(schedule: str) -> None:
+    """gather_training_state took the cells (4) for the processes (2): an IndexError on rank 0 for
+    interleaved and zb-v with runtime='distributed' (the others then waited in their next
+    collective)."""
+    assert launch_local(save_and_restore_two_cells_per_process, 2, schedule, timeout=60) == [True, True]
