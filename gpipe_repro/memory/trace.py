@@ -126,10 +126,12 @@ def _skip_same_device_moves() -> Iterator[None]:
 
 def prime_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
     """Create the optimizer's state with a zero-gradient step (the weights do not move for RMSProp
-    or SGD without weight decay), then clear the gradients."""
+    or SGD without weight decay), then clear the gradients. Only for the parameters that train: a
+    frozen one never gets a gradient, so training never gives it state (primed, it did, and a
+    model with frozen layers measured its optimizer state twice what training holds)."""
     if optimizer is None:
         return
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()

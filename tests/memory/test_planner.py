@@ -261,3 +261,21 @@ def test_silent_the_engine_on_fake_tensors_deferred_no_weight_gradient(schedule:
     for device, r in zip(plan.devices or plan.stages, real.stages):
         planned = device.peak - device.parts.get("data", 0)
         assert abs(planned - r.peak) <= 0.05 * r.peak, (device.stage, planned, r.peak)
+
+
+def test_silent_the_traced_step_primed_optimizer_state_for_frozen_parameters() -> None:
+    """trace_step, the planner's reference, primed the optimizers with a zero gradient for every
+    parameter, frozen ones included, so a model with frozen layers measured optimizer state that
+    training never makes (twice the plan's, the plan 16% "under"). Only parameters that train are
+    primed; a frozen layer's optimizer state is none in the trace, in the plan and in training."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)]
+    layers[2].requires_grad_(False)
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    real = trace_step(layers, x, y, nn.CrossEntropyLoss(), 2, 2, "never", schedule="1f1b", fake=False)
+    plan = MemoryPlanner(layers, x, y, nn.CrossEntropyLoss()).plan(2, 2, "never", balance=real.balance,
+                                                                   schedule="1f1b")
+    trained = sum(p.numel() * 4 for layer in layers for p in layer.parameters() if p.requires_grad)
+    assert sum(s.parts.get("optimizer", 0) for s in real.stages) <= 2 * trained + 64   # RMSProp: 2 states
+    for s, r in zip(plan.stages, real.stages):
+        assert abs(s.peak - s.parts.get("data", 0) - r.peak) <= 0.02 * r.peak
