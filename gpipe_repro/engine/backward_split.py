@@ -313,7 +313,9 @@ class _Layer:
             assert b is not None
             y = torch.addmm(b, xs.view(-1, xs.size(-1)), w).view(xs.size()[:-1] + (w.shape[1],))
             kernel = _conv1d_kernel
-        entry = _Deferred(self.module, xs, self.weight, self.grad_bias, kernel, arguments)
+        # the input without its history: kept with its grad_fn, it kept the autograd nodes before it
+        # alive until W, and through them the cell's received input and its gradient
+        entry = _Deferred(self.module, xs.detach(), self.weight, self.grad_bias, kernel, arguments)
         # The product's own node: where the output is a view of it (a linear layer's on more than
         # two dimensions, GPT-2's Conv1D), an in-place operation on the output rebases the view's
         # history and its node never runs.
