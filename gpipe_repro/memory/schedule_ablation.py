@@ -72,8 +72,8 @@ def schedule_ablation(planner: MemoryPlanner, *, devices: int, micro_batches: in
         owner = plan.device_of_cells
         peak = plan.device_peaks
         activation = [0] * devices
-        for s in plan.stages:
-            activation[owner[s.stage]] += s.activation_peak
+        for s in plan.devices or plan.stages:    # a device of two cells: walked together
+            activation[s.stage if plan.devices else owner[s.stage]] += s.activation_peak
         row.update({"balance": plan.balance, "step_time_s": sim.step_time, "throughput": sim.throughput,
                     "bubble": sim.bubble_fraction, "peak_bytes_per_device": peak,
                     "activation_peak_bytes_per_device": activation,

@@ -116,7 +116,7 @@ def render_schedule_ablation(ablation: dict[str, list[dict[str, Any]]]) -> list[
         body.append([r["workload"], r["costs"], str(r["micro_batches"]), r["schedule"],
                      f"{r['throughput']:.1f}", f"{r['bubble']:.3f}",
                      f"{r['max_peak_bytes'] / gib:.3g}", f"{r['max_activation_peak_bytes'] / gib:.3g}",
-                     "2 cells per device: sum of their peaks (upper bound)"
+                     "2 cells per device, walked together"
                      if r["cells"] != r["devices"] else ""])
     k = rows[0]["devices"]
     return [f"## Which schedule: throughput beside memory at K={k} (simulated)", "",
