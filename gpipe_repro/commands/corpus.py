@@ -63,7 +63,8 @@ def _check_build(name: str, data_dir: Path | None, corpus_dir: Path, *, temperat
                  overwrite: bool) -> None:
     """`corpus build`'s options, before any catalog is read: ValueError naming the one to change.
     A corpus built earlier under the same name is replaced only with --overwrite."""
-    if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("."):
+    from gpipe_repro.train.run_dir import is_plain_folder_name
+    if not is_plain_folder_name(name):
         raise ValueError(f"--name {name!r} is not a plain folder name (no '/', no leading '.'): the "
                          "corpus goes to <data-dir>/<name>; use --data-dir to write elsewhere")
     checks = [(temperature > 0, f"--temperature must be > 0, got {temperature:g}"),

@@ -188,6 +188,17 @@ def needs_whole_gradient(p: torch.Tensor) -> bool:
     return any(not getattr(h, SHARES_SAFE, False) for h in post.values())
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """What changes when a tensor's ``.data`` is replaced: its data pointer (a fake tensor has none:
+    the planner's fake layers are never given new data)."""
+    return id(t) if type(t) is FakeTensor else t.data_ptr()
+
+
+#: An input's types a deferred layer takes: a plain tensor, or a fake one (the memory planner runs
+#: the engine on fake tensors, and it must defer there as on real ones).
+_PLAIN = (torch.Tensor, FakeTensor)
+
+
 def _trainable_leaf(t: Any) -> bool:
     """A plain leaf that requires a gradient and has no hook that must see its whole gradient (a
     weight read by a deferred layer and also another way gets its gradient in two shares, at I and
@@ -198,16 +209,6 @@ def _trainable_leaf(t: Any) -> bool:
 
 
 _CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
-
-def _storage_key(t: torch.Tensor) -> int:
-    """What changes when a tensor's ``.data`` is replaced: its data pointer (a fake tensor has none:
-    the planner's fake layers are never given new data)."""
-    return id(t) if type(t) is FakeTensor else t.data_ptr()
-
-
-#: An input's types a deferred layer takes: a plain tensor, or a fake one (the memory planner runs
-#: the engine on fake tensors, and it must defer there as on real ones).
-_PLAIN = (torch.Tensor, FakeTensor)
 
 
 def _kind(module: nn.Module) -> str | None:

@@ -282,8 +282,7 @@ class _Profiler:
             if flops is not None:
                 stack.enter_context(flops)
             start = self._window()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                    _DeferredSizes(self.layer) as deferred:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = self.layer(x)
             fwd_flops = flops.get_total_flops() if flops is not None else 0
         fwd = self._deltas(start)
@@ -300,9 +299,7 @@ class _Profiler:
                                    if origin[g] is None and self.tracker.key_of(t) in saved),
             "saved_internal": sum(b for k, b in born_alive.items() if k in saved and k not in out_keys),
             "state_bytes": sum(b for k, b in born_alive.items() if k not in saved and k not in out_keys),
-            "fwd_flops": fwd_flops,
-            "deferred_bytes": deferred.bytes if any(t.requires_grad for t in self.leaves.values()) else 0,
-            "deferred_grad_bytes": deferred.grad_bytes, "deferred_grad_max_bytes": deferred.grad_max_bytes}
+            "fwd_flops": fwd_flops}
 
         # Backward from gradients created inside it; nothing but the graph holds x or the output.
         rg = [t for t in {id(t): t for t in pytree.tree_leaves(out)
@@ -454,44 +451,6 @@ class LayerNotTraceable(ValueError):
     """A layer whose step cannot run on fake tensors, so the planner cannot measure it."""
 
 
-class _DeferredSizes:
-    """What a zero-bubble split defers in `layer`: the modules of a deferrable kind
-    (:func:`gpipe_repro.engine.backward_split.deferrable`) whose weight is trained, their parameters'
-    gradient bytes (``grad_bytes``), and the bytes of the inputs (each storage once) and outputs of
-    their calls in a forward run in this block (``bytes``): sizes only, no reference kept (which
-    would change the lifetimes the tracker measures)."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        self.modules = [m for m in layer.modules() if deferrable(m)
-                        and getattr(m, "weight", None) is not None and m.weight.requires_grad]
-        per_module = [sum(q.numel() * q.element_size() for q in m.parameters(recurse=False)
-                          if q.requires_grad) for m in self.modules]
-        self.grad_bytes = sum(per_module)
-        self.grad_max_bytes = max(per_module, default=0)    # what one module's W makes at once
-        self.bytes = 0
-        self._inputs: set[int] = set()
-        self._handles: list[Any] = []
-
-    def _hook(self, module: nn.Module, args: Any, out: Any) -> None:
-        if not (args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor)):
-            return
-        x = args[0]
-        st = storage_of(x) if x.device.type != "meta" else None   # a view keeps its whole
-        key = id(st) if st is not None else id(x)                  # storage alive
-        if key not in self._inputs:
-            self._inputs.add(key)
-            self.bytes += st.nbytes() if st is not None else x.numel() * x.element_size()
-        self.bytes += out.numel() * out.element_size()
-
-    def __enter__(self) -> _DeferredSizes:
-        self._handles = [m.register_forward_hook(self._hook) for m in self.modules]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-
-
 def profile_layer(layer: nn.Module, in_sig: ValueSig, optimizer: OptimizerFactory | None = rmsprop,
                   attention: str = "fused", flops: bool = False, name: str | None = None) -> LayerProfile:
     """Measure `layer` on an input of signature `in_sig` (see the module docstring). FLOPs are
@@ -508,10 +467,12 @@ def profile_layer(layer: nn.Module, in_sig: ValueSig, optimizer: OptimizerFactor
         first = p.forward_backward()
         nograd = p.forward_nograd()
         opt_state, opt_peak = p.optimizer_step()
-        if first["deferred_grad_bytes"]:     # what the engine defers, measured (0 kept where the
-            kept, grads, most = p.deferred_kept()   # layer's input takes no gradient: nothing defers)
-            first.update(deferred_bytes=kept if first["deferred_bytes"] else 0, deferred_grad_bytes=grads,
-                         deferred_grad_max_bytes=most)
+        kept = grads = most = 0
+        if any(deferrable(m) and getattr(m, "weight", None) is not None and m.weight.requires_grad
+               for m in p.layer.modules()):
+            kept, grads, most = p.deferred_kept()   # what the engine defers, measured
+            if not any(t.requires_grad for t in p.leaves.values()):
+                kept = 0        # the layer's input takes no gradient: a cell of it defers nothing
     except Exception as e:  # noqa: BLE001 - any kernel's failure on fake tensors is the cause to name
         inner = getattr(layer, "block", None)
         what = type(layer).__name__ + (f" ({type(inner).__name__})" if isinstance(inner, nn.Module) else "")
@@ -539,8 +500,7 @@ def profile_layer(layer: nn.Module, in_sig: ValueSig, optimizer: OptimizerFactor
         buffer_bytes=sum(b.numel() * b.element_size() for b in layer.buffers() if id(b) not in skip),
         grad_bytes=first["grad_bytes"], opt_state_bytes=opt_state, opt_peak=opt_peak,
         fwd_flops=first["fwd_flops"], bwd_flops=first["bwd_flops"], has_flops=flops,
-        deferred_bytes=first["deferred_bytes"], deferred_grad_bytes=first["deferred_grad_bytes"],
-        deferred_grad_max_bytes=first["deferred_grad_max_bytes"])
+        deferred_bytes=kept, deferred_grad_bytes=grads, deferred_grad_max_bytes=most)
 
 
 class ProfileCache:

@@ -69,11 +69,8 @@ def schedule_ablation(planner: MemoryPlanner, *, devices: int, micro_batches: in
         else:
             assert link is not None and flops_per_second is not None
             sim = planned_step(planner, sched, plan.balance, micro_batches, flops_per_second, link)
-        owner = plan.device_of_cells
         peak = plan.device_peaks
-        activation = [0] * devices
-        for s in plan.devices or plan.stages:    # a device of two cells: walked together
-            activation[s.stage if plan.devices else owner[s.stage]] += s.activation_peak
+        activation = [s.activation_peak for s in plan.devices or plan.stages]   # one per device
         row.update({"balance": plan.balance, "step_time_s": sim.step_time, "throughput": sim.throughput,
                     "bubble": sim.bubble_fraction, "peak_bytes_per_device": peak,
                     "activation_peak_bytes_per_device": activation,

@@ -298,9 +298,15 @@ def release_unused_claims() -> None:
             path.rmdir()
 
 
+def is_plain_folder_name(name: str) -> bool:
+    """One folder name, no path in it (no '/', no leading '.')."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name \
+        and not name.startswith(".")
+
+
 def check_run_name(name: str) -> None:
     """A run name is one folder name under runs/ (or results/training/): no path in it."""
-    if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("."):
+    if not is_plain_folder_name(name):
         raise ValueError(f"--name {name!r} is not a plain folder name (no '/', no leading '.'): the "
                          "run writes to runs/<name>; use --out DIR to write anywhere else")
 
