@@ -88,18 +88,36 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _check_picklable(fn: Callable[..., Any]) -> None:
+def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> None:
     """Refuse, before any process starts, what the stage processes could not receive: they are new
-    interpreters (forkserver, spawn) that get `fn` by pickling, and a function defined
+    interpreters (forkserver, spawn) that get `fn` and `args` by pickling, and a function defined
     inside another one or a lambda cannot be pickled (multiprocessing said "Can't pickle local
-    object" from deep inside its start)."""
+    object" from deep inside its start); a function of a program's ``__main__`` is found by
+    importing the program's file again, and a program read from stdin, ``python -c`` or a notebook
+    has none (each stage died with a FileNotFoundError or AttributeError of its own, and the job
+    failed "without reporting an error"); a program read from stdin is run again by every process
+    multiprocessing starts, whatever the function."""
+    name = getattr(fn, "__qualname__", fn)
     try:
-        pickle.dumps(fn)
+        sent = pickle.dumps(fn)
     except (pickle.PicklingError, AttributeError, TypeError) as e:
-        raise ValueError(f"launch_local({getattr(fn, '__qualname__', fn)!r}, ...): the stage processes "
+        raise ValueError(f"launch_local({name!r}, ...): the stage processes "
                          "receive the function by pickling, and it cannot be pickled: define it at "
                          f"the top level of an importable module (not inside a function, not a "
                          f"lambda) ({e})") from None
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file and os.path.isfile(main_file):
+        return
+    with contextlib.suppress(Exception):    # what plain pickle cannot take, multiprocessing may
+        sent += pickle.dumps(args)
+    # a __main__ with a __file__ that is none (stdin's "<stdin>") is run again by every new process
+    if main_file or b"__main__" in sent:
+        raise ValueError(f"launch_local({name!r}, ...): the stage processes import this program's "
+                         f"__main__ (the function, an argument, or the program itself), which has no "
+                         f"file they can import "
+                         f"({main_file or 'stdin, python -c or a notebook'}): save the program as a "
+                         ".py file and run `python file.py`, or define the function in a module and "
+                         "import it")
 
 
 def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float | None = None,
@@ -119,7 +137,7 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     if start_method != "fork":
-        _check_picklable(fn)
+        _check_picklable(fn, args)
     if timeout is None:
         timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
     ctx = mp.get_context(start_method)

@@ -428,6 +428,29 @@ def test_a_nested_function_failed_deep_inside_multiprocessing() -> None:
         launch_local(lambda: 1, 1)
 
 
+def test_a_program_read_from_stdin_failed_in_every_stage_without_reporting_an_error() -> None:
+    """launch_local from a program with no file (``python -``, ``python -c``, a notebook) started
+    stages that died importing it ("exited with code 1 without reporting an error"); it is refused
+    before any process starts, saying to save the program as a file. A module's function from
+    ``python -c`` still runs."""
+    import subprocess
+    import sys
+
+    in_main = ("from gpipe_repro.distributed import launch_local\n"
+               "def main():\n    return 1\n"
+               "print(launch_local(main, 2, job_timeout=60))\n")
+    importable = "from gpipe_repro.distributed import launch_local\nimport operator\n" \
+                 "print(launch_local(operator.add, 2, 1, 2, job_timeout=60))\n"
+    for argv, text in (([sys.executable, "-"], in_main), ([sys.executable, "-c", in_main], None),
+                       ([sys.executable, "-"], importable)):
+        done = subprocess.run(argv, input=text, capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0
+        assert "save the program as a .py file" in done.stderr, done.stderr[-2000:]
+        assert "without reporting" not in done.stderr
+    done = subprocess.run([sys.executable, "-c", importable], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[3, 3]", done.stderr[-2000:]
+
+
 def freeze_in_a_users_collective(rank_to_stop: int) -> None:
     """Rank `rank_to_stop` stops itself; the other waits in a collective of its own (an evaluation's
     all-reduce: not the engine's, so no PeerFailure wraps the backend's timeout)."""
