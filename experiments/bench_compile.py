@@ -2,7 +2,7 @@
 reads of the loss cost a step.
 
 Every comparison runs in alternating rounds of the measurement kernel
-(:mod:`gpipe_repro.report.measurement`: a paired ratio per round, the median with a 95% bootstrap
+(:mod:`gpipe_repro.report.measurement`: a paired ratio per round, the median with a 95%
 interval, a verdict against the target). A timed run is a block of training steps (per group, as
 many as make its slowest configuration's block last ``--block-seconds``: a block far shorter than the
 host's switches between its fast and slow state measures the switching) that ends waiting for the
@@ -281,7 +281,7 @@ def render(device: torch.device, backend: str, steps: dict[str, int],
              f"{torch.__version__}, backend {backend}, {host['compile_cache']} compile cache. "
              "A timed run is a block of steps (per group) "
              "ending with the device waited for. Each ratio is the median of per-round paired ratios "
-             "with its 95% bootstrap interval; a busy host widens the interval. Compilation is outside "
+             "with its 95% interval; a busy host widens the interval. Compilation is outside "
              "the rounds: its warm-up seconds (until a step compiles no new graph) are in the tables."]
     for group, result in results:
         lines += [f"\n## {group.title}\n", f"{group.what}; blocks of {steps[group.name]} step(s), "

@@ -155,7 +155,7 @@ def main(width: int = typer.Option(1024, min=1, help="width of each Linear layer
                            [[LABELS[n], f.markdown()] for n, f in result.times.items()])
     text = (f"# Engine overhead (measured)\n\nMLP {depth}x{width}, batch {batch}, "
             f"{threads} thread(s); {result.rounds} alternating rounds ({result.stopped}). Each "
-            "ratio is the median of per-round paired ratios with its 95% bootstrap interval; a busy "
+            "ratio is the median of per-round paired ratios with its 95% interval; a busy "
             "host widens the interval.\n\n" + verdict_lines(list(result.figures.values()))
             + "\n" + overhead_line(result, tiny_steps)
             + f"\n\nThe tiny MLP (1x{tiny_width}, batch {tiny_batch}) runs {tiny_steps} steps per timed "

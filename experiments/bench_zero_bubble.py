@@ -135,7 +135,7 @@ def page(rows: list[dict[str, Any]], tiny: bool, host: dict[str, Any]) -> str:
         + (", TINY RUN: not of record)" if tiny else ")"),
         "ratio = 1F1B's step time / the zero-bubble schedule's, the median of the per-round paired "
         "ratios (the three schedules of a row run one step each in alternating rounds in the same two "
-        "processes) with its 95% bootstrap interval; above 1 where zero bubble is faster. Each "
+        "processes) with its 95% interval; above 1 where zero bubble is faster. Each "
         "schedule as a user runs it by default: cut automatically by measured time, zero bubble with "
         "`split_backwards=\"auto\"` (split: the count of split backwards it chose). "
         f"Target: lower bound >= {TARGET:.2f} on every row; met on {met} of {len(rows)}, not met on "

@@ -312,7 +312,7 @@ def page(rows: list[dict[str, Any]], tiny: bool, host: dict[str, Any]) -> str:
         "# Ours against torch.distributed.pipelining, best schedule against best, K=2 (measured"
         + (", TINY RUN: not of record)" if tiny else ")"),
         "ratio = torch-best step time / ours-best step time, the median over alternating rounds with its "
-        "95% bootstrap interval (a busy host widens it; the verdict is met only where the interval's "
+        "95% interval (a busy host widens it; the verdict is met only where the interval's "
         "lower bound reaches the target). "
         + (f"Each group's schedules ran {rows[0]['selection_rounds']} alternating selection round(s) "
            f"together; the {sum(n.startswith('ours:') for n in rows[0]['finalists'])} fastest of each "

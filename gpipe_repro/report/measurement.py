@@ -5,9 +5,13 @@ work, never becomes quiet; waiting for it does not end. So nothing waits. The co
 compare run in alternating rounds (every configuration once per round, the order rotated from
 round to round, or shuffled with a seed), so that whatever the host does hits all of them alike;
 each comparison is a *paired ratio per round* (the two configurations' times of the same round);
-its figure of record is the median over rounds with a percentile-bootstrap 95% confidence interval
-(seeded: the same samples give the same interval). Rounds go on until every interval's half-width
-is within its comparison's relative tolerance, or the rounds or the time budget run out. The
+its figure of record is the median over rounds with a 95% confidence interval from the rounds'
+order statistics (distribution-free: it holds whatever the host's speed does to the samples, where a
+percentile bootstrap of a median covered 86-94% on a host that switches between two speeds; from 3 to
+5 rounds no interval reaches 95%, and the range stands with its coverage said and no verdict but
+"inconclusive"). Rounds go on until every comparison's interval (without comparisons, every
+configuration's time's) is within its relative tolerance at 95%, or the rounds or the time budget
+run out. The
 verdict against a target is ``met`` / ``not met`` / ``inconclusive`` (the interval straddles the
 target). A busy host widens the intervals, and the result then says "inconclusive": it never
 turns into "not comparable".
@@ -38,35 +42,66 @@ import numpy as np
 
 CONFIDENCE = 0.95
 RESAMPLES = 2000
-BOOTSTRAP_FROM = 8
-"""Rounds from which the interval is a percentile bootstrap. Below, from 3 rounds, it is the range
-of the rounds (the interval between the smallest and the largest covers the median with
-probability 1 - 2^(1-n): 75% at 3, 97% at 6); below 3 it is unbounded (always inconclusive)."""
 DIRECTIONS = (">=", "<=")
 VERDICTS = ("met", "not met", "inconclusive")
 
 
+def _below(n: int, j: int) -> float:
+    """P(B < j) for B ~ Binomial(n, 1/2): the chance that fewer than j of n samples fall below the
+    median."""
+    return sum(math.comb(n, i) for i in range(j)) / 2 ** n
+
+
+def order_statistic_rank(n: int, confidence: float = CONFIDENCE) -> tuple[int, float]:
+    """(j, coverage): the largest j such that the j-th smallest and j-th largest of `n` samples
+    cover the median with probability `coverage` >= `confidence` (1 - 2 P(B < j), B ~ Bin(n, 1/2));
+    j = 1 (the range) where even it falls short (n <= 5 at 95%), with its lower coverage."""
+    if n < 1:
+        raise ValueError(f"need at least one sample, got {n}")
+    j = 1
+    while j + 1 <= (n + 1) // 2 and 1 - 2 * _below(n, j + 1) >= confidence:
+        j += 1
+    return j, 1 - 2 * _below(n, j)
+
+
+def median_coverage(n: int, confidence: float = CONFIDENCE) -> float | None:
+    """The probability that :func:`median_interval` of `n` samples covers the median (None below 3:
+    unbounded)."""
+    return None if n < 3 else order_statistic_rank(n, confidence)[1]
+
+
 def median_interval(samples: Sequence[float], *, confidence: float = CONFIDENCE,
-                    resamples: int = RESAMPLES, seed: int = 0,
-                    bootstrap_from: int = BOOTSTRAP_FROM,
                     per: str = "rounds") -> tuple[float | None, float | None, str]:
-    """(low, high, method) of a confidence interval of the median of `samples` (see
-    :data:`BOOTSTRAP_FROM`, which `bootstrap_from` replaces); None is an unbounded side. `per`: what
-    one sample is, in the plural ("rounds"; "steps" where each measured step is one)."""
+    """(low, high, method) of a confidence interval of the median of `samples`: the j-th smallest
+    and j-th largest sample (:func:`order_statistic_rank`), which cover the median with a known
+    probability whatever the samples' distribution, as long as they are independent; the range
+    below 6 samples (covering 75% at 3, 88% at 4, 94% at 5: the method says so); unbounded below 3.
+    None is an unbounded side. `per`: what one sample is, in the plural ("rounds"; "steps")."""
     n = len(samples)
     if n == 0:
         raise ValueError("no samples: measure at least one round")
     if n < 3:
         return None, None, f"unbounded ({n} {per if n > 1 else per.rstrip('s')}: too few for an interval)"
-    if n < max(3, bootstrap_from):
-        return min(samples), max(samples), f"range of {n} {per} (covers the median {1 - 2 ** (1 - n):.0%})"
+    j, coverage = order_statistic_rank(n, confidence)
+    ordered = sorted(float(x) for x in samples)
+    low, high = ordered[j - 1], ordered[n - j]
+    if coverage < confidence:
+        return low, high, f"range of {n} {per} (covers the median {coverage:.0%}: below {confidence:.0%})"
+    return low, high, (f"order statistics {j} and {n + 1 - j} of {n} {per} (covers the median "
+                       f"{coverage:.1%})")
+
+
+def bootstrap_median_interval(samples: Sequence[float], *, confidence: float = CONFIDENCE,
+                              resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float]:
+    """A seeded percentile bootstrap of the median of >= 3 `samples`: a spread to compare with a
+    tolerance (the calibration's rounds), not an interval to judge a target by (it covers less
+    than `confidence` on this host's bimodal speeds: :func:`median_interval` does)."""
     data = np.asarray(samples, dtype=float)
-    picks = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    picks = np.random.default_rng(seed).integers(0, len(data), size=(resamples, len(data)))
     medians = np.sort(np.median(data[picks], axis=1))
     tail = (1.0 - confidence) / 2
-    lo = float(medians[int(math.floor(tail * (resamples - 1)))])
-    hi = float(medians[int(math.ceil((1.0 - tail) * (resamples - 1)))])
-    return lo, hi, f"percentile bootstrap, {resamples} resamples, seed {seed}"
+    return (float(medians[int(math.floor(tail * (resamples - 1)))]),
+            float(medians[int(math.ceil((1.0 - tail) * (resamples - 1)))]))
 
 
 @dataclass
@@ -87,17 +122,25 @@ class Figure:
     tolerance: float = 0.02
     samples: list[float] = field(default_factory=list)
     per: str = "rounds"                 # what one sample is, in the plural (`rounds` counts them)
+    coverage: float | None = None       # the interval's probability of covering the median
 
     @classmethod
     def of(cls, name: str, samples: Sequence[float], *, unit: str = "x", target: float | None = None,
            direction: str = ">=", tolerance: float = 0.02, host_fast: float | None = None,
-           seed: int = 0, per: str = "rounds") -> Figure:
+           per: str = "rounds") -> Figure:
         """The figure of `samples` (median and :func:`median_interval`); `per`: what one sample is."""
         if direction not in DIRECTIONS:
             raise ValueError(f"direction {direction!r}: use one of {DIRECTIONS}")
-        low, high, how = median_interval(samples, seed=seed, per=per)
+        low, high, how = median_interval(samples, per=per)
         return cls(name, statistics.median(samples), low, high, len(samples), how, unit, host_fast,
-                   target, direction, tolerance, [float(s) for s in samples], per)
+                   target, direction, tolerance, [float(s) for s in samples], per,
+                   median_coverage(len(samples)))
+
+    @property
+    def short_of_confidence(self) -> bool:
+        """Whether the interval covers the median with less than :data:`CONFIDENCE` (a range of 3 to
+        5 samples): it is shown with its coverage and judges nothing."""
+        return self.coverage is not None and self.coverage < CONFIDENCE
 
     @property
     def half_width(self) -> float:
@@ -108,13 +151,15 @@ class Figure:
 
     @property
     def precise(self) -> bool:
-        """Whether the interval is as narrow as the tolerance asks."""
-        return self.half_width <= self.tolerance
+        """Whether the interval is as narrow as the tolerance asks, at :data:`CONFIDENCE`."""
+        return not self.short_of_confidence and self.half_width <= self.tolerance
 
     def judge(self, target: float, direction: str = ">=") -> str:
         """"met", "not met" or "inconclusive" (the interval straddles `target`) for `direction`."""
         if direction not in DIRECTIONS:
             raise ValueError(f"direction {direction!r}: use one of {DIRECTIONS}")
+        if self.short_of_confidence:
+            return "inconclusive"
         low = -math.inf if self.low is None else self.low
         high = math.inf if self.high is None else self.high
         if direction == ">=":
@@ -126,25 +171,43 @@ class Figure:
         """The verdict against the figure's own target (None without one)."""
         return None if self.target is None else self.judge(self.target, self.direction)
 
-    def _number(self, x: float | None) -> str:
+    def _digits(self) -> int:
+        """Decimals enough that a bound the verdict turns on does not print as the target (a bound
+        of 1.0964 read "1.10" beside "not met (>= 1.10)")."""
+        if self.target is None:
+            return 2
+        scale = 1e3 if self.unit == "s" else 1.0
+        for digits in (2, 3, 4):
+            shown = {round(b * scale, digits) for b in (self.low, self.high)
+                     if b is not None and b != self.target}
+            if round(self.target * scale, digits) not in shown:
+                return digits
+        return 4
+
+    def _number(self, x: float | None, digits: int = 2) -> str:
         if x is None:
             return "?"
-        return f"{x * 1e3:.2f}" if self.unit == "s" else f"{x:.2f}"
+        return f"{x * 1e3:.{digits}f}" if self.unit == "s" else f"{x:.{digits}f}"
+
+    def _interval(self) -> str:
+        d = self._digits()
+        short = f" {self.coverage:.0%}" if self.short_of_confidence and self.coverage is not None else ""
+        return f"[{self._number(self.low, d)}, {self._number(self.high, d)}]{short}"
 
     def markdown(self) -> str:
-        """One line: ``1.07x [1.03, 1.11] (n=12 rounds, host fast 21%) — met (>= 1.00)``."""
+        """One line: ``1.07x [1.03, 1.11] (n=12 rounds, host fast 21%) — met (>= 1.00)``; an
+        interval short of :data:`CONFIDENCE` (3 to 5 rounds) says its coverage: ``[0.92, 1.05] 75%``."""
         unit = " ms" if self.unit == "s" else self.unit
         host = "" if self.host_fast is None else f", host fast {self.host_fast:.0%}"
-        text = (f"{self._number(self.value)}{unit} [{self._number(self.low)}, {self._number(self.high)}]"
-                f" (n={self.rounds} {self.per}{host})")
+        text = f"{self._number(self.value)}{unit} {self._interval()} (n={self.rounds} {self.per}{host})"
         if self.target is not None:
-            text += f" — {self.verdict} ({self.direction} {self._number(self.target)})"
+            text += f" — {self.verdict} ({self.direction} {self._number(self.target, self._digits())})"
         return text
 
     def cell(self) -> str:
         """A table cell: ``1.07x [1.03, 1.11]``, and the verdict where there is a target."""
         unit = " ms" if self.unit == "s" else self.unit
-        text = f"{self._number(self.value)}{unit} [{self._number(self.low)}, {self._number(self.high)}]"
+        text = f"{self._number(self.value)}{unit} {self._interval()}"
         return text + (f" {self.verdict}" if self.target is not None else "")
 
     def to_json(self) -> dict[str, Any]:
@@ -153,8 +216,13 @@ class Figure:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Figure:
+        """The figure `to_json` wrote; one written before coverages were recorded gets its range's
+        (a bootstrap's stays unknown)."""
         names = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in names})
+        known = {k: v for k, v in data.items() if k in names}
+        if known.get("coverage") is None and str(known.get("interval", "")).startswith("range of"):
+            known["coverage"] = 1 - 2.0 ** (1 - int(known["rounds"]))
+        return cls(**known)
 
 
 @dataclass(frozen=True)
@@ -305,18 +373,18 @@ class Rounds:
     def figures(self) -> tuple[dict[str, Figure], dict[str, Figure]]:
         fast = statistics.fmean(self.host) if self.host else None
         comps = {c.name: Figure.of(c.name, self.ratios(c), target=c.target, direction=c.direction,
-                                   tolerance=c.tolerance, host_fast=fast, seed=self.seed)
+                                   tolerance=c.tolerance, host_fast=fast)
                  for c in self.comparisons}
-        times = {n: Figure.of(n, t, unit="s", tolerance=self.rule.tolerance, host_fast=fast,
-                              seed=self.seed) for n, t in self.times.items()}
+        times = {n: Figure.of(n, t, unit="s", tolerance=self.rule.tolerance, host_fast=fast)
+                 for n, t in self.times.items()}
         return comps, times
 
     def _judged(self) -> list[Figure]:
         """What the stop rule looks at: the comparisons, or without any, the times."""
         if self.comparisons:
-            return [Figure.of(c.name, self.ratios(c), tolerance=c.tolerance, seed=self.seed)
+            return [Figure.of(c.name, self.ratios(c), tolerance=c.tolerance)
                     for c in self.comparisons]
-        return [Figure.of(n, t, unit="s", tolerance=self.rule.tolerance, seed=self.seed)
+        return [Figure.of(n, t, unit="s", tolerance=self.rule.tolerance)
                 for n, t in self.times.items()]
 
     def done(self) -> bool:

@@ -206,7 +206,7 @@ def main(*, width: int = 1024, depth: int = 4, batch: int = 1024, m: int = 1, st
     text = (f"# Data-parallel replicas vs one process (measured)\n\nMLP {depth}x{width}, "
             f"global batch {batch}, one thread per process; {result.rounds} rounds of the "
             f"{len(JOBS)} jobs, alternating ({result.stopped}); each ratio is the median of per-round "
-            "paired ratios with its 95% bootstrap interval. The target: K=1 x R=2 reaches >= 0.90 of "
+            "paired ratios with its 95% interval. The target: K=1 x R=2 reaches >= 0.90 of "
             "what two independent processes at N/2 reach on this host in the same rounds (its "
             "ceiling: shared caches, memory bandwidth and a VM's cores that switch speed). The "
             "ceiling has no all-reduce; 'the bound' adds a bare all-reduce of the gradients' bytes "

@@ -192,7 +192,7 @@ def main(*, width: int = 768, blocks: int = 8, batch: int = 2048, warmup: int = 
             f"{width}) + ReLU), balanced 2 cells, batch {batch}, 2 stage processes x "
             f"{threads} thread (gloo, CPU) vs ONE process (K=1). {rounds[0]}-{rounds[-1]} alternating "
             "rounds per group; each figure is the median of per-round paired ratios with its 95% "
-            "bootstrap interval (a busy host widens it).\n\n"
+            "interval (a busy host widens it; fewer than 6 rounds: the range, with its coverage).\n\n"
             "## Speedup over K=1 and throughput against torch.distributed.pipelining\n\n"
             + markdown_table(["checkpoint", "M", "rows/mb", "K=1 ms", "ours ms", "speedup",
                               "ideal 2M/(M+1)", "speedup/ideal", "ideal from costs*",

@@ -150,7 +150,7 @@ def main(*, width: int = 1024, blocks: int = 8, batches: Sequence[int] = (256, 1
     refused = sorted({f"{n}: {why}" for r in records for n, why in r["not_applicable"].items()})
     text = "\n\n".join([
         "# Schedules, K=2 stage processes (measured" + (", SMOKE RUN: not of record)" if smoke else ")"),
-        "Each figure: the median over alternating rounds with its 95% bootstrap interval (a busy host "
+        "Each figure: the median over alternating rounds with its 95% interval (a busy host "
         "widens it). Peak memory per stage: n/a on CPU (no allocator statistics); the best-vs-best "
         "comparison is made without the equal-or-lower-memory condition.",
         markdown_table(["batch", "M", "schedule", "step", "speedup vs K=1", "of ideal",

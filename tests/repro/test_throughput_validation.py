@@ -290,14 +290,18 @@ def test_zero_bubble_is_compared_with_1f1b_step_by_step_within_each_round() -> N
     def row(schedule: str, cells: int, steps: list[float], m: int = 8) -> dict[str, object]:
         return {"model": "mlp", "checkpoint": "never", "M": m, "schedule": schedule, "cells": cells,
                 "balance": [1] * cells, "measured_step_times_s": steps}
-    rows = [row("1f1b", 2, [1.0, 1.2, 1.1, 1.0]), row("zb-h1", 2, [0.8, 1.0, 1.0, 0.9]),
-            row("gpipe", 2, [2.0, 2.0, 2.0, 2.0]), row("zb-v", 4, [2.0, 2.4, 2.2, 2.0]),
+    rows = [row("1f1b", 2, [1.0, 1.2, 1.1, 1.0, 1.0, 1.2]), row("zb-h1", 2, [0.8, 1.0, 1.0, 0.9, 0.8, 1.0]),
+            row("gpipe", 2, [2.0] * 6), row("zb-v", 4, [2.0, 2.4, 2.2, 2.0, 2.0, 2.4]),
             row("zb-h1", 2, [1.0, 1.0, 1.0], m=2)]            # no 1f1b at M=2: no row
     got = zero_bubble_against_1f1b(rows)
     assert [(g["schedule"], g["M"]) for g in got] == [("zb-h1", 8), ("zb-v", 8)]
     zb = got[0]["ratio"]
-    assert zb["samples"] == pytest.approx([1.25, 1.2, 1.1, 1.0 / 0.9])
+    assert zb["samples"] == pytest.approx([1.25, 1.2, 1.1, 1.0 / 0.9, 1.25, 1.2])
     assert zb["verdict"] == "met" and got[1]["ratio"]["verdict"] == "not met"
+    # four pairs: a range covering the median 88% judges nothing
+    four = zero_bubble_against_1f1b([{**r, "measured_step_times_s": r["measured_step_times_s"][:4]}
+                                     for r in rows[:2]])
+    assert four[0]["ratio"]["verdict"] == "inconclusive"
     page = render_validation_summary({"rows": [], "summary": {
         "median_abs_error": 0.0, "max_abs_error": 0.0, "zero_bubble": got}})
     assert "met on 1 of 2" in page and "| zb-v" in page

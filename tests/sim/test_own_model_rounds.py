@@ -113,7 +113,7 @@ def test_an_error_interval_counted_steps_as_rounds() -> None:
     from gpipe_repro.sim.error import paired_error_figure
 
     figure = paired_error_figure([([1.0, 1.1, 1.2], 1.0), ([1.0, 1.05, 1.1], 1.05)])
-    assert figure.rounds == 6 and figure.interval.startswith("range of 6 steps")
+    assert figure.rounds == 6 and figure.interval.startswith("order statistics 1 and 6 of 6 steps")
     assert "(n=6 steps" in figure.markdown()
 
 

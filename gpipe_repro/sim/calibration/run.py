@@ -302,12 +302,12 @@ def _calibrate_size(workload: Workload, layers: list[nn.Module], size: int, meth
 
 
 def _uncertainty(timings: dict[int, list[ActionSeconds]], *, shares: bool = False) -> float:
-    """The median layer's relative half-width of the 95% interval (percentile bootstrap from 3
-    rounds) of its per-round cost (forward, checkpointed forward, recompute, backward,
+    """The median layer's relative half-width of a seeded percentile bootstrap of the median of
+    its per-round cost (forward, checkpointed forward, recompute, backward,
     accumulation); 0.0 with fewer than 3 rounds (unknown). With `shares`, of its share of the round's
     total instead: a host that runs a whole round slower moves every cost alike, which changes no
     cut, so what the partition choice must allow for is the spread of the shares."""
-    from gpipe_repro.report.measurement import median_interval
+    from gpipe_repro.report.measurement import bootstrap_median_interval
 
     rows = {i: [t[0] + t[1] + t[2] + t[3] + t[5] for t in r] for i, r in timings.items() if r}
     count = min((len(r) for r in rows.values()), default=0)
@@ -319,8 +319,8 @@ def _uncertainty(timings: dict[int, list[ActionSeconds]], *, shares: bool = Fals
     widths = []
     for values in rows.values():
         mid = statistics.median(values[:count])
-        low, high, _ = median_interval(values[:count], bootstrap_from=3)
-        if mid > 0 and low is not None and high is not None:
+        low, high = bootstrap_median_interval(values[:count])
+        if mid > 0:
             widths.append((high - low) / 2 / mid)
     return statistics.median(widths) if widths else 0.0
 
