@@ -39,6 +39,7 @@ from gpipe_repro.engine.backward_split import DeferredWeights, WeightWork, full_
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_many, is_one_value_per_channel
 from gpipe_repro.engine.compiled import compiled_runner
 from gpipe_repro.engine.feeding import InputGuard
+from gpipe_repro.engine.foreign import ForeignState
 from gpipe_repro.engine.layer_state import BufferWatch
 from gpipe_repro.engine.losses import weighted_loss
 from gpipe_repro.engine.precision import autocast, cast_boundary
@@ -104,6 +105,8 @@ class StageExecutor:
         self.agreement: Agreement | None = None
         self.input_guard = InputGuard(stage, first_layer, len(cell))
         self.buffer_watch = BufferWatch(cell, first_layer)   # layers whose forward changes their state
+        # runtime="distributed": the layers other processes hold, which this step must not reach
+        self.foreign: ForeignState | None = None
         # Micro-batches whose backward is split (BACKWARD_INPUT / BACKWARD_WEIGHT) this step.
         self.split_microbatches: frozenset[int] = frozenset()
         self.checkpointed: frozenset[int] = frozenset()
@@ -188,6 +191,8 @@ class StageExecutor:
         if self.training:
             for p in self.cell.parameters():
                 p.grad = None
+            if self.foreign is not None:
+                self.foreign.begin_step()
 
     def end_step(self) -> None:
         """Check nothing is left behind (the agreement stays in :attr:`agreement`)."""
@@ -320,6 +325,8 @@ class StageExecutor:
 
     def _agree(self, m: int | None) -> None:
         """Every stage's gradients are final: contribute this stage's numbers, get everyone's sum."""
+        if self.foreign is not None:
+            self.foreign.check()
         self.agreement = self.transport.agree(self.stage, self.contribution).agreement(self.config)
 
     def contribution(self) -> Contribution:
