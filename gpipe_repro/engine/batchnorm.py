@@ -175,8 +175,10 @@ def check_batchnorms(layers: Sequence[nn.Module]) -> None:
     exactly: one module used at two places (plain training updates its running statistics once per
     use, in order; one deferred commit per step cannot), a subclass with a ``forward`` of its own
     (the replacement would drop it), and ``nn.SyncBatchNorm`` (it reduces over processes inside its
-    forward, which the pipeline runs per micro-batch and again per recompute)."""
+    forward, which the pipeline runs per micro-batch and again per recompute); two BatchNorms that
+    share a running statistic (the same tensor) are refused as one module used twice is."""
     seen: dict[int, str] = {}
+    stats: dict[int, tuple[str, str]] = {}    # each running statistic's BatchNorm, and which it is
     for i, layer in enumerate(layers):
         for name, mod in layer.named_modules(remove_duplicate=False):
             if not isinstance(mod, nn.modules.batchnorm._BatchNorm):
@@ -205,6 +207,20 @@ def check_batchnorms(layers: Sequence[nn.Module]) -> None:
                     "weights, set the second's weight and bias to the first's), or "
                     "track_running_stats=False")
             seen[id(mod)] = where
+            if not mod.track_running_stats:
+                continue
+            for stat in ("running_mean", "running_var", "num_batches_tracked"):
+                buffer = getattr(mod, stat, None)
+                if buffer is None:
+                    continue
+                if id(buffer) in stats and stats[id(buffer)][0] != where:
+                    raise ValueError(
+                        f"{where} shares its {stat} with {stats[id(buffer)][0]} (the same tensor): plain "
+                        "training updates shared running statistics once per use, in order, and a "
+                        "pipeline's one deferred update per BatchNorm per step cannot. Give each "
+                        "BatchNorm statistics of its own (to share the affine weights, set the "
+                        "second's weight and bias to the first's), or track_running_stats=False")
+                stats[id(buffer)] = (where, stat)
 
 
 @torch.compiler.disable

@@ -171,6 +171,23 @@ def test_silent_batchnorm_shared_by_two_layers_is_refused() -> None:
     _sgd_pipe([Block(shared), Block(shared), nn.Linear(4, 3)], partitions=2, micro_batches=2)
 
 
+def test_silent_two_batchnorms_sharing_running_statistics_differed_from_plain_training() -> None:
+    """Two BatchNorm modules over the same running_mean/running_var/num_batches_tracked tensors
+    (passed the same-module check): running_mean 0.013 off plain training even at K=1, M=1 in one
+    cell, num_batches_tracked halved across processes. Refused before any work, naming both."""
+    for stat in ("running_mean", "running_var", "num_batches_tracked"):
+        first, second = nn.BatchNorm1d(4), nn.BatchNorm1d(4)
+        setattr(second, stat, getattr(first, stat))
+        layers = [nn.Linear(4, 4), first, nn.Linear(4, 4), second, nn.Linear(4, 3)]
+        for partitions in (1, 2):
+            with pytest.raises(ValueError, match=rf"layer 3 \(BatchNorm1d\) shares its {stat} with "
+                                                 r"layer 1 \(BatchNorm1d\)"):
+                _sgd_pipe(layers, partitions=partitions, micro_batches=1)
+    own = [nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)]
+    own[3].weight = own[1].weight                 # shared affine weights, statistics of its own: fine
+    _sgd_pipe(own, partitions=2, micro_batches=2)
+
+
 def test_silent_sync_batchnorm_updated_its_statistics_per_micro_batch_is_refused() -> None:
     """nn.SyncBatchNorm was neither converted nor refused: with the local runtime it updated its
     running statistics once per micro-batch and again per recompute."""
