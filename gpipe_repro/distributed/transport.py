@@ -53,7 +53,7 @@ from gpipe_repro.engine import aliasing, boundary
 from gpipe_repro.engine.agreement import Contribution
 from gpipe_repro.engine.schedule import Action, ActionKind
 
-Spec = tuple  # ("tensor", shape, dtype) | ("seq", "tuple" | "list", (Spec, ...)) | ("value", plain)
+Spec = tuple  # ("tensor", shape, dtype) | ("seq", "tuple" | "list" | type, (Spec, ...)) | ("value", plain)
 Message = tuple[Spec, "aliasing.Layout | None"]   # a value's spec, and which of its tensors travel
 
 ACTIVATION, GRADIENT = 0, 1
@@ -68,11 +68,25 @@ def describe(value: Any) -> Spec:
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype)
     if isinstance(value, (tuple, list)):
-        return ("seq", type(value).__name__, tuple(describe(v) for v in value))
+        return ("seq", _sequence_kind(type(value)), tuple(describe(v) for v in value))
     if isinstance(value, boundary.PLAIN):
         return ("value", value)
     raise TypeError(f"a {type(value).__name__} cannot cross between stage processes; use tensors, "
                     "tuples and plain values (None/bool/int/float/str)")
+
+
+def _sequence_kind(kind: type) -> str | type:
+    """How a spec names a sequence type: "tuple" or "list", or the type itself (a named tuple, a
+    ``torch.return_types`` value), which the receiving process rebuilds by importing it."""
+    if kind in (tuple, list):
+        return kind.__name__
+    try:
+        pickle.loads(pickle.dumps(kind))
+    except Exception as e:  # noqa: BLE001 - any failure to send the type by reference
+        raise TypeError(f"a {kind.__qualname__} cannot cross between stage processes: the next "
+                        f"process rebuilds it by importing its type, and it cannot ({e}); define it at "
+                        "the top level of a module, or return a plain tuple") from None
+    return kind
 
 
 def _leaf_specs(spec: Spec) -> list[Spec]:
@@ -97,7 +111,12 @@ def rebuild(spec: Spec, leaves: Iterator[torch.Tensor]) -> Any:
         return next(leaves)
     if spec[0] == "seq":
         items = [rebuild(s, leaves) for s in spec[2]]
-        return tuple(items) if spec[1] == "tuple" else items
+        kind = spec[1]
+        if kind == "tuple":
+            return tuple(items)
+        if kind == "list":
+            return items
+        return kind(*items) if hasattr(kind, "_fields") else kind(items)    # as microbatch.rebuild
     return spec[1]
 
 
