@@ -95,3 +95,34 @@ def test_gpipe_repro_command_exists(command: tuple[str, ...]) -> None:
     if len(command) > 1 and "Commands" in done.output:
         done = CliRunner().invoke(app, [*command, "--help"])
         assert done.exit_code == 0, f"gpipe-repro {' '.join(command)} --help: {done.output[-2000:]}"
+
+
+def _readme_results_rows() -> list[str]:
+    """README's Table 2 and Table 3 rows, from results/throughput/throughput_table.json."""
+    import json
+
+    data = json.loads((ROOT / "results/throughput/throughput_table.json").read_text())
+    names = {"amoebanet": ("AmoebaNet-D", "AmoebaNet-D"), "transformer": ("Transformer-48", "Transformer-24")}
+    picks = {"amoebanet": (2, 8), "transformer": (2, 4, 8)}
+    rows = []
+    for model, ks in picks.items():
+        for r in data["table2"][model]:
+            if r["M"] == 32 and r["K"] in ks:
+                fig = (r.get("measured") or {}).get("normalized_figure")
+                measured = f"{fig['value']:.2f} [{fig['low']:.2f}, {fig['high']:.2f}]" if fig else ""
+                rows.append(f"| {names[model][0]} | {r['K']} | 32 | {r['simulated']['normalized']:.2f} | "
+                            f"{measured} | {r['flop_model']['normalized']:.2f} | {r['paper']:.2f} |"
+                            .replace("|  |", "| |"))
+    for model in picks:
+        r = next(r for r in data["table3"][model] if r["K"] == 8 and r["M"] == 32)
+        rows.append(f"| {names[model][1]} | 8 | {r['simulated']['normalized']:.2f} | "
+                    f"{r['flop_model']['normalized']:.2f} | {r['paper']:.2f} |")
+    return rows
+
+
+def test_the_readmes_results_are_the_pages_of_record() -> None:
+    """README's Table 2 and 3 had stayed at an older run of the main job (AmoebaNet K=2 measured 1.95
+    where its page, regenerated twice since, read 1.73): they are checked against the results."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    for row in _readme_results_rows():
+        assert row in lines, f"README.md lacks {row!r}: copy it from results/throughput/throughput_table.json"
