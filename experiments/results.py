@@ -75,6 +75,20 @@ PARTS: tuple[Part, ...] = (
          90, ("ci",), "1 run per condition (make check-regression-detector runs 10)"),
 )
 
+#: Pages of record that run only when named (``make results ONLY=versus-torch``): each alone takes
+#: much of the 45 minutes, so the full run leaves them out; named, they are checked, run and stamped
+#: like the others (their own make targets write the same files, unstamped).
+ON_REQUEST: tuple[Part, ...] = (
+    Part("throughput-reproducibility", _python("experiments.throughput_reproducibility"), 1500,
+         ("throughput",), "two consecutive simulated tables, each calibrated afresh"),
+    Part("versus-torch", _python("experiments.versus_torch", "--budget", "600"), 1500, ("schedules",),
+         "ours against torch.distributed.pipelining, best schedule against best"),
+    Part("bench-zero-bubble", _python("experiments.bench_zero_bubble", "--budget", "400"), 900,
+         ("schedules",), "zb-h1 and zb-v against 1F1B on every validation model"),
+    Part("bench-compile", _python("experiments.bench_compile", "--budget", "150"), 600, ("compile",),
+         "GPipe(compile=True) and torch.compile against eager"),
+)
+
 
 class DirtyCheckout(RuntimeError):
     """The checkout has changes the stamps could not name (the message lists them)."""
@@ -172,18 +186,20 @@ def merged(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     parts.update({p["name"]: p for p in manifest["parts"]})
     files = {f: v for f, v in earlier.get("files", {}).items() if v.get("part") not in names}
     files.update(manifest["files"])
-    order = {p.name: i for i, p in enumerate(PARTS)}
+    order = {p.name: i for i, p in enumerate(PARTS + ON_REQUEST)}
     return {**manifest, "commits": sorted({p["commit"] for p in parts.values() if p.get("commit")}),
             "parts": sorted(parts.values(), key=lambda p: order.get(p["name"], len(order))), "files": files}
 
 
 def chosen(only: Sequence[str]) -> tuple[Part, ...]:
-    """The parts named in `only` (all when empty), in plan order; an unknown name is refused."""
-    names = [p.name for p in PARTS]
+    """The parts named in `only` (every part of :data:`PARTS` when empty), in plan order, those of
+    :data:`ON_REQUEST` after them; an unknown name is refused."""
+    names = [p.name for p in PARTS + ON_REQUEST]
     unknown = sorted(set(only) - set(names))
     if unknown:
         raise ValueError(f"{COMMAND}: unknown part(s) {', '.join(unknown)}: ONLY= takes {', '.join(names)}")
-    return tuple(p for p in PARTS if not only or p.name in only)
+    return tuple(p for p in PARTS if not only or p.name in only) + tuple(p for p in ON_REQUEST
+                                                                         if p.name in only)
 
 
 def main(*, dry_run: bool = False, only: Sequence[str] = ()) -> None:

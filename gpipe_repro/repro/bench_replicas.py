@@ -143,7 +143,8 @@ def validate_simulator(result: list[dict[str, Any]], k: int, r: int, m: int, bat
                     intra=CollectiveLink(link.name, link.latency, link.bandwidth, link.source))
     observed = [e.duration for e in timeline.events if e.kind == "allreduce"]
     return {"measured_step_s": measured_step, "simulated_step_s": rep.step_time,
-            "error": rep.step_time / measured_step - 1, "simulated_allreduce_s": rep.allreduce,
+            # the sign of every simulator error of the project: simulated throughput / measured - 1
+            "error": measured_step / rep.step_time - 1, "simulated_allreduce_s": rep.allreduce,
             "measured_allreduce_launch_to_done_s": observed, "simulated_exposed_s": rep.exposed,
             "link": link.to_json()}
 
@@ -218,7 +219,8 @@ def main(*, width: int = 1024, depth: int = 4, batch: int = 1024, m: int = 1, st
     check = validate_simulator(k2r2, 2, 2, 2, batch, width)
     text += (f"\n\nSimulator vs measured K=2 x R=2 step (replayed compute + all-reduce model on the "
              f"measured gloo loopback link): {check['simulated_step_s'] * 1e3:.1f} ms vs "
-             f"{check['measured_step_s'] * 1e3:.1f} ms ({check['error']:+.0%}); all-reduce per stage "
+             f"{check['measured_step_s'] * 1e3:.1f} ms measured (one run's median step; error, simulated "
+             f"throughput / measured - 1: {check['error']:+.0%}); all-reduce per stage "
              f"simulated {[round(a * 1e3, 1) for a in check['simulated_allreduce_s']]} ms, measured "
              f"launch-to-done {[round(a * 1e3, 1) for a in check['measured_allreduce_launch_to_done_s']]}"
              " ms. On this host the all-reduce shares the 2 cores with compute, which the model does "

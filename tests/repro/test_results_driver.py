@@ -163,3 +163,18 @@ def test_only_some_parts_replace_their_entries_in_the_manifest(checkout: Path) -
         driver.chosen(["bogus"])
     assert [p.name for p in driver.chosen(["validate-sim", "throughput-table"])] == ["throughput-table",
                                                                                       "validate-sim"]
+
+
+def test_pages_of_record_outside_the_45_minutes_run_stamped_when_named() -> None:
+    """versus_torch.md and zero_bubble.md were written by their own targets without the commit and
+    host stamp every other page carries: named, `make results ONLY=...` runs and stamps them."""
+    full = [p.name for p in driver.chosen([])]
+    assert "versus-torch" not in full and "bench-zero-bubble" not in full
+    assert [p.name for p in driver.chosen(["versus-torch", "bench-schedules"])] == ["bench-schedules",
+                                                                                    "versus-torch"]
+    for part in driver.ON_REQUEST:
+        check_parts([part], driver.TOTAL_LIMIT_S)
+        module = part.argv[part.argv.index("-m") + 1]
+        assert (Path(__file__).resolve().parents[2] / (module.replace(".", "/") + ".py")).is_file()
+        if "--budget" in part.argv:
+            assert float(part.argv[part.argv.index("--budget") + 1]) < part.limit_s
