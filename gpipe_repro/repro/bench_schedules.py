@@ -23,7 +23,6 @@ memory condition, and the output says so. Results: results/schedules/ (JSON, mar
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Sequence
 from typing import Any
 
