@@ -118,7 +118,8 @@ def render(payload: dict[str, Any]) -> str:
         summary += (" Unpaired (all the steps against the simulation from the median of the rounds' "
                     f"costs, the simulated step ms column): {describe(unpaired)}.")
     if corrected:
-        summary += (" In-situ corrected: "
+        summary += (" In-situ corrected (unpaired, as the line before: all the steps against the "
+                    "corrected simulation; compare it with that line): "
                     f"{describe(payload.get('summary_in_situ') or {})}.")
     config = payload.get("config", {})
     in_situ_m = config.get("in_situ_m", 1)
