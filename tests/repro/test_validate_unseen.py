@@ -93,7 +93,7 @@ def test_the_page_shows_the_uncorrected_and_the_corrected_error(tmp_path: Path) 
     row = next(line for line in page.splitlines() if line.startswith("| conv net") and "|   1 |" in line)
     assert "1000.0" in row and "1020.0" in row and "+10.0%" in row and "+7.8%" in row
     assert "1.10/1.00/1.20/0.90" in row                        # the factors per stage
-    assert "In-situ corrected: median |error| 7.8%" in page
+    assert "compare it with that line): median |error| 7.8%" in page
     assert "never from the measured steps" in page
     assert "moved the median |error| from 8.0% to 7.8% and the worst from 10.0% to 7.8%" in page
     assert "--in-situ" in page
