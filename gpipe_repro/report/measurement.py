@@ -189,10 +189,14 @@ class Figure:
             return "?"
         return f"{x * 1e3:.{digits}f}" if self.unit == "s" else f"{x:.{digits}f}"
 
+    @property
+    def coverage_note(self) -> str:
+        """What follows an interval short of :data:`CONFIDENCE`: its coverage (" 88%"); else ""."""
+        return f" {self.coverage:.0%}" if self.short_of_confidence and self.coverage is not None else ""
+
     def _interval(self) -> str:
         d = self._digits()
-        short = f" {self.coverage:.0%}" if self.short_of_confidence and self.coverage is not None else ""
-        return f"[{self._number(self.low, d)}, {self._number(self.high, d)}]{short}"
+        return f"[{self._number(self.low, d)}, {self._number(self.high, d)}]{self.coverage_note}"
 
     def markdown(self) -> str:
         """One line: ``1.07x [1.03, 1.11] (n=12 rounds, host fast 21%) — met (>= 1.00)``; an

@@ -90,7 +90,7 @@ def render(payload: dict[str, Any]) -> str:
         if corrected and corrected_step(r) is None:
             return ""
         f = row_error(r, corrected)
-        return f"{pct(f.value)} [{pct(f.low)}, {pct(f.high)}]"
+        return f"{pct(f.value)} [{pct(f.low)}, {pct(f.high)}]{f.coverage_note}"
 
     def factors(r: dict[str, Any]) -> str:
         situ = r.get("in_situ")

@@ -170,7 +170,7 @@ def _pct_cell(f: Figure) -> str:
     """``+3.1% [+1.0%, +4.2%]``."""
     def pct(x: float | None) -> str:
         return "?" if x is None else f"{x:+.1%}"
-    return f"{pct(f.value)} [{pct(f.low)}, {pct(f.high)}]"
+    return f"{pct(f.value)} [{pct(f.low)}, {pct(f.high)}]{f.coverage_note}"
 
 
 def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,

@@ -354,7 +354,7 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
         if "error" not in r:           # a validation written before errors had intervals
             return pct(r["relative_error"])
         f = Figure.from_json(r["error"])
-        return f"{pct(f.value)} [{pct(f.low)}, {pct(f.high)}]"
+        return f"{pct(f.value)} [{pct(f.low)}, {pct(f.high)}]{f.coverage_note}"
 
     def schedule(r: dict[str, Any]) -> str:
         name, split = r.get("schedule", "gpipe"), r.get("split_backwards")
@@ -369,7 +369,9 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
             f"Median |error| {summary['median_abs_error'] * 100:.1f}%, worst "
             f"{summary['max_abs_error'] * 100:.1f}% over {len(rows)} configurations.")
     rounds = max((r.get("measured_rounds") or 1 for r in rows), default=1)
-    head += (" Each error is the median over the measured steps with its 95% interval"
+    head += (" Each error is the median over the measured steps with its 95% interval (fewer than 6 "
+             "steps: their range, with its coverage; the steps of one round share the host's state, "
+             "so an interval is a lower bound of the uncertainty)"
              + (f" (every configuration measured in {rounds} rounds, the rounds interleaved across "
                 "configurations and each model's costs calibrated again in every round right before "
                 "its configurations; each round's steps against the simulation from that round's "
