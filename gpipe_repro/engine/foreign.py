@@ -15,7 +15,9 @@ raises, naming the parameter and what to change. A buffer this process's layers 
 process's is compared by value: a forward that sets it alike every time (a rotary cache built on
 first use) changes it once; one that changes it in two steps in a row (a counter, a running
 average) is refused at the second, as :mod:`~gpipe_repro.engine.layer_state` refuses it at the
-second micro-batch.
+second micro-batch. A read without a gradient (``other.weight.detach()``, under ``no_grad``) leaves
+no trace to check: it reads the stale copy (docs/distributed.md says so). Each stage has its own
+state: a process running two stages checks twice per step.
 """
 from __future__ import annotations
 

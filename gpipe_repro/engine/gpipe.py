@@ -81,8 +81,8 @@ def _follow_callers_model(pipe: GPipe, *_: Any) -> None:
     pipe._stand_ins.follow()
 
 
-def _foreign_state(cells: Sequence[nn.Sequential], here: Sequence[int],
-                   balance: Sequence[int]) -> ForeignState:
+def _foreign_tensors(cells: Sequence[nn.Sequential], here: Sequence[int], balance: Sequence[int]
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """What this process's step must not reach of the cells other processes hold
     (:mod:`~gpipe_repro.engine.foreign`): their layers' parameters, and the buffers they share with
     this process's layers."""
@@ -101,7 +101,7 @@ def _foreign_state(cells: Sequence[nn.Sequential], here: Sequence[int],
             for name, b in layer.named_buffers():
                 if id(b) in own_buffers:
                     shared.setdefault(f"{where} buffer {name!r}", b)
-    return ForeignState(here[0] if here else 0, parameters, shared)
+    return parameters, shared
 
 
 class GPipe(nn.Module):
@@ -292,11 +292,11 @@ class GPipe(nn.Module):
         self.rank: int | None = placement.rank
         self.replicas, self.replica = replicas, placement.replica   # R, and this process's replica
         self.stages_here = placement.stages_here   # the stages (cells) this process runs
-        foreign: ForeignState | None = None
+        foreign: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
         if placement.context is not None:
             if devices is None:
                 devices = [placement.context.device] * partitions
-            foreign = _foreign_state(cells, self.stages_here, balance)
+            foreign = _foreign_tensors(cells, self.stages_here, balance)
             # This process runs only its own cells; the others' layers are not kept.
             cells = [c if s in self.stages_here else nn.Sequential() for s, c in enumerate(cells)]
             self._stand_ins.keep_only(cells)
@@ -342,8 +342,8 @@ class GPipe(nn.Module):
                           stage_loss, self.optimizers[s], self.seed,
                           uncounted=uncounted_names(self.ties, s), compile_options=compiled)
             for s in self.stages_here]
-        for executor in executors:
-            executor.foreign = foreign
+        for executor in executors:     # each its own: a process of two stages checks twice a step
+            executor.foreign = None if foreign is None else ForeignState(executor.stage, *foreign)
         refuse_diverging_copies(self, self.ties)
         self.runtime: Runtime = build_runtime(placement, executors, self.devices, self.ties,
                                               replicas=replicas, bucket_cap_mb=bucket_cap_mb,

@@ -46,22 +46,23 @@ DIRECTIONS = (">=", "<=")
 VERDICTS = ("met", "not met", "inconclusive")
 
 
-def _below(n: int, j: int) -> float:
-    """P(B < j) for B ~ Binomial(n, 1/2): the chance that fewer than j of n samples fall below the
-    median."""
-    return sum(math.comb(n, i) for i in range(j)) / 2 ** n
-
-
 def order_statistic_rank(n: int, confidence: float = CONFIDENCE) -> tuple[int, float]:
     """(j, coverage): the largest j such that the j-th smallest and j-th largest of `n` samples
     cover the median with probability `coverage` >= `confidence` (1 - 2 P(B < j), B ~ Bin(n, 1/2));
     j = 1 (the range) where even it falls short (n <= 5 at 95%), with its lower coverage."""
     if n < 1:
         raise ValueError(f"need at least one sample, got {n}")
+    log_half = n * math.log(0.5)
+
+    def pmf(k: int) -> float:        # P(B = k), in logs: 2^-n underflows past n = 1074
+        return math.exp(math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + log_half)
+
+    below = pmf(0)                   # P(B < j) for j = 1
     j = 1
-    while j + 1 <= (n + 1) // 2 and 1 - 2 * _below(n, j + 1) >= confidence:
+    while j + 1 <= (n + 1) // 2 and 1 - 2 * (below + pmf(j)) >= confidence:
+        below += pmf(j)
         j += 1
-    return j, 1 - 2 * _below(n, j)
+    return j, 1 - 2 * below
 
 
 def median_coverage(n: int, confidence: float = CONFIDENCE) -> float | None:
@@ -80,6 +81,9 @@ def median_interval(samples: Sequence[float], *, confidence: float = CONFIDENCE,
     n = len(samples)
     if n == 0:
         raise ValueError("no samples: measure at least one round")
+    if any(math.isnan(x) for x in samples):
+        raise ValueError(f"a sample is NaN ({sum(math.isnan(x) for x in samples)} of {n}): a median "
+                         "of them has no order; find what produced it")
     if n < 3:
         return None, None, f"unbounded ({n} {per if n > 1 else per.rstrip('s')}: too few for an interval)"
     j, coverage = order_statistic_rank(n, confidence)
@@ -177,12 +181,12 @@ class Figure:
         if self.target is None:
             return 2
         scale = 1e3 if self.unit == "s" else 1.0
-        for digits in (2, 3, 4):
+        for digits in (2, 3, 4, 5, 6):
             shown = {round(b * scale, digits) for b in (self.low, self.high)
                      if b is not None and b != self.target}
             if round(self.target * scale, digits) not in shown:
                 return digits
-        return 4
+        return 6
 
     def _number(self, x: float | None, digits: int = 2) -> str:
         if x is None:
@@ -203,7 +207,8 @@ class Figure:
         interval short of :data:`CONFIDENCE` (3 to 5 rounds) says its coverage: ``[0.92, 1.05] 75%``."""
         unit = " ms" if self.unit == "s" else self.unit
         host = "" if self.host_fast is None else f", host fast {self.host_fast:.0%}"
-        text = f"{self._number(self.value)}{unit} {self._interval()} (n={self.rounds} {self.per}{host})"
+        per = self.per if self.rounds != 1 else self.per.rstrip("s")
+        text = f"{self._number(self.value)}{unit} {self._interval()} (n={self.rounds} {per}{host})"
         if self.target is not None:
             text += f" — {self.verdict} ({self.direction} {self._number(self.target, self._digits())})"
         return text
