@@ -21,6 +21,7 @@ state: a process running two stages checks twice per step.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -33,26 +34,37 @@ def _version(t: torch.Tensor | None) -> tuple[int, int] | None:
 
 
 class ForeignState:
-    """`parameters`: those of the layers this process does not hold; `shared`: buffers its own
-    layers share with them; each by a name that says where it is. See the module docstring."""
+    """`parameters`: those of the layers this process does not hold (weakly: the process keeps
+    its own cells only, and a caller that drops its model frees the others); `shared`: buffers its
+    own layers share with them; each by a name that says where it is. See the module docstring."""
 
     def __init__(self, stage: int, parameters: Mapping[str, torch.Tensor],
                  shared: Mapping[str, torch.Tensor]) -> None:
-        self.stage, self.parameters, self.shared = stage, dict(parameters), dict(shared)
+        self.stage, self.shared = stage, dict(shared)
+        self._parameters = {n: weakref.ref(p) for n, p in parameters.items()}
         self._grads: dict[str, tuple[int, int] | None] = {}
         self._versions: dict[str, tuple[int, int] | None] = {}
         self._values: dict[str, torch.Tensor] = {}
         self._changed_last_step: set[str] = set()
 
+    @property
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The other processes' layers' parameters still alive."""
+        alive = {n: r() for n, r in self._parameters.items()}
+        return {n: p for n, p in alive.items() if p is not None}
+
     def begin_step(self) -> None:
-        self._grads = {n: _version(p.grad) for n, p in self.parameters.items()}
-        self._versions = {n: _version(p) for n, p in self.parameters.items()}
+        alive = self.parameters
+        self._grads = {n: _version(p.grad) for n, p in alive.items()}
+        self._versions = {n: _version(p) for n, p in alive.items()}
         self._values = {n: t.detach().clone() for n, t in self.shared.items()}
 
     def check(self) -> None:
         """Raise RuntimeError where this step reached a layer held by another process."""
         for name, p in self.parameters.items():
-            if _version(p.grad) != self._grads.get(name) or _version(p) != self._versions.get(name):
+            if name not in self._grads:
+                continue
+            if _version(p.grad) != self._grads[name] or _version(p) != self._versions[name]:
                 raise RuntimeError(
                     f"stage {self.stage}: this step computed a gradient for {name} (or changed it), a "
                     "parameter of a layer another process trains (runtime='distributed' keeps each "

@@ -144,3 +144,27 @@ def test_a_buffer_shared_across_processes_set_alike_every_step_trains_distribute
     step took each other's first fill for a change at every step."""
     torch.testing.assert_close(launch_local(_distributed, 2, kind, job_timeout=120)[0],
                                _plain(kind), rtol=1e-5, atol=1e-6)
+
+
+def _keeps_other_layers() -> bool:
+    """Whether a process's pipeline keeps the other process's layers alive once the caller drops
+    its model (it must not: a process holds its own cells only)."""
+    import gc
+    import os
+    import weakref
+
+    model, loss_fn = _build("penalty")
+    theirs = weakref.ref(model[4].weight if os.environ["RANK"] == "0" else model[0].weight)
+    pipe = GPipe(model, partitions=2, balance=[2, 3], micro_batches=2, runtime="distributed",
+                 loss_fn=nn.CrossEntropyLoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    del model, loss_fn
+    gc.collect()
+    x, y = _data()
+    pipe.train_step(x, y)
+    return theirs() is not None
+
+
+def test_the_check_keeps_no_other_process_layers_alive() -> None:
+    """The check holds the other processes' parameters weakly: a caller that builds the whole model
+    and drops it keeps one cell's memory per process, as before the check."""
+    assert launch_local(_keeps_other_layers, 2, job_timeout=120) == [False, False]
