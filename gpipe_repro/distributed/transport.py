@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import pickle
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
@@ -75,9 +76,11 @@ def describe(value: Any) -> Spec:
                     "tuples and plain values (None/bool/int/float/str)")
 
 
+@functools.cache
 def _sequence_kind(kind: type) -> str | type:
     """How a spec names a sequence type: "tuple" or "list", or the type itself (a named tuple, a
-    ``torch.return_types`` value), which the receiving process rebuilds by importing it."""
+    ``torch.return_types`` value), which the receiving process rebuilds by importing it. Once per
+    type: every send describes its value."""
     if kind in (tuple, list):
         return kind.__name__
     try:

@@ -22,11 +22,12 @@ state: a process running two stages checks twice per step.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
+from torch import nn
 
-__all__ = ["ForeignState"]
+__all__ = ["ForeignState", "foreign_tensors"]
 
 
 def _version(t: torch.Tensor | None) -> tuple[int, int] | None:
@@ -85,3 +86,26 @@ class ForeignState:
                 "process's cells only, so each "
                 "process would change its own copy; plain PyTorch changes one tensor from both "
                 "layers). Give each layer a buffer of its own, or use runtime='local'")
+
+
+def foreign_tensors(cells: Sequence[nn.Sequential], here: Sequence[int], balance: Sequence[int]
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """What this process's step must not reach of the cells other processes hold
+    (`here`: its stages): their layers' parameters, and the buffers they share with this process's
+    layers, each by a name that says where it is (`balance`: the layers per cell)."""
+    own_params = {id(p) for s in here for p in cells[s].parameters()}
+    own_buffers = {id(b): b for s in here for b in cells[s].buffers()}
+    parameters: dict[str, torch.Tensor] = {}
+    shared: dict[str, torch.Tensor] = {}
+    for s, cell in enumerate(cells):
+        if s in here:
+            continue
+        for j, layer in enumerate(cell):
+            where = f"layer {sum(balance[:s]) + j} ({type(layer).__name__})"
+            for name, p in layer.named_parameters():
+                if id(p) not in own_params:
+                    parameters.setdefault(f"{where} parameter {name!r}", p)
+            for name, b in layer.named_buffers():
+                if id(b) in own_buffers:
+                    shared.setdefault(f"{where} buffer {name!r}", b)
+    return parameters, shared

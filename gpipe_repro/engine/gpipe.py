@@ -48,7 +48,7 @@ from gpipe_repro.engine.batchnorm import (
     check_batchnorms,
     commit_all,
 )
-from gpipe_repro.engine.foreign import ForeignState
+from gpipe_repro.engine.foreign import ForeignState, foreign_tensors
 from gpipe_repro.engine.layer_costs import cut_layers
 from gpipe_repro.engine.loss_scaler import LossScaler, restore_scaler, saved_scaler
 from gpipe_repro.engine.losses import ReductionCheck, exact_mean, loss_weights, own_forward
@@ -79,29 +79,6 @@ def _follow_callers_model(pipe: GPipe, *_: Any) -> None:
     """``state_dict``'s pre-hook: the stand-ins up to date with the caller's model first (a function
     of the module it is given, so a deep copy of the pipeline calls it on itself)."""
     pipe._stand_ins.follow()
-
-
-def _foreign_tensors(cells: Sequence[nn.Sequential], here: Sequence[int], balance: Sequence[int]
-                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """What this process's step must not reach of the cells other processes hold
-    (:mod:`~gpipe_repro.engine.foreign`): their layers' parameters, and the buffers they share with
-    this process's layers."""
-    own_params = {id(p) for s in here for p in cells[s].parameters()}
-    own_buffers = {id(b): b for s in here for b in cells[s].buffers()}
-    parameters: dict[str, torch.Tensor] = {}
-    shared: dict[str, torch.Tensor] = {}
-    for s, cell in enumerate(cells):
-        if s in here:
-            continue
-        for j, layer in enumerate(cell):
-            where = f"layer {sum(balance[:s]) + j} ({type(layer).__name__})"
-            for name, p in layer.named_parameters():
-                if id(p) not in own_params:
-                    parameters.setdefault(f"{where} parameter {name!r}", p)
-            for name, b in layer.named_buffers():
-                if id(b) in own_buffers:
-                    shared.setdefault(f"{where} buffer {name!r}", b)
-    return parameters, shared
 
 
 class GPipe(nn.Module):
@@ -296,7 +273,7 @@ class GPipe(nn.Module):
         if placement.context is not None:
             if devices is None:
                 devices = [placement.context.device] * partitions
-            foreign = _foreign_tensors(cells, self.stages_here, balance)
+            foreign = foreign_tensors(cells, self.stages_here, balance)
             # This process runs only its own cells; the others' layers are not kept.
             cells = [c if s in self.stages_here else nn.Sequential() for s, c in enumerate(cells)]
             self._stand_ins.keep_only(cells)

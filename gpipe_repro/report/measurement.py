@@ -65,19 +65,20 @@ def order_statistic_rank(n: int, confidence: float = CONFIDENCE) -> tuple[int, f
     return j, 1 - 2 * below
 
 
-def median_coverage(n: int, confidence: float = CONFIDENCE) -> float | None:
-    """The probability that :func:`median_interval` of `n` samples covers the median (None below 3:
-    unbounded)."""
-    return None if n < 3 else order_statistic_rank(n, confidence)[1]
-
-
 def median_interval(samples: Sequence[float], *, confidence: float = CONFIDENCE,
                     per: str = "rounds") -> tuple[float | None, float | None, str]:
+    """(low, high, method) of :func:`_median_interval`."""
+    return _median_interval(samples, confidence, per)[:3]
+
+
+def _median_interval(samples: Sequence[float], confidence: float = CONFIDENCE,
+                     per: str = "rounds") -> tuple[float | None, float | None, str, float | None]:
     """(low, high, method) of a confidence interval of the median of `samples`: the j-th smallest
     and j-th largest sample (:func:`order_statistic_rank`), which cover the median with a known
     probability whatever the samples' distribution, as long as they are independent; the range
     below 6 samples (covering 75% at 3, 88% at 4, 94% at 5: the method says so); unbounded below 3.
-    None is an unbounded side. `per`: what one sample is, in the plural ("rounds"; "steps")."""
+    None is an unbounded side. `per`: what one sample is, in the plural ("rounds"; "steps"). The
+    fourth value is the interval's coverage (None where it is unbounded)."""
     n = len(samples)
     if n == 0:
         raise ValueError("no samples: measure at least one round")
@@ -85,14 +86,16 @@ def median_interval(samples: Sequence[float], *, confidence: float = CONFIDENCE,
         raise ValueError(f"a sample is NaN ({sum(math.isnan(x) for x in samples)} of {n}): a median "
                          "of them has no order; find what produced it")
     if n < 3:
-        return None, None, f"unbounded ({n} {per if n > 1 else per.rstrip('s')}: too few for an interval)"
+        return (None, None, f"unbounded ({n} {per if n > 1 else per.rstrip('s')}: too few for an "
+                "interval)", None)
     j, coverage = order_statistic_rank(n, confidence)
     ordered = sorted(float(x) for x in samples)
     low, high = ordered[j - 1], ordered[n - j]
     if coverage < confidence:
-        return low, high, f"range of {n} {per} (covers the median {coverage:.0%}: below {confidence:.0%})"
+        return (low, high, f"range of {n} {per} (covers the median {coverage:.0%}: below "
+                f"{confidence:.0%})", coverage)
     return low, high, (f"order statistics {j} and {n + 1 - j} of {n} {per} (covers the median "
-                       f"{coverage:.1%})")
+                       f"{coverage:.1%})"), coverage
 
 
 def bootstrap_median_interval(samples: Sequence[float], *, confidence: float = CONFIDENCE,
@@ -135,10 +138,9 @@ class Figure:
         """The figure of `samples` (median and :func:`median_interval`); `per`: what one sample is."""
         if direction not in DIRECTIONS:
             raise ValueError(f"direction {direction!r}: use one of {DIRECTIONS}")
-        low, high, how = median_interval(samples, per=per)
+        low, high, how, coverage = _median_interval(samples, per=per)
         return cls(name, statistics.median(samples), low, high, len(samples), how, unit, host_fast,
-                   target, direction, tolerance, [float(s) for s in samples], per,
-                   median_coverage(len(samples)))
+                   target, direction, tolerance, [float(s) for s in samples], per, coverage)
 
     @property
     def short_of_confidence(self) -> bool:
@@ -197,6 +199,13 @@ class Figure:
     def coverage_note(self) -> str:
         """What follows an interval short of :data:`CONFIDENCE`: its coverage (" 88%"); else ""."""
         return f" {self.coverage:.0%}" if self.short_of_confidence and self.coverage is not None else ""
+
+    def percent_cell(self, missing: str = "?") -> str:
+        """A relative figure as a table cell: ``+3.1% [+1.0%, +4.2%]`` (an unbounded side: `missing`),
+        with the coverage of an interval short of :data:`CONFIDENCE`."""
+        def pct(x: float | None) -> str:
+            return missing if x is None else f"{x:+.1%}"
+        return f"{pct(self.value)} [{pct(self.low)}, {pct(self.high)}]{self.coverage_note}"
 
     def _interval(self) -> str:
         d = self._digits()

@@ -83,14 +83,10 @@ def _moved(payload: dict[str, Any]) -> str:
 
 def render(payload: dict[str, Any]) -> str:
     """The markdown page."""
-    def pct(x: float | None) -> str:
-        return "?" if x is None else f"{x:+.1%}"
-
     def error(r: dict[str, Any], corrected: bool = False) -> str:
         if corrected and corrected_step(r) is None:
             return ""
-        f = row_error(r, corrected)
-        return f"{pct(f.value)} [{pct(f.low)}, {pct(f.high)}]{f.coverage_note}"
+        return row_error(r, corrected).percent_cell()
 
     def factors(r: dict[str, Any]) -> str:
         situ = r.get("in_situ")

@@ -137,10 +137,10 @@ class OwnModelResult:
                 raw = self.error(corrected=False)
                 assert raw is not None
                 lines.append(f"  simulator error (measured / simulated - 1) [95% interval]: uncorrected "
-                             f"{_pct_cell(raw)}, in-situ corrected {_pct_cell(error)} (the corrected "
+                             f"{raw.percent_cell()}, in-situ corrected {error.percent_cell()} (the corrected "
                              f"simulator is {side})")
             else:
-                lines.append(f"  simulator error {_pct_cell(error)} (measured / simulated - 1 [95% "
+                lines.append(f"  simulator error {error.percent_cell()} (measured / simulated - 1 [95% "
                              f"interval]: the simulator is {side})")
             if self.rounds > 1 and self.relative_error is not None:
                 lines.append(f"  (the error pairs each round's steps with that round's simulation; the "
@@ -164,13 +164,6 @@ def _busy(host: dict[str, Any] | None) -> str:
         return ""
     return f" (host busy or slow: {busy_readings(host)}; the error's interval spans it)"
 
-
-
-def _pct_cell(f: Figure) -> str:
-    """``+3.1% [+1.0%, +4.2%]``."""
-    def pct(x: float | None) -> str:
-        return "?" if x is None else f"{x:+.1%}"
-    return f"{pct(f.value)} [{pct(f.low)}, {pct(f.high)}]{f.coverage_note}"
 
 
 def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,

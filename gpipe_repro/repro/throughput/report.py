@@ -353,8 +353,7 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
     def error(r: dict[str, Any]) -> str:
         if "error" not in r:           # a validation written before errors had intervals
             return pct(r["relative_error"])
-        f = Figure.from_json(r["error"])
-        return f"{pct(f.value)} [{pct(f.low)}, {pct(f.high)}]{f.coverage_note}"
+        return Figure.from_json(r["error"]).percent_cell(missing="-")
 
     def schedule(r: dict[str, Any]) -> str:
         name, split = r.get("schedule", "gpipe"), r.get("split_backwards")
