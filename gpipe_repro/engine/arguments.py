@@ -53,17 +53,9 @@ def as_layers(layers: nn.Sequential | Sequence[nn.Module]) -> list[nn.Module]:
                         f"{type(layers).__name__}; wrap its parts in nn.Sequential(...)")
     if not out:
         raise ValueError("the model has no layers")
-    seen: dict[int, int] = {}
     for i, layer in enumerate(out):
         if not isinstance(layer, nn.Module):
             raise TypeError(f"layer {i} is a {type(layer).__name__}, not an nn.Module")
-        if id(layer) in seen:
-            share = ("a new one whose parameters are set to the first's (``b.weight = a.weight``: a "
-                     "parameter held by several layers stays one parameter, in one cell or across "
-                     "cells)" if any(True for _ in layer.parameters()) else "a new instance of it")
-            raise ValueError(f"layers {seen[id(layer)]} and {i} are the same module object; a pipeline "
-                             f"runs each layer once per micro-batch, so give each position {share}")
-        seen[id(layer)] = i
     return out
 
 

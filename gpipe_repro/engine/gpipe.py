@@ -59,7 +59,13 @@ from gpipe_repro.engine.schedule import Schedule, gpipe_schedule, make_schedule
 from gpipe_repro.engine.split_count import cut_and_split
 from gpipe_repro.engine.stage import LossFn, StageExecutor
 from gpipe_repro.engine.stand_ins import StandIns
-from gpipe_repro.engine.tied import refuse_diverging_copies, refuse_hooked_copies, uncounted_names, untie
+from gpipe_repro.engine.tied import (
+    refuse_diverging_copies,
+    refuse_hooked_copies,
+    separate_places,
+    uncounted_names,
+    untie,
+)
 from gpipe_repro.engine.timeline import Timeline
 
 __all__ = ["GPipe", "OptimizerFactory", "RUNTIMES", "as_layers"]
@@ -251,6 +257,7 @@ class GPipe(nn.Module):
                                            "and seed")
 
         given = list(layer_list)
+        layer_list = separate_places(layer_list)   # one module object at several places (engine.tied)
         if deferred_batchnorm:
             layer_list = [DeferredBatchNorm.convert(layer) for layer in layer_list]
         cells = split_cells(layer_list, balance)
@@ -500,8 +507,9 @@ class GPipe(nn.Module):
         return cell
 
     def unpartitioned(self) -> nn.Sequential:
-        """The layers as one nn.Sequential (the same module objects, each cell's copy of a tied
-        parameter untied: engine.tied); with runtime="distributed", only this rank's layers."""
+        """The layers as one nn.Sequential (the same module objects, but for each cell's copy of a
+        tied parameter, untied, and a module given at several places, one copy per later place:
+        engine.tied); with runtime="distributed", only this rank's layers."""
         return nn.Sequential(*[layer for s in range(len(self.cells)) for layer in self._cell(s)])
 
     def training_state(self) -> dict[str, Any]:

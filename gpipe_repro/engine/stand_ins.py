@@ -1,9 +1,10 @@
 """The modules and parameters a pipeline runs in place of the caller's, and how they follow them.
 
-GPipe trains the caller's own layers, but two things it must put in their place: a
+GPipe trains the caller's own layers, but three things it must put in their place: a
 :class:`~gpipe_repro.engine.batchnorm.DeferredBatchNorm` for each BatchNorm (with shallow copies of
-the modules above it), and in every cell but the first holding a parameter tied across cells, a
-copy of that parameter (with shallow copies of the modules holding it; :mod:`gpipe_repro.engine.tied`).
+the modules above it), in every cell but the first holding a parameter tied across cells, a
+copy of that parameter (with shallow copies of the modules holding it; :mod:`gpipe_repro.engine.tied`),
+and at each later place of a module given at several places, a shallow copy of it.
 The caller keeps the originals, and plain PyTorch would train whatever the caller does to them
 after the pipeline was built: ``model[3].eval()``, a new momentum or attribute on a block,
 ``model.load_state_dict(...)``, ``model[0].weight.requires_grad_(False)``.
@@ -188,10 +189,11 @@ class StandIns:
                 kind = next(k for k in parts if parts[k] != m.parts[k]).strip("_")
                 raise ReplacedAfterWrapping(
                     f"{m.name} ({type(original).__name__}) had one of its {kind} replaced after "
-                    "GPipe was built; the cells run a stand-in of it (a BatchNorm's, or a module "
-                    "holding a weight tied across cells) and the optimizers hold what it was built "
-                    "with, so the replacement would apply nowhere. Replace it before building GPipe "
-                    "(load weights with load_state_dict, without assign=True)")
+                    "GPipe was built; the cells run a stand-in of it (a BatchNorm's, a module "
+                    "holding a weight tied across cells, or one given at several places) and the "
+                    "optimizers hold what it was built with, so the replacement would apply nowhere. "
+                    "Replace it before building GPipe (load weights with load_state_dict, without "
+                    "assign=True)")
             now = _attributes(original)
             for key in now.keys() | m.seen.keys():
                 value = now.get(key, _MISSING)

@@ -25,6 +25,13 @@ tie different values, or only some of them. ``unpartitioned()`` returns the cell
 hold the copies: they are no longer one object.
 
 A parameter used twice inside ONE cell stays one parameter: autograd sums its uses there.
+
+One module object at several places (``nn.Sequential(block, block, block)``, as ALBERT shares its
+layers; an activation module reused; a submodule held by two layers) is what plain PyTorch runs as
+one set of weights used several times. :func:`separate_places` gives each later place its own
+module object holding the same parameters and buffers, so that every place is a module of its own
+(the pipeline runs, re-materializes and cuts layers one place at a time) and the shared weights are
+tied parameters as above.
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ from torch import nn
 
 from gpipe_repro.engine.backward_split import needs_whole_gradient
 
-__all__ = ["Tie", "find_ties", "untie", "tied_copies", "copies_sum", "set_gradients",
+__all__ = ["Tie", "find_ties", "separate_places", "untie", "tied_copies", "copies_sum", "set_gradients",
            "sum_tied_gradients", "uncounted_names", "refuse_diverging_copies", "refuse_hooked_copies"]
 
 
@@ -67,25 +74,40 @@ def find_ties(cells: Sequence[nn.Module]) -> list[Tie]:
     return [Tie(tuple(h)) for h in holders.values() if len(h) > 1]
 
 
+def separate_places(layers: Sequence[nn.Module]) -> list[nn.Module]:
+    """`layers` where a module object already met in an earlier layer is a module of its own holding
+    the same parameters and buffers (its children the same way): a shallow copy sharing the
+    module's dictionaries of parameters and buffers (:func:`untie` then gives a copy in another cell
+    a parameter of its own), so that the caller's layers are unchanged and the copies follow them
+    as stand-ins do (engine.stand_ins). A module used twice inside one layer stays as it is there:
+    that layer runs it as plain PyTorch does."""
+    met: set[int] = set()
+    out = []
+    for layer in layers:
+        out.append(_own_place(layer, met, {}))
+        met.update(id(m) for m in layer.modules())
+    return out
+
+
+def _own_place(module: nn.Module, met: set[int], done: dict[int, nn.Module]) -> nn.Module:
+    if id(module) in done:             # used twice within this layer: one module there, as given
+        return done[id(module)]
+    children = {key: child if child is None else _own_place(child, met, done)
+                for key, child in module._modules.items()}
+    if id(module) in met or any(children[key] is not child for key, child in module._modules.items()):
+        placed = copy.copy(module)     # sharing the module's dictionaries of parameters and buffers
+        placed._modules = children
+    else:
+        placed = module
+    done[id(module)] = placed
+    return placed
+
+
 def untie(cells: Sequence[nn.Module]) -> list[Tie]:
     """Give every cell but the first holder of each tie its own copy of the tied parameter (see the
-    module docstring) and return the ties. Raises ValueError, before changing anything, when a
-    submodule holding a tied parameter is itself in two cells (its parameter cannot be two copies)."""
+    module docstring) and return the ties. The cells hold no module in common
+    (:func:`separate_places`)."""
     ties = find_ties(cells)
-    for tie in ties:
-        original = cells[tie.holders[0][0]].get_parameter(tie.holders[0][1])
-        holding: dict[int, tuple[int, str]] = {}   # a module holding it -> (its cell, its name there)
-        for c in tie.cells:
-            for name, module in cells[c].named_modules():
-                if not any(q is original for q in module._parameters.values()):
-                    continue
-                other, other_name = holding.setdefault(id(module), (c, name))
-                if other != c:
-                    raise ValueError(
-                        f"the module {other_name!r} of cell {other} holds a parameter tied across cells "
-                        f"and is also a module of cell {c}: each cell holding a tied parameter keeps "
-                        "its own copy, so tie the parameter, not the module (e.g. head.weight = "
-                        "embedding.weight), or choose a balance that keeps both layers in one cell")
     for tie in ties:
         first, name = tie.holders[0]
         original = cells[first].get_parameter(name)

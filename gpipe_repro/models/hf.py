@@ -33,8 +33,8 @@ derives them without a cache), the causal mask of its own layer type (``create_c
 ``create_sliding_window_causal_mask`` for a sliding layer, from ``config.layer_types`` or, without
 them, ``config.sliding_window``; packed sequences read off the position ids where no padding mask is
 given and ``config.use_cache`` is off, as the model's forward reads them) and its rotary cos/sin, from its
-own copy of the parameter-free rotary module (a module object may sit in one layer only, and cells
-may live on different devices). Each family's scalings are kept, read off the model: the embedding
+own copy of the parameter-free rotary module (its buffers on its own cell's device, which may not be
+the first block's). Each family's scalings are kept, read off the model: the embedding
 multiplier (Granite's ``embedding_multiplier``; Gemma's sqrt(hidden) is inside its embedding module),
 the logit soft-capping (``config.final_logit_softcapping``, Gemma 2/3), the logit scale (Cohere's
 ``logit_scale``) and the logit divisor (Granite's ``config.logits_scaling``); so are StarCoder2's
@@ -145,7 +145,7 @@ class DecoderBlock(nn.Module):
         self.materialize_mask = materialize_mask
         self.make_mask: Callable[..., Any] = (create_sliding_window_causal_mask
                                               if layer_type == "sliding_attention" else create_causal_mask)
-        # its own copy: a module object belongs to one layer (the config stays shared)
+        # its own copy, its buffers on this block's device (the config stays shared)
         self.rotary = None if rotary is None else copy.deepcopy(rotary, {id(config): config})
         self.rotary_takes_layer_type = rotary is not None and \
             "layer_type" in inspect.signature(rotary.forward).parameters

@@ -78,7 +78,7 @@ def preflight(workload: Workload, batch: int, *, options: dict[str, Any]) -> str
         return (f"--model {workload.family} must return an nn.Sequential or a list of nn.Module "
                 f"layers; it returned {what}")
     try:
-        as_layers(layers)     # the engine's own rule (one module object per position), its words
+        as_layers(layers)     # the engine's own rule for what a model of layers is, its words
     except (TypeError, ValueError) as e:
         return f"--model {workload.family}: {e}"
     x, target = workload.sample(batch, "cpu")

@@ -18,6 +18,7 @@ from gpipe_repro import GPipe
 from gpipe_repro.distributed import launch_local
 from gpipe_repro.distributed.process_group import gather_object
 from tests.engine.test_equivalence import lm_loss
+from tests.engine.test_repeated_modules import shared_blocks
 from tests.engine.test_tied import batches, tied_model
 from tests.equivalence import ATOL, RTOL, adam, reference_train, sgd_momentum, tied_copies
 
@@ -87,6 +88,33 @@ def test_tied_parameters_across_processes_train_like_the_plain_model() -> None:
 def test_tied_parameters_with_replicas_train_like_the_plain_model() -> None:
     results = launch_local(check_tied, 4, 2, timeout=30)
     assert len(results) == 4 and all(len(r) == len(CONFIGS[2]) for r in results)
+
+
+def check_repeated() -> list[str]:
+    """Runs in every process: one block object at three places (tests.engine.test_repeated_modules),
+    its places on both processes, against plain PyTorch on the same layers."""
+    checked = []
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(STEPS)]
+    for schedule, k in (("gpipe", 2), ("zb-v", 4)):
+        pipe = GPipe(shared_blocks(), partitions=k, micro_batches=2, loss_fn=nn.MSELoss(), optimizer=adam,
+                     schedule=schedule, runtime="distributed", cost="params")
+        ref = shared_blocks()
+        ref_losses = reference_train(ref, data, nn.MSELoss(), micro_batches=2, optimizer=adam)
+        losses = [pipe.train_step(x, y) for x, y in data]
+        _close(torch.tensor(losses), torch.tensor(ref_losses), f"{schedule}: losses", RTOL)
+        for s in pipe.stages_here:
+            first = sum(pipe.balance[:s])
+            for j, layer in enumerate(pipe.cells[s]):
+                for name, p in layer.named_parameters():
+                    _close(p.detach(), ref[first + j].get_parameter(name).detach(),
+                           f"{schedule}: layer {first + j} {name}", RTOL)
+        checked.append(schedule)
+    return checked
+
+
+def test_one_module_at_places_on_two_processes_trains_like_plain_pytorch() -> None:
+    assert launch_local(check_repeated, 2, timeout=30) == [["gpipe", "zb-v"]] * 2
 
 
 def test_every_rank_builds_the_same_tie_groups() -> None:

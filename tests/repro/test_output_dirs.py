@@ -193,9 +193,6 @@ def own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
      "building the model raised TypeError"),
     (["--model", "{m}:layers", "--input-shape", "32", "--repeats", "0"], "--repeats must be >= 1"),
     (["--model", "{m}:layers", "--input-shape", "32", "--k", "0"], "--k must be >= 1"),
-    (["--model", "{m}:tied", "--input-shape", "32"], "layers 0 and 2 are the same module object; a "
-     "pipeline runs each layer once per micro-batch, so give each position a new one whose parameters "
-     "are set to the first's"),
     (["--model", "{m}:layers", "--input-shape", "32", "--classes", "500"],
      "does not fit its targets (features, --classes 500)"),
     # more cells than layers: a setting to change (exit code 2), not a failed simulation (1)
