@@ -17,15 +17,17 @@ forward and in ``state_dict()`` (:meth:`StandIns.follow`), brings each up to dat
   parameters, buffers, children and hooks, which a stand-in shares or replaces on purpose) that
   changed since the last look is set on the stand-in. ``pipe.train()``/``pipe.eval()`` set the
   originals' mode with the stand-ins' (:meth:`StandIns.set_mode`), so the two agree and a later
-  ``model.train()`` is a change like any other;
+  ``model.train()`` is a change like any other; a buffer set in place of one
+  (``bn.running_mean = ...``, or by a forward of the original's) is set in the stand-in, on the
+  stand-in's device;
 - a tied parameter's copy: the original's ``requires_grad`` where it changed, and its value where
   it was changed since the pipeline last updated it: its version counter moved (a
   ``load_state_dict``, an edit under no_grad) or its storage was replaced (``.data = ...``);
   :meth:`StandIns.updated` records the pipeline's own updates after each step. An in-place edit
   through ``.data`` moves neither and is not seen;
 - a replacement is refused (:class:`ReplacedAfterWrapping`): a layer of the container the caller
-  gave, a child, parameter or buffer the stand-in keeps in a dictionary of its own, a tied
-  parameter's shape. The stand-ins and the optimizers hold the objects they were built with.
+  gave, a child or parameter the stand-in keeps in a dictionary of its own, a tied parameter's
+  shape. The stand-ins and the optimizers hold the objects they were built with.
 
 The originals are held weakly: with the distributed runtime a process keeps only its own cells,
 and the caller's model may be dropped (then there is nothing left to follow).
@@ -170,9 +172,10 @@ class StandIns:
 
     def follow(self) -> None:
         """Bring every stand-in up to date with what changed in its original since the last look.
-        Raises :class:`ReplacedAfterWrapping` where a layer, or a module, parameter or buffer under
-        a stand-in, was replaced (the stand-in and the optimizers hold the objects they were built
-        with: a replacement would apply in some cells and not others)."""
+        A buffer set in place of another is set in the stand-in too. Raises
+        :class:`ReplacedAfterWrapping` where a layer, or a module or parameter under a stand-in, was
+        replaced (the stand-in and the optimizers hold the objects they were built with: a
+        replacement would apply in some cells and not others)."""
         container = self.container() if self.container is not None else None
         if container is not None and tuple(
                 id(v) for v in container._modules.values() if v is not None) != self.layer_ids:
@@ -185,6 +188,9 @@ class StandIns:
             if original is None:
                 continue
             parts = _parts(original, tuple(m.parts))
+            if "_buffers" in parts and parts["_buffers"] != m.parts["_buffers"]:
+                _follow_buffers(original, m.stand_in)
+                m.parts["_buffers"] = parts["_buffers"]
             if parts != m.parts:
                 kind = next(k for k in parts if parts[k] != m.parts[k]).strip("_")
                 raise ReplacedAfterWrapping(
@@ -227,6 +233,17 @@ class StandIns:
             original = p.original()
             if original is not None:
                 p.seen_version, p.seen_storage = original._version, _storage(original)
+
+
+def _follow_buffers(original: nn.Module, stand_in: nn.Module) -> None:
+    """The buffers `original` holds now, in `stand_in`'s own dictionary: a tensor set in their place
+    (``bn.running_mean = ...``, or a forward that sets its buffer) on the stand-in's device."""
+    for key in stand_in._buffers.keys() - original._buffers.keys():
+        del stand_in._buffers[key]
+    for key, value in original._buffers.items():
+        old = stand_in._buffers.get(key)
+        if value is not old:
+            stand_in._buffers[key] = value if value is None or old is None else value.to(old.device)
 
 
 def shown_to_optimizer(factory: Callable[[list[nn.Parameter]], Any], params: Sequence[nn.Parameter],

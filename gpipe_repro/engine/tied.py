@@ -77,10 +77,11 @@ def find_ties(cells: Sequence[nn.Module]) -> list[Tie]:
 def separate_places(layers: Sequence[nn.Module]) -> list[nn.Module]:
     """`layers` where a module object already met in an earlier layer is a module of its own holding
     the same parameters and buffers (its children the same way): a shallow copy sharing the
-    module's dictionaries of parameters and buffers (:func:`untie` then gives a copy in another cell
-    a parameter of its own), so that the caller's layers are unchanged and the copies follow them
-    as stand-ins do (engine.stand_ins). A module used twice inside one layer stays as it is there:
-    that layer runs it as plain PyTorch does."""
+    module's dictionary of parameters (:func:`untie` then gives a copy in another cell a parameter of
+    its own) and holding its buffers in a dictionary of its own (moving a cell to its device moves
+    its place's buffers, not another place's), so that the caller's layers are unchanged and the
+    copies follow them as stand-ins do (engine.stand_ins). A module used twice inside one layer stays
+    as it is there: that layer runs it as plain PyTorch does."""
     met: set[int] = set()
     out = []
     for layer in layers:
@@ -95,8 +96,10 @@ def _own_place(module: nn.Module, met: set[int], done: dict[int, nn.Module]) -> 
     children = {key: child if child is None else _own_place(child, met, done)
                 for key, child in module._modules.items()}
     if id(module) in met or any(children[key] is not child for key, child in module._modules.items()):
-        placed = copy.copy(module)     # sharing the module's dictionaries of parameters and buffers
+        placed = copy.copy(module)     # sharing the module's dictionary of parameters
         placed._modules = children
+        if module._buffers:            # the same tensors: each place's cell moves them to its device
+            placed._buffers = dict(module._buffers)
     else:
         placed = module
     done[id(module)] = placed

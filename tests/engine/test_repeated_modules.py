@@ -93,3 +93,47 @@ def test_one_batchnorm_at_two_places_is_still_refused() -> None:
     bn = nn.BatchNorm1d(8)
     with pytest.raises(ValueError, match="layer 3 .* is the same BatchNorm module as layer 1"):
         GPipe([nn.Linear(6, 8), bn, nn.Linear(8, 8), bn], partitions=2, micro_batches=2, loss_fn=nn.MSELoss())
+
+
+def test_each_place_moves_its_own_buffers() -> None:
+    """A module with a buffer at places in two cells: moving one cell (to its device; here to
+    float64) moves that place's buffer, not the other place's."""
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("scale", torch.full((8,), 0.5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.scale
+
+    block = Scaled()
+    model = [nn.Linear(6, 8), block, block, nn.Linear(8, 3)]
+    pipe = GPipe(model, partitions=2, micro_batches=2, balance=[2, 2], loss_fn=nn.MSELoss(), optimizer=None)
+    assert pipe.cells[1][0].scale is block.scale        # one tensor until a cell moves
+    pipe.cells[1].to(torch.float64)
+    assert block.scale.dtype == torch.float32 and pipe.cells[0][1].scale.dtype == torch.float32
+    assert pipe.cells[1][0].scale.dtype == torch.float64
+
+
+class _SetsItsScale(nn.Module):
+    """Sets its buffer in its forward, alike each time (as LongRoPE sets its inv_freq)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale = torch.full((8,), 0.5)
+        return self.lin(x) * self.scale
+
+
+def test_a_module_setting_its_buffer_in_its_forward_at_several_places_trains_like_plain_pytorch() -> None:
+    torch.manual_seed(4)
+    block = _SetsItsScale()
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+    assert_same_training([nn.Linear(6, 8), block, block, nn.Linear(8, 3)], x, y, nn.MSELoss(),
+                         partitions=2, micro_batches=2, checkpoint="always", steps=3,
+                         optimizer=sgd_momentum, balance=[2, 2])
