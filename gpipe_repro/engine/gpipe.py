@@ -100,10 +100,11 @@ class GPipe(nn.Module):
     comes before every update).
 
     Args:
-        layers: the model as an ``nn.Sequential`` or a list of modules, run in order. Each module
-            object may appear once. Layers exchange a tensor or a tuple of tensors and plain values
-            (a plain value a function of the input's shapes: the distributed runtime fixes it).
-            A parameter tied across cells is one identical copy per cell (:mod:`~.engine.tied`).
+        layers: the model as an ``nn.Sequential`` or a list of modules, run in order. Layers
+            exchange a tensor or a tuple of tensors and plain values (a plain value a function of
+            the input's shapes: the distributed runtime fixes it). A parameter tied across cells is
+            one identical copy per cell, and a module object given at several places one module per
+            place holding the same weights (:mod:`~.engine.tied`).
         partitions: K, the number of stages (cells), 1 <= K <= number of layers.
         micro_batches: M, the number of micro-batches each mini-batch is split into
             (``torch.tensor_split``: sizes differ by at most one); needs M <= the batch size.

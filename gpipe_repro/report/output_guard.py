@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from gpipe_repro.report import provenance
 from gpipe_repro.report.records import RESULTS_ENV, read_json
 
 OWNER_KEY = "written_by"
@@ -83,14 +84,16 @@ def is_of_record(path: str | os.PathLike[str]) -> bool:
 
 def check_outputs(paths: Sequence[str | os.PathLike[str]], *, command: str, option: str,
                   overwrite: bool, own: Callable[[Path], bool] | None = None,
-                  make_target: str | None = None, record: bool = False) -> None:
+                  make_target: str | None = None, record: bool = False, clean: bool = True) -> None:
     """Refuse, before any work, to write `paths` unless each is new, or is `command`'s own previous
     output (`own(path)`; default: stamped by `command`) and --overwrite was given.
 
     `option` names the option the paths came from (for the message). `record=True` (--record, what
     the make target passes) replaces its own previous output without --overwrite, also in the
-    results of record; without it, a file in the results of record is never replaced
-    (`make_target` names the target that does). Raises `OutputRefused` saying what to do.
+    results of record, and (`clean`) writes there only from a checkout whose tracked files are its
+    commit's (the stamps name the commit: code that differs from it did not produce the figures);
+    without it, a file in the results of record is never replaced (`make_target` names the target
+    that does). Raises `OutputRefused` saying what to do.
     """
     is_own = own if own is not None else (lambda p: written_by(p) == command)
     files = [Path(p) for p in paths]
@@ -107,6 +110,15 @@ def check_outputs(paths: Sequence[str | os.PathLike[str]], *, command: str, opti
         if ancestor.exists() and not os.access(ancestor, os.W_OK | os.X_OK):
             raise OutputRefused(f"{option} {p}: cannot write in {ancestor} (permission denied): choose "
                                 "another path (nothing was touched)")
+    if record and clean and any(is_of_record(p) for p in files):
+        changed = provenance.changed_files()
+        if changed:
+            where = next(p for p in files if is_of_record(p)).parent
+            raise OutputRefused(
+                f"writes results of record ({where}) only from a clean commit: {len(changed)} tracked "
+                f"file(s) differ ({', '.join(changed[:5])}); commit or stash them, or write elsewhere "
+                f"with {option + ' PATH or ' if option.startswith('--') else ''}{RESULTS_ENV}=DIR "
+                "(nothing was run)")
     existing = [p for p in files if p.exists() or p.is_symlink()]
     if not existing:
         return
@@ -135,13 +147,13 @@ def check_outputs(paths: Sequence[str | os.PathLike[str]], *, command: str, opti
 
 def check_manifest_outputs(manifest: Path, pages: Sequence[Path], *, command: str, option: str,
                            overwrite: bool, record: bool,
-                           legacy: Callable[[Any], bool] | None = None) -> None:
+                           legacy: Callable[[Any], bool] | None = None, clean: bool = True) -> None:
     """:func:`check_outputs` for a command's JSON `manifest` and the `pages` it writes beside it:
     each is the command's own where the manifest is (stamped by it, or, from before the stamps,
     a dict `legacy` recognizes); the command's make target has its own name."""
     check_outputs([manifest, *pages], command=command, option=option, overwrite=overwrite,
                   own=lambda _: owned_json(manifest, command, legacy), make_target=command,
-                  record=record)
+                  record=record, clean=clean)
 
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -276,20 +276,13 @@ def check_publish(experiment: str, stem: str, command: str, *, extra: Sequence[s
     name code that did not produce the figures). Exits with a message saying what to do."""
     if not write:
         return
-    from gpipe_repro.report.output_guard import OutputRefused, check_outputs, is_of_record
-    from gpipe_repro.report.provenance import changed_files
-    from gpipe_repro.report.records import RESULTS_ENV, results_root
+    from gpipe_repro.report.output_guard import check_outputs
+    from gpipe_repro.report.records import results_root
     out = results_root() / experiment
     paths = [out / f"{stem}.json", out / f"{stem}.md", *(out / name for name in extra)]
     try:
-        changed = changed_files() if clean and is_of_record(out) else None
-        if changed:
-            raise OutputRefused(
-                f"writes results of record ({out}) only from a clean commit: {len(changed)} tracked "
-                f"file(s) differ ({', '.join(changed[:5])}); commit or stash them, or write elsewhere "
-                f"with {RESULTS_ENV}=DIR (nothing was run)")
         check_outputs(paths, command=command, option="results", overwrite=True, record=True,
-                      own=lambda path: _published_by(path, paths[0], command))
+                      own=lambda path: _published_by(path, paths[0], command), clean=clean)
     except ValueError as e:
         raise SystemExit(f"{command}: {e}") from None
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gpipe_repro.report import output_guard
+from gpipe_repro.report import output_guard, provenance
 from gpipe_repro.report.output_guard import OutputRefused, check_outputs, owned_json, stamp, written_by
 from gpipe_repro.report.records import results_dir, results_root, write_json
 
@@ -53,6 +53,7 @@ def test_directories_and_files_in_the_way_are_refused(tmp_path: Path) -> None:
 def test_results_of_record_change_only_through_the_make_target(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(output_guard, "checkout_results", lambda: tmp_path / "results")
+    monkeypatch.setattr(provenance, "changed_files", lambda repo=None: [])      # a clean checkout
     own = write_json(tmp_path / "results" / "throughput" / "t.json", stamp({}, "throughput-table"))
     with pytest.raises(OutputRefused, match="of record.*`make throughput-table`"):
         check_outputs([own], command="throughput-table", option="--out", overwrite=True,
@@ -61,6 +62,32 @@ def test_results_of_record_change_only_through_the_make_target(tmp_path: Path,
                   make_target="throughput-table", record=True)
     elsewhere = write_json(tmp_path / "mine" / "t.json", stamp({}, "throughput-table"))
     check_outputs([elsewhere], command="throughput-table", option="--out", overwrite=True)
+
+
+def _record_writers() -> dict[str, Any]:
+    """Every command's check of the results of record it writes with --record (what its make target
+    passes), called on a folder: throughput-table, validate-sim, validate-unseen, memory-table."""
+    from gpipe_repro.repro import validate_simulator, validate_unseen
+    from gpipe_repro.repro.memory_table import experiment as memory_table
+    from gpipe_repro.repro.throughput import outputs as throughput_table
+    return {"throughput-table": throughput_table.check_out_dir, "validate-sim": validate_simulator.check_out_dir,
+            "validate-unseen": validate_unseen.check_out_dir, "memory-table": memory_table.check_out_dir}
+
+
+@pytest.mark.parametrize("command", _record_writers())
+def test_results_of_record_were_written_from_a_dirty_checkout(command: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make throughput-table` (validate-sim, validate-unseen, memory-table) wrote the results of
+    record from a checkout whose code differed from the commit their stamps name ("(dirty)"); the
+    benchmarks refused it. Every writer of record now refuses before any work, naming the files."""
+    monkeypatch.setattr(output_guard, "checkout_results", lambda: tmp_path / "results")
+    monkeypatch.setattr(provenance, "changed_files", lambda repo=None: ["gpipe_repro/engine/gpipe.py"])
+    check = _record_writers()[command]
+    with pytest.raises((OutputRefused, SystemExit), match="only from a clean commit.*engine/gpipe.py"):
+        check(tmp_path / "results" / "x", overwrite=False, record=True)
+    check(tmp_path / "mine", overwrite=False, record=True)          # elsewhere: any checkout
+    monkeypatch.setattr(provenance, "changed_files", lambda repo=None: [])
+    check(tmp_path / "results" / "x", overwrite=False, record=True)
 
 
 def test_legacy_outputs_are_recognized_only_by_their_shape(tmp_path: Path) -> None:
