@@ -87,10 +87,16 @@ def hf_config(family_or_path: str | os.PathLike[str], *, layers: int | None = No
         if value is None:
             continue
         attribute = next((a for a in SIZE_OPTIONS[option] if hasattr(defaults, a)), None)
+        if attribute is not None and not _settable(config_class, attribute):
+            raise ValueError(f"{family} derives its {option} ({attribute}) from its other sizes and "
+                             f"cannot be given one: leave --{option.replace('_', '-')} out")
         if attribute is None:
             usable = [o for o, names in SIZE_OPTIONS.items() if any(hasattr(defaults, a) for a in names)]
+            text = getattr(getattr(defaults, "text_config", None), "model_type", None)
             raise ValueError(f"{family} has no {option} ({' or '.join(SIZE_OPTIONS[option])}); its size "
-                             f"options are: {', '.join(usable)}")
+                             f"options are: {', '.join(usable)}" + (
+                                 f". Its language model's config is {text}: use hf:{text}"
+                                 if text in CONFIG_MAPPING and text != family else ""))
         given[config_class.attribute_map.get(attribute, attribute)] = value   # GPT-2: n_embd
     unknown = sorted(k for k in config if not hasattr(defaults, k))
     if unknown:
@@ -109,15 +115,22 @@ def hf_config(family_or_path: str | os.PathLike[str], *, layers: int | None = No
     return config_class(**{**values, **given})
 
 
+def _settable(config_class: type, attribute: str) -> bool:
+    """Whether a config takes `attribute` (not a property it derives from others, as Falcon's
+    ``head_dim`` is hidden / heads)."""
+    derived = getattr(config_class, attribute, None)
+    return not (isinstance(derived, property) and derived.fset is None)
+
+
 def _in_proportion(base: Any, sizes: dict[str, Any]) -> dict[str, int]:
     """The sizes that follow the given ones, where not given themselves, in `base`'s proportions: a
     new width or head count gives the head size hidden / heads (where the family has one), the
     intermediate width base's multiple of the hidden one, and a new head count base's number of
     query heads per key-value head. Without this, `hidden=256, heads=4` on qwen3 kept its head size
     128, 32 key-value heads and an intermediate width of 22016."""
-    def read(option: str) -> Any:
+    def read(option: str) -> Any:    # a size the family derives itself (Falcon's head_dim) is not one
         return next((getattr(base, a) for a in SIZE_OPTIONS[option]
-                     if isinstance(getattr(base, a, None), int)), None)
+                     if isinstance(getattr(base, a, None), int) and _settable(type(base), a)), None)
     out: dict[str, int] = {}
     hidden, heads = sizes["hidden"] or read("hidden"), sizes["heads"] or read("heads")
     changed = sizes["hidden"] is not None or sizes["heads"] is not None

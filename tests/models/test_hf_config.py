@@ -78,3 +78,19 @@ def test_silent_sizes_not_given_kept_the_familys_full_size_ones() -> None:
     assert (llama3.num_key_value_heads, llama3.intermediate_size) == (8, 14336)   # given: kept
     mistral = hf_config("mistral", hidden=512, heads=16)              # 4 query heads per kv head
     assert (mistral.num_key_value_heads, mistral.head_dim) == (4, 32)
+
+
+def test_falcon_sizes_were_refused_for_a_head_dim_it_derives() -> None:
+    """`hf:falcon --hidden 64 --heads 4` failed with transformers' "property 'head_dim' of
+    'FalconConfig' object has no setter": the head size kept in proportion was given to a config that
+    derives it. It is left to the config; given explicitly, it is refused naming the option."""
+    falcon = hf_config("falcon", layers=2, hidden=64, heads=4)
+    assert (falcon.hidden_size, falcon.num_attention_heads, falcon.head_dim) == (64, 4, 16)
+    with pytest.raises(ValueError, match="derives its head_dim .* leave --head-dim out"):
+        hf_config("falcon", layers=2, hidden=64, heads=4, head_dim=16)
+
+
+def test_a_composite_config_names_its_language_models_family() -> None:
+    """hf:gemma3 (an image-and-text config) has no size of its own: the error names hf:gemma3_text."""
+    with pytest.raises(ValueError, match="gemma3 has no layers .*use hf:gemma3_text"):
+        hf_config("gemma3", layers=2)

@@ -70,7 +70,8 @@ def _record_writers() -> dict[str, Any]:
     from gpipe_repro.repro import validate_simulator, validate_unseen
     from gpipe_repro.repro.memory_table import experiment as memory_table
     from gpipe_repro.repro.throughput import outputs as throughput_table
-    return {"throughput-table": throughput_table.check_out_dir, "validate-sim": validate_simulator.check_out_dir,
+    return {"throughput-table": throughput_table.check_out_dir,
+            "validate-sim": validate_simulator.check_out_dir,
             "validate-unseen": validate_unseen.check_out_dir, "memory-table": memory_table.check_out_dir}
 
 
