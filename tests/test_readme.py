@@ -2,8 +2,11 @@
 
 Each ```python block is written to a file and run as a script in a fresh interpreter (so a block that
 starts processes under ``if __name__ == "__main__":`` runs as a user's script would), with this
-checkout's gpipe_repro first on the path. Other blocks get cheap checks only: every `make X` names a
-target of the Makefile, and every `gpipe-repro CMD [SUB]` names a command whose `--help` exits with 0.
+checkout's gpipe_repro first on the path. Shell lines of the other blocks, and inline code that starts
+with `make ` or `gpipe-repro `, get cheap checks only, nothing run but `--help`: every `make X` names a
+target of the Makefile and every `VAR=` given to make a variable it reads; every `gpipe-repro CMD [SUB]`
+names a command whose `--help` exits with 0, and each of its `--flag`s is an option its `--help` lists
+(or, for `fit`, `plan`, `plan-replicas` and `models`, a size option of the model named).
 """
 from __future__ import annotations
 
@@ -29,8 +32,14 @@ def _blocks(page: Path) -> list[tuple[str, str]]:
 PYTHON_BLOCKS = [(page, i, body) for page in PAGES
                  for i, body in enumerate(body for lang, body in _blocks(page) if lang == "python")]
 SHELL_LINES = [(page, line.split("#")[0].strip()) for page in PAGES for lang, body in _blocks(page)
-               if lang in ("", "bash", "sh", "shell") for line in body.splitlines()]
+               if lang in ("", "bash", "sh", "shell")
+               for line in re.sub(r"\\\n\s*", " ", body).splitlines()]   # a line continued by \ is one
 SHELL_LINES = [(page, line) for page, line in SHELL_LINES if line]
+# inline code outside the blocks that reads as a command (`make results ONLY=...`, `gpipe-repro plan ...`)
+INLINE_COMMANDS = [(page, " ".join(span.split())) for page in PAGES
+                   for span in re.findall(r"`([^`]+)`", BLOCK.sub("", page.read_text()))
+                   if span.startswith(("make ", "gpipe-repro "))]
+COMMAND_LINES = SHELL_LINES + INLINE_COMMANDS
 
 
 def _name(page: Path) -> str:
@@ -57,11 +66,19 @@ def test_python_block_runs(page: Path, index: int, block: str, tmp_path: Path) -
 
 
 def test_make_targets_exist() -> None:
-    targets = set(re.findall(r"^([\w.-]+):(?!=)", (ROOT / "Makefile").read_text(), re.MULTILINE))
-    named = {(_name(page), word) for page, line in SHELL_LINES
-             for word in re.findall(r"(?:^|\s)make ([\w-]+)", line)}
+    makefile = (ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([\w.-]+):(?!=)", makefile, re.MULTILINE))
+    named = {(_name(page), word) for page, line in COMMAND_LINES
+             for word in re.findall(r"(?:^|\s)make ([\w-]+)(?=\s|$)", line)}
     missing = sorted((page, t) for page, t in named if t not in targets)
     assert not missing, f"pages name make targets the Makefile lacks: {missing}"
+    # a variable given to make (`make results ONLY=...`; not the environment before `make`)
+    variables = (set(re.findall(r"^(\w+)\s*[:?+]?=", makefile, re.MULTILINE))
+                 | set(re.findall(r"\$\((\w+)\)", makefile)))
+    given = {(_name(page), var) for page, line in COMMAND_LINES if re.search(r"(?:^|\s)make\s", line)
+             for var in re.findall(r"(?:^|\s)(\w+)=", re.split(r"(?:^|\s)make\s", line, maxsplit=1)[1])}
+    unknown = sorted((page, v) for page, v in given if v not in variables)
+    assert not unknown, f"pages give make variables the Makefile never reads: {unknown}"
 
 
 def test_links_resolve() -> None:
@@ -80,7 +97,10 @@ def test_experiment_scripts_exist() -> None:
 
 
 GPIPE_COMMANDS = sorted({tuple(w for w in line.split()[1:3] if not w.startswith("-"))
-                         for _, line in SHELL_LINES if line.startswith("gpipe-repro ")})
+                         for _, line in COMMAND_LINES if line.startswith("gpipe-repro ")})
+GPIPE_LINES = sorted({(_name(page), line) for page, line in COMMAND_LINES if line.startswith("gpipe-repro ")})
+# commands that pass the options they do not take themselves to the model (its size options)
+MODEL_OPTION_COMMANDS = {"fit", "plan", "plan-replicas", "models"}
 
 
 @pytest.mark.parametrize("command", GPIPE_COMMANDS, ids=[" ".join(c) for c in GPIPE_COMMANDS])
@@ -95,6 +115,67 @@ def test_gpipe_repro_command_exists(command: tuple[str, ...]) -> None:
     if len(command) > 1 and "Commands" in done.output:
         done = CliRunner().invoke(app, [*command, "--help"])
         assert done.exit_code == 0, f"gpipe-repro {' '.join(command)} --help: {done.output[-2000:]}"
+
+
+def _unknown_flags(words: list[str]) -> list[str]:
+    """The `--flag`s of `gpipe-repro WORDS...` that the command (found by its words) does not list."""
+    import typer
+
+    from gpipe_repro.cli import app
+
+    command = typer.main.get_command(app)        # typer's own click: groups are known by .commands
+    path = []
+    while words and words[0] in getattr(command, "commands", {}):
+        path.append(words[0])
+        command = command.commands[words.pop(0)]
+    if words and not path and not words[0].startswith("-"):
+        return [f"{words[0]}: no such command"]
+    own = {opt: p for p in command.params if p.param_type_name == "option" and not p.hidden
+           for opt in (*p.opts, *p.secondary_opts)} | {"--help": None}
+    unknown, extra, positional = [], [], []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        name = word.split("=")[0]
+        if word == "..." or not word.startswith("-"):
+            positional.append(word)
+        elif name in own:
+            p = own[name]
+            if p is not None and not p.is_flag and "=" not in word:
+                i += 1                             # its value
+        elif path[:1] and path[0] in MODEL_OPTION_COMMANDS and name.startswith("--"):
+            extra += [word] if "=" in word else words[i:i + 2]
+            i += "=" not in word
+        else:
+            unknown.append(name)
+        i += 1
+    if extra:                                      # the model's own sizes, checked by resolving it
+        from gpipe_repro.commands._hf_models import hf_workload, is_hf_model
+        from gpipe_repro.commands.models import parse_options
+        from gpipe_repro.memory.workloads import workload
+        from gpipe_repro.models import get_family
+
+        family = positional[0]
+        sizes = parse_options(extra)
+        try:
+            if is_hf_model(family):
+                hf_workload(family, None, sizes)
+            elif path[0] == "models":
+                known = get_family(family).options()
+                unknown += [f"--{k.replace('_', '-')}" for k in sorted(set(sizes) - set(known))]
+            else:
+                workload(family, None, **sizes)
+        except ValueError as e:
+            unknown.append(f"{' '.join(extra)} ({e})")
+    return unknown
+
+
+def test_gpipe_repro_flags_exist() -> None:
+    """Every `--flag` of a `gpipe-repro` line is an option its command's `--help` lists: a renamed or
+    removed option fails here, not in a reader's shell."""
+    bad = [(page, line, flags) for page, line in GPIPE_LINES
+           if (flags := _unknown_flags(line.split()[1:]))]
+    assert not bad, "pages give gpipe-repro options the commands do not take:\n" + "\n".join(map(str, bad))
 
 
 def _readme_results_rows() -> list[str]:
@@ -121,8 +202,8 @@ def _readme_results_rows() -> list[str]:
 
 
 def test_the_readmes_results_are_the_pages_of_record() -> None:
-    """README's Table 2 and 3 had stayed at an older run of the main job (AmoebaNet K=2 measured 1.95
-    where its page, regenerated twice since, read 1.73): they are checked against the results."""
+    """README's Table 2 and 3 rows are the page of record's, checked against its JSON, so that a
+    regenerated table cannot leave the front page behind."""
     lines = (ROOT / "README.md").read_text().splitlines()
     for row in _readme_results_rows():
         assert row in lines, f"README.md lacks {row!r}: copy it from results/throughput/throughput_table.json"
