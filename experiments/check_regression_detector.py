@@ -39,12 +39,14 @@ from typing import Any
 import typer
 
 from gpipe_repro.report.host import host_idle_fraction, usable_cores
+from gpipe_repro.report.output_guard import OutputRefused, check_manifest_outputs, stamp
 from gpipe_repro.report.provenance import host_block
 from gpipe_repro.report.records import markdown_table, read_json, results_root, write_json, write_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST = "tests/repro/test_speedup_regression.py"
 OUT = results_root() / "ci"     # $GPIPE_REPRO_RESULTS/ci when set
+COMMAND = "check-regression-detector"
 
 
 @dataclass(frozen=True)
@@ -286,6 +288,12 @@ def main(runs: int = typer.Option(10, "--runs", min=1, help="runs per condition"
     if render_only and not (out / "regression_detector.json").exists():
         raise typer.BadParameter(f"{out} holds no regression_detector.json to render (run without "
                                  "--render-only first)", param_hint="--out")
+    try:     # its own earlier page is replaced, a file it did not write never; results of record clean
+        check_manifest_outputs(out / "regression_detector.json", [out / "regression_detector.md"],
+                               command=COMMAND, option="--out", overwrite=True, record=True,
+                               legacy=lambda d: isinstance(d, dict) and {"conditions", "mutations"} <= set(d))
+    except OutputRefused as e:
+        sys.exit(f"{COMMAND}: {e}")
     if render_only:
         payload = read_json(out / "regression_detector.json")
         print(f"wrote {write_markdown(out / 'regression_detector.md', render(payload))}")
@@ -296,7 +304,7 @@ def main(runs: int = typer.Option(10, "--runs", min=1, help="runs per condition"
     def write(payload: dict[str, Any]) -> Path:
         payload["summary"] = summarize(payload)
         out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "regression_detector.json", payload)
+        write_json(out / "regression_detector.json", stamp(payload, COMMAND))
         return write_markdown(out / "regression_detector.md", render(payload))
 
     print(f"wrote {write(detect(runs, condition, after_round=write))}")

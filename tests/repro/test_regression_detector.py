@@ -59,3 +59,15 @@ def test_render_only_writes_the_page_again_from_its_json(tmp_path: Path) -> None
     page = (tmp_path / "regression_detector.md").read_text()
     assert page.startswith("# Does the CI") and "Measured by `make check-regression-detector` on " in page
     assert (tmp_path / "regression_detector.json").read_bytes() == before
+
+
+def test_the_detector_overwrote_a_users_file_at_its_out(tmp_path: Path) -> None:
+    """`check-regression-detector --out DIR` wrote its JSON and page over whatever DIR held (it had
+    no output check). A file it did not write is refused before any run, and kept."""
+    (tmp_path / "regression_detector.json").write_text('{"mine": true}')
+    (tmp_path / "regression_detector.md").write_text("my notes")
+    for args in ([], ["--render-only"]):
+        result = CliRunner().invoke(rd.app, [*args, "--out", str(tmp_path), "--runs", "1"])
+        assert result.exit_code != 0 and "not a previous" in result.output, result.output
+    assert (tmp_path / "regression_detector.md").read_text() == "my notes"
+    assert (tmp_path / "regression_detector.json").read_text() == '{"mine": true}'
