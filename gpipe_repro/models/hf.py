@@ -160,10 +160,13 @@ class DecoderBlock(nn.Module):
         # Without a padding mask and without a cache, transformers reads packed sequences off the
         # position ids (positions that start again at 0) and masks attention between them; the base
         # model's forward builds a cache where config.use_cache is set (the default), and then it
-        # does not. So the mask gets the position ids the batch gave where the forward would read
-        # them. The check reads their values, which meta tensors (planning) do not have.
-        packed = given if given is not None and not hidden.is_meta and not getattr(
-            self.config, "use_cache", False) else None
+        # does not; training with transformers' gradient checkpointing on, it sets use_cache off
+        # (as GradientCheckpointingLayer checkpoints: the block's flag, in training). So the mask
+        # gets the position ids the batch gave where the forward would read them. The check reads
+        # their values, which meta tensors (planning) do not have.
+        cache = getattr(self.config, "use_cache", False) and not (
+            getattr(self.block, "gradient_checkpointing", False) and self.training)
+        packed = given if given is not None and not hidden.is_meta and not cache else None
         skip = {"allow_is_causal_skip": False} if self.materialize_mask else {}
         kwargs: dict[str, Any] = {
             "attention_mask": self.make_mask(config=self.config, inputs_embeds=hidden, attention_mask=mask,

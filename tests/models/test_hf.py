@@ -403,10 +403,14 @@ def test_a_model_whose_loss_is_not_the_causal_lm_loss_is_refused() -> None:
 
 
 def _position_step(family: str, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
-                   labels: torch.Tensor, use_cache: bool = True, **gpipe: Any) -> None:
+                   labels: torch.Tensor, use_cache: bool = True, hf_checkpointing: bool = False,
+                   **gpipe: Any) -> None:
     """A step on ``(ids, mask, positions)`` against the model's own on the same position ids, which
-    differs from the model's without them (so the check can fail)."""
+    differs from the model's without them (so the check can fail); `hf_checkpointing`: with
+    transformers' own gradient checkpointing enabled on the model."""
     model = tiny_model(family, tie=True, use_cache=use_cache)
+    if hf_checkpointing:
+        model.gradient_checkpointing_enable()
     reference, without = copy.deepcopy(model), copy.deepcopy(model)
     expected = reference(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels).loss
     expected.backward()
@@ -439,6 +443,18 @@ def test_silent_position_ids_given_with_the_batch_were_dropped() -> None:
     layers = causal_lm_layers(tiny_model("llama"))
     with pytest.raises(ValueError, match=r"position_ids\), the mask possibly None; got a tuple of 4"):
         layers[0]((ids, mask, positions, positions))
+
+
+def test_silent_packed_sequences_under_hf_gradient_checkpointing_attended_across_documents() -> None:
+    """With ``model.gradient_checkpointing_enable()``, transformers' training forward sets use_cache
+    off and so keeps packed documents apart (position ids starting again at 0); the blocks read
+    ``config.use_cache`` (on) and attended across them: loss 5.546 for the model's 5.530, gradients
+    off by 180% (LLaMA; Qwen3 at K=3 the same). The blocks take use_cache off as the forward does."""
+    packed = torch.cat([torch.arange(5), torch.arange(SEQ - 5)]).expand(ROWS, SEQ).contiguous()
+    packed_ids = torch.randint(3, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(4))
+    for family, k in (("llama", 2), ("qwen3", 3)):
+        _position_step(family, packed_ids, None, packed, packed_ids.clone(), use_cache=True,
+                       hf_checkpointing=True, partitions=k, micro_batches=2)
 
 
 def test_silent_fp16_scaled_a_counted_loss_by_its_tokens_and_skipped_every_step() -> None:
