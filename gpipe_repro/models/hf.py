@@ -25,21 +25,22 @@ refused too.
 
 The layers are ``embeddings`` (token ids, ``(input_ids, attention_mask)`` or ``(input_ids,
 attention_mask, position_ids)``, the mask possibly None, to hidden states), ``block_i`` (one decoder
-layer each) and ``head`` (final norm, ``lm_head``, logits). Between layers flows the hidden state,
-with the 2-D padding mask and the position ids where the batch had them, as integer tensors (no
-gradient). Each block recomputes what the base model's forward computes once for all blocks,
-exactly as it does: the positions (the ones given, else ``arange`` of the sequence, as transformers
-derives them without a cache), the causal mask of its own layer type (``create_causal_mask``, or
-``create_sliding_window_causal_mask`` for a sliding layer, from ``config.layer_types`` or, without
-them, ``config.sliding_window``; packed sequences read off the position ids where no padding mask is
-given and ``config.use_cache`` is off, as the model's forward reads them) and its rotary cos/sin, from its
-own copy of the parameter-free rotary module (its buffers on its own cell's device, which may not be
-the first block's). Each family's scalings are kept, read off the model: the embedding
-multiplier (Granite's ``embedding_multiplier``; Gemma's sqrt(hidden) is inside its embedding module),
-the logit soft-capping (``config.final_logit_softcapping``, Gemma 2/3), the logit scale (Cohere's
-``logit_scale``) and the logit divisor (Granite's ``config.logits_scaling``); so are StarCoder2's
-embedding dropout (a float attribute its forward applies as a function) and Doge's mask, built as a
-tensor even without padding (its forward's ``allow_is_causal_skip=False``).
+layer each) and ``head`` (final norm, ``lm_head``, logits). Between layers flows the hidden state, with
+the 2-D padding mask and the position ids where the batch had them, as integer tensors (no gradient).
+Each block recomputes what the base model's forward computes once for all blocks, exactly as it does:
+the positions (the ones given, else ``arange`` of the sequence, as transformers derives them without a
+cache), the causal mask of its own layer type (``create_causal_mask``, or
+``create_sliding_window_causal_mask`` for a sliding layer, from ``config.layer_types`` or, without them,
+``config.sliding_window`` where the base model's forward makes a sliding mask at all; packed sequences
+read off the position ids where no padding mask is given and the forward's cache is off
+(``config.use_cache``, or transformers' gradient checkpointing in training), as the model's forward
+reads them) and its rotary cos/sin, from its own copy of the parameter-free rotary module (its buffers
+on its own cell's device, which may not be the first block's). Each family's scalings are kept, read off
+the model: the embedding multiplier (Granite's ``embedding_multiplier``; Gemma's sqrt(hidden) is inside
+its embedding module), the logit soft-capping (``config.final_logit_softcapping``, Gemma 2/3), the logit
+scale (Cohere's ``logit_scale``) and the logit divisor (Granite's ``config.logits_scaling``); so are
+StarCoder2's embedding dropout (a float attribute its forward applies as a function) and Doge's mask,
+built as a tensor even without padding (its forward's ``allow_is_causal_skip=False``).
 
 With ``config.tie_word_embeddings`` the first and the last layer share one ``nn.Parameter`` (cut
 into different cells, GPipe keeps a copy in each and sums their gradients).
@@ -354,12 +355,19 @@ def _loss_function(model: Any) -> Any:
     return LOSS_MAPPING.get(getattr(model, "loss_type", None) or "", LOSS_MAPPING["ForCausalLM"])
 
 
-def _layer_types(config: Any, n: int) -> list[str]:
-    """Each block's attention type, as the family's forward picks its mask."""
+def _layer_types(config: Any, n: int, base: nn.Module) -> list[str]:
+    """Each block's attention type, as the family's forward picks its mask: the config's layer types,
+    else a sliding window where the config has one and the base model's forward makes a sliding
+    mask at all (Moshi's config has a window its forward never applies)."""
     declared = getattr(config, "layer_types", None)
     if declared:
         return list(declared[:n])
     sliding = getattr(config, "sliding_window", None) is not None
+    if sliding:
+        try:
+            sliding = "sliding" in inspect.getsource(type(base).forward)
+        except (OSError, TypeError):     # no source to read: the config's word
+            pass
     return ["sliding_attention" if sliding else "full_attention"] * n
 
 
@@ -387,7 +395,7 @@ def causal_lm_layers(model: Any, *, check: bool = True) -> nn.Sequential:
         parts["tokens"], parts["positions"], parts["dropout"], scalings["multiplier"],
         scalings["embedding_dropout"])}
     materialize = _materializes_mask(model.base_model)
-    for i, (block, kind) in enumerate(zip(blocks, _layer_types(config, len(blocks)))):
+    for i, (block, kind) in enumerate(zip(blocks, _layer_types(config, len(blocks), model.base_model))):
         layers[f"block_{i}"] = DecoderBlock(block, config, kind, parts["rotary"], materialize)
     layers["head"] = LMHead(parts["norm"], parts["head"], scalings["scale"], scalings["divisor"],
                             scalings["softcap"])

@@ -499,3 +499,26 @@ def test_silent_fp16_scaled_a_counted_loss_by_its_tokens_and_skipped_every_step(
         scale.append(pipe.loss_scale)
     assert skipped == ref_skipped and scale == ref_scale
     assert not all(skipped)
+
+
+def test_silent_moshi_got_a_sliding_window_its_forward_never_applies() -> None:
+    """MoshiConfig has a sliding_window (3000 by default) but MoshiModel's forward builds a plain
+    causal mask; the blocks masked a window, so past it the pipeline trained another function (at
+    window 70 and 80 tokens: gradients 6% off), and the layers' check, on 8 tokens, could not see it.
+    The blocks now slide only where the base model's forward makes a sliding mask."""
+    config = transformers.MoshiConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                      intermediate_size=64, sliding_window=6, audio_vocab_size=16,
+                                      num_codebooks=1)
+    torch.manual_seed(0)
+    model = transformers.MoshiForCausalLM(config).train()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    expected = reference(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+    expected.backward()
+    loss, got = pipeline_gradients(model, (ids, torch.ones_like(ids)), ids.clone(), partitions=2,
+                                   micro_batches=2)
+    assert loss == pytest.approx(float(expected.detach()), rel=1e-5)
+    for name, p in reference.named_parameters(remove_duplicate=False):
+        if p.grad is not None:
+            torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-6)
