@@ -67,6 +67,8 @@ def causal_lm(
         from gpipe_repro.train.tasks.causal_lm import CausalLMTask
 
         run_config, task_config = get_preset(preset)
+        if config_file is None:     # the preset's sizes, where the family has them; then the options given
+            task_config = task_config.sizes_of(family)
         task_config = task_config.replace(
             family=family, config_file=config_file, layers=layers, hidden=hidden, heads=heads,
             kv_heads=kv_heads, intermediate=intermediate, tie_embeddings=tie_embeddings,

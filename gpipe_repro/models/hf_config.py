@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SIZE_OPTIONS", "hf_config"]
+__all__ = ["SIZE_OPTIONS", "has_size", "hf_config"]
 
 # option -> the config attributes it may set, first one the family's config has
 SIZE_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -36,7 +36,7 @@ SIZE_OPTIONS: dict[str, tuple[str, ...]] = {
     "heads": ("num_attention_heads",),
     "kv_heads": ("num_key_value_heads",),
     "head_dim": ("head_dim",),
-    "intermediate": ("intermediate_size", "n_inner"),
+    "intermediate": ("intermediate_size", "n_inner", "ffn_hidden_size", "ffn_dim"),   # Falcon's, OPT's
     "vocab": ("vocab_size",),
     "positions": ("max_position_embeddings",),
     "tie": ("tie_word_embeddings",),
@@ -81,7 +81,8 @@ def hf_config(family_or_path: str | os.PathLike[str], *, layers: int | None = No
     sizes = {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
              "head_dim": head_dim, "intermediate": intermediate, "vocab": vocab,
              "positions": positions, "tie": tie}
-    sizes.update(_in_proportion(config_class(**values), sizes))
+    base = config_class(**values)
+    sizes.update(_in_proportion(base, sizes))
     given: dict[str, Any] = {}
     for option, value in sizes.items():
         if value is None:
@@ -91,7 +92,7 @@ def hf_config(family_or_path: str | os.PathLike[str], *, layers: int | None = No
             raise ValueError(f"{family} derives its {option} ({attribute}) from its other sizes and "
                              f"cannot be given one: leave --{option.replace('_', '-')} out")
         if attribute is None:
-            usable = [o for o, names in SIZE_OPTIONS.items() if any(hasattr(defaults, a) for a in names)]
+            usable = [o for o in SIZE_OPTIONS if has_size(defaults, o)]
             text = getattr(getattr(defaults, "text_config", None), "model_type", None)
             raise ValueError(f"{family} has no {option} ({' or '.join(SIZE_OPTIONS[option])}); its size "
                              f"options are: {', '.join(usable)}" + (
@@ -102,6 +103,7 @@ def hf_config(family_or_path: str | os.PathLike[str], *, layers: int | None = No
     if unknown:
         raise ValueError(f"{config_class.__name__} has no attribute {', '.join(unknown)}: check the "
                          "spelling, or use a size option (" + ", ".join(SIZE_OPTIONS) + ")")
+    given.update({k: v for k, v in _attributes_in_proportion(base, sizes).items() if k not in config})
     given.update(config)
     if config_class.attribute_map.get("num_hidden_layers", "num_hidden_layers") in given and \
             "layer_types" not in config:
@@ -113,6 +115,32 @@ def hf_config(family_or_path: str | os.PathLike[str], *, layers: int | None = No
             if token not in config and isinstance(value, int) and value >= vocab_size:
                 given[token] = None
     return config_class(**{**values, **given})
+
+
+def _attributes_in_proportion(base: Any, sizes: dict[str, Any]) -> dict[str, Any]:
+    """Config attributes that must follow new sizes for the config to be valid: GPT-J's and CodeGen's
+    ``rotary_dim`` (the rotated share of each head, at most the head size), GPT-Neo's
+    ``attention_types`` (one entry per layer: its global/local pattern, repeated over the layers)."""
+    out: dict[str, Any] = {}
+    heads, hidden = sizes.get("heads"), sizes.get("hidden")
+    base_heads = getattr(base, "num_attention_heads", None)
+    base_hidden = getattr(base, "hidden_size", None)
+    rotary = getattr(base, "rotary_dim", None)
+    if (isinstance(rotary, int) and (heads is not None or hidden is not None) and base_heads
+            and base_hidden):
+        head, base_head = (hidden or base_hidden) // (heads or base_heads), base_hidden // base_heads
+        out["rotary_dim"] = max(2, min(head, rotary * head // base_head) // 2 * 2)
+    pattern = getattr(base, "attention_layers", None)
+    if isinstance(pattern, list) and pattern and sizes.get("layers") is not None and \
+            hasattr(base, "attention_types"):
+        out["attention_types"] = [[[pattern[i % len(pattern)]], 1] for i in range(sizes["layers"])]
+    return out
+
+
+def has_size(config: Any, option: str) -> bool:
+    """Whether a config (of a family's defaults) takes the size `option` (one of SIZE_OPTIONS)."""
+    attribute = next((a for a in SIZE_OPTIONS[option] if hasattr(config, a)), None)
+    return attribute is not None and _settable(type(config), attribute)
 
 
 def _settable(config_class: type, attribute: str) -> bool:

@@ -116,11 +116,10 @@ def tiny_config(family: str, **options: Any) -> Any:
     heads (all of them for an odd count)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from gpipe_repro.models.hf_config import SIZE_OPTIONS
+    from gpipe_repro.models.hf_config import has_size
     mtype = model_type(family)
     defaults = CONFIG_MAPPING[mtype]()
-    sizes: dict[str, Any] = {k: v for k, v in TINY.items()
-                             if any(hasattr(defaults, a) for a in SIZE_OPTIONS[k])}
+    sizes: dict[str, Any] = {k: v for k, v in TINY.items() if has_size(defaults, k)}
     sizes.update(options)
     heads, hidden = sizes.get("heads"), sizes.get("hidden")
     if "head_dim" in sizes and "head_dim" not in options and isinstance(heads, int) \
@@ -133,9 +132,10 @@ def tiny_config(family: str, **options: Any) -> Any:
 
 def describe(config: Any) -> str:
     """``"llama (layers 32, hidden 4096, heads 32, kv-heads 8, intermediate 14336, vocab 128256)"``."""
+    from gpipe_repro.models.hf_config import SIZE_OPTIONS
     shown = {"layers": ("num_hidden_layers",), "hidden": ("hidden_size",),
              "heads": ("num_attention_heads",), "kv-heads": ("num_key_value_heads",),
-             "intermediate": ("intermediate_size", "n_inner"), "vocab": ("vocab_size",)}
+             "intermediate": SIZE_OPTIONS["intermediate"], "vocab": ("vocab_size",)}
     parts = []
     for short, names in shown.items():
         value = next((getattr(config, n) for n in names if getattr(config, n, None) is not None), None)

@@ -94,3 +94,14 @@ def test_a_composite_config_names_its_language_models_family() -> None:
     """hf:gemma3 (an image-and-text config) has no size of its own: the error names hf:gemma3_text."""
     with pytest.raises(ValueError, match="gemma3 has no layers .*use hf:gemma3_text"):
         hf_config("gemma3", layers=2)
+
+
+def test_attributes_that_must_follow_new_sizes_follow_them() -> None:
+    """GPT-J's rotary_dim (64 of a 256-wide head) would be wider than a 16-wide head, GPT-Neo's 24
+    attention types too many for 2 layers: both follow the sizes given, in the family's proportions;
+    Falcon's and OPT's feed-forward widths are --intermediate."""
+    assert hf_config("gptj", layers=2, hidden=64, heads=4).rotary_dim == 4       # a quarter of the head
+    neo = hf_config("gpt_neo", layers=3, hidden=64, heads=4)
+    assert neo.attention_layers == ["global", "local", "global"]
+    assert hf_config("falcon", layers=2, hidden=64, heads=4, intermediate=96).ffn_hidden_size == 96
+    assert hf_config("opt", layers=2, hidden=64, heads=4, intermediate=96).ffn_dim == 96

@@ -75,7 +75,7 @@ def test_run_causal_lm_trains_a_tiny_model_through_the_pipeline(tmp_path: Path) 
 
 @pytest.mark.parametrize("args, says", [
     (["--family", "nonesuch"], "unknown Hugging Face family 'nonesuch'"),
-    (["--family", "t5"], "t5 has no intermediate"),
+    (["--family", "t5"], "hf:t5 has no causal-LM model in transformers"),
     (["--family", "mamba", "--heads", "1"], "mamba has no heads"),
     (["--text", "{tmp}/missing.txt"], "--text {tmp}/missing.txt: no such file"),
     (["--family", "gpt2", "--kv-heads", "2"], "gpt2 has no kv_heads"),
@@ -140,3 +140,23 @@ def test_silent_warmup_steps_given_were_cut_to_a_tenth_of_the_run() -> None:
     with pytest.raises(ValueError, match="--warmup-steps 30 leaves no step for the cosine decay of a "
                                          "20-step run"):
         warmup(30, 20)
+
+
+@pytest.mark.parametrize("family", ["falcon", "gptj", "codegen", "gpt_neo", "bloom", "opt"])
+def test_run_causal_lm_refused_families_it_pipelines_for_sizes_it_gave_itself(family: str) -> None:
+    """`run causal-lm --family F --preset smoke` failed for families the library pipelines, on
+    sizes the user never gave: Falcon on a head size it derives ('leave --head-dim out') and on the
+    preset's intermediate width (Falcon's is ffn_hidden_size), GPT-J and CodeGen on a rotary_dim
+    (64) wider than the tiny head (16), GPT-Neo on 24 attention types for 2 layers; OPT and BLOOM
+    named a size ('no intermediate', 'no positions') where the layers refuse the family itself.
+    Sizes a family lacks are left out, those that must follow new sizes follow them, and the
+    refusal names its reason."""
+    from gpipe_repro.train.hf_spec import ConfigError
+    from gpipe_repro.train.tasks.causal_lm import preset
+
+    config = preset("smoke")[1].replace(family=family).sizes_of(family)
+    if family in ("bloom", "opt"):
+        with pytest.raises(ConfigError, match="cannot be pipelined by causal_lm_layers"):
+            config.layer_count()
+    else:
+        assert config.layer_count() == 2 + 2          # embeddings, two blocks, head

@@ -101,8 +101,8 @@ class CausalLMConfig:
                 raise ConfigError(f"{self.config_file}: vocabulary {config.vocab_size} is smaller than the "
                                   f"{VOCAB} byte-level ids this task feeds: give a config with a "
                                   f"vocab_size of at least {VOCAB}")
-        else:
-            config = tiny_config(self.family, vocab=VOCAB, positions=max(256, self.seq_len), **self.sizes(),
+        else:   # positions for the rows, in a family with learned positions (BLOOM's ALiBi has none)
+            config = tiny_config(self.family, vocab=VOCAB, **self.positions_of(self.family), **self.sizes(),
                                  **tie)
         positions = getattr(config, "max_position_embeddings", None)
         if positions is not None and positions < self.seq_len:
@@ -117,6 +117,26 @@ class CausalLMConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def positions_of(self, family: str) -> dict[str, int]:
+        """``{"positions": ...}`` for rows of seq_len, where `family` has a position count."""
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        from gpipe_repro.models.hf_config import has_size
+        from gpipe_repro.train.hf_spec import model_type
+        has = has_size(CONFIG_MAPPING[model_type(family)](), "positions")
+        return {"positions": max(256, self.seq_len)} if has else {}
+
+    def sizes_of(self, family: str | None) -> CausalLMConfig:
+        """A copy keeping only the sizes `family` has (a preset's sizes are for every family: Falcon
+        has no intermediate width to set, and keeps its own); None keeps this config's family."""
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        from gpipe_repro.models.hf_config import has_size
+        from gpipe_repro.train.hf_spec import model_type
+        defaults = CONFIG_MAPPING[model_type(family or self.family)]()
+        lacks: dict[str, Any] = {k: None for k in self.sizes() if not has_size(defaults, k)}
+        return dataclasses.replace(self, **lacks)
 
     def replace(self, **changes: Any) -> CausalLMConfig:
         """A copy with `changes` (None values are ignored: "not given on the command line")."""
