@@ -254,6 +254,8 @@ def test_the_throughput_table_end_to_end_on_synthetic_costs(monkeypatch: pytest.
                  "devices": 8, "cells": 8, "throughput": 1.0, "bubble": 0.5, "max_peak_bytes": 1 << 30,
                  "max_activation_peak_bytes": 1 << 29}]
     monkeypatch.setattr(table, "schedule_ablation_rows", fake_schedule_rows)
+    monkeypatch.setattr(table, "link_control", lambda: {"tpu-ici": {"gpipe": 2.0, "1f1b": 1.0},
+                                                        "free": {"gpipe": 2.0, "1f1b": 3.0}})
     settings = tp.SweepSettings(link="ideal", measure=True)
     payload = tp.run_throughput_table(settings, measure=fake_measure)
     assert sorted(ablated) == ["amoebanet", "transformer"]

@@ -272,7 +272,8 @@ def render_markdown(payload: dict[str, Any], validation: dict[str, Any] | None =
                   "while it waits for the gradient, which is all of its wait when M=1), so it "
                   "*lowers* the normalized number; `except_last` skips the recompute of the last "
                   "micro-batch, which at M=1 is the only one, so its baseline is cheaper too.", ""]
-    lines += render_schedule_ablation(payload.get("schedule_ablation") or {})
+    lines += render_schedule_ablation(payload.get("schedule_ablation") or {},
+                                      payload.get("schedule_link_control"))
     if validation:
         lines += ["## Simulator validation (simulated vs measured throughput)", "",
                   render_validation_summary(validation), ""]

@@ -22,7 +22,7 @@ from gpipe_repro.repro.throughput.measure import (
     round_budget,
 )
 from gpipe_repro.repro.throughput.rows import Row, attach_flop_model, flop_model_rows, simulate_rows
-from gpipe_repro.repro.throughput.schedules import ABLATION_K, ABLATION_MS, schedule_tradeoff
+from gpipe_repro.repro.throughput.schedules import ABLATION_K, ABLATION_MS, link_control, schedule_tradeoff
 from gpipe_repro.repro.throughput.settings import MODELS, SweepSettings
 from gpipe_repro.repro.throughput.targets import check_claims, table2_paper, table2_peer, table3_paper
 from gpipe_repro.repro.throughput.workloads import (
@@ -165,6 +165,7 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
         "bubble_curves": [asdict(c) for c in curves],
         "ablation": ablation,
         "schedule_ablation": schedules,
+        "schedule_link_control": link_control(),
         "objectives": objectives,
         "claims": check_claims(table2),
         "timelines": {m: {f"K{k}_M{mm}": t.to_json() for (k, mm), t in tl.items()}
