@@ -65,6 +65,7 @@ from gpipe_repro.train.checkpoints import (
     check_resumable,
     checkpoint_path,
     graceful_interrupt,
+    latest_checkpoint,
     load_latest_checkpoint,
     restore_training_state,
     save_checkpoint,
@@ -351,6 +352,11 @@ class _Run:
         summary.signal = signum
         if isinstance(self.logger, RunLogger):        # the writer's
             write_outputs(summary, self.task, self.config, self.record, self.logger)
+            latest = latest_checkpoint(self.config.checkpoint_dir) if status == "finished" else None
+            if latest is not None:       # the trained model in its own tools' format (causal-lm: hf/)
+                exported = self.task.export_model(latest, self.config.run_dir / "hf")
+                if exported is not None:
+                    self.say(f"the trained model, for its own tools: {exported}")
         self.logger.finish(exit_code=0 if status == "finished" else 1)
         if self.directory is not None:
             self.directory.update()

@@ -38,6 +38,9 @@ RECORD_DIR = Path("results") / "training"
 LEGACY_FILES = ("metrics.jsonl", "run.json", "summary.json", "summary.md", "curves.png")
 # W&B's own files: its logs and the folder of each run (offline-run-<time>-<id>, run-<time>-<id>)
 _WANDB = re.compile(r"^wandb/((offline-)?run-[^/]+/.+|debug\.log|debug-internal\.log|latest-run)$")
+#: the trained model for its own tools (a causal LM's transformers folder: save_pretrained's files)
+_EXPORT = re.compile(r"^hf/(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors"
+                     r"|model\.safetensors\.index\.json)$")
 _CHECKPOINT = re.compile(r"^checkpoints/\.?step-\d+\.pt(\..*\.tmp)?$")   # and a save cut short
 
 
@@ -75,9 +78,10 @@ def run_owner(run_dir: Path) -> tuple[str | None, set[str]]:
 
 def is_run_file(rel: str) -> bool:
     """Whether a path (relative to a run directory) is named as the training loop names its files:
-    its metrics, run record, summary and curves, a checkpoint, W&B's logs and run folders."""
+    its metrics, run record, summary and curves, a checkpoint, W&B's logs and run folders, the
+    trained model it exports."""
     return (rel in LEGACY_FILES or rel == MANIFEST or bool(_CHECKPOINT.match(rel))
-            or bool(_WANDB.match(rel)))
+            or bool(_WANDB.match(rel)) or bool(_EXPORT.match(rel)))
 
 
 def run_files(run_dir: Path, files: set[str]) -> set[str]:

@@ -9,6 +9,7 @@ gpipe_repro/commands/run.py).
 from __future__ import annotations
 
 import abc
+from pathlib import Path
 from typing import Any, Protocol
 
 from torch import nn
@@ -69,6 +70,12 @@ class Task(abc.ABC):
 
     def before_step(self, step: int, total_steps: int) -> None:  # noqa: B027 - an optional hook
         """Called before each training step (e.g. to ramp drop-path with training progress)."""
+
+    def export_model(self, checkpoint: Path, out: Path) -> Path | None:
+        """The model trained to `checkpoint` (one of this run's) written to `out` in the format the
+        model's own tools read (a transformers model folder); None: the task has no such format.
+        Called by the writing process when a run finishes."""
+        return None
 
     def describe_data(self) -> str:
         """One line saying what data the run trains and evaluates on (printed at the start)."""

@@ -71,6 +71,16 @@ def test_run_causal_lm_trains_a_tiny_model_through_the_pipeline(tmp_path: Path) 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "finished"
     assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step-00000003.pt"
+    # the trained model, exported for transformers: its own forward and loss on the held-out rows
+    # give the run's last evaluation (the pipeline's)
+    from transformers import AutoModelForCausalLM
+
+    from gpipe_repro.train.tasks.causal_lm import text_documents
+    model = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    ids, mask, labels = (t[:8] for t in pack(text_documents(str(text))[1], 32))
+    with torch.no_grad():
+        own = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert float(own) == pytest.approx(evals[-1], rel=1e-5)
 
 
 @pytest.mark.parametrize("args, says", [

@@ -221,6 +221,10 @@ class CausalLMTask(Task):
         from gpipe_repro.models.hf import CausalLMLoss
         return CausalLMLoss()
 
+    def export_model(self, checkpoint: Path, out: Path) -> Path:
+        from gpipe_repro.train.hf_export import export_checkpoint
+        return export_checkpoint(self.model_config, checkpoint, out)
+
     def train_batches(self, batch_size: int, seed: int) -> PackedBatches:
         return PackedBatches(self.train_rows, batch_size, seed)
 
