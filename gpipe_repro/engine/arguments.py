@@ -36,8 +36,8 @@ from gpipe_repro.engine.schedule import (
 from gpipe_repro.engine.stand_ins import shown_to_optimizer
 
 __all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_auto_split",
-           "check_materialized",
-           "check_running_statistics", "check_sample_target", "compile_options", "declared_reduction"]
+           "check_materialized", "check_running_statistics", "check_sample_target", "compile_options",
+           "declared_reduction", "layer_shapes"]
 
 BATCHNORM_STATS = ("per_replica", "synchronized")   # GPipe(batchnorm_stats=...), with replicas
 
@@ -57,6 +57,15 @@ def as_layers(layers: nn.Sequential | Sequence[nn.Module]) -> list[nn.Module]:
         if not isinstance(layer, nn.Module):
             raise TypeError(f"layer {i} is a {type(layer).__name__}, not an nn.Module")
     return out
+
+
+def layer_shapes(layers: Sequence[nn.Module]) -> list[tuple[Any, ...]]:
+    """Each layer's index, type and parameters' names, shapes and dtypes: what every process of a
+    distributed pipeline must have built alike (the values are compared later, per stage)."""
+    return [(i, type(layer).__name__,
+             tuple((name, "lazy" if nn.parameter.is_lazy(p) else tuple(p.shape), str(p.dtype))
+                   for name, p in layer.named_parameters()))
+            for i, layer in enumerate(layers)]
 
 
 def check_materialized(layers: Sequence[nn.Module]) -> None:

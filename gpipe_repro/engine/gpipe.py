@@ -41,6 +41,7 @@ from gpipe_repro.engine.arguments import (
     check_sample_target,
     compile_options,
     declared_reduction,
+    layer_shapes,
 )
 from gpipe_repro.engine.batchnorm import (
     BatchStatisticsInEval,
@@ -230,6 +231,20 @@ class GPipe(nn.Module):
         self._compile = compile if compiled is not None else None
         placement = place_stages(runtime=runtime, schedule=schedule, partitions=partitions,
                                  checkpoint=checkpoint, replicas=replicas)
+        # before any other collective: ranks that differ here would take different paths (and wait
+        # on different collectives) or train different steps without a word
+        placement.check_same_on_every_rank({
+            "partitions": partitions, "micro_batches": micro_batches, "checkpoint": checkpoint,
+            "schedule": schedule, "recompute_ahead": recompute_ahead,
+            "split_backwards": split_backwards, "balance": None if balance is None else list(balance),
+            "seed": seed, "precision": precision, "clip_grad_norm": clip_grad_norm,
+            "loss_reduction": loss_reduction, "objective": objective,
+            "cost": cost if cost is None or isinstance(cost, str) else "given per layer",
+            "replicas": replicas,
+            "batchnorm_stats": batchnorm_stats, "bucket_cap_mb": bucket_cap_mb,
+            "compile": repr(compile), "deferred_batchnorm": deferred_batchnorm,
+            "low_precision_boundaries": low_precision_boundaries,
+            "layers": layer_shapes(layer_list)}, "arguments")
         measured_loss = check_sample_target(sample, sample_target, loss_fn, cost)
         check_auto_split(split_backwards, sample, cost, balance)
         auto = isinstance(split_backwards, str)        # "auto": check_arguments allows no other string

@@ -69,16 +69,26 @@ class Placement:
 
     def check_same_on_every_rank(self, value: Any, what: str) -> None:
         """Raise ValueError on every rank (a collective with the distributed runtime) unless every
-        process was given the same `value`; `what` names it (a GPipe argument) in the message."""
+        process was given the same `value`; `what` names it (a GPipe argument) in the message. A
+        dict is compared key by key, and the message names the first key that differs."""
         if self.plugin is None:
             return
         values = self.plugin.gather_object(value)
-        if any(v != values[0] for v in values):
-            differ = next(r for r, v in enumerate(values) if v != values[0])
-            raise ValueError(f"the ranks were given different {what}: rank 0 {values[0]!r}, rank "
-                             f"{differ} {values[differ]!r}. Every rank must build the same pipeline: "
-                             f"pass the same {what} everywhere (or leave it out where the engine "
-                             "chooses it: rank 0's choice is used)")
+        if all(v == values[0] for v in values):
+            return
+        differ = next(r for r, v in enumerate(values) if v != values[0])
+        first, other = values[0], values[differ]
+        if isinstance(first, dict) and isinstance(other, dict):
+            what = next(k for k in first if first.get(k) != other.get(k))
+            first, other = first[what], other.get(what)
+        if what == "layers" and isinstance(other, list) and len(first) == len(other):
+            first, other = next((a, b) for a, b in zip(first, other) if a != b)   # the first that differs
+        fix = ("build the same model on every rank (each layer's index, type and parameter shapes "
+               "are shown)" if what == "layers" else f"pass the same {what} everywhere" + (
+                   " (or leave it out everywhere: the engine chooses it, and rank 0's choice is used)"
+                   if what in ("balance", "cost", "split_backwards") else ""))
+        raise ValueError(f"the ranks were given different {what}: rank 0 {first!r}, rank "
+                         f"{differ} {other!r}. Every rank must build the same pipeline: {fix}")
 
     def check_same_weights(self, cells: Sequence[nn.Module], ties: Sequence[Any]) -> None:
         """Raise ValueError on every rank (a collective with the distributed runtime) unless the

@@ -278,8 +278,33 @@ def build_with_rank_dependent_balance() -> None:
 
 
 def test_ranks_given_different_cuts_fail_at_construction_on_every_rank() -> None:
-    with pytest.raises(JobFailed, match=r"different balance.*rank 0 \(\[2, 3\].*rank 1 \(\[3, 2\]"):
+    with pytest.raises(JobFailed, match=r"different balance: rank 0 \[2, 3\], rank 1 \[3, 2\]"):
         launch_local(build_with_rank_dependent_balance, 2, timeout=20)
+
+
+def build_with_rank_1_differing(what: str) -> None:
+    """Rank 1 given another `what` than rank 0."""
+    rank1 = int(os.environ["RANK"]) == 1
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 8 if rank1 and what == "layers" else 4), nn.Linear(8 if rank1 and what == "layers"
+                                                                            else 4, 4), nn.Linear(4, 4)]
+    given = {"balance": {"balance": [2, 1] if not rank1 else None},
+             "schedule": {"schedule": "1f1b" if rank1 else "gpipe"},
+             "clip_grad_norm": {"clip_grad_norm": 0.01 if rank1 else None},
+             "precision": {"precision": "bf16" if rank1 else "fp32"}, "layers": {}}[what]
+    GPipe(layers, partitions=2, micro_batches=2, loss_fn=nn.MSELoss(), optimizer=None,
+          runtime="distributed", **given)
+
+
+@pytest.mark.parametrize("what", ["balance", "schedule", "clip_grad_norm", "precision", "layers"])
+def test_ranks_built_different_pipelines_hung_or_trained_them_without_a_word(what: str) -> None:
+    """A cut given on one rank only, or another schedule there, sent the ranks down different paths
+    into different collectives: silent until the timeout (600 s), then a healthy peer blamed; another
+    clip_grad_norm or precision on one rank trained on without a word; layers of other widths failed
+    at the first step in a matrix product. Every argument that must agree, and each layer's type and
+    parameter shapes, are compared before any other collective, naming what differs."""
+    with pytest.raises(JobFailed, match=f"the ranks were given different {what}: rank 0 .*, rank 1 "):
+        launch_local(build_with_rank_1_differing, 2, what, timeout=20)
 
 
 def train_hanging_in_a_recompute(stamp: str) -> float:
