@@ -79,6 +79,11 @@ class _Exit:
     code: int
     seen: float
     record: ErrorRecord | None
+    returned: bool = True       # code 0: its function returned (else sys.exit(0) or os._exit(0) in it)
+
+    @property
+    def failed(self) -> bool:
+        return self.code != 0 or not self.returned
 
 
 def free_port() -> int:
@@ -310,16 +315,17 @@ def _watch(procs: list[Any], tmp: str, grace: float, job_timeout: float | None) 
             procs[rank].join()
             code = procs[rank].exitcode
             exits[rank] = _Exit(rank, code, time.time(),
-                                ErrorRecord.load(os.path.join(tmp, f"error{rank}.json")))
-            if code != 0 and first_failure is None:
+                                ErrorRecord.load(os.path.join(tmp, f"error{rank}.json")),
+                                returned=os.path.exists(os.path.join(tmp, f"result{rank}.pkl")))
+            if exits[rank].failed and first_failure is None:
                 first_failure = time.monotonic()
     timed_out = [r for r in range(len(procs)) if r not in exits]
     stopped = [r for r in timed_out if _is_stopped(procs[r].pid)]   # before the kill changes it
     for r in timed_out:
         _kill(procs[r])
-    failed = [e for e in exits.values() if e.code != 0]
+    failed = [e for e in exits.values() if e.failed]
     if failed:
-        return _root_cause(failed, timed_out, stopped)
+        return _root_cause(failed, timed_out, stopped, returned=[r for r, e in exits.items() if not e.failed])
     if timed_out:
         return JobFailed(timed_out[0], f"the job did not finish within job_timeout={job_timeout} s "
                          f"(ranks {timed_out} were still running and were killed)")
@@ -364,10 +370,14 @@ def _cause(e: _Exit) -> str:
         except ValueError:
             name = str(-e.code)
         return f"killed by signal {name} (exit code {e.code})"
+    if e.code == 0:
+        return ("exited with code 0 before its function returned (sys.exit() or os._exit(0) in it): a "
+                "stage ends by returning from its function, as every rank does, or by raising")
     return f"exited with code {e.code} without reporting an error"
 
 
-def _root_cause(failed: list[_Exit], killed: list[int], stopped: list[int] | None = None) -> JobFailed:
+def _root_cause(failed: list[_Exit], killed: list[int], stopped: list[int] | None = None,
+                returned: list[int] | None = None) -> JobFailed:
     """The failure where it started. In order:
 
     1. an error or a kill beats a lost peer (the earliest of them);
@@ -405,6 +415,11 @@ def _root_cause(failed: list[_Exit], killed: list[int], stopped: list[int] | Non
         while peer is not None and peer in waits_for and peer not in seen:
             seen.add(peer)
             peer = waits_for[peer]
+        if peer is not None and peer in (returned or []):
+            return JobFailed(first.rank, f"waited for rank {peer}, whose function had already returned: "
+                             "the ranks made different calls (one more train_step or forward, or "
+                             "a gather_layers while another still stepped); every rank must make "
+                             "the same calls in the same order", f"other ranks: {lost}")
         if peer is not None and all(p.rank != peer for p in failed):
             return JobFailed(peer, "stopped answering (its neighbours timed out waiting for it)",
                              f"other ranks: {lost}")

@@ -543,3 +543,42 @@ def test_a_ctrl_c_to_the_launcher_was_reported_as_a_failed_job(capfd: pytest.Cap
         report_failure(e)
     err = capfd.readouterr().err
     assert "failed: KeyboardInterrupt" in err and "Traceback" not in err, err
+
+
+def train_then_rank_1_exits_0_at_step(step_to_exit: int) -> None:
+    torch.manual_seed(0)
+    pipe = GPipe([nn.Linear(8, 8), nn.Linear(8, 8)], partitions=2, micro_batches=2,
+                 loss_fn=nn.MSELoss(), optimizer=None, runtime="distributed")
+    for step in range(3):
+        if step == step_to_exit and int(os.environ["RANK"]) == 1:
+            sys.exit(0)                       # an early stop written as in a script
+        pipe.train_step(torch.randn(8, 8), torch.randn(8, 8))
+
+
+def test_a_rank_that_exited_0_mid_training_was_not_named() -> None:
+    """A stage that called sys.exit(0) was not counted as failed: its peer was blamed as having
+    'stopped answering' (with replicas, a replica's lost all-reduce named no one), and where every
+    rank exited so, launch_local raised FileNotFoundError for its result file."""
+    with pytest.raises(JobFailed) as info:
+        launch_local(train_then_rank_1_exits_0_at_step, 2, 1, timeout=TIMEOUT, grace=GRACE)
+    assert info.value.rank == 1 and "exited with code 0 before its function returned" in info.value.cause
+    with pytest.raises(JobFailed, match="exited with code 0 before its function returned"):
+        launch_local(sys.exit, 2, 0, timeout=TIMEOUT, grace=GRACE)
+
+
+def train_one_more_step_on_rank_1() -> None:
+    torch.manual_seed(0)
+    pipe = GPipe([nn.Linear(8, 8), nn.Linear(8, 8)], partitions=2, micro_batches=2,
+                 loss_fn=nn.MSELoss(), optimizer=None, runtime="distributed")
+    for _ in range(3 if int(os.environ["RANK"]) == 1 else 2):
+        pipe.train_step(torch.randn(8, 8), torch.randn(8, 8))
+
+
+def test_ranks_that_ran_different_step_counts_blamed_the_one_that_had_finished() -> None:
+    """Rank 1 ran one more train_step: the job named rank 0, which had returned normally, as having
+    'stopped answering (its neighbours timed out waiting for it)'. It names the rank that waited,
+    and says that the ranks made different calls."""
+    with pytest.raises(JobFailed) as info:
+        launch_local(train_one_more_step_on_rank_1, 2, timeout=TIMEOUT, grace=GRACE)
+    assert info.value.rank == 1, str(info.value)
+    assert "waited for rank 0, whose function had already returned" in info.value.cause, str(info.value)
