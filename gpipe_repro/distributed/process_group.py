@@ -104,9 +104,14 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                     device_id=device if backend == "nccl" else None)
-        except dist.DistStoreError as e:      # a rank that never joined: not this one's fault
+        except (dist.DistStoreError, dist.DistNetworkError) as e:   # a rank that never joined (rank
+            # 0 hosts the rendezvous: a client that cannot reach it waited for it): not this one's fault
             raise PeerFailure(f"rank {os.environ.get('RANK')} waited {timeout_s:g} s for the other "
-                              f"ranks of the job to join, and some never did: {e}") from e
+                              f"ranks of the job to join, and some never did "
+                              f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}). "
+                              "A rank that takes longer to reach GPipe(...) (loading data or weights) "
+                              "needs a longer timeout: launch_local(..., timeout=S) or "
+                              "GPIPE_REPRO_TIMEOUT_S") from e
     _context = StageContext(dist.get_rank(), dist.get_world_size(), local_rank, backend, device,
                             timeout_s)
     return _context
