@@ -213,7 +213,7 @@ class ReductionCheck:
                    for t in tensors(output)):
             return
         if not math.isfinite(float(result.detach().float())):
-            self._refuse_not_finite(output, "a micro-batch")
+            self._refuse_not_finite(output, "a micro-batch", [float(result.detach().float())])
             return
         # Three rows (the first, the middle and the last), each alone and together: the probe's own
         # memory is the loss of three rows, whatever the micro-batch's size (it runs at the step's
@@ -226,7 +226,7 @@ class ReductionCheck:
             return
         values, whole, other, exact = probed
         if not all(math.isfinite(v) for v in (whole, other, *values)):
-            self._refuse_not_finite(output, "one row of a micro-batch")
+            self._refuse_not_finite(output, "one row of a micro-batch", [whole, other, *values])
             return
         as_mean, as_sum = sum(values) / len(values), sum(values)
         low = result.dtype in (torch.float16, torch.bfloat16) or any(
@@ -293,16 +293,21 @@ class ReductionCheck:
             values = [float(p.double()) for p in parts] * (2 if n == 1 else 1)
             return values, float(together.double()), float(swapped.double()), exact
 
-    def _refuse_not_finite(self, output: Any, where: str) -> None:
-        """ValueError where the outputs are finite: then the loss divided by no counted target."""
+    def _refuse_not_finite(self, output: Any, where: str, losses: Sequence[float]) -> None:
+        """ValueError where the outputs are finite and a loss is NaN: a mean over no counted target
+        (0 / 0). An infinite loss (a log of a probability that underflowed to 0) is the loss's own
+        overflow, which plain training meets alike: nothing to tell."""
         if not all(bool(torch.isfinite(t).all()) for t in tensors(output) if t.is_floating_point()):
             return     # the outputs overflowed (fp16's loss scale handles it): nothing to tell
-        raise ValueError(f"{self._claim()} and gave a loss that is not finite on {where} "
-                         "whose outputs are: a mean over the targets that count, where those rows have "
-                         "none (all padding), so it is not a per-row mean and splitting a mini-batch "
-                         "into micro-batches changes it. Return (sum, count) to make a masked mean "
-                         "exact, or use nn.CrossEntropyLoss(ignore_index=...) (the engine divides by "
-                         "the whole mini-batch's count)")
+        if not any(math.isnan(v) for v in losses):
+            return
+        raise ValueError(f"{self._claim()} and gave a loss that is NaN on {where} whose outputs "
+                         "are finite: a mean over the targets that count, where those rows have "
+                         "none (all padding: 0 / 0), so it is not a per-row mean and splitting a "
+                         "mini-batch into micro-batches changes it. Return (sum, count) to make a "
+                         "masked mean exact, or use nn.CrossEntropyLoss(ignore_index=...) (the engine "
+                         "divides by the whole mini-batch's count); if the loss itself computes a NaN, "
+                         "mend it")
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:

@@ -224,9 +224,9 @@ def test_silent_weighting_functions_that_are_no_per_row_mean_passed_the_first_ch
 
     cases: list[tuple[Any, Any, list[nn.Module], str]] = [
         (lambda o, t: F.cross_entropy(o, t, weight=weights), y, [], "not a mean over its rows"),
-        (lambda o, t: F.cross_entropy(o, t, ignore_index=0), padded, [], "not finite on a micro-batch"),
+        (lambda o, t: F.cross_entropy(o, t, ignore_index=0), padded, [], "NaN on a micro-batch"),
         (lambda o, t: (F.cross_entropy(o, t, reduction="none") * t.float()).sum() / t.float().sum(),
-         mask, [], "not a mean over its rows|not finite on one row"),
+         mask, [], "not a mean over its rows|NaN on one row"),
         (lambda o, t: F.cross_entropy(o[0] + o[1], t, reduction="sum"), y, [Pair()], "sums over its rows"),
         (lambda o, t: ((o - t) ** 2).sum(), first_zero, [], "sums over its rows"),
     ]
@@ -438,3 +438,17 @@ def test_silent_a_small_load_balancing_term_passed_within_float32_rounding() -> 
     expected = _plain(ref, [(x, y)], balanced(0.0))
     pipe = GPipe(layers, partitions=2, micro_batches=2, loss_fn=balanced(0.0), optimizer=_sgd)
     assert pipe.train_step(x, y) == pytest.approx(expected[0], rel=1e-6)
+
+
+def test_a_loss_that_overflowed_was_refused_as_a_mean_over_padding() -> None:
+    """A hand-written -log(softmax) that overflows to inf on finite outputs was refused as "a mean
+    over the targets that count, where those rows have none (all padding)": no target was padding.
+    An infinite loss is the loss's own overflow, which plain training meets alike: the step returns
+    it (a NaN loss of finite outputs, 0 / 0, is still refused as a mean over no counted target)."""
+    def overflowing(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return -torch.log(torch.softmax(out * 1e4, -1).gather(1, target[:, None])).mean()
+
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 5, (8,), generator=g)
+    pipe = GPipe(_model(), partitions=2, micro_batches=2, loss_fn=overflowing, optimizer=None)
+    assert pipe.train_step(x, y) == float("inf")
