@@ -41,6 +41,7 @@ def gather_layers(pipe: Any, layers: Sequence[nn.Module], dst: int = 0) -> bool:
     if len(layers) != sum(pipe.balance):
         raise ValueError(f"gather_layers: {len(layers)} layers given, the pipeline was built from "
                          f"{sum(pipe.balance)}: give the layers given to GPipe")
+    pipe.runtime.check_same_batch(("gather_layers", dst, len(layers)), call="gather_layers")
     mine: dict[int, dict[str, torch.Tensor]] = {}
     if pipe.replica == 0:       # this rank's cells (one, or two in the V and interleaved schedules)
         for cell_index, cell in enumerate(pipe.cells):

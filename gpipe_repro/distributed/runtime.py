@@ -80,6 +80,9 @@ BATCH_CHECK_TAG = (1 << 30) + 1   # above every transport tag (transport._tag) o
 # what GPipe(runtime=...) loads
 __all__ = ["DistributedRuntime", "init_distributed", "broadcast_object", "gather_object", "Layout"]
 
+#: what a rank is doing when it checks its batch against its neighbour's (the first word of its message)
+CALLS = ("train_step", "forward", "gather_layers")
+
 
 class DistributedRuntime:
     """This rank's share of a pipeline: its stage, or its stages when it runs several (see the
@@ -156,7 +159,7 @@ class DistributedRuntime:
                 "still be in flight. Its parameters are those before the failed step: end the job "
                 "and start it again (resume from the last checkpoint)")
 
-    def check_same_batch(self, key: Any) -> None:
+    def check_same_batch(self, key: Any, call: str = "train_step") -> None:
         """Before any work of a step, check every rank was given the same mini-batch (`key`: its
         batch size, shapes, dtypes and plain values, M and the mode; the global mini-batch with
         replicas). Every step: a rank given another batch size at step 5 would otherwise post
@@ -166,14 +169,17 @@ class DistributedRuntime:
         A ring of point-to-point messages over the job (rank r sends a 63-bit hash of its key to
         r+1 and compares r-1's with its own): two 8-byte messages per rank and step, and a peer
         that is gone is named (a collective could not say which). A rank whose predecessor's key
-        differs raises ValueError; the others then lose it and stop."""
+        differs raises ValueError; the others then lose it and stop. The message carries the `call`
+        too (train_step, forward, gather_layers): a rank in another call than its predecessor (one
+        more train_step while the others gather the layers) is told so, where it would wait on
+        another collective until the timeout."""
         self._check_usable()
         world, me = self.layout.world_size, self.global_rank
         if world == 1:
             return
         digest = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "big") >> 1
-        mine = torch.tensor([digest], dtype=torch.int64)
-        theirs = torch.empty(1, dtype=torch.int64)
+        mine = torch.tensor([CALLS.index(call), digest], dtype=torch.int64)
+        theirs = torch.empty(2, dtype=torch.int64)
         nxt, prv = (me + 1) % world, (me - 1) % world
         timeout = datetime.timedelta(seconds=self.context.timeout_s)
 
@@ -195,7 +201,12 @@ class DistributedRuntime:
             sent.wait(timeout)
         except Exception as e:
             raise lost(nxt, "sending it the batch check", e) from e
-        if int(theirs[0]) != digest:
+        if int(theirs[0]) != CALLS.index(call):
+            other = CALLS[int(theirs[0])] if 0 <= int(theirs[0]) < len(CALLS) else "another call"
+            raise ValueError(f"rank {me} is in {call} while rank {prv} is in {other}: every rank must "
+                             "make the same calls in the same order (as many train_step and pipe(x) "
+                             "calls, then gather_layers)")
+        if int(theirs[1]) != digest:
             global_ = " GLOBAL" if self.layout.replicas > 1 else ""
             raise ValueError(
                 f"rank {me} and rank {prv} were given different mini-batches: every rank must call "

@@ -471,7 +471,8 @@ class GPipe(nn.Module):
         n = microbatch.batch_size(inputs)
         self._stand_ins.follow()     # what the caller changed in its own modules since
         # before any work: every rank of a distributed pipeline has the same batch
-        self.runtime.check_same_batch((batch_key(inputs, None), self.micro_batches, self.training))
+        self.runtime.check_same_batch((batch_key(inputs, None), self.micro_batches, self.training),
+                                      call="forward")
         if self.replicas > 1:   # each replica infers on its slice; the outputs are joined in order
             if n < self.replicas:
                 raise ValueError(f"a batch of {n} cannot be shared by replicas={self.replicas}: give "

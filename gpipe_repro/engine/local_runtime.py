@@ -114,7 +114,7 @@ class LocalRuntime:
         for e in self.executors:
             e.use_transport(transport)
 
-    def check_same_batch(self, key: Any) -> None:
+    def check_same_batch(self, key: Any, call: str = "train_step") -> None:
         """One process: every stage has the batch."""
 
     def train_step(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any],

@@ -42,9 +42,9 @@ class Runtime(Protocol):
     record: bool
     last_timeline: Timeline | None
 
-    def check_same_batch(self, key: Any) -> None:
-        """Before any work: raise ValueError unless every process was given the same batch (`key`
-        describes it); nothing to check in one process."""
+    def check_same_batch(self, key: Any, call: str = "train_step") -> None:
+        """Before any work: raise ValueError unless every process is in the same `call` (one of
+        CALLS) and was given the same batch (`key` describes it); nothing to check in one process."""
         ...
 
     def train_step(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any],

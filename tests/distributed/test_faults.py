@@ -586,3 +586,22 @@ def test_ranks_that_ran_different_step_counts_blamed_the_one_that_had_finished()
         launch_local(train_one_more_step_on_rank_1, 2, timeout=TIMEOUT, grace=GRACE)
     assert info.value.rank == 1, str(info.value)
     assert "waited for rank 0, whose function had already returned" in info.value.cause, str(info.value)
+
+
+def gather_after_a_step_more_on_rank_1() -> bool:
+    from gpipe_repro.distributed import gather_layers
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Linear(8, 8)]
+    pipe = GPipe(layers, partitions=2, micro_batches=2, loss_fn=nn.MSELoss(), optimizer=None,
+                 runtime="distributed")
+    for _ in range(3 if int(os.environ["RANK"]) == 1 else 2):
+        pipe.train_step(torch.randn(8, 8), torch.randn(8, 8))
+    return gather_layers(pipe, layers)
+
+
+def test_a_step_more_on_one_rank_while_the_others_gathered_the_layers_hung_until_the_timeout() -> None:
+    """Rank 1 ran one more train_step while rank 0 went on to gather_layers (the save of
+    docs/distributed.md): each waited in another collective, silently, for the whole timeout.
+    Each call's first message says which call it is: both fail at once, naming both calls."""
+    with pytest.raises(JobFailed, match="rank [01] is in (gather_layers|train_step) while rank [01] is in"):
+        launch_local(gather_after_a_step_more_on_rank_1, 2, timeout=60)
