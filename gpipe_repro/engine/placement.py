@@ -87,8 +87,11 @@ class Placement:
                "are shown)" if what == "layers" else f"pass the same {what} everywhere" + (
                    " (or leave it out everywhere: the engine chooses it, and rank 0's choice is used)"
                    if what in ("balance", "cost", "split_backwards") else ""))
-        raise ValueError(f"the ranks were given different {what}: rank 0 {first!r}, rank "
-                         f"{differ} {other!r}. Every rank must build the same pipeline: {fix}")
+        def short(value: Any) -> str:
+            text = repr(value)
+            return text if len(text) <= 300 else text[:300] + " ..."
+        raise ValueError(f"the ranks were given different {what}: rank 0 {short(first)}, rank "
+                         f"{differ} {short(other)}. Every rank must build the same pipeline: {fix}")
 
     def check_same_weights(self, cells: Sequence[nn.Module], ties: Sequence[Any]) -> None:
         """Raise ValueError on every rank (a collective with the distributed runtime) unless the

@@ -72,6 +72,7 @@ def test_results_of_record_only_through_the_make_target(table: Any, tmp_path: Pa
                                                         monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(output_guard, "checkout_results", lambda: tmp_path)
+    monkeypatch.setattr(output_guard.provenance, "changed_files", lambda repo=None: [])   # a clean checkout
     monkeypatch.chdir(tmp_path.parent)
     monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path))      # the default: $GPIPE_REPRO_RESULTS
     write_json(tmp_path / "throughput" / "throughput_table.json",
