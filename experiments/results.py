@@ -38,18 +38,14 @@ def _python(module: str, *args: str) -> tuple[str, ...]:
 
 #: (name, entry point and options, wall-clock limit in seconds, folders under results/ it writes).
 #: The benchmarks' --budget is their measuring time; the limit leaves room for start-up, the rounds
-#: the stop rule needs at least, and output. Sized from make results on this host (seconds):
-#: throughput-table 703-760, 906 in a slow hour (calibration, at most 10 rounds per model in at most
-#: 270 s, then about 140 s of pages and charts), validate-sim 429-547 (3 rounds, calibrated in
-#: each), validate-unseen 308-411 (over 450 in a slow hour: the two validations stop after their
-#: second round where a third would not fit their --budget; a second round itself ends at the
-#: first configuration that would end past it), memory-table 95-119 (over 135 once, its
-#: searches 20% slower in a slow hour), bench-overhead
-#: 34-58, bench-runtime 140-163, bench-schedules 108-116, bench-replicas 80-85, replicas-plan 24-34
-#: (over 45 once: its limit is 75, taken from validate-unseen's, which ran 308-411 within its budget),
-#: regression detector 63-75. The throughput table ran out of its 860 s once (calibrations 180 s,
-#: measured rounds 430 s, the fixed-mini-batch calibration past the limit): it now gets
-#: ``--time-limit``, and its measured rounds share what its calibrations leave. ``--only``
+#: the stop rule needs at least, and output. Sized from make results on this host (seconds, the
+#: range seen, a slow hour's in parentheses): throughput-table 703-760 (906; calibration, at most 10
+#: rounds per model in at most 270 s, then about 140 s of pages and charts: --time-limit makes its
+#: measured rounds share what its calibrations leave), validate-sim 429-547 (3 rounds, calibrated in
+#: each), validate-unseen 308-411 (over 450: the two validations stop after a round where the next
+#: would not fit their --budget, and a round ends at the first configuration that would end past
+#: it), memory-table 95-119 (135), bench-overhead 34-58, bench-runtime 140-163, bench-schedules
+#: 108-116, bench-replicas 80-85, replicas-plan 24-34 (45), regression detector 63-75. ``--only``
 #: (``make results ONLY=...``) reruns a part that ran out of time.
 PARTS: tuple[Part, ...] = (
     Part("throughput-table", _python("experiments.throughput_table", "--time-limit", "820"), 860,
