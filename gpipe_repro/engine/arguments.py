@@ -12,6 +12,7 @@ replicas, devices) and builds the schedule once, so that a schedule that cannot 
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,7 +38,7 @@ from gpipe_repro.engine.stand_ins import shown_to_optimizer
 
 __all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_auto_split",
            "check_materialized", "check_running_statistics", "check_sample_target", "compile_options",
-           "declared_reduction", "layer_shapes"]
+           "declared_reduction", "layer_shapes", "same_everywhere"]
 
 BATCHNORM_STATS = ("per_replica", "synchronized")   # GPipe(batchnorm_stats=...), with replicas
 
@@ -66,6 +67,21 @@ def layer_shapes(layers: Sequence[nn.Module]) -> list[tuple[Any, ...]]:
              tuple((name, "lazy" if nn.parameter.is_lazy(p) else tuple(p.shape), str(p.dtype))
                    for name, p in layer.named_parameters()))
             for i, layer in enumerate(layers)]
+
+
+def same_everywhere(value: Any) -> Any:
+    """`value` as every process of a job describes it alike: a function or class by its module and
+    qualified name (its repr holds an address, which differs between processes), a dict by its
+    sorted items, other objects by their type's name and their repr stripped of addresses."""
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return value
+    if isinstance(value, Mapping):
+        return sorted((str(k), same_everywhere(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return [same_everywhere(v) for v in value]
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return re.sub(r" at 0x[0-9a-f]+", "", f"{type(value).__qualname__}: {value!r}")
 
 
 def check_materialized(layers: Sequence[nn.Module]) -> None:

@@ -42,6 +42,7 @@ from gpipe_repro.engine.arguments import (
     compile_options,
     declared_reduction,
     layer_shapes,
+    same_everywhere,
 )
 from gpipe_repro.engine.batchnorm import (
     BatchStatisticsInEval,
@@ -61,6 +62,7 @@ from gpipe_repro.engine.split_count import cut_and_split
 from gpipe_repro.engine.stage import LossFn, StageExecutor
 from gpipe_repro.engine.stand_ins import StandIns
 from gpipe_repro.engine.tied import (
+    refuse_buffers_across_devices,
     refuse_diverging_copies,
     refuse_hooked_copies,
     separate_places,
@@ -242,7 +244,7 @@ class GPipe(nn.Module):
             "cost": cost if cost is None or isinstance(cost, str) else "given per layer",
             "replicas": replicas,
             "batchnorm_stats": batchnorm_stats, "bucket_cap_mb": bucket_cap_mb,
-            "compile": repr(compile), "deferred_batchnorm": deferred_batchnorm,
+            "compile": same_everywhere(compile), "deferred_batchnorm": deferred_batchnorm,
             "low_precision_boundaries": low_precision_boundaries,
             "layers": layer_shapes(layer_list)}, "arguments")
         measured_loss = check_sample_target(sample, sample_target, loss_fn, cost)
@@ -303,6 +305,7 @@ class GPipe(nn.Module):
         if devices is None:
             devices = [next(iter(c.parameters()), torch.empty(0)).device for c in cells]
         self.devices = [torch.device(d) for d in devices]
+        refuse_buffers_across_devices(cells, self.devices)
         self.cells = nn.ModuleList(move_cell(c, d) for c, d in zip(cells, self.devices))
         self.balance = list(balance)
         self.partitions, self.micro_batches = partitions, micro_batches

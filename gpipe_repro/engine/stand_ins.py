@@ -240,10 +240,12 @@ def _follow_buffers(original: nn.Module, stand_in: nn.Module) -> None:
     (``bn.running_mean = ...``, or a forward that sets its buffer) on the stand-in's device."""
     for key in stand_in._buffers.keys() - original._buffers.keys():
         del stand_in._buffers[key]
+    held = [t for t in (*stand_in._parameters.values(), *stand_in._buffers.values()) if t is not None]
     for key, value in original._buffers.items():
         old = stand_in._buffers.get(key)
         if value is not old:
-            stand_in._buffers[key] = value if value is None or old is None else value.to(old.device)
+            device = old.device if old is not None else held[0].device if held else None
+            stand_in._buffers[key] = value if value is None or device is None else value.to(device)
 
 
 def shown_to_optimizer(factory: Callable[[list[nn.Parameter]], Any], params: Sequence[nn.Parameter],

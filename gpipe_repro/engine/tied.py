@@ -45,8 +45,9 @@ from torch import nn
 
 from gpipe_repro.engine.backward_split import needs_whole_gradient
 
-__all__ = ["Tie", "find_ties", "separate_places", "untie", "tied_copies", "copies_sum", "set_gradients",
-           "sum_tied_gradients", "uncounted_names", "refuse_diverging_copies", "refuse_hooked_copies"]
+__all__ = ["Tie", "find_ties", "refuse_buffers_across_devices", "separate_places", "untie",
+           "tied_copies", "copies_sum", "set_gradients", "sum_tied_gradients", "uncounted_names",
+           "refuse_diverging_copies", "refuse_hooked_copies"]
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,12 @@ def find_ties(cells: Sequence[nn.Module]) -> list[Tie]:
 def separate_places(layers: Sequence[nn.Module]) -> list[nn.Module]:
     """`layers` where a module object already met in an earlier layer is a module of its own holding
     the same parameters and buffers (its children the same way): a shallow copy sharing the
-    module's dictionary of parameters (:func:`untie` then gives a copy in another cell a parameter of
-    its own) and holding its buffers in a dictionary of its own (moving a cell to its device moves
-    its place's buffers, not another place's), so that the caller's layers are unchanged and the
-    copies follow them as stand-ins do (engine.stand_ins). A module used twice inside one layer stays
-    as it is there: that layer runs it as plain PyTorch does."""
+    module's dictionaries of parameters and buffers (:func:`untie` then gives a copy in another cell
+    a parameter of its own; a buffer the forward sets anew is seen at every place, as in plain
+    PyTorch), so that the caller's layers are unchanged and the copies follow them as stand-ins do
+    (engine.stand_ins). A module used twice inside one layer stays as it is there: that layer runs
+    it as plain PyTorch does. :func:`refuse_buffers_across_devices` refuses places holding buffers
+    in cells on different devices (one dictionary cannot hold a tensor on each)."""
     met: set[int] = set()
     out = []
     for layer in layers:
@@ -96,14 +98,31 @@ def _own_place(module: nn.Module, met: set[int], done: dict[int, nn.Module]) -> 
     children = {key: child if child is None else _own_place(child, met, done)
                 for key, child in module._modules.items()}
     if id(module) in met or any(children[key] is not child for key, child in module._modules.items()):
-        placed = copy.copy(module)     # sharing the module's dictionary of parameters
+        placed = copy.copy(module)     # sharing the module's dictionaries of parameters and buffers
         placed._modules = children
-        if module._buffers:            # the same tensors: each place's cell moves them to its device
-            placed._buffers = dict(module._buffers)
     else:
         placed = module
     done[id(module)] = placed
     return placed
+
+
+def refuse_buffers_across_devices(cells: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
+    """ValueError, before anything moves, where a module given at several places holds buffers and
+    its places are in cells on different devices: the places share one dictionary of buffers (a
+    buffer the forward sets anew is seen at every place), which cannot hold a tensor on each."""
+    where: dict[int, tuple[int, str]] = {}
+    for c, cell in enumerate(cells):
+        for name, module in cell.named_modules(remove_duplicate=False):
+            if not module._buffers:
+                continue
+            first = where.setdefault(id(module._buffers), (c, name))
+            if torch.device(devices[first[0]]) != torch.device(devices[c]):
+                raise ValueError(
+                    f"the module {name!r} of cell {c} is given at several places, and holds buffers "
+                    f"({', '.join(module._buffers)}) that its place {first[1]!r} in cell {first[0]} "
+                    f"holds too, on {devices[first[0]]} where cell {c} is on {devices[c]}: give each "
+                    "place its own module (copy.deepcopy, then tie its parameters to the first's), "
+                    "or a balance that keeps those places on one device")
 
 
 def untie(cells: Sequence[nn.Module]) -> list[Tie]:

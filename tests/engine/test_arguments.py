@@ -82,3 +82,18 @@ def test_batch_key_compares_shapes_and_dtypes_not_data() -> None:
     assert batch_key(x, None) != batch_key(x.double(), None)
     assert batch_key(x, None) != batch_key(torch.zeros(5, 3), None)
     assert batch_key((x, 1), None) != batch_key((x, 2), None)
+
+
+def _my_backend(graph: Any, inputs: Any) -> Any:
+    return graph
+
+
+def test_the_same_compile_backend_on_every_rank_was_refused_as_different() -> None:
+    """The ranks compared compile= by its repr, which holds a function's address: the same backend
+    function on every rank was refused as different. It is described by module and name, a dict by
+    its sorted items, other objects without addresses."""
+    from gpipe_repro.engine.arguments import same_everywhere
+    described = same_everywhere({"backend": _my_backend, "options": {"b": 1, "a": object()}})
+    assert described == [("backend", f"{__name__}._my_backend"),
+                         ("options", [("a", "object: <object object>"), ("b", 1)])]
+    assert "0x" not in str(described)

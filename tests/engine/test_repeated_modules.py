@@ -9,6 +9,7 @@ gradient under every name it has at every place.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
@@ -95,25 +96,48 @@ def test_one_batchnorm_at_two_places_is_still_refused() -> None:
         GPipe([nn.Linear(6, 8), bn, nn.Linear(8, 8), bn], partitions=2, micro_batches=2, loss_fn=nn.MSELoss())
 
 
-def test_each_place_moves_its_own_buffers() -> None:
-    """A module with a buffer at places in two cells: moving one cell (to its device; here to
-    float64) moves that place's buffer, not the other place's."""
-    class Scaled(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
-            self.register_buffer("scale", torch.full((8,), 0.5))
+class _Counter(nn.Module):
+    """Sets its buffer anew in its forward (a step counter): every place sees the last one's."""
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.lin(x) * self.scale
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("n", torch.zeros(()))
 
-    block = Scaled()
-    model = [nn.Linear(6, 8), block, block, nn.Linear(8, 3)]
-    pipe = GPipe(model, partitions=2, micro_batches=2, balance=[2, 2], loss_fn=nn.MSELoss(), optimizer=None)
-    assert pipe.cells[1][0].scale is block.scale        # one tensor until a cell moves
-    pipe.cells[1].to(torch.float64)
-    assert block.scale.dtype == torch.float32 and pipe.cells[0][1].scale.dtype == torch.float32
-    assert pipe.cells[1][0].scale.dtype == torch.float64
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.n = self.n + 1
+        return self.lin(x) * (1 + 0.1 * self.n)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_silent_a_module_at_two_places_setting_its_buffer_counted_at_each_place_alone(k: int) -> None:
+    """Each place held its buffers in a dictionary of its own: a forward that sets its buffer anew
+    (self.n = self.n + 1) counted per place (n 1, 2, 3 where plain PyTorch reads 2, 4, 6; outputs
+    0.06-0.30 off), and the caller's module saw only the first place's count. The places share one
+    dictionary of buffers, as one module does."""
+    torch.manual_seed(0)
+    counter = _Counter()
+    model = nn.Sequential(counter, counter)
+    plain = copy.deepcopy(model)                   # keeps the one module at two places
+    pipe = GPipe(model, partitions=k, micro_batches=1, checkpoint="never", loss_fn=nn.MSELoss(),
+                 optimizer=None)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(pipe(x), plain(x))
+    assert float(counter.n) == float(plain[0].n) == 6.0
+
+
+def test_places_holding_buffers_on_two_devices_are_refused() -> None:
+    """One dictionary of buffers cannot hold a tensor on each device: refused, naming the module
+    and what to do, before anything moves."""
+    from gpipe_repro.engine.tied import refuse_buffers_across_devices, separate_places
+    counter = _Counter()
+    cells = [nn.Sequential(*places) for places in
+             ([nn.Linear(4, 4), p] for p in separate_places([counter, counter]))]
+    refuse_buffers_across_devices(cells, [torch.device("cpu")] * 2)
+    with pytest.raises(ValueError, match="given at several places, and holds buffers \\(n\\).*own module"):
+        refuse_buffers_across_devices(cells, [torch.device("cpu"), torch.device("meta")])
 
 
 class _SetsItsScale(nn.Module):
