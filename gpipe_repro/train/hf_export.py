@@ -29,14 +29,19 @@ __all__ = ["export_checkpoint", "export_run"]
 def export_checkpoint(config: Any, checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
     """The model of transformers `config` with the weights of the run `checkpoint`, saved to `out`
     (``save_pretrained``); returns `out`."""
+    from gpipe_repro.train.checkpoints import load_checkpoint
+    return _export(config, load_checkpoint(checkpoint), out)
+
+
+def _export(config: Any, checkpoint: dict[str, Any], out: str | os.PathLike[str]) -> Path:
+    """:func:`export_checkpoint` of a checkpoint already read."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from gpipe_repro import GPipe
     from gpipe_repro.models.hf import causal_lm_layers
-    from gpipe_repro.train.checkpoints import load_checkpoint
 
-    state = load_checkpoint(checkpoint)["state"]["pipeline"]
+    state = checkpoint["state"]["pipeline"]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     balance = [int(n) for n in state["balance"]]
     pipe = GPipe(causal_lm_layers(model, check=False), partitions=len(balance), balance=balance,
@@ -66,5 +71,5 @@ def export_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | No
                          "names no causal-lm task)")
     names = {f.name for f in dataclasses.fields(CausalLMConfig)}
     settings = CausalLMConfig(**{k: v for k, v in record["task"].items() if k in names})
-    _, path = load_latest_checkpoint(run_dir / "checkpoints", remove_leftovers=False)
-    return export_checkpoint(settings.model_config(), path, out if out is not None else run_dir / "hf")
+    checkpoint, _ = load_latest_checkpoint(run_dir / "checkpoints", remove_leftovers=False)
+    return _export(settings.model_config(), checkpoint, out if out is not None else run_dir / "hf")

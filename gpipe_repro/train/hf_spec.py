@@ -18,6 +18,7 @@ into a :class:`ConfigError`, the tiny sizes, a one-line description, and the lay
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -110,16 +111,26 @@ def model_config(spec: str, **options: Any) -> Any:
     return _check_shape(config, where)
 
 
+def family_has(family: str, option: str) -> bool:
+    """Whether `family`'s config takes the size `option` (Falcon derives its head size; BLOOM has
+    no position count)."""
+    from gpipe_repro.models.hf_config import has_size
+    return has_size(_defaults(model_type(family)), option)
+
+
+@functools.cache
+def _defaults(mtype: str) -> Any:
+    """The family's config at its defaults (read only)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    return CONFIG_MAPPING[mtype]()
+
+
 def tiny_config(family: str, **options: Any) -> Any:
     """The family at the :data:`TINY` sizes (those it has), with `options` on top. Unless given,
     the head size follows the hidden size and heads (hidden / heads), and kv-heads is half the
     heads (all of them for an odd count)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    from gpipe_repro.models.hf_config import has_size
     mtype = model_type(family)
-    defaults = CONFIG_MAPPING[mtype]()
-    sizes: dict[str, Any] = {k: v for k, v in TINY.items() if has_size(defaults, k)}
+    sizes: dict[str, Any] = {k: v for k, v in TINY.items() if family_has(mtype, k)}
     sizes.update(options)
     heads, hidden = sizes.get("heads"), sizes.get("hidden")
     if "head_dim" in sizes and "head_dim" not in options and isinstance(heads, int) \

@@ -36,6 +36,7 @@ from gpipe_repro.train.hf_spec import (
     ConfigError,
     causal_lm_layers_of,
     describe,
+    family_has,
     model_config,
     model_type,
     tiny_config,
@@ -120,22 +121,12 @@ class CausalLMConfig:
 
     def positions_of(self, family: str) -> dict[str, int]:
         """``{"positions": ...}`` for rows of seq_len, where `family` has a position count."""
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-        from gpipe_repro.models.hf_config import has_size
-        from gpipe_repro.train.hf_spec import model_type
-        has = has_size(CONFIG_MAPPING[model_type(family)](), "positions")
-        return {"positions": max(256, self.seq_len)} if has else {}
+        return {"positions": max(256, self.seq_len)} if family_has(family, "positions") else {}
 
     def sizes_of(self, family: str | None) -> CausalLMConfig:
         """A copy keeping only the sizes `family` has (a preset's sizes are for every family: Falcon
         has no intermediate width to set, and keeps its own); None keeps this config's family."""
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-        from gpipe_repro.models.hf_config import has_size
-        from gpipe_repro.train.hf_spec import model_type
-        defaults = CONFIG_MAPPING[model_type(family or self.family)]()
-        lacks: dict[str, Any] = {k: None for k in self.sizes() if not has_size(defaults, k)}
+        lacks: dict[str, Any] = {k: None for k in self.sizes() if not family_has(family or self.family, k)}
         return dataclasses.replace(self, **lacks)
 
     def replace(self, **changes: Any) -> CausalLMConfig:
