@@ -260,6 +260,7 @@ def test_the_throughput_table_end_to_end_on_synthetic_costs(monkeypatch: pytest.
     payload = tp.run_throughput_table(settings, measure=fake_measure)
     assert sorted(ablated) == ["amoebanet", "transformer"]
     assert set(payload["schedule_ablation"]) == set(ablated)
+    assert payload["schedule_link_control"]["method"] == "simulated"    # a record says what it is
     t2 = {(r["K"], r["M"]): r for r in payload["table2"]["transformer"]}
     assert t2[(2, 1)]["simulated"]["normalized"] == 1.0
     # Normalized = (N / step) over the K=2, M=1 row's; the micro-batch stays 4, so N = 4 M.
@@ -275,6 +276,7 @@ def test_the_throughput_table_end_to_end_on_synthetic_costs(monkeypatch: pytest.
     names = {f.name for f in files}
     assert {"throughput_table.json", "throughput_table.md", "speedup.png", "bubble.png"} <= names
     md = (tmp_path / "throughput_table.md").read_text()
+    assert "Where `gpipe` beats `1f1b`, the link does" in md
     assert "measured 1.00" in md and "paper 6.30" in md and "torchgpipe 4.95" in md
     assert "`bottleneck`" in md and "policy `micro`" in md
     assert "throughput beside memory at K=8" in md

@@ -273,7 +273,7 @@ def render_markdown(payload: dict[str, Any], validation: dict[str, Any] | None =
                   "*lowers* the normalized number; `except_last` skips the recompute of the last "
                   "micro-batch, which at M=1 is the only one, so its baseline is cheaper too.", ""]
     lines += render_schedule_ablation(payload.get("schedule_ablation") or {},
-                                      payload.get("schedule_link_control"))
+                                      (payload.get("schedule_link_control") or {}).get("samples_per_s"))
     if validation:
         lines += ["## Simulator validation (simulated vs measured throughput)", "",
                   render_validation_summary(validation), ""]

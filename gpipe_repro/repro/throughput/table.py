@@ -165,7 +165,10 @@ def run_throughput_table(settings: SweepSettings, progress: Callable[[str], None
         "bubble_curves": [asdict(c) for c in curves],
         "ablation": ablation,
         "schedule_ablation": schedules,
-        "schedule_link_control": link_control(),
+        "schedule_link_control": {
+            "method": "simulated", "on": f"{PAPER_WORKLOADS['amoebanet'].name} on the FLOP model (TPUv3 "
+            f"core), K={ABLATION_K}, M=32, checkpoint never; the TPU link and a free one",
+            "samples_per_s": link_control()},
         "objectives": objectives,
         "claims": check_claims(table2),
         "timelines": {m: {f"K{k}_M{mm}": t.to_json() for (k, mm), t in tl.items()}
