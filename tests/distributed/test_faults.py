@@ -161,7 +161,8 @@ def wait_for_a_signal(folder: str) -> str:
     from gpipe_repro.train.checkpoints import graceful_interrupt
     rank = os.environ["RANK"]
     with graceful_interrupt() as stop:
-        Path(folder, f"pid{rank}").write_text(str(os.getpid()))
+        Path(folder, f".pid{rank}").write_text(str(os.getpid()))    # whole when the waiter reads it
+        os.replace(Path(folder, f".pid{rank}"), Path(folder, f"pid{rank}"))
         deadline = time.time() + 60
         while not stop.requested and time.time() < deadline:
             time.sleep(0.05)
@@ -509,7 +510,8 @@ def test_a_rank_frozen_during_a_collective_of_the_users_was_not_blamed() -> None
 
 
 def sleep_after_noting_pid(folder: str) -> None:
-    Path(folder, f"pid{os.environ['RANK']}").write_text(str(os.getpid()))
+    Path(folder, f".pid{os.environ['RANK']}").write_text(str(os.getpid()))   # whole when read
+    os.replace(Path(folder, f".pid{os.environ['RANK']}"), Path(folder, f"pid{os.environ['RANK']}"))
     time.sleep(120)
 
 
