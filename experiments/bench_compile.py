@@ -7,7 +7,7 @@ interval, a verdict against the target). A timed run is a block of training step
 many as make its slowest configuration's block last ``--block-seconds``: a block far shorter than the
 host's switches between its fast and slow state measures the switching) that ends waiting for the
 device (``torch.cuda.synchronize`` on a GPU; the loss of the block's last step read once where the
-step does not read it itself), so a step that only queues work is not timed as free. Four groups,
+step does not read it itself), so a step that only queues work is not timed as free. Five groups,
 measured one after another, share the budget:
 
 - **compile speedup** (a small ReLU MLP, and a small stack of ``nn.TransformerEncoderLayer`` blocks
@@ -18,6 +18,10 @@ measured one after another, share the budget:
 - **launch-bound accumulation**: 32 micro-batches of 8 images through a small conv net (GPipe K=1
   M=32) against the plain step on the full batch of 256, eager, compiled, and each with
   ``train_step(..., sync=False)``.
+- **where it goes**: one activation alone, training forward and backward at the MLP's activation
+  size (ReLU, the MLP's; GELU, the Transformer's), compiled against eager. No target: it says how
+  much of a compiled step a single elementwise layer costs (the compiled call's own overhead, and
+  the code inductor generates for what the backward keeps: a ReLU keeps a mask of booleans).
 - **host sync**: GPipe K=1 M=1 on a small MLP with ``train_step(..., sync=False)`` (the loss read
   once, at the end of the block) and with ``train_step(...)`` (a float every step), each against
   the plain step. Target on a GPU: sync=False / plain <= 1.05; on a CPU, where nothing runs ahead of
@@ -100,6 +104,19 @@ def pipe_step(layers: list[nn.Module], x: torch.Tensor, y: torch.Tensor, options
     if sync:
         return lambda: pipe.train_step(x, y)
     return lambda: pipe.train_step(x, y, sync=False)
+
+
+def activation_step(activation: nn.Module, x: torch.Tensor, options: dict[str, Any] | None) -> Step:
+    """`activation` alone on `x` (a leaf that takes a gradient), forward and backward, as a layer of a
+    training step runs it (with `options`: under ``torch.compile(**options)``)."""
+    run = torch.compile(activation, **options) if options is not None else activation
+    leaf = x.detach().clone().requires_grad_()
+    grad = torch.ones_like(x)
+
+    def step() -> None:
+        leaf.grad = None
+        run(leaf).backward(grad)
+    return step
 
 
 def timed_block(step: Step, steps: int, device: torch.device) -> Callable[[], float]:
@@ -251,6 +268,19 @@ def groups(device: torch.device, sizes: Sizes, options: dict[str, Any], toleranc
         f"conv net (2 convolutions of {s.channels} channels) on {s.image}x{s.image} images: {m} "
         f"micro-batches of {s.images_per_micro_batch} against the full batch of {rows}")
 
+    x, _ = inputs_and_labels(s.mlp_batch, (s.mlp_width,))
+    kinds = {"relu": nn.ReLU(), "gelu": nn.GELU()}
+    activation = Group(
+        "activation", "where it goes: one activation alone",
+        {f"{kind}{suffix}": activation_step(module, x, opts) for kind, module in kinds.items()
+         for suffix, opts in (("", None), (" compiled", options))},
+        {"relu": "ReLU, eager", "relu compiled": "ReLU, compiled", "gelu": "GELU, eager",
+         "gelu compiled": "GELU, compiled"},
+        [Comparison("ReLU alone: compiled / eager", "relu compiled", "relu", tolerance=tolerance),
+         Comparison("GELU alone: compiled / eager", "gelu compiled", "gelu", tolerance=tolerance)],
+        f"one activation on {s.mlp_batch}x{s.mlp_width} (the MLP's), forward and backward with the "
+        "input taking a gradient, as in a training step")
+
     x, y = inputs_and_labels(s.sync_batch, (s.sync_width,))
     small = on(relu_mlp(s.sync_width, 1))
     target = GPU_SYNC_TARGET if device.type == "cuda" else None
@@ -265,7 +295,7 @@ def groups(device: torch.device, sizes: Sizes, options: dict[str, Any], toleranc
          Comparison("GPipe K=1 M=1 float every step / plain step", "sync", "plain", tolerance=tolerance),
          Comparison("GPipe K=1 M=1 float every step / sync=False", "sync", "nosync", tolerance=tolerance)],
         f"ReLU MLP 1x{s.sync_width}, batch {s.sync_batch}, eager")
-    return [mlp, blocks, launch, sync]
+    return [mlp, blocks, launch, activation, sync]
 
 
 def render(device: torch.device, backend: str, steps: dict[str, int],

@@ -18,7 +18,7 @@ def test_bench_compile_runs_in_its_tiny_mode_and_writes_where_asked(tmp_path: Pa
     payload = json.loads((tmp_path / "bench_compile.json").read_text())
     page = (tmp_path / "bench_compile.md").read_text()
     assert payload["method"] == "measured" and payload["config"]["backend"] == "aot_eager"
-    assert set(payload["groups"]) == {"mlp", "transformer", "launch", "sync"}
+    assert set(payload["groups"]) == {"mlp", "transformer", "launch", "activation", "sync"}
     for name, group in payload["groups"].items():
         measurement = group["measurement"]
         assert measurement["rounds"] == 2, name
@@ -29,6 +29,7 @@ def test_bench_compile_runs_in_its_tiny_mode_and_writes_where_asked(tmp_path: Pa
     assert "(measured)" in page and "commit" in page and "load average" in page
     assert "(>= 1.00)" in page and "not comparable" not in page
     assert "sync=False / plain step" in page
+    assert "ReLU alone: compiled / eager" in page
 
 
 def test_bench_compile_refuses_an_unknown_device() -> None:
