@@ -185,8 +185,10 @@ class GPipe(nn.Module):
             :mod:`gpipe_repro.distributed.data_parallel`.
         batchnorm_stats: with replicas, "per_replica" (default: each replica's DeferredBatchNorm
             commits the statistics of its own slice, so running statistics differ between replicas;
-            normalization, gradients and weights do not) or "synchronized" (the replicas merge their
-            statistics before committing: running statistics of the whole global mini-batch).
+            normalization, gradients and weights do not; an evaluation forward cuts its batch over
+            the replicas too, so there a row's output depends on its replica's statistics) or
+            "synchronized" (the replicas merge their statistics before committing: running
+            statistics of the whole global mini-batch, the same on every replica).
         bucket_cap_mb: with replicas, the largest gradient bucket of one all-reduce, in MB (DDP's
             default, 25).
         compile: ``torch.compile`` each layer: True (its defaults, inductor), a mode string, or a

@@ -391,7 +391,8 @@ class StageExecutor:
                 f"{self.stage} got micro-batch "
                 f"{m} of {rows[0] if rows else 'so few'} row(s): normalizing by the batch's statistics "
                 "needs more than one value per channel in training, and micro-batches of one row "
-                "have one. Use fewer micro-batches (M at most half the batch) or a larger batch") from e
+                "have one. Use fewer micro-batches or a larger batch: M at most half the batch, and "
+                "with R data-parallel replicas R x M at most half the global batch") from e
         guard.settle(entry, training, m)
         if work is not None:
             self.deferred[m] = work
