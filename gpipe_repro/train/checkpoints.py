@@ -319,9 +319,15 @@ def check_resumable(saved: dict[str, Any], config: RunConfig, task: Task) -> lis
               for k in sorted(set(now) | set(saved["task"])) if saved["task"].get(k) != now.get(k)
               and not (k in RECORDED_SINCE and k not in saved["task"])]
     if diffs:
-        raise ValueError("cannot resume: the checkpoint was made with different settings:\n  "
-                         + "\n  ".join(diffs) + "\nresume with the original settings, or start a new "
-                         "run (leave out --resume, or another --name / --out)")
+        given = any("not given" in d for d in diffs)
+        raise ValueError(
+            f"cannot resume {config.run_dir}: its checkpoint was made with different settings:\n  "
+            + "\n  ".join(diffs) + "\nresume with the original settings"
+            + (" (an option the run left to its default is compared as not given: leave it out, "
+               "even where you give the default's value)" if given else "")
+            + "; to continue another run, give its directory with --out (without --out, --resume "
+            "takes the newest runs/<name>[-N] holding checkpoints); or start a new run (leave out "
+            "--resume, or another --name / --out)")
     length = [f"{k} {run.get(k)!r} -> {getattr(config, k)!r}" for k in ("steps", "epochs")
               if run.get(k) != getattr(config, k)]
     return [f"the run's length changes ({', '.join(length)}); what depends on the length (the "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,32 @@ import torch
 __all__ = ["export_checkpoint", "export_run"]
 
 
-def export_checkpoint(config: Any, checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+def check_export_target(out: str | os.PathLike[str], replace: Collection[str] = ()) -> None:
+    """Raise FileExistsError (writing nothing) unless `out` is absent, an empty directory, or a
+    directory whose files are all among `replace` (names relative to `out`: an earlier export of
+    the same run). ``save_pretrained`` writes over what a folder holds, and only logs, writing
+    nothing, where `out` is a file: a folder of the user's is never written into."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file, not a directory: nothing was exported; give a new or "
+                              "empty directory")
+    if not out.is_dir():
+        return
+    theirs = sorted(p.relative_to(out).as_posix() for p in out.rglob("*")
+                    if not p.is_dir() and p.relative_to(out).as_posix() not in set(replace))
+    if theirs:
+        shown = ", ".join(theirs[:3]) + (", ..." if len(theirs) > 3 else "")
+        raise FileExistsError(f"{out} holds files an export of this run did not write ({shown}): "
+                              "nothing was exported; give a new or empty directory")
+
+
+def export_checkpoint(config: Any, checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
+                      replace: Collection[str] = ()) -> Path:
     """The model of transformers `config` with the weights of the run `checkpoint`, saved to `out`
-    (``save_pretrained``); returns `out`."""
+    (``save_pretrained``); returns `out`. `out` must be new or empty but for `replace`, the files of
+    an earlier export it may write over (:func:`check_export_target`)."""
     from gpipe_repro.train.checkpoints import load_checkpoint
+    check_export_target(out, replace)
     return _export(config, load_checkpoint(checkpoint), out)
 
 
@@ -59,9 +82,11 @@ def _export(config: Any, checkpoint: dict[str, Any], out: str | os.PathLike[str]
 
 def export_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
     """The newest checkpoint of the `run causal-lm` run in `run_dir` as a transformers model folder
-    (default: ``run_dir/hf``); returns its path."""
+    (default: ``run_dir/hf``, where it may replace the run's own export, as its manifest lists it;
+    elsewhere `out` must be new or an empty directory); returns its path."""
     from gpipe_repro.report.records import read_json
     from gpipe_repro.train.checkpoints import load_latest_checkpoint
+    from gpipe_repro.train.run_dir import run_owner
     from gpipe_repro.train.tasks.causal_lm import CausalLMConfig
 
     run_dir = Path(run_dir)
@@ -69,7 +94,11 @@ def export_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | No
     if record.get("task_name") != "causal-lm":
         raise ValueError(f"{run_dir} is not a `gpipe-repro run causal-lm` run directory (its run.json "
                          "names no causal-lm task)")
+    target = Path(out) if out is not None else run_dir / "hf"
+    _, listed = run_owner(run_dir)
+    check_export_target(target, {f[len("hf/"):] for f in listed if f.startswith("hf/")}
+                        if out is None else ())
     names = {f.name for f in dataclasses.fields(CausalLMConfig)}
     settings = CausalLMConfig(**{k: v for k, v in record["task"].items() if k in names})
     checkpoint, _ = load_latest_checkpoint(run_dir / "checkpoints", remove_leftovers=False)
-    return _export(settings.model_config(), checkpoint, out if out is not None else run_dir / "hf")
+    return _export(settings.model_config(), checkpoint, target)

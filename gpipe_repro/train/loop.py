@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,6 +75,7 @@ from gpipe_repro.train.checkpoints import (
 from gpipe_repro.train.config import RunConfig
 from gpipe_repro.train.console import NoLogger, progress_bar
 from gpipe_repro.train.instrumentation import parameter_count, timeline_metrics
+from gpipe_repro.train.memory_check import check_planned_memory
 from gpipe_repro.train.optim import ScheduledLR, lr_function
 from gpipe_repro.train.pipeline import (
     PipelineState,
@@ -168,6 +170,9 @@ class _Run:
                                           steps_per_epoch=self.batches.batches_per_epoch,
                                           batch_size=config.batch_size)
         optimizer = optimizer.replace(name=config.optimizer, lr=config.lr)
+        planner = task.memory_planner(config.batch_size)    # a size that cannot fit: refused now
+        if planner is not None:
+            check_planned_memory(planner, config, task.memory_advice())
 
         # -- the pipeline
         layers = task.build_layers()
@@ -354,14 +359,32 @@ class _Run:
             write_outputs(summary, self.task, self.config, self.record, self.logger)
             latest = latest_checkpoint(self.config.checkpoint_dir) if status == "finished" else None
             if latest is not None:       # the trained model in its own tools' format (causal-lm: hf/)
-                exported = self.task.export_model(latest, self.config.run_dir / "hf")
-                if exported is not None:
-                    self.say(f"the trained model, for its own tools: {exported}")
+                self._export(latest)
         self.logger.finish(exit_code=0 if status == "finished" else 1)
         if self.directory is not None:
             self.directory.update()
             self.directory.release()
         return summary
+
+
+    def _export(self, checkpoint: Path) -> None:
+        """The task's export of `checkpoint` into ``hf/``, writing over no file of the user's there
+        (only an earlier export of this run, as its manifest lists it); where ``hf/`` holds one, the
+        run says so and exports nothing: the checkpoint stays, for ``export_run`` to a new folder."""
+        replace: set[str] = set()
+        if self.directory is not None:
+            replace, theirs = self.directory.ours_in("hf")
+            if theirs:
+                shown = ", ".join(theirs[:3]) + (", ..." if len(theirs) > 3 else "")
+                self.say(f"the trained model was not exported: {self.config.run_dir / 'hf'} holds files "
+                         f"this run did not write ({shown}); export it to a new folder with "
+                         "gpipe_repro.train.hf_export.export_run(run_dir, out)")
+                return
+        exported = self.task.export_model(checkpoint, self.config.run_dir / "hf", replace)
+        if exported is not None:
+            if self.directory is not None:
+                self.directory.claim("hf")
+            self.say(f"the trained model, for its own tools: {exported}")
 
 
 def _non_finite(value: Any, path: str = "") -> list[str]:

@@ -84,6 +84,13 @@ def is_run_file(rel: str) -> bool:
             or bool(_WANDB.match(rel)) or bool(_EXPORT.match(rel)))
 
 
+def is_export_file(rel: str) -> bool:
+    """Whether a path (relative to a run directory) is named as a file of the trained model's export
+    (``hf/``). Such a file is the run's only where its manifest lists it or the run wrote it now:
+    the export comes last, and a folder ``hf/`` the user filled in the meantime stays theirs."""
+    return bool(_EXPORT.match(rel))
+
+
 def run_files(run_dir: Path, files: set[str]) -> set[str]:
     """Those of `files` (relative to `run_dir`) that a training run wrote: named as it names its
     files (:func:`is_run_file`), or a table or image its ``run.json`` lists (the RunLogger's
@@ -195,11 +202,12 @@ class RunDirectory:
         present = _files(path)
         owner, ours = run_owner(path) if present else (None, set())
         if owner == task:     # a run killed before its manifest listed them: still the run's
-            ours |= run_files(path, present)
+            ours |= {f for f in run_files(path, present) if not is_export_file(f)}
         if not resume:
             clear_run(path, ours)
         self.foreign = (present - ours) if present else set()
         self.kept = ours if resume else set()     # a resumed run's files so far stay listed
+        self.exported: set[str] = set()           # the export's files this run wrote (claim)
         self.update()
 
     def release(self) -> None:
@@ -223,13 +231,26 @@ class RunDirectory:
         if self.created and not any(self.path.iterdir()):
             self.path.rmdir()
 
+    def ours_in(self, folder: str) -> tuple[set[str], list[str]]:
+        """The files now under `folder` (relative to the run directory) that the run wrote or its
+        manifest lists, and those it did not (the user's), as paths relative to `folder`."""
+        inside = {f for f in _files(self.path) if f.startswith(folder + "/")}
+        mine = inside & (self.kept | self.exported)
+        return ({f[len(folder) + 1:] for f in mine},
+                sorted(f[len(folder) + 1:] for f in inside - mine))
+
+    def claim(self, folder: str) -> None:
+        """Every file now under `folder` is the run's (it has just written them there)."""
+        self.exported |= {f for f in _files(self.path) if f.startswith(folder + "/")}
+
     def update(self) -> None:
         """Rewrite the manifest: every file the run wrote (:func:`run_files`) now under the directory
         that was not there before the run, with those of the run it resumed. A file the user puts
         there while the run trains (notes, a plot, even in ``images/``) is not the run's, and a
         later run must not delete it."""
         new = _files(self.path) - self.foreign
-        files = sorted(run_files(self.path, new) | (self.kept & new) | {MANIFEST})
+        named = {f for f in run_files(self.path, new) if not is_export_file(f)}
+        files = sorted(named | ((self.kept | self.exported) & new) | {MANIFEST})
         tmp = self.path / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps({"kind": "training-run", "task": self.task, "files": files}, indent=1))
         os.replace(tmp, self.path / MANIFEST)

@@ -9,6 +9,7 @@ gpipe_repro/commands/run.py).
 from __future__ import annotations
 
 import abc
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -71,11 +72,23 @@ class Task(abc.ABC):
     def before_step(self, step: int, total_steps: int) -> None:  # noqa: B027 - an optional hook
         """Called before each training step (e.g. to ramp drop-path with training progress)."""
 
-    def export_model(self, checkpoint: Path, out: Path) -> Path | None:
+    def export_model(self, checkpoint: Path, out: Path, replace: Collection[str] = ()) -> Path | None:
         """The model trained to `checkpoint` (one of this run's) written to `out` in the format the
         model's own tools read (a transformers model folder); None: the task has no such format.
-        Called by the writing process when a run finishes."""
+        `out` is new or empty but for `replace` (an earlier export of the run, names relative to
+        `out`), which it may write over. Called by the writing process when a run finishes."""
         return None
+
+    def memory_planner(self, batch_size: int) -> Any:
+        """A :class:`~gpipe_repro.memory.planner.MemoryPlanner` of the model and a mini-batch of
+        `batch_size`, for the run to refuse, before any work, a size that cannot fit
+        (:mod:`gpipe_repro.train.memory_check`); None: the run checks nothing."""
+        return None
+
+    def memory_advice(self) -> str:
+        """What lowers the run's peak memory, in the task's own options (said when it cannot fit)."""
+        return ("lower --batch-size, raise --m, or give --checkpoint always; `gpipe-repro fit` shows "
+                "what fits")
 
     def describe_data(self) -> str:
         """One line saying what data the run trains and evaluates on (printed at the start)."""

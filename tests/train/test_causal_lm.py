@@ -170,3 +170,70 @@ def test_run_causal_lm_refused_families_it_pipelines_for_sizes_it_gave_itself(fa
             config.layer_count()
     else:
         assert config.layer_count() == 2 + 2          # embeddings, two blocks, head
+
+
+def test_silent_resume_replaced_the_users_files_in_hf(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run stopped before its export, then the user's own files put in its hf/ folder: the resumed
+    run wrote its export over them without a word (their names are an export's, and a run killed
+    before its manifest listed a file claims the files named as its own). The export now writes over
+    no file the run did not write: the run says so and exports nothing, the files stay; export_run
+    refuses them too, and a file as its `out`, where transformers wrote nothing and said nothing."""
+    import os
+    import signal
+
+    from gpipe_repro.train.hf_export import export_run
+    from gpipe_repro.train.tasks.causal_lm import CausalLMTask
+
+    text, out = _text(tmp_path / "sentences.txt"), tmp_path / "run"
+    args = ["run", "causal-lm", "--preset", "smoke", "--family", "qwen3", "--text", str(text),
+            "--steps", "3", "--save-every", "1", "--eval-every", "3", "--out", str(out),
+            "--wandb", "disabled", "--no-progress"]
+    stopped: list[int] = []
+
+    def ctrl_c_at_step_2(self: Any, step: int, total: int) -> None:
+        if step == 2 and not stopped:
+            stopped.append(step)
+            os.kill(os.getpid(), signal.SIGINT)
+    monkeypatch.setattr(CausalLMTask, "before_step", ctrl_c_at_step_2)
+    first = CliRunner().invoke(app, args)
+    assert stopped and not (out / "hf").exists(), first.output
+    (out / "hf").mkdir()
+    (out / "hf" / "config.json").write_text('{"mine": 1}')
+    resumed = CliRunner().invoke(app, [*args, "--resume"])
+    assert resumed.exit_code == 0, (resumed.output, resumed.exception)
+    assert json.loads((out / "summary.json").read_text())["status"] == "finished"
+    assert (out / "hf" / "config.json").read_text() == '{"mine": 1}'
+    assert "was not exported" in " ".join(resumed.output.split())
+    assert not (out / "hf" / "model.safetensors").exists()
+    with pytest.raises(FileExistsError, match="did not write"):
+        export_run(out)
+    (tmp_path / "a-file").write_text("mine")
+    with pytest.raises(FileExistsError, match="is a file"):
+        export_run(out, tmp_path / "a-file")
+    assert (tmp_path / "a-file").read_text() == "mine"
+    exported = export_run(out, tmp_path / "elsewhere")
+    assert (exported / "config.json").is_file() and (exported / "model.safetensors").is_file()
+
+
+def test_a_sequence_the_host_cannot_hold_is_refused_before_any_work(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--seq-len 100000` on a tiny LLaMA started training and took 24 GB before the kernel killed
+    it (the positions grow to fit the length; attention grows with its square). The run now plans
+    its peak (the memory planner, fake tensors) and refuses, before building anything, a plan
+    larger than the host's available memory, naming the options that lower it."""
+    from gpipe_repro.train import memory_check
+
+    monkeypatch.setattr(memory_check, "available_host_bytes", lambda: 2 ** 20)   # 1 MiB left
+    text, out = _text(tmp_path / "sentences.txt", lines=400), tmp_path / "run"
+    args = ["run", "causal-lm", "--preset", "smoke", "--family", "llama", "--text", str(text),
+            "--out", str(out), "--wandb", "disabled", "--no-progress"]
+    refused = CliRunner().invoke(app, [*args, "--seq-len", "512"])
+    assert refused.exit_code == 2, (refused.output, refused.exception)
+    said = " ".join(refused.output.split())
+    assert "of host memory at its peak" in said and "this host has 1 MiB available" in said
+    assert "lower --seq-len (512)" in said
+    assert not out.exists()
+    monkeypatch.setattr(memory_check, "available_host_bytes", lambda: 2 ** 40)
+    fits = CliRunner().invoke(app, [*args, "--seq-len", "512", "--steps", "1"])
+    assert fits.exit_code == 0, (fits.output, fits.exception)

@@ -163,3 +163,23 @@ def test_resuming_with_other_replicas_is_refused_and_old_checkpoints_mean_one() 
     with pytest.raises(ValueError, match="replicas: saved 1, now 2"):
         check_resumable({"run": saved, "task": {}}, RunConfig(steps=4, runtime="distributed", replicas=2),
                         task)
+
+
+def test_a_refused_resume_names_the_run_directory_and_what_not_given_means(tmp_path: Path) -> None:
+    """`--resume` without `--out` takes the newest runs/<name>[-N]; its refusal did not say which run
+    it had tried, nor that an option given now with the default's value differs from one not given."""
+    from types import SimpleNamespace
+
+    from gpipe_repro.train.checkpoints import check_resumable
+    from gpipe_repro.train.config import RunConfig
+
+    task: Any = SimpleNamespace(config=lambda: {})
+    where = str(tmp_path / "run-2")
+    saved = RunConfig(steps=4, out_dir=where).to_dict()
+    with pytest.raises(ValueError) as refused:
+        check_resumable({"run": saved, "task": {}}, RunConfig(steps=4, out_dir=where, lr=0.1), task)
+    said = " ".join(str(refused.value).split())
+    assert f"cannot resume {tmp_path / 'run-2'}" in said
+    assert "lr: saved not given (the task's default), now 0.1" in said
+    assert "leave it out, even where you give the default's value" in said
+    assert "give its directory with --out" in said

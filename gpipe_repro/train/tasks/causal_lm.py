@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -212,9 +213,9 @@ class CausalLMTask(Task):
         from gpipe_repro.models.hf import CausalLMLoss
         return CausalLMLoss()
 
-    def export_model(self, checkpoint: Path, out: Path) -> Path:
+    def export_model(self, checkpoint: Path, out: Path, replace: Collection[str] = ()) -> Path:
         from gpipe_repro.train.hf_export import export_checkpoint
-        return export_checkpoint(self.model_config, checkpoint, out)
+        return export_checkpoint(self.model_config, checkpoint, out, replace)
 
     def train_batches(self, batch_size: int, seed: int) -> PackedBatches:
         return PackedBatches(self.train_rows, batch_size, seed)
@@ -233,6 +234,19 @@ class CausalLMTask(Task):
 
     def sample_batch(self, batch_size: int) -> tuple[Any, Any]:
         return next(PackedBatches(self.train_rows, batch_size, 0))
+
+    def memory_planner(self, batch_size: int) -> Any:
+        from gpipe_repro.memory.planner import MemoryPlanner
+        from gpipe_repro.memory.profile import adamw_foreach
+        from gpipe_repro.models.hf import CausalLMLoss
+        with torch.device("meta"):        # shapes only: the planner copies the layers as fakes
+            layers = causal_lm_layers_of(self.model_config)
+        inputs, targets = self.sample_batch(batch_size)
+        return MemoryPlanner(list(layers), inputs, targets, CausalLMLoss(), optimizer=adamw_foreach)
+
+    def memory_advice(self) -> str:
+        return (f"lower --seq-len ({self.settings.seq_len}) or --batch-size, raise --m, or give "
+                "--checkpoint always; `gpipe-repro fit hf:<family> --seq-len ...` shows what fits")
 
     @torch.no_grad()
     def evaluate(self, pipe: GPipe) -> dict[str, float]:
