@@ -105,7 +105,8 @@ def write_outputs(summary: RunSummary, task: Task, config: RunConfig, record: di
         f"Status **{summary.status}** after {summary.steps} of {summary.total_steps} steps; "
         f"K={config.partitions}, M={config.micro_batches}, batch {config.batch_size}, "
         f"balance {summary.balance}, {summary.params:,} parameters. All numbers measured on this "
-        "machine (see summary.json for the environment).", "", table, "",
+        "machine (see summary.json for the environment); final_train_loss is the mean of the last "
+        "(up to) 20 logged training losses.", "", table, "",
         "![curves](curves.png)"]))
     print_summary(summary, metrics)
 
@@ -126,4 +127,5 @@ def print_summary(summary: RunSummary, metrics: dict[str, dict[str, Any]]) -> No
     print(f"{Path(summary.run_dir).name}: {summary.status}, {summary.steps}/{summary.total_steps} steps"
           f"{skipped}")
     table_console().print(table)
+    print("final_train_loss: the mean of the last (up to) 20 logged training losses")
     print(f"run directory: {summary.run_dir}")
