@@ -302,3 +302,24 @@ def test_silent_a_split_micro_batch_kept_its_received_input_and_its_gradient_unt
     assert len(last.timeline) == len(traced)
     assert all(abs(p[1] - r[1]) <= 64 for p, r in zip(last.timeline, traced))      # live, a few bytes
     assert abs(last.peak - last.parts.get("data", 0) - real.stages[1].peak) <= 0.10 * real.stages[1].peak
+
+
+def test_silent_a_plan_rose_after_the_planner_counted_flops() -> None:
+    """`plan` (which counts FLOPs for its speed estimates) planned a LLaMA's devices up to 11% above
+    `fit` for the same K, M and cut, and refused as "nothing fits" what fit accepted: a profile taken
+    with FLOPs replaced the one without, and under the FLOP counter the blocks' kernels ran another
+    way. The memory figures are now taken without the counter, whatever was asked."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gpipe_repro.models.hf import CausalLMLoss, causal_lm_layers
+
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                         num_key_value_heads=4, intermediate_size=128, vocab_size=256)
+    with torch.device("meta"):
+        layers = list(causal_lm_layers(LlamaForCausalLM(config), check=False))
+    ids = torch.zeros(8, 64, dtype=torch.long)
+    planner = MemoryPlanner(layers, (ids, torch.ones_like(ids)), ids, CausalLMLoss())
+    before = [s.peak for s in planner.plan(2, 4, "except_last", balance=[2, 2]).stages]
+    assert sum(f for f, _ in planner.layer_flops(4)) > 0
+    after = [s.peak for s in planner.plan(2, 4, "except_last", balance=[2, 2]).stages]
+    assert after == before
