@@ -42,7 +42,8 @@ from gpipe_repro.commands.options import (
 )
 
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
-MODEL_HELP = ("the model: a family (gpipe-repro models lists them), hf:<family> (a transformers "
+MODEL_HELP = ("the model: a family of the paper's (transformer-lm, amoebanet-d, amoebanet-b, gpt2), "
+              "hf:<family> (a transformers "
               "model_type the engine pipelines: llama, mistral, qwen2, qwen3, gemma, gemma2, granite, phi3, "
               "gpt2, gpt_neox, ...) with --layers --hidden --heads --kv-heads --intermediate "
               "--vocab, or a Hugging Face config.json; size options follow it, each with a default (a "
@@ -78,7 +79,10 @@ def _planner(family: str, batch: Optional[int], extra: list[str], attention: str
         own = (" A model of your own (module:function) is simulated by `gpipe-repro throughput "
                f"--model {family}`; in Python, gpipe_repro.memory.planner.MemoryPlanner(layers, "
                "sample, target, loss_fn).plan(K, M) plans its memory" if ":" in family else "")
-        raise typer.BadParameter(f"unknown model {family!r}: use one of {', '.join(SUPPORTED)}, "
+        from gpipe_repro.models import FAMILIES
+        listed = (f" ({family} is a family of `gpipe-repro models`, whose layers it shows; the memory "
+                  "planner takes only these)" if family in FAMILIES else "")
+        raise typer.BadParameter(f"unknown model {family!r}{listed}: use one of {', '.join(SUPPORTED)}, "
                                  "hf:<family> with size options (hf:llama --layers 32 ...), or the "
                                  f"path of a Hugging Face config.json.{own}")
     try:

@@ -19,7 +19,8 @@ def register(app: typer.Typer) -> None:
                                                     "ignore_unknown_options": True})
     def plan_replicas_command(
             ctx: typer.Context,
-            family: str = typer.Argument(..., help="model family (gpipe-repro models lists them)"),
+            family: str = typer.Argument(
+                ..., help="model family: transformer-lm, amoebanet-d, amoebanet-b or gpt2"),
             devices: int = typer.Option(8, "--devices", help="N: devices of the job (K x R = N)"),
             memory: float = typer.Option(16.0, "--memory", help="memory per device, GiB"),
             batch: Optional[int] = typer.Option(None, "--batch-size", help="mini-batch of ONE replica"),
@@ -75,7 +76,9 @@ def register(app: typer.Typer) -> None:
             print(f"not planned: {why}")
         print(f"{work.describe()}: {devices} devices of {memory:g} GiB, {tflops:g} TFLOP/s, "
               f"{devices_per_host} per host, {algorithm} all-reduce; replica mini-batch "
-              f"{planner.batch}; {optimizer_state(optimizer)} (simulated)")
+              f"{planner.batch}; {optimizer_state(optimizer)} (simulated; with R > 1 a peak holds the "
+              "all-reduce's gradient buckets too, a flat copy of the stage's gradients that `fit` "
+              "does not count)")
         print(f"{'K':>4} {'R':>5} {'M':>4} {'checkpoint':<12} {'fits':<4} {'peak GiB':>8} "
               f"{'samples/s':>10}  why")
         for c in cands[:top]:

@@ -47,7 +47,11 @@ def _read_json(path: Path) -> dict[str, Any]:
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise ValueError(f"{path} has no config.json: give a config.json file or the folder holding it")
-    values = json.loads(file.read_text())
+    try:
+        values = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} is not JSON ({e}): give a transformers config.json, or the folder "
+                         "holding one") from None
     if not isinstance(values, dict) or "model_type" not in values:
         raise ValueError(f"{file} is not a transformers config (it has no model_type)")
     return values

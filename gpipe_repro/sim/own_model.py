@@ -136,12 +136,13 @@ class OwnModelResult:
             if record:
                 raw = self.error(corrected=False)
                 assert raw is not None
-                lines.append(f"  simulator error (measured / simulated - 1) [95% interval]: uncorrected "
+                lines.append(f"  simulator error (measured / simulated - 1) [95% interval, or the coverage "
+                             f"shown after it]: uncorrected "
                              f"{raw.percent_cell()}, in-situ corrected {error.percent_cell()} (the corrected "
                              f"simulator is {side})")
             else:
                 lines.append(f"  simulator error {error.percent_cell()} (measured / simulated - 1 [95% "
-                             f"interval]: the simulator is {side})")
+                             f"interval, or the coverage shown after it]: the simulator is {side})")
             if self.rounds > 1 and self.relative_error is not None:
                 lines.append(f"  (the error pairs each round's steps with that round's simulation; the "
                              f"two medians above, from all rounds' costs, give "
