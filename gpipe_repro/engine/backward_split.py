@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.nn.utils import parametrize
 
 from gpipe_repro.engine import boundary
 
@@ -226,6 +227,10 @@ def _kind(module: nn.Module) -> str | None:
 
 
 def _eligible(module: nn.Module, kind: str) -> bool:
+    # a parametrized weight (spectral_norm, weight_norm, orthogonal) is computed by reading it, and a
+    # spectral norm's read in training advances its power iteration: never read it here, never defer
+    if parametrize.is_parametrized(module):
+        return False
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     if weight is None or not _trainable_leaf(weight):
         return False

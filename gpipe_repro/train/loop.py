@@ -170,7 +170,8 @@ class _Run:
                                           steps_per_epoch=self.batches.batches_per_epoch,
                                           batch_size=config.batch_size)
         optimizer = optimizer.replace(name=config.optimizer, lr=config.lr)
-        planner = task.memory_planner(config.batch_size)    # a size that cannot fit: refused now
+        # a size that cannot fit is refused now: one replica's share of the mini-batch, planned
+        planner = task.memory_planner(-(-config.batch_size // config.replicas))
         if planner is not None:
             check_planned_memory(planner, config, task.memory_advice())
 

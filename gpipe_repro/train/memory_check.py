@@ -47,11 +47,12 @@ def check_planned_memory(planner: Any, config: Any, advice: str,
                          available: int | None = None) -> None:
     """Raise ValueError, before any work, where the run's planned peak does not fit (see the module
     docstring). `planner`: a :class:`~gpipe_repro.memory.planner.MemoryPlanner` of the run's model
-    and mini-batch; `config`: the run's :class:`~gpipe_repro.train.config.RunConfig`; `advice`: the
-    options that lower the peak, as the task names them."""
+    and one replica's share of the mini-batch (all of it without replicas); `config`: the run's
+    :class:`~gpipe_repro.train.config.RunConfig`; `advice`: the options that lower the peak, as the
+    task names them."""
     try:
-        plan = planner.plan(config.partitions, config.micro_batches * config.replicas,
-                            config.checkpoint, balance=config.balance, schedule=config.schedule,
+        plan = planner.plan(config.partitions, config.micro_batches, config.checkpoint,
+                            balance=config.balance, schedule=config.schedule,
                             transport="gloo" if config.runtime == "distributed" else "in-process")
     except Exception:       # noqa: BLE001 - a plan the planner cannot make checks nothing
         return
