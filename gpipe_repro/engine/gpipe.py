@@ -65,7 +65,9 @@ from gpipe_repro.engine.tied import (
     refuse_buffers_across_devices,
     refuse_diverging_copies,
     refuse_hooked_copies,
+    refuse_renormalized_copies,
     separate_places,
+    tied_names,
     uncounted_names,
     untie,
 )
@@ -278,6 +280,7 @@ class GPipe(nn.Module):
             layer_list = [DeferredBatchNorm.convert(layer) for layer in layer_list]
         cells = split_cells(layer_list, balance)
         self.ties = untie(cells)   # a parameter held by several cells: one copy per cell (engine.tied)
+        refuse_renormalized_copies(self.ties, cells)
         # what the cells run in place of the caller's modules and parameters follows them (stand_ins)
         self._stand_ins = StandIns(given, cells)
         if isinstance(layers, nn.Module):
@@ -341,7 +344,8 @@ class GPipe(nn.Module):
         executors = [
             StageExecutor(self._cell(s), s, partitions, sum(balance[:s]), self.devices[s], None,
                           stage_loss, self.optimizers[s], self.seed,
-                          uncounted=uncounted_names(self.ties, s), compile_options=compiled)
+                          uncounted=uncounted_names(self.ties, s), tied=tied_names(self.ties, s),
+                          compile_options=compiled)
             for s in self.stages_here]
         for executor in executors:     # each its own: a process of two stages checks twice a step
             executor.foreign = None if foreign is None else ForeignState(executor.stage, *foreign)

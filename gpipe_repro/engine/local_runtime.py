@@ -30,7 +30,7 @@ from gpipe_repro.engine.driver import drive
 from gpipe_repro.engine.rng import preserved_rng
 from gpipe_repro.engine.schedule import RECVS, Action, ActionKind, Schedule, ScheduleError
 from gpipe_repro.engine.stage import StageExecutor
-from gpipe_repro.engine.tied import Tie, sum_tied_gradients
+from gpipe_repro.engine.tied import Tie, refuse_copies_diverged_in_step, sum_tied_gradients
 from gpipe_repro.engine.timeline import Timeline, wall_clock
 
 __all__ = ["LocalTransport", "LocalRuntime", "run_local"]
@@ -76,7 +76,9 @@ def run_local(schedule: Schedule, executors: list[StageExecutor], transport: Loc
 
     def barrier(waiting: list[tuple[int, Action]]) -> None:
         if transport.agreed is None:   # once per step: every stage's contribution, summed
-            sum_tied_gradients(ties, {e.stage: e.cell for e in executors})
+            cells = {e.stage: e.cell for e in executors}
+            refuse_copies_diverged_in_step(ties, cells, {e.stage: e.tied_versions for e in executors})
+            sum_tied_gradients(ties, cells)
             transport.agreed = Contribution.total(e.contribution() for e in executors)
         for _, a in waiting:            # every process's AGREE before any update
             executors[a.stage].execute(a)

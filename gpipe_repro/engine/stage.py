@@ -78,6 +78,9 @@ class StageExecutor:
         seed: the pipeline's seed (dropout masks are a function of seed, step, layer, micro-batch).
         uncounted: names of the cell's parameters left out of its gradient norm (tied copies another
             cell counts).
+        tied: names of the cell's copies of parameters tied across cells, whose version counters
+            :attr:`tied_versions` holds as a step begins (the local runtime compares the copies at
+            AGREE where one moved: :func:`~gpipe_repro.engine.tied.refuse_copies_diverged_in_step`).
         compile_options: ``torch.compile``'s arguments: each layer runs compiled with them (the
             cell's modules themselves are not changed); None: eager.
     """
@@ -85,12 +88,15 @@ class StageExecutor:
     def __init__(self, cell: nn.Sequential, stage: int, num_stages: int, first_layer: int,
                  device: torch.device, transport: Transport | None, loss_fn: LossFn | None = None,
                  optimizer: torch.optim.Optimizer | None = None, seed: int = 0, *,
-                 uncounted: Collection[str] = (), compile_options: Mapping[str, Any] | None = None) -> None:
+                 uncounted: Collection[str] = (), tied: Collection[str] = (),
+                 compile_options: Mapping[str, Any] | None = None) -> None:
         self.cell, self.stage, self.num_stages = cell, stage, num_stages
         self.first_layer, self.device, self._transport = first_layer, device, transport
         self.loss_fn, self.optimizer, self.seed = loss_fn, optimizer, seed
         self.clock: Callable[[], float] | None = None   # this step's, when it is recorded
         self.uncounted = frozenset(uncounted)
+        self.tied = frozenset(tied)
+        self.tied_versions: dict[str, int] = {}    # the tied copies' version counters as a step began
         # what runs each layer: the layer, or its compiled runner (engine.compiled)
         self.runners: list[Callable[[Any], Any]] = (
             list(cell) if compile_options is None else [compiled_runner(layer, compile_options)
@@ -186,6 +192,7 @@ class StageExecutor:
         self.targets = list(targets) if targets is not None else None
         self.weights = list(weights) if weights is not None else None
         self.events = []
+        self.tied_versions = {n: self.cell.get_parameter(n)._version for n in self.tied}
         for bn in self.batchnorms:
             bn.discard()
         if self.training:

@@ -47,7 +47,8 @@ from gpipe_repro.engine.backward_split import needs_whole_gradient
 
 __all__ = ["Tie", "find_ties", "refuse_buffers_across_devices", "separate_places", "untie",
            "tied_copies", "copies_sum", "set_gradients", "sum_tied_gradients", "uncounted_names",
-           "refuse_diverging_copies", "refuse_hooked_copies"]
+           "refuse_diverging_copies", "refuse_hooked_copies", "refuse_renormalized_copies",
+           "refuse_copies_diverged_in_step", "tied_names"]
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,51 @@ def sum_tied_gradients(ties: Sequence[Tie], cells: Mapping[int, nn.Module]) -> N
         total = copies_sum(copies)
         if total is not None:
             set_gradients(copies, total)
+
+
+def tied_names(ties: Sequence[Tie], stage: int) -> frozenset[str]:
+    """The names, in cell `stage`, of its copies of parameters tied across cells."""
+    return frozenset(name for tie in ties for c, name in tie.holders if c == stage)
+
+
+def refuse_renormalized_copies(ties: Sequence[Tie], cells: Sequence[nn.Module]) -> None:
+    """Refuse, before any work, an embedding that renormalizes its weight in place in every forward
+    (``max_norm``) where that weight is tied across cells: the change lands in its own cell's copy,
+    and the other cells' copies would go on without it (a max_norm embedding tied to the head
+    trained a loss 0.17 off plain PyTorch's, silently)."""
+    for tie in ties:
+        for cell, name in tie.holders:
+            owner = cells[cell].get_submodule(name.rpartition(".")[0])
+            if isinstance(owner, (nn.Embedding, nn.EmbeddingBag)) and owner.max_norm is not None:
+                raise ValueError(
+                    f"{type(owner).__name__} {name!r} of cell {cell} has max_norm={owner.max_norm}, "
+                    "which renormalizes its weight in place in every forward, and that weight is "
+                    f"tied across cells {', '.join(str(c) for c in tie.cells)}: each cell holds a "
+                    "copy, and the others would not see the change. Keep the layers that share it in "
+                    "one cell (balance=...), or renormalize between steps instead of max_norm")
+
+
+def refuse_copies_diverged_in_step(ties: Sequence[Tie], cells: Mapping[int, nn.Module],
+                                   versions: Mapping[int, Mapping[str, int]]) -> None:
+    """Refuse a step, at its AGREE (before any update), in which a tie's copies held here stopped
+    being equal: one was changed in place (its version counter moved since `versions`, per cell,
+    read when the step began) and the others not alike. A layer that clamps or renormalizes its own
+    weight in its forward changes its own cell's copy only (the same module at two places changes
+    each copy alike, and passes)."""
+    for tie in ties:
+        copies = [(c, name, cells[c].get_parameter(name)) for c, name in tie.holders if c in cells]
+        if all(p._version == versions.get(c, {}).get(name) for c, name, p in copies):
+            continue
+        first = copies[0][2].detach()
+        if any(not torch.equal(p.detach().to(first.device), first) for _, _, p in copies[1:]):
+            changed = [f"{name!r} of cell {c}" for c, name, p in copies
+                       if p._version != versions.get(c, {}).get(name)]
+            raise ValueError(
+                f"parameter {', '.join(changed)}, tied across cells "
+                f"{', '.join(str(c) for c in tie.cells)}, was changed in place during the step (a "
+                "layer's forward clamping or renormalizing its own weight) and its copies in the "
+                "other cells were not: the step is refused before any update. Keep the layers that "
+                "share it in one cell (balance=...), or change the weight between steps")
 
 
 def uncounted_names(ties: Sequence[Tie], stage: int) -> frozenset[str]:

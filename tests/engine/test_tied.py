@@ -208,3 +208,67 @@ def test_silent_tied_hook_saw_one_cells_share_of_a_tied_weights_gradient(kind: s
     for name, value in pipe.state_dict().items():
         assert torch.equal(value, before[name]), name
 
+
+
+class _Pool(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.mean(1)
+
+
+class _Clamped(nn.Linear):
+    """Keeps its weight in [-0.2, 0.2], in place, in its forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.weight.clamp_(-0.2, 0.2)
+        return super().forward(x)
+
+
+def test_silent_a_max_norm_embedding_tied_to_the_head_trained_off_plain_pytorch() -> None:
+    """nn.Embedding(max_norm=...) renormalizes its weight in place in every forward; tied to the head
+    in another cell, only the embedding's copy changed, the head's went on without it (loss 3.158
+    against plain PyTorch's 2.989 from the first step, the copies apart for good). Refused when the
+    pipeline is built, before any work; in one cell it trains as plain PyTorch."""
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        embedding = nn.Embedding(20, 8, max_norm=1.0)
+        head = nn.Linear(8, 20, bias=False)
+        head.weight = embedding.weight
+        return nn.Sequential(embedding, _Pool(), nn.Linear(8, 8), nn.Tanh(), head)
+
+    with pytest.raises(ValueError, match="max_norm=1.0, which renormalizes its weight in place"):
+        GPipe(model(), partitions=2, balance=[2, 3], micro_batches=1, loss_fn=nn.CrossEntropyLoss())
+    x, y = torch.randint(0, 20, (12, 5)), torch.randint(0, 20, (12,))
+    pipe = GPipe(model(), partitions=1, micro_batches=1, checkpoint="never",
+                 loss_fn=nn.CrossEntropyLoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert pipe.train_step(x, y) == pytest.approx(float(nn.CrossEntropyLoss()(model()(x), y)), rel=1e-6)
+
+
+def test_silent_a_weight_clamped_in_its_forward_left_its_tied_copy_behind() -> None:
+    """A layer clamping its own weight in its forward, that weight tied to a plain layer in another
+    cell: the clamp changed its cell's copy only (loss 1.38610 against plain PyTorch's 1.38724). The
+    step is refused at its AGREE, before any update; the same module at two places clamps each copy
+    alike and trains as plain PyTorch does."""
+    def tied() -> nn.Sequential:
+        torch.manual_seed(0)
+        clamped, plain = _Clamped(8, 8), nn.Linear(8, 8)
+        plain.weight = clamped.weight
+        return nn.Sequential(nn.Linear(4, 8), clamped, nn.Tanh(), plain, nn.Linear(8, 3))
+
+    def shared() -> nn.Sequential:
+        torch.manual_seed(0)
+        clamped = _Clamped(8, 8)
+        return nn.Sequential(nn.Linear(4, 8), clamped, nn.Tanh(), clamped, nn.Linear(8, 3))
+
+    x, y = torch.randn(12, 4), torch.randint(0, 3, (12,))
+    layers = tied()
+    pipe = GPipe(layers, partitions=2, balance=[2, 3], micro_batches=1, checkpoint="never",
+                 loss_fn=nn.CrossEntropyLoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    others = [p.detach().clone() for n, p in layers.named_parameters() if not n.startswith("1.")]
+    with pytest.raises(ValueError, match="changed in place during the step"):
+        pipe.train_step(x, y)
+    assert all(torch.equal(a, p) for a, p in
+               zip(others, [p for n, p in layers.named_parameters() if not n.startswith("1.")]))
+    pipe = GPipe(shared(), partitions=2, balance=[2, 3], micro_batches=1, checkpoint="never",
+                 loss_fn=nn.CrossEntropyLoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert pipe.train_step(x, y) == pytest.approx(float(nn.CrossEntropyLoss()(shared()(x), y)), rel=1e-6)
