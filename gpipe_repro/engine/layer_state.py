@@ -35,6 +35,15 @@ class BufferWatch:
     def __init__(self, cell: nn.Sequential, first_layer: int) -> None:
         self.cell, self.first_layer = cell, first_layer
         self.forwards_checked, self.changed_by_forward, self.recompute_checked = 0, False, False
+        self.origin: Snapshot | None = None      # the buffers as a step that checks began
+
+    def begin_step(self, microbatches: int, recomputes: bool) -> None:
+        """A training step begins: where it will check a forward or a recompute, keep the buffers as
+        they are, so that a refusal puts them back (it comes after the forwards that showed it, and
+        a refused step changes nothing)."""
+        checks = ((microbatches > 1 and self.forwards_checked < 2)
+                  or (recomputes and not self.recompute_checked))
+        self.origin = self._snapshot() if checks else None
 
     def before_forward(self, microbatches: int) -> Snapshot | None:
         """A training forward is about to run: the buffers to compare after it, where it is checked
@@ -62,6 +71,7 @@ class BufferWatch:
                 changed = []
         if not changed:
             return
+        self._restore()
         index, buffer = changed[0].split(".", 1)
         where = f"layer {self.first_layer + int(index)} ({type(self.cell[int(index)]).__name__})"
         if action == "recompute":
@@ -73,6 +83,21 @@ class BufferWatch:
             f"{where} changes its buffer {buffer!r} in every forward: with micro_batches={microbatches} "
             "the pipeline runs that forward once per micro-batch, full-batch training once per step. "
             "Update the buffer once per step (outside the forward), or use micro_batches=1")
+
+    def _restore(self) -> None:
+        """The buffers as the step began (:meth:`begin_step`), before a refusal."""
+        if self.origin is None:
+            return
+        for name, value in self.origin.items():
+            owner, _, leaf = name.rpartition(".")
+            module = self.cell.get_submodule(owner)
+            current = module._buffers.get(leaf)
+            if current is not None and current.shape == value.shape and current.dtype == value.dtype:
+                with torch.no_grad():
+                    current.copy_(value)
+            else:
+                module._buffers[leaf] = value
+        self.origin = None
 
     def _buffers(self) -> Snapshot:
         norms = {id(b) for mod in self.cell.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)

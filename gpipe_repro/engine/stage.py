@@ -193,6 +193,8 @@ class StageExecutor:
         self.weights = list(weights) if weights is not None else None
         self.events = []
         self.tied_versions = {n: self.cell.get_parameter(n)._version for n in self.tied}
+        if self.training:
+            self.buffer_watch.begin_step(schedule.num_microbatches, bool(self.checkpointed))
         for bn in self.batchnorms:
             bn.discard()
         if self.training:
