@@ -314,10 +314,16 @@ def check_resumable(saved: dict[str, Any], config: RunConfig, task: Task) -> lis
         return "not given (the task's default)" if value is None else repr(value)
     diffs = [f"{k}: saved {shown(run.get(k))}, now {shown(getattr(config, k))}" for k in RESUME_MUST_MATCH
              if run.get(k) != getattr(config, k) and not (k == "balance" and getattr(config, k) is None)]
-    now = task.config()
-    diffs += [f"{k}: saved {shown(saved['task'].get(k))}, now {shown(now.get(k))}"
-              for k in sorted(set(now) | set(saved["task"])) if saved["task"].get(k) != now.get(k)
-              and not (k in RECORDED_SINCE and k not in saved["task"])]
+    now, then = task.config(), saved["task"]
+    resolved = getattr(task, "resolved_in", {})
+
+    def same_effect(k: str) -> bool:   # given on one side, left to a default of the same effect
+        r = resolved.get(k)
+        return (r is not None and (then.get(k) is None or now.get(k) is None) and r in then
+                and then[r] == now.get(r))
+    diffs += [f"{k}: saved {shown(then.get(k))}, now {shown(now.get(k))}"
+              for k in sorted(set(now) | set(then)) if then.get(k) != now.get(k)
+              and not (k in RECORDED_SINCE and k not in then) and not same_effect(k)]
     if diffs:
         given = any("not given" in d for d in diffs)
         raise ValueError(

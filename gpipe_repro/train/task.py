@@ -38,6 +38,10 @@ class Task(abc.ABC):
     name: str = "task"
     loss_reduction: str = "mean"        # GPipe's: "mean" weights micro-batch losses by size
     lower_is_better: tuple[str, ...] = ("loss",)   # eval metrics whose best is the minimum
+    #: settings (keys of :meth:`config`) that may be left out for a default whose effect another key
+    #: holds: a resume compares that key where one side gave the setting and the other did not
+    #: (``--hidden 64`` against a run whose preset's model was 64 wide is no change)
+    resolved_in: dict[str, str] = {}
 
     @abc.abstractmethod
     def config(self) -> dict[str, Any]:

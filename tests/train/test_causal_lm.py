@@ -237,3 +237,20 @@ def test_a_sequence_the_host_cannot_hold_is_refused_before_any_work(tmp_path: Pa
     monkeypatch.setattr(memory_check, "available_host_bytes", lambda: 2 ** 40)
     fits = CliRunner().invoke(app, [*args, "--seq-len", "512", "--steps", "1"])
     assert fits.exit_code == 0, (fits.output, fits.exception)
+
+
+def test_a_size_given_on_resume_with_the_value_the_run_had_is_no_change(tmp_path: Path) -> None:
+    """`--resume --hidden 64` on a run whose preset left the width to the family's tiny 64 was refused
+    as "hidden: saved not given, now 64": a size left out is compared through the model it gives.
+    Another size is still refused, naming it and the model."""
+    text, out = _text(tmp_path / "sentences.txt"), tmp_path / "run"
+    args = ["run", "causal-lm", "--preset", "smoke", "--text", str(text), "--out", str(out),
+            "--wandb", "disabled", "--no-progress"]
+    first = CliRunner().invoke(app, [*args, "--steps", "2"])
+    assert first.exit_code == 0, (first.output, first.exception)
+    layers = json.loads((out / "run.json").read_text())["config"]["task"]["model"]
+    assert "layers 2" in layers
+    other = CliRunner().invoke(app, [*args, "--steps", "3", "--resume", "--layers", "3"])
+    assert other.exit_code == 2 and "layers: saved not given" in other.output, other.output
+    same = CliRunner().invoke(app, [*args, "--steps", "3", "--resume", "--layers", "2"])
+    assert same.exit_code == 0, (same.output, same.exception)

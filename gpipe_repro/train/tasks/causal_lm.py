@@ -167,6 +167,8 @@ class CausalLMTask(Task):
     """A Hugging Face causal LM on byte-level text (see the module docstring)."""
 
     name = "causal-lm"
+    resolved_in = {**{size: "model" for size in ("layers", "hidden", "heads", "kv_heads", "intermediate")},
+                   "tie_embeddings": "tied_embeddings"}
     lower_is_better = ("loss", "bits_per_byte")
 
     def __init__(self, config: CausalLMConfig) -> None:
