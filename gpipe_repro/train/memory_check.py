@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from gpipe_repro.train.pipeline import resolve_devices
+
 __all__ = ["available_host_bytes", "check_planned_memory"]
 
 GIB = 2 ** 30
@@ -43,8 +45,7 @@ def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     return None
 
 
-def check_planned_memory(planner: Any, config: Any, advice: str,
-                         available: int | None = None) -> None:
+def check_planned_memory(planner: Any, config: Any, advice: str) -> None:
     """Raise ValueError, before any work, where the run's planned peak does not fit (see the module
     docstring). `planner`: a :class:`~gpipe_repro.memory.planner.MemoryPlanner` of the run's model
     and one replica's share of the mini-batch (all of it without replicas); `config`: the run's
@@ -57,17 +58,16 @@ def check_planned_memory(planner: Any, config: Any, advice: str,
     except Exception:       # noqa: BLE001 - a plan the planner cannot make checks nothing
         return
     peaks: Sequence[int] = plan.device_peaks
-    device = "cuda" if config.device == "auto" and torch.cuda.is_available() else config.device
-    if device == "cuda" and torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        for k, peak in enumerate(peaks):
-            total = torch.cuda.get_device_properties(k % count).total_memory
+    devices = resolve_devices(config.device, len(peaks))    # None: the CPU
+    if devices is not None:
+        for k, (peak, device) in enumerate(zip(peaks, devices)):
+            total = torch.cuda.get_device_properties(device).total_memory
             if peak > total:
                 raise ValueError(
                     f"the run would need about {_size(peak)} on cell {k}'s GPU at its peak "
                     f"(planned) and the device has {_size(total)}: {advice}")
         return
-    have = available if available is not None else available_host_bytes()
+    have = available_host_bytes()
     need = sum(peaks) * config.replicas
     if have is not None and need > have:
         shown = ", ".join(_size(p) for p in peaks)
