@@ -161,6 +161,12 @@ def place_stages(*, runtime: str, schedule: str, partitions: int, checkpoint: st
                          f"replica, {procs} x replicas processes (torchrun "
                          f"--nproc-per-node {procs}, or launch_local(fn, {procs} * R))")
     if world != procs * replicas:
+        if procs != partitions:     # several cells per process: replicas are no way out
+            each = partitions // procs
+            raise ValueError(f"partitions={partitions} with schedule={schedule!r}, which puts {each} cells "
+                             f"on each process, needs {procs} processes but the job has {world}: pass "
+                             f"partitions={each * world} ({world} processes of {each} cells each), or "
+                             f"start {procs} processes")
         raise ValueError(f"partitions={partitions} x replicas={replicas} needs "
                          f"{procs * replicas} processes but the job has {world}: start "
                          f"{procs * replicas} processes, or pass replicas={world // procs}")

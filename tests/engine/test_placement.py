@@ -29,3 +29,23 @@ def test_interleaved_stages_share_processes_as_the_schedule_says() -> None:
     with pytest.raises(ValueError, match=r"replicas=2.*not supported.*use replicas=1"):
         place_stages(runtime="distributed", schedule="interleaved", partitions=4, checkpoint="never",
                      replicas=2)
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "interleaved"])
+def test_two_cells_per_process_on_too_many_processes_are_told_the_partitions_to_pass(
+        monkeypatch: pytest.MonkeyPatch, schedule: str) -> None:
+    """partitions=2 with a schedule of 2 cells per process on a 2-process job said "needs 1
+    processes ... or pass replicas=2", which such a schedule refuses; it now says partitions=4."""
+    class Job:
+        world_size, rank = 2, 0
+
+    class Plugin:
+        @staticmethod
+        def init_distributed() -> Job:
+            return Job()
+
+    monkeypatch.setattr("gpipe_repro.engine.placement.runtime_plugin", lambda runtime: Plugin)
+    with pytest.raises(ValueError, match=r"puts 2 cells on each process, needs 1 processes but the job "
+                                         r"has 2: pass partitions=4"):
+        place_stages(runtime="distributed", schedule=schedule, partitions=2, checkpoint="never",
+                     replicas=1)
