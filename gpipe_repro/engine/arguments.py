@@ -37,8 +37,8 @@ from gpipe_repro.engine.schedule import (
 from gpipe_repro.engine.stand_ins import shown_to_optimizer
 
 __all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_auto_split",
-           "check_materialized", "check_running_statistics", "check_sample_target", "compile_options",
-           "declared_reduction", "layer_shapes", "same_everywhere"]
+           "check_batch_first", "check_materialized", "check_running_statistics", "check_sample_target",
+           "compile_options", "declared_reduction", "layer_shapes", "same_everywhere"]
 
 BATCHNORM_STATS = ("per_replica", "synchronized")   # GPipe(batchnorm_stats=...), with replicas
 
@@ -283,6 +283,50 @@ def check_running_statistics(layers: Sequence[nn.Module], micro_batches: int, ch
                 + ("Use track_running_stats=False (InstanceNorm's default), or "
                    if isinstance(mod, nn.modules.instancenorm._InstanceNorm) else "Use ")
                 + "micro_batches=1 with checkpoint='never' or 'except_last'")
+
+
+def check_batch_first(layers: Sequence[nn.Module], parts: int) -> None:
+    """Refuse, before any work, a layer that takes its input sequence-first (PyTorch's RNNs,
+    ``nn.MultiheadAttention`` and Transformer layers with ``batch_first=False``, their default) where
+    the mini-batch is cut (`parts` = micro-batches x replicas > 1): the pipeline cuts every tensor
+    along dim 0, which is their time, so each micro-batch would hold some time steps of every
+    sequence (a 6-step sequence-first encoder trained a loss 0.011 off full-batch training, its
+    gradients 0.044, and inference differed by 0.32, silently). The layer itself is checked and, in
+    an ``nn.Sequential`` (or a Transformer encoder's or decoder's stack), the modules its input
+    reaches as it is; a module of the user's that transposes before calling one is not refused."""
+    if parts <= 1:
+        return
+    for i, layer in enumerate(layers):
+        for name, mod in _entry_modules(layer, ""):
+            if not _sequence_first(mod):
+                continue
+            where = f"layer {i} (" + (f"{name}: " if name else "") + f"{type(mod).__name__})"
+            raise ValueError(
+                f"{where} takes its input sequence-first (batch_first=False, PyTorch's default): its "
+                "dim 0 is time, and the pipeline cuts every tensor along dim 0 into micro-batches, so "
+                "each would hold some time steps of every sequence, unlike full-batch training. Build "
+                "it with batch_first=True and give the pipeline batch-first tensors (inputs and "
+                "targets), or wrap it in a module that transposes to (time, batch, ...) and back")
+
+
+def _entry_modules(mod: nn.Module, name: str) -> Any:
+    """`mod` and, through containers that pass their input on unchanged (``nn.Sequential``, a
+    Transformer's stack of layers), the modules that input reaches first, with their names."""
+    yield name, mod
+    if isinstance(mod, nn.Sequential):
+        for child_name, child in mod.named_children():
+            yield from _entry_modules(child, f"{name}.{child_name}" if name else child_name)
+    elif isinstance(mod, (nn.TransformerEncoder, nn.TransformerDecoder)) and len(mod.layers) > 0:
+        yield from _entry_modules(mod.layers[0], f"{name}.layers.0" if name else "layers.0")
+
+
+def _sequence_first(mod: nn.Module) -> bool:
+    """Whether `mod` is one of PyTorch's layers built to take (time, batch, ...) input."""
+    if isinstance(mod, (nn.RNNBase, nn.MultiheadAttention, nn.Transformer)):
+        return not mod.batch_first
+    if isinstance(mod, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return not mod.self_attn.batch_first
+    return False
 
 
 def _stateful_forward(mod: nn.Module) -> str | None:

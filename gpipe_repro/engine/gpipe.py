@@ -36,6 +36,7 @@ from gpipe_repro.engine.arguments import (
     build_optimizer,
     check_arguments,
     check_auto_split,
+    check_batch_first,
     check_materialized,
     check_running_statistics,
     check_sample_target,
@@ -53,7 +54,7 @@ from gpipe_repro.engine.batchnorm import (
 from gpipe_repro.engine.foreign import ForeignState, foreign_tensors
 from gpipe_repro.engine.layer_costs import cut_layers
 from gpipe_repro.engine.loss_scaler import LossScaler, restore_scaler, saved_scaler
-from gpipe_repro.engine.losses import ReductionCheck, exact_mean, loss_weights, own_forward
+from gpipe_repro.engine.losses import CountedCheck, ReductionCheck, exact_mean, loss_weights, own_forward
 from gpipe_repro.engine.partition import check_balance
 from gpipe_repro.engine.placement import RUNTIMES, move_cell, place_stages, split_cells
 from gpipe_repro.engine.runtime import Runtime, build_runtime
@@ -233,6 +234,7 @@ class GPipe(nn.Module):
         if deferred_batchnorm:
             check_batchnorms(layer_list)
         check_running_statistics(layer_list, micro_batches, checkpoint)
+        check_batch_first(layer_list, micro_batches * replicas)
         compiled = compile_options(compile, training_schedule)
         self._compile = compile if compiled is not None else None
         placement = place_stages(runtime=runtime, schedule=schedule, partitions=partitions,
@@ -325,6 +327,8 @@ class GPipe(nn.Module):
         declared = declared_reduction(loss_fn)
         if loss_fn is not None and loss_reduction is None and (declared is None or own_forward(loss_fn)):
             stage_loss = ReductionCheck(stage_loss, self._parts, declared=declared)
+        if loss_fn is not None and (declared is None or own_forward(loss_fn)):
+            stage_loss = CountedCheck(stage_loss)   # a pair it returns is (sum, count): checked
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.precision = precision
         self.low_precision_boundaries = bool(low_precision_boundaries)

@@ -47,8 +47,8 @@ from gpipe_repro.engine.boundary import tensors
 from gpipe_repro.engine.precision import upcast
 from gpipe_repro.engine.traced import has_values
 
-__all__ = ["exact_mean", "denominator", "weighted_loss", "loss_weights", "ReductionCheck", "own_forward",
-           "refuse_ignored_targets", "IGNORED_TARGET"]
+__all__ = ["exact_mean", "denominator", "weighted_loss", "loss_weights", "ReductionCheck", "CountedCheck",
+           "own_forward", "refuse_ignored_targets", "IGNORED_TARGET"]
 
 IGNORED_TARGET = -100
 """The class index ``F.cross_entropy`` and ``F.nll_loss`` ignore by default (and transformers' labels
@@ -106,6 +106,12 @@ def weighted_loss(result: Any, weight: float | torch.Tensor) -> tuple[torch.Tens
     if not isinstance(result, torch.Tensor) or result.dim() != 0:
         raise TypeError("loss_fn must return a scalar tensor (0-dim) or (sum, count); use a "
                         "reducing loss")
+    if isinstance(count, torch.Tensor) and count.requires_grad:
+        raise TypeError("loss_fn returned (sum, count) whose count requires grad: the engine reads a "
+                        "pair as the micro-batch's summed loss and the number it counts (e.g. its "
+                        "non-padding tokens), and divides the step's loss by the summed counts. To "
+                        "log a metric beside the loss, return the loss alone (a 0-dim tensor) and "
+                        "compute the metric outside the pipeline")
     loss = upcast(result)
     if count is None and not (isinstance(weight, float) and weight == 1.0):   # x * 1.0 is x
         loss = loss * weight
@@ -162,7 +168,10 @@ class ReductionCheck:
       otherwise, statistics of the batch), micro-batching changes the loss, and it is refused too
       (``loss_reduction`` accepts combining micro-batches as given, ``(sum, count)`` makes a masked
       mean exact). Rows that agree (no padding in any, equal class weights) cannot tell, so the
-      check runs on every micro-batch of the first step; one whose rows cannot be cut (no output
+      check runs on every micro-batch of the first step, and so does one across micro-batches:
+      the first row of each with the first row of the first micro-batch checked (kept until the
+      checks end), as rows of one micro-batch may agree where those of two do not (a masked mean
+      over a batch sorted by length trained 0.15 off, silently); one whose rows cannot be cut (no output
       tensor with the target's rows, a loss that fails on fewer rows) is skipped, and so is one
       whose rows taken the other way round give another loss (the output's dim 0 is not its rows:
       a time-first (T, n, ...) output with T = n). The targets' rows are cut as the micro-batches
@@ -181,6 +190,7 @@ class ReductionCheck:
         self.calls_left: int | None = None     # None: not started (no mini-batch split yet)
         self.parts = parts
         self.declared = declared
+        self._kept: tuple[Any, Any] | None = None   # a row of the first micro-batch checked
 
     def __call__(self, output: Any, target: Any) -> Any:
         result = self.loss_fn(output, target)
@@ -194,6 +204,8 @@ class ReductionCheck:
                 refuse_ignored_targets(target, self._claim())
             self._probe_rows(output, target, result)
             self.calls_left -= 1   # counted once passed: a refused step, run again, is checked again
+            if self.calls_left == 0:
+                self._kept = None
         return result
 
     def _claim(self) -> str:
@@ -219,25 +231,44 @@ class ReductionCheck:
         # memory is the loss of three rows, whatever the micro-batch's size (it runs at the step's
         # peak). In float64 where the loss computes in it, else as the step computes it.
         picked = [0, 0] if n == 1 else [0, n - 1] if n == 2 else [0, n // 2, n - 1]
+        if self._judge(output, target, picked, n, result):
+            self._probe_across(output, target, n, result)
+
+    def _probe_across(self, output: Any, target: Any, n: int, result: torch.Tensor) -> None:
+        """The first row of this micro-batch with the first of the first micro-batch checked (kept,
+        one row): rows of one micro-batch may agree where those of two do not (a masked mean over a
+        batch sorted by length, every micro-batch's rows equally padded)."""
+        row = (_rows(output, [0], n), _rows(target, [0], n))
+        if self._kept is None:
+            self._kept = row
+            return
+        both = (_cat_rows(row[0], self._kept[0]), _cat_rows(row[1], self._kept[1]))
+        if both[0] is not None and both[1] is not None:
+            self._judge(both[0], both[1], [0, 1], 2, result)
+
+    def _judge(self, output: Any, target: Any, picked: list[int], n: int, result: torch.Tensor) -> bool:
+        """Refuse (ValueError) where the loss of rows `picked` of `output` together is not the
+        reduction of each one's (see the class docstring); whether the rows could be judged (False:
+        their loss cannot be taken alone, or dim 0 is not the rows)."""
         probed = self._probe(output, target, picked, n, result, torch.float64)
         if probed is None:
             probed = self._probe(output, target, picked, n, result, None)
         if probed is None:
-            return
+            return False
         values, whole, other, exact = probed
         if not all(math.isfinite(v) for v in (whole, other, *values)):
             self._refuse_not_finite(output, "one row of a micro-batch", [whole, other, *values])
-            return
+            return False
         as_mean, as_sum = sum(values) / len(values), sum(values)
         low = result.dtype in (torch.float16, torch.bfloat16) or any(
             t.dtype in (torch.float16, torch.bfloat16) for t in tensors(output))
         tolerance = (1e-9 if exact else 2e-2 if low else 1e-4) * max(abs(whole), *(abs(v) for v in values),
                                                                       1e-30)
         if abs(whole - other) > tolerance:
-            return
+            return False
         expected = as_sum if self.declared == "sum" else as_mean
         if abs(whole - expected) <= tolerance:
-            return
+            return True
         summing = abs(whole - as_sum) <= tolerance
         if self.declared is None and summing:
             raise ValueError("loss_fn declares no reduction and sums over its rows (rows' "
@@ -310,6 +341,89 @@ class ReductionCheck:
                          "mend it")
 
 
+class CountedCheck:
+    """`loss_fn`, a function or a module with a ``forward`` of its own, whose ``(a, b)`` results are
+    checked during its first calls to be ``(sum, count)``: the engine divides the step's summed
+    losses by its summed counts, so both must add up over rows. A loss returning ``(mean, accuracy)``
+    to log a metric would otherwise train on the loss divided by the accuracy, silently (at any K and
+    M, one micro-batch included). Three rows of the micro-batch (:meth:`ReductionCheck._probe_rows`'s
+    rows) alone and together: the pair of the rows together must be the sum of their pairs, in both
+    entries. Each check reads the device, during the first `calls` calls only; a loss whose rows
+    cannot be cut (see :class:`ReductionCheck`) is not checked."""
+
+    def __init__(self, loss_fn: Callable[..., Any], calls: int = 2) -> None:
+        self.loss_fn = loss_fn
+        self.calls_left = calls
+
+    def __call__(self, output: Any, target: Any) -> Any:
+        result = self.loss_fn(output, target)
+        if self.calls_left > 0 and isinstance(result, tuple) and len(result) == 2:
+            self._check(output, target, result)
+            self.calls_left -= 1   # counted once passed: a refused step, run again, is checked again
+        return result
+
+    def _check(self, output: Any, target: Any, result: tuple[Any, Any]) -> None:
+        total, count = result
+        if not isinstance(total, torch.Tensor) or total.dim() != 0:
+            return                         # weighted_loss refuses it, saying what to return
+        if isinstance(count, torch.Tensor) and count.dim() != 0:
+            raise TypeError(f"loss_fn returned (sum, count) with a count of shape {tuple(count.shape)}: "
+                            "return the micro-batch's summed loss and what it counts as 0-dim tensors "
+                            "(or a Python number for the count)")
+        if isinstance(count, torch.Tensor) and count.requires_grad:
+            return                         # weighted_loss refuses it, saying why
+        if not has_values(total) or (isinstance(count, torch.Tensor) and not has_values(count)):
+            return                         # shapes only (the memory planner's trace)
+        counted = float(torch.as_tensor(count, dtype=torch.float64))
+        if not (math.isfinite(counted) and counted >= 0):
+            raise ValueError(f"loss_fn returned (sum, count) with count {counted:g}: a count is a number "
+                             ">= 0 (the micro-batch's tokens or rows that count)")
+        batched = [t for t in tensors(target) if t.dim() > 0]
+        if not batched or not all(has_values(t) for t in batched):
+            return
+        n = batched[0].shape[0]
+        if not any(t.dim() > 0 and t.shape[0] == n for t in tensors(output)):
+            return
+        picked = [0, 0] if n == 1 else [0, n - 1] if n == 2 else [0, n // 2, n - 1]
+        with torch.no_grad():
+            try:
+                parts = [self.loss_fn(_rows(output, [i], n), _rows(target, [i], n)) for i in picked]
+                together = self.loss_fn(_rows(output, picked, n), _rows(target, picked, n))
+                swapped = self.loss_fn(_rows(output, picked[::-1], n), _rows(target, picked[::-1], n))
+            except Exception:     # noqa: BLE001 - a loss tied to its batch's rows: not checked
+                return
+        pairs = [_pair(p) for p in (*parts, together, swapped)]
+        if any(p is None for p in pairs):
+            return
+        *rows, whole, other = pairs
+        for i, what in ((0, "sum"), (1, "count")):
+            values = [r[i] for r in rows]    # type: ignore[index]
+            low = total.dtype in (torch.float16, torch.bfloat16)
+            tolerance = (2e-2 if low else 1e-4) * max(abs(whole[i]), *(abs(v) for v in values), 1e-30)  # type: ignore[index]
+            if abs(whole[i] - other[i]) > tolerance:   # type: ignore[index]
+                return        # the rows the other way round differ: dim 0 is not the rows
+            if abs(whole[i] - sum(values)) > tolerance:   # type: ignore[index]
+                raise ValueError(
+                    f"loss_fn returned a pair, which the engine reads as (sum, count): the micro-batch's "
+                    "summed loss and what it counts, the step's loss being the summed losses over the "
+                    f"summed counts. Its {what} does not add up over rows: {len(values)} rows together "
+                    f"give {whole[i]:.6g}, not the sum {sum(values):.6g} of each one's "  # type: ignore[index]
+                    f"({'a mean?' if what == 'sum' else 'a metric, such as an accuracy?'}). Return the "
+                    "loss alone (a 0-dim tensor) and compute metrics outside the pipeline, or return "
+                    "(summed loss, count)")
+
+
+def _pair(result: Any) -> tuple[float, float] | None:
+    """A ``(sum, count)`` result as two floats, None for anything else."""
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)
+            and result[0].dim() == 0):
+        return None
+    count = torch.as_tensor(result[1])
+    if count.dim() != 0:
+        return None
+    return float(result[0].double()), float(count.double())
+
+
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     """`value` with every floating tensor cast to `dtype` (detached), the rest as it is."""
     if isinstance(value, torch.Tensor):
@@ -326,6 +440,19 @@ def _rows(value: Any, rows: Any, n: int) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_rows(v, rows, n) for v in value)
     return value
+
+
+def _cat_rows(a: Any, b: Any) -> Any:
+    """Two one-row values (:func:`_rows`'s) as one of two rows; None where their tensors cannot be
+    joined (another length or width)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dim() == 0 or b.dim() == 0 or a.shape[0] != 1 or b.shape[0] != 1:
+            return a if a.shape == b.shape and torch.equal(a, b) else None
+        return torch.cat([a, b.to(a.device)]) if a.shape[1:] == b.shape[1:] and a.dtype == b.dtype else None
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b):
+        parts = [_cat_rows(x, y) for x, y in zip(a, b)]
+        return None if any(p is None for p, x in zip(parts, a) if x is not None) else type(a)(parts)
+    return a if a == b else None
 
 
 def refuse_ignored_targets(targets: Any, claim: str = "loss_fn declares no reduction") -> None:

@@ -52,7 +52,8 @@ def batch_size(value: Any, what: str = "the batch") -> int:
                          "every batched tensor of an input or a target must have the same dim 0, "
                          "as each is cut along it into the micro-batches. A tensor shared by every "
                          "example (positions, a causal mask) is made inside a layer, or kept as its "
-                         "buffer, rather than passed with the batch")
+                         "buffer, rather than passed with the batch, or given one row per example "
+                         "(position ids of shape (1, T): pass position_ids.expand(N, -1))")
     return sizes.pop()
 
 

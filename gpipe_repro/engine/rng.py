@@ -11,6 +11,13 @@ each layer runs on each micro-batch makes masks a pure function of *which* compu
 
 The caller's own RNG stream is left as it was: :func:`preserved_rng` wraps each step.
 
+A layer that draws from a ``torch.Generator`` of its own (an attribute of one of its modules) is not
+reached by the seeding; :class:`PrivateGenerators` gives its recompute the generator's state of the
+original forward, and puts the stream back afterwards, as if the recompute had not drawn (a layer
+with its own generator trained gradients 0.11 off under the default checkpointing otherwise). Python's
+``random`` and NumPy's global streams are not replayed (as with ``torch.utils.checkpoint``): draw
+from torch's generators in a layer that is re-materialized.
+
 The rule, exactly (so that a reference can re-implement it without this module): with
 ``mix`` = SplitMix64's finalizer (Steele, Lea & Flood, OOPSLA 2014; constants of Vigna's
 splitmix64.c) on 64-bit unsigned integers, and negative numbers taken modulo 2^64::
@@ -24,11 +31,12 @@ Training steps count 0, 1, 2, ...; the k-th training-mode ``forward()`` call use
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
+from torch import nn
 
-__all__ = ["step_key", "layer_seed", "seed_layer", "preserved_rng"]
+__all__ = ["step_key", "layer_seed", "seed_layer", "preserved_rng", "PrivateGenerators"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -77,3 +85,43 @@ def preserved_rng(devices: list[torch.device] | None = None) -> Iterator[None]:
         torch.set_rng_state(cpu_state)
         for i, state in zip(cuda, cuda_states):
             torch.cuda.set_rng_state(state, i)
+
+
+class PrivateGenerators:
+    """The ``torch.Generator`` objects a cell's layers hold (attributes of their modules), and their
+    states as each checkpointed micro-batch's forward found them, for its recompute (see the module
+    docstring). `of`: layer index in the cell -> its generators; empty for most models, which then
+    pay nothing."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        self.of: dict[int, list[torch.Generator]] = {}
+        for i, layer in enumerate(layers):
+            found = {id(v): v for mod in layer.modules() for v in vars(mod).values()
+                     if isinstance(v, torch.Generator)}
+            if found:
+                self.of[i] = list(found.values())
+        self._states: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def clear(self) -> None:
+        """Drop states a failed step left."""
+        self._states.clear()
+
+    @contextlib.contextmanager
+    def around(self, layer: int, microbatch: int, *, record: bool, recompute: bool) -> Iterator[None]:
+        """Run layer `layer` on `microbatch`: keep its generators' states first where `record` (a
+        forward whose micro-batch is recomputed later); at its `recompute`, draw from those states
+        and restore the streams afterwards."""
+        generators = self.of[layer]
+        if recompute and (layer, microbatch) in self._states:
+            now = [g.get_state() for g in generators]
+            for g, state in zip(generators, self._states.pop((layer, microbatch))):
+                g.set_state(state)
+            try:
+                yield
+            finally:
+                for g, state in zip(generators, now):
+                    g.set_state(state)
+            return
+        if record:
+            self._states[(layer, microbatch)] = [g.get_state() for g in generators]
+        yield

@@ -40,11 +40,11 @@ from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_many, is_one_
 from gpipe_repro.engine.compiled import compiled_runner
 from gpipe_repro.engine.feeding import InputGuard
 from gpipe_repro.engine.foreign import ForeignState
-from gpipe_repro.engine.layer_state import BufferWatch
+from gpipe_repro.engine.layer_state import BatchDependentFrequencies, BufferWatch
 from gpipe_repro.engine.losses import weighted_loss
 from gpipe_repro.engine.precision import autocast, cast_boundary
 from gpipe_repro.engine.recompute import recomputing
-from gpipe_repro.engine.rng import seed_layer, step_key
+from gpipe_repro.engine.rng import PrivateGenerators, seed_layer, step_key
 from gpipe_repro.engine.schedule import Action, ActionKind, Schedule, ScheduleError
 from gpipe_repro.engine.timeline import Event
 
@@ -111,6 +111,8 @@ class StageExecutor:
         self.agreement: Agreement | None = None
         self.input_guard = InputGuard(stage, first_layer, len(cell))
         self.buffer_watch = BufferWatch(cell, first_layer)   # layers whose forward changes their state
+        self.frequencies = BatchDependentFrequencies(cell, first_layer)   # dynamic / longrope rotary
+        self.generators = PrivateGenerators(list(cell))      # layers drawing from a generator of their own
         # runtime="distributed": the layers other processes hold, which this step must not reach
         self.foreign: ForeignState | None = None
         # Micro-batches whose backward is split (BACKWARD_INPUT / BACKWARD_WEIGHT) this step.
@@ -162,6 +164,7 @@ class StageExecutor:
         self.loss_sum: torch.Tensor | None = None
         self.count_sum: torch.Tensor | None = None
         self.agreement = None
+        self.generators.clear()
 
     def begin_step(self, step: int, schedule: Schedule, microbatches: Sequence[Any] | None = None,
                    targets: Sequence[Any] | None = None,
@@ -195,6 +198,7 @@ class StageExecutor:
         self.tied_versions = {n: self.cell.get_parameter(n)._version for n in self.tied}
         if self.training:
             self.buffer_watch.begin_step(schedule.num_microbatches, bool(self.checkpointed))
+        self.frequencies.begin()
         for bn in self.batchnorms:
             bn.discard()
         if self.training:
@@ -219,7 +223,17 @@ class StageExecutor:
             raise ScheduleError(f"stage {self.stage} does not understand action {action.kind!r} "
                                 f"({action}); it knows {sorted(k.value for k in self.handlers)}")
         start = self.clock() if self.clock else 0.0
-        handler(action.microbatch)
+        try:
+            handler(action.microbatch)
+        except RuntimeError as e:
+            if "backward through the graph a second time" not in str(e):
+                raise
+            raise RuntimeError(
+                f"stage {self.stage}, {action.kind.value} of micro-batch {action.microbatch}: autograd "
+                "reached a graph already freed. A value kept from an earlier forward (a tensor a "
+                "layer stores on a module attribute or a global, read by another layer or by a later "
+                "micro-batch) crosses outside the pipeline's boundaries: pass it to the layers that "
+                "need it through the layers' outputs (a tuple)") from e
         if self.clock:
             self.events.append(Event(self.stage, action.kind.value, action.microbatch, start, self.clock()))
 
@@ -247,6 +261,7 @@ class StageExecutor:
             out = self._run(self.inputs[m], m)
         if before is not None:
             self.buffer_watch.after(before, "forward", m_count)
+        self.frequencies.after_forward(m, m_count)
         if not self.training:
             self.inputs.pop(m)
         if keep_graph:
@@ -377,12 +392,18 @@ class StageExecutor:
                      and splits_input(x, self.stage) else None)
         seed, step, key, device, first = self.seed, self.step, self.step_key, self.device, self.first_layer
         mb = m + self.microbatch_offset
+        private = self.generators.of if training else {}
+        record = m in self.checkpointed and not recompute
         try:
             with self._autocast(), deferring or contextlib.nullcontext() as work:
                 h = entry.value
                 for i, layer in enumerate(self.cell):
                     seed_layer(seed, step, first + i, mb, device, key)
-                    h = self.runners[i](h)
+                    if private and i in private:
+                        with self.generators.around(i, m, record=record, recompute=recompute):
+                            h = self.runners[i](h)
+                    else:
+                        h = self.runners[i](h)
                     if not isinstance(h, torch.Tensor):   # a tensor always may cross
                         boundary.check(h, f"layer {first + i} ({type(layer).__name__})")
             if self.is_last and training and torch.is_grad_enabled():

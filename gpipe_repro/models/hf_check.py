@@ -111,9 +111,11 @@ def _both_logits(model: Any, layers: nn.Sequential, ids: torch.Tensor,
 
 
 def _dropout_settings(config: Any) -> list[str]:
-    """The config's dropout probabilities above 0, as ``name=value``."""
+    """The config's settings that make training random, above 0, as ``name=value``: dropout
+    probabilities, and a mixture of experts' router jitter (Mixtral's ``router_jitter_noise``,
+    PhiMoE's sampled routing), which is random in training as dropout is."""
     return [f"{k}={v}" for k, v in sorted(vars(config).items())
-            if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0]
+            if any(word in k for word in ("dropout", "pdrop", "jitter")) and isinstance(v, float) and v > 0]
 
 
 def _varies_with_seed(run: Callable[[], tuple[torch.Tensor, ...]], device: torch.device) -> list[bool]:

@@ -152,3 +152,57 @@ def test_no_targets_for_a_loss_that_reads_only_the_output() -> None:
     model = nn.Sequential(*copy.deepcopy(list(pipe.unpartitioned())))
     x = torch.randn(4, 4)
     assert pipe.train_step(x, None) == pytest.approx(float(model(x).pow(2).mean().detach()), rel=1e-5)
+
+
+def test_silent_time_cut_sequence_first_layers_were_split_along_their_time_dim() -> None:
+    """``nn.TransformerEncoderLayer`` with PyTorch's default ``batch_first=False`` takes (T, N, D):
+    the pipeline cut its dim 0, time, into micro-batches (a loss 0.011 off full-batch training,
+    inference 0.32 off), silently. Sequence-first layers are refused where the batch is cut, inside
+    an nn.Sequential and a TransformerEncoder too; built batch-first, or with one micro-batch, they
+    run."""
+    def encoder(batch_first: bool) -> nn.Module:
+        return nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+
+    for model in ([nn.Linear(8, 8), encoder(False), nn.Linear(8, 4)],
+                  [nn.Sequential(nn.Linear(8, 8),
+                                 nn.TransformerEncoder(encoder(False), 2, enable_nested_tensor=False)),
+                   nn.Linear(8, 4)],
+                  [nn.Linear(8, 8), nn.Sequential(nn.LSTM(8, 8)), nn.Linear(8, 4)]):
+        with pytest.raises(ValueError, match=r"sequence-first \(batch_first=False.*batch_first=True"):
+            make(model=model, partitions=2, micro_batches=2)
+    make(model=[nn.Linear(8, 8), encoder(False), nn.Linear(8, 4)], partitions=2, micro_batches=1)
+    torch.manual_seed(0)
+    model = [nn.Linear(8, 8), encoder(True), nn.Linear(8, 4)]
+    ref = nn.Sequential(*copy.deepcopy(model))
+    x, y = torch.randn(4, 6, 8), torch.randn(4, 6, 4)
+    pipe = make(model=model, partitions=2, micro_batches=2)
+    loss = pipe.train_step(x, y)
+    expected = nn.functional.mse_loss(ref(x), y)
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-6)
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_a_tensor_kept_on_a_module_and_read_by_a_later_layer_is_told_to_cross_as_an_output() -> None:
+    """A skip connection by side channel (a layer keeps its output on an attribute, a later one reads
+    it) failed in the backward with autograd's own "backward through the graph a second time"; the
+    error now names the stage and micro-batch and says to pass the value through the outputs."""
+    class Keep(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.kept = super().forward(x)
+            return self.kept
+
+    class ReadKept(nn.Linear):
+        def __init__(self, source: Keep) -> None:
+            super().__init__(4, 4)
+            self.__dict__["source"] = source
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x + self.source.kept)
+
+    keep = Keep(4, 4)
+    pipe = make(model=[keep, nn.Linear(4, 4), nn.Linear(4, 4), ReadKept(keep)], partitions=2,
+                micro_batches=2, checkpoint="never")
+    with pytest.raises(RuntimeError, match=r"stage 1, backward of micro-batch \d.*the layers' outputs"):
+        pipe.train_step(torch.randn(4, 4), torch.randn(4, 4))

@@ -112,13 +112,15 @@ def test_sync_true_reads_the_loss_once(reads: HostReads) -> None:
                          ids=["fp16", "sum-count", "fp16-sum-count"])
 def test_the_documented_reads_happen_once_per_step(reads: HostReads, precision: str, loss: Any) -> None:
     """fp16 reads its overflow verdict, a (sum, count) loss its total count: once per step whatever K,
-    both in one read."""
+    both in one read. (A (sum, count) function's first calls are checked to add up over rows, which
+    reads the device, as the first step's other loss checks do: the steady state begins after.)"""
     pipe = pipe_for(precision, loss)
     x, y = batch()
-    for _ in range(2):
+    for step in range(3):
         with reads.counting():
             pipe.train_step(x, y, sync=False)
-        assert reads.count == 1, reads.where
+        if step > 0 or loss is None:
+            assert reads.count == 1, reads.where
     with reads.counting():
         assert isinstance(pipe.last_step_skipped, bool)
     assert reads.count == 0, "the verdict read during the step is kept"

@@ -452,3 +452,68 @@ def test_a_loss_that_overflowed_was_refused_as_a_mean_over_padding() -> None:
     x, y = torch.randn(8, 6, generator=g), torch.randint(0, 5, (8,), generator=g)
     pipe = GPipe(_model(), partitions=2, micro_batches=2, loss_fn=overflowing, optimizer=None)
     assert pipe.train_step(x, y) == float("inf")
+
+
+def test_silent_loss_over_accuracy_a_loss_and_a_metric_were_read_as_sum_and_count() -> None:
+    """``loss_fn`` returning ``(cross_entropy, accuracy)`` to log a metric trained on the loss divided
+    by the accuracy (2.577 against 1.289 at K=2, M=1; every gradient off), silently: a pair is
+    ``(sum, count)``. Both must add up over rows, checked on the first calls; a count that requires
+    grad is refused on every call. A true ``(sum, count)`` still trains as plain PyTorch's token mean."""
+    x, y = torch.randn(8, 6), torch.randint(0, 5, (8,))
+
+    def with_accuracy(out: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return nn.functional.cross_entropy(out, t), (out.argmax(-1) == t).float().mean()
+
+    for m in (1, 2):
+        pipe = GPipe(_model(), partitions=2, micro_batches=m, loss_fn=with_accuracy, optimizer=None)
+        with pytest.raises(ValueError, match="does not add up over rows"):
+            pipe.train_step(x, y)
+
+    def counted_rows(out: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return nn.functional.cross_entropy(out, t, reduction="sum"), (out.argmax(-1) == t).float().mean()
+
+    pipe = GPipe(_model(), partitions=2, micro_batches=2, loss_fn=counted_rows, optimizer=None)
+    with pytest.raises(ValueError, match="Its count does not add up"):
+        pipe.train_step(x, y)
+
+    def differentiable_count(out: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return nn.functional.cross_entropy(out, t, reduction="sum"), out.softmax(-1).max(-1).values.sum()
+
+    pipe = GPipe(_model(), partitions=2, micro_batches=2, loss_fn=differentiable_count, optimizer=None)
+    with pytest.raises(TypeError, match="count requires grad"):
+        pipe.train_step(x, y)
+
+    def summed(out: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return nn.functional.cross_entropy(out, t, reduction="sum"), t.shape[0]
+
+    layers = list(_model())
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    expected = _plain(ref, [(x, y)], nn.CrossEntropyLoss())
+    pipe = GPipe(layers, partitions=2, micro_batches=3, loss_fn=summed, optimizer=_sgd)
+    assert pipe.train_step(x, y) == pytest.approx(expected[0], rel=1e-6)
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_silent_weighting_a_masked_mean_over_rows_sorted_by_length_passed_the_row_probe() -> None:
+    """A masked mean (``(err * mask).sum() / mask.sum()``) over a batch sorted by length: each
+    micro-batch's rows are equally masked, so three rows of one micro-batch agree, and the step
+    trained a loss 0.76 against 0.90, silently. The probe also takes the first row of each
+    micro-batch with the first micro-batch's."""
+    x, tgt = torch.randn(10, 6), torch.randn(10, 5)
+    mask = torch.zeros(10, 5)
+    mask[:5] = 1
+    mask[5:, 0] = 1            # rows 0-4: 5 positions count, rows 5-9: 1
+
+    def masked_mean(out: torch.Tensor, t: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return ((out - t[0]) ** 2 * t[1]).sum() / t[1].sum()
+
+    pipe = GPipe(_model(), partitions=2, micro_batches=2, loss_fn=masked_mean, optimizer=None)
+    with pytest.raises(ValueError, match="not a mean over its rows"):
+        pipe.train_step(x, (tgt, mask))
+    layers = list(_model())     # a per-row mean over rows of unequal lengths still trains
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    mse = nn.functional.mse_loss
+    expected = _plain(ref, [(x, tgt)], mse)
+    pipe = GPipe(layers, partitions=2, micro_batches=2, loss_fn=lambda o, t: mse(o, t), optimizer=_sgd)
+    assert pipe.train_step(x, tgt) == pytest.approx(expected[0], rel=1e-6)

@@ -522,3 +522,45 @@ def test_silent_moshi_got_a_sliding_window_its_forward_never_applies() -> None:
     for name, p in reference.named_parameters(remove_duplicate=False):
         if p.grad is not None:
             torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family, rope", [
+    ("llama", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+    ("phi3", {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+              "long_factor": [4.0] * 4})])
+def test_silent_rotary_frequencies_followed_each_micro_batch_not_the_batch(family: str,
+                                                                          rope: dict[str, Any]) -> None:
+    """Rotary types whose frequencies follow the batch's largest position ("dynamic", "longrope":
+    Phi-3's long-context models): a step whose micro-batches end at other positions (left padding,
+    position ids counted from the first real token) trained weights 8.5e-4 off the model's, and the
+    pipelined logits were 2.7e-3 off, silently, after a first step that passed. Such a step is now
+    refused, training and inference alike, naming the rope type; one whose micro-batches end alike
+    still equals the model's."""
+    options = dict(max_position_embeddings=8, rope_parameters=rope)
+    if family == "phi3":
+        options.update(max_position_embeddings=64, original_max_position_embeddings=8)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (4, SEQ), generator=g)
+    alike = torch.ones_like(ids)
+    model = tiny_model(family, tie=True, **options)
+    reference = copy.deepcopy(model)
+    pipe = GPipe(causal_lm_layers(model), partitions=2, micro_batches=2, loss_fn=CausalLMLoss(),
+                 optimizer=None)
+    loss = pipe.train_step((ids, alike, alike.cumsum(1) - 1), ids)
+    expected = reference(input_ids=ids, attention_mask=alike, position_ids=alike.cumsum(1) - 1,
+                         labels=ids).loss
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    padded = alike.clone()
+    padded[2:, :6] = 0                          # the second micro-batch's rows end at position 5
+    positions = (padded.cumsum(1) - 1).clamp(min=0)
+    model = tiny_model(family, tie=True, **options)
+    pipe = GPipe(causal_lm_layers(model), partitions=2, micro_batches=2, loss_fn=CausalLMLoss(),
+                 optimizer=None)
+    with pytest.raises(ValueError, match=f"rope_type '{rope['rope_type']}'"):
+        pipe.train_step((ids, padded, positions), ids.masked_fill(padded == 0, -100))
+    pipe.eval()
+    with pytest.raises(ValueError, match="other frequencies than the step's first"):
+        pipe((ids, padded, positions))
