@@ -38,7 +38,7 @@ is DDP's: a reference to ``p.grad`` kept past the next step sees that step's gra
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -81,19 +81,22 @@ class GradientReducer:
         ranks: the global ranks of that group (for error messages).
         rank: this process's global rank; timeout_s: how long to wait for a silent replica.
         bucket_cap_mb: the largest bucket, in megabytes (10^6 bytes, as DDP counts).
+        names: the parameters by name, for messages.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], *, group: dist.ProcessGroup | None,
                  ranks: Sequence[int], rank: int, timeout_s: float,
-                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+                 names: Mapping[str, nn.Parameter] | None = None) -> None:
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         self.group, self.ranks, self.rank = group, list(ranks), rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.buckets = make_buckets(params, bucket_cap_mb * 1e6)
-        # per bucket: its flat tensor (the parameters' gradients, then one presence flag each), kept
-        # for the run, and each parameter's gradient-shaped view of it
-        self._flats = [torch.zeros(sum(p.numel() for p in b) + len(b), dtype=b[0].dtype,
+        # per bucket: its flat tensor (the parameters' gradients, then one presence flag each and
+        # one flag "a parameter was changed in place since the last update"), kept for the run, and
+        # each parameter's gradient-shaped view of it
+        self._flats = [torch.zeros(sum(p.numel() for p in b) + len(b) + 1, dtype=b[0].dtype,
                                    device=b[0].device) for b in self.buckets]
         self._views: list[list[torch.Tensor]] = []
         for b, flat in zip(self.buckets, self._flats):
@@ -113,6 +116,15 @@ class GradientReducer:
             for p in b:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._on_final_grad)
+        self._names = {id(p): name for name, p in (names or {}).items()}
+        self.settle()
+
+    def settle(self) -> None:
+        """Note the parameters' version counters: after each step's update, and as the job begins.
+        A bucket whose parameter's counter moved by the next all-reduce (changed in place between
+        steps, by the caller or ``load_state_dict`` on one replica) is compared between the
+        replicas at :meth:`finish`."""
+        self._versions = [[p._version for p in b] for b in self.buckets]
 
     @property
     def started(self) -> bool:
@@ -163,8 +175,9 @@ class GradientReducer:
                 view.zero_()
             elif not _is_view_of(g, view):
                 view.copy_(g.detach())
-        flat[-len(bucket):] = torch.tensor([0.0 if p.grad is None else 1.0 for p in bucket],
-                                           dtype=flat.dtype)
+        moved = any(p._version != v for p, v in zip(bucket, self._versions[i]))
+        flat[-len(bucket) - 1:] = torch.tensor([0.0 if p.grad is None else 1.0 for p in bucket]
+                                               + [1.0 if moved else 0.0], dtype=flat.dtype)
         work = dist.all_reduce(flat, group=self.group, async_op=True)
         self._pending.append((i, work))
 
@@ -172,19 +185,55 @@ class GradientReducer:
         """Wait for every bucket and write the summed gradients back (raises PeerFailure naming the
         group when a replica does not answer within the timeout)."""
         pending, self._pending = self._pending, []
+        moved = []
         for i, work in pending:
-            if work is not None:
-                try:
-                    work.wait(self.timeout)
-                except Exception as e:
-                    raise PeerFailure(
-                        f"rank {self.rank} lost a replica of its stage (data-parallel group ranks "
-                        f"{self.ranks}) while summing gradients (it died, failed or did not answer "
-                        f"within {self.timeout.total_seconds():g} s): {e}", None) from e
+            self._wait(work, "summing gradients")
             bucket, flat, views = self.buckets[i], self._flats[i], self._views[i]
-            for p, view, present in zip(bucket, views, flat[-len(bucket):].tolist()):
+            *flags, changed = flat[-len(bucket) - 1:].tolist()
+            for p, view, present in zip(bucket, views, flags):
                 if present > 0:
                     p.grad = view          # the summed gradient, in place in the bucket
+            if changed > 0:
+                moved.append(i)
+        for i in moved:                    # the same buckets on every replica, in the same order
+            self._refuse_diverged(i)
+
+    def _wait(self, work: dist.Work | None, doing: str) -> None:
+        if work is None:
+            return
+        try:
+            work.wait(self.timeout)
+        except Exception as e:
+            raise PeerFailure(
+                f"rank {self.rank} lost a replica of its stage (data-parallel group ranks "
+                f"{self.ranks}) while {doing} (it died, failed or did not answer "
+                f"within {self.timeout.total_seconds():g} s): {e}", None) from e
+
+    def _refuse_diverged(self, i: int) -> None:
+        """ValueError, on every replica alike, where bucket `i`'s parameters differ between the
+        replicas (an elementwise max and min over them; a parameter changed in place on one replica
+        only since the last update)."""
+        bucket = self.buckets[i]
+        values = torch.cat([p.detach().reshape(-1) for p in bucket])
+        high, low = values.clone(), values
+        self._wait(dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+                   "comparing parameters")
+        self._wait(dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.group, async_op=True),
+                   "comparing parameters")
+        same = (high == low) | (high.isnan() & low.isnan())
+        differ, offset = [], 0
+        for p in bucket:
+            if not bool(same[offset:offset + p.numel()].all()):
+                differ.append(self._names.get(id(p), f"a parameter of shape {tuple(p.shape)}"))
+            offset += p.numel()
+        if differ:
+            raise ValueError(
+                f"parameter(s) {', '.join(repr(d) for d in differ[:4])}{' ...' if len(differ) > 4 else ''} "
+                f"differ between the replicas of this stage (ranks {self.ranks}) as this step reaches "
+                "its update: changed in place on some replicas only since the last update (between "
+                "steps, or by load_state_dict or load_training_state on one replica). The step is "
+                "refused before any update. Change parameters alike on every replica, and load each "
+                "rank's own training state")
 
     def discard(self) -> None:
         """Forget launched all-reduces (a failed step); the job is ending anyway."""

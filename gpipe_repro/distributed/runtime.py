@@ -139,7 +139,8 @@ class DistributedRuntime:
             self.reducer = GradientReducer(list(executor.cell.parameters()),
                                            group=self.groups.data_parallel,
                                            ranks=layout.data_parallel_ranks(self.rank), rank=context.rank,
-                                           timeout_s=context.timeout_s, bucket_cap_mb=bucket_cap_mb)
+                                           timeout_s=context.timeout_s, bucket_cap_mb=bucket_cap_mb,
+                                           names=dict(executor.cell.named_parameters()))
         # every rank builds the tie groups, in the same order, even one holding no copy
         self.tied = (TiedGradientReducer(ties, {e.stage: e.cell for e in executors}, layout,
                                          self.process_of, context.rank, context.timeout_s)
@@ -223,6 +224,9 @@ class DistributedRuntime:
         start = self._run(schedule, step, microbatches, targets, weights, config)
         for e in self.executors:
             e.end_step()
+        for watch in (self.reducer, self.tied):    # the copies as updated: the next step compares
+            if watch is not None:
+                watch.settle()
         self._finish(start, schedule)
         assert self.executor.agreement is not None
         return self.executor.agreement

@@ -72,31 +72,83 @@ class TiedGradientReducer:
                 group = _group(ranks) if len(ranks) > 1 else None
                 if r == replica and any(c in self.cells for c in tie.cells):
                     self.mine.append((tie, ranks, group))
+        self.settle()
+
+    def settle(self) -> None:
+        """Note the copies' version counters: after each step's update, and as the job begins. A copy
+        whose counter moved by the next step's AGREE was changed in place meanwhile (between steps,
+        by the caller or ``load_state_dict``; or by a forward), and the copies are compared then."""
+        self._versions = {(id(tie), c, name): self.cells[c].get_parameter(name)._version
+                          for tie, _, _ in self.mine for c, name in tie.holders if c in self.cells}
+
+    def _moved(self, tie: Tie) -> bool:
+        return any(self.cells[c].get_parameter(name)._version != self._versions.get((id(tie), c, name))
+                   for c, name in tie.holders if c in self.cells)
 
     def reduce(self) -> None:
-        """Give every copy this process holds the sum of all the copies' gradients."""
+        """Give every copy this process holds the sum of all the copies' gradients; where a copy was
+        changed in place since the last update (on any rank holding one: each all-reduce carries
+        a flag), refuse the step unless the copies are still equal (ValueError on every rank
+        holding one, before any update)."""
         for tie, ranks, group in self.mine:
             copies = tied_copies(tie, self.cells)
             total = copies_sum(copies)
+            moved = self._moved(tie)
             if len(ranks) > 1:
-                total = self._all_reduce(copies[0], total, group, ranks)
+                total, moved = self._all_reduce(copies[0], total, moved, group, ranks)
+            if moved:
+                self._refuse_diverged(tie, copies, group, ranks)
             if total is not None:
                 set_gradients(copies, total)
 
-    def _all_reduce(self, param: nn.Parameter, total: torch.Tensor | None,
-                    group: dist.ProcessGroup | None, ranks: list[int]) -> torch.Tensor | None:
-        """The sum over `ranks` of their partial sums (None where no rank had a gradient)."""
-        flat = torch.zeros(param.numel() + 1, dtype=param.dtype if total is None else total.dtype,
+    def _all_reduce(self, param: nn.Parameter, total: torch.Tensor | None, moved: bool,
+                    group: dist.ProcessGroup | None, ranks: list[int]) -> tuple[torch.Tensor | None, bool]:
+        """The sum over `ranks` of their partial sums (None where no rank had a gradient), and whether
+        a copy moved on any of them."""
+        flat = torch.zeros(param.numel() + 2, dtype=param.dtype if total is None else total.dtype,
                            device=param.device)
         if total is not None:
-            flat[:-1] = total.reshape(-1)
+            flat[:-2] = total.reshape(-1)
+            flat[-2] = 1.0
+        if moved:
             flat[-1] = 1.0
-        work = dist.all_reduce(flat, group=group, async_op=True)
+        self._wait(dist.all_reduce(flat, group=group, async_op=True), ranks, "summing its gradients")
+        present, moved_anywhere = flat[-2:].tolist()
+        return (flat[:-2].view(param.shape) if present > 0 else None), moved_anywhere > 0
+
+    def _wait(self, work: dist.Work | None, ranks: list[int], doing: str) -> None:
         try:
             if work is not None:
                 work.wait(self.timeout)
         except Exception as e:
             raise PeerFailure(f"rank {self.rank} lost a rank holding a tied parameter (ranks {ranks}) "
-                              "while summing its gradients (it died, failed or did not answer within "
+                              f"while {doing} (it died, failed or did not answer within "
                               f"{self.timeout.total_seconds():g} s): {e}", None) from e
-        return flat[:-1].view(param.shape) if float(flat[-1]) > 0 else None
+
+    def _refuse_diverged(self, tie: Tie, copies: list[nn.Parameter], group: dist.ProcessGroup | None,
+                         ranks: list[int]) -> None:
+        """ValueError, on every rank holding a copy alike, where the copies differ (here, or between
+        ranks: an elementwise max and min over them)."""
+        first = copies[0].detach()
+        here = all(torch.equal(c.detach().to(first.device), first) for c in copies[1:])
+        if len(ranks) > 1:
+            high, low = first.clone(), first.clone()
+            flags = torch.tensor([0.0 if here else 1.0], dtype=first.dtype, device=first.device)
+            self._wait(dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group, async_op=True), ranks,
+                       "comparing its copies")
+            self._wait(dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group, async_op=True), ranks,
+                       "comparing its copies")
+            self._wait(dist.all_reduce(flags, group=group, async_op=True), ranks, "comparing its copies")
+            same = bool(((high == low) | (high.isnan() & low.isnan())).all()) and float(flags[0]) == 0
+        else:
+            same = here
+        if same:
+            return
+        c, name = tie.holders[0]
+        raise ValueError(
+            f"parameter {name!r} (cell {c}), tied across cells {', '.join(str(x) for x in tie.cells)}, "
+            f"differs between its copies (held by ranks {ranks}) as this step reaches its update: one "
+            "was changed in place on some ranks only since the last update (between steps, or by "
+            "load_state_dict or load_training_state on one rank), or by a forward in one cell. The "
+            "step is refused before any update. Change it alike on every rank holding a copy, and "
+            "load each rank's own training state")

@@ -38,7 +38,8 @@ from gpipe_repro.engine.stand_ins import shown_to_optimizer
 
 __all__ = ["BATCHNORM_STATS", "as_layers", "batch_key", "check_arguments", "check_auto_split",
            "check_batch_first", "check_materialized", "check_running_statistics", "check_sample_target",
-           "compile_options", "declared_reduction", "layer_shapes", "same_everywhere"]
+           "compile_options", "declared_reduction", "layer_shapes", "loss_signature", "optimizer_signature",
+           "same_everywhere"]
 
 BATCHNORM_STATS = ("per_replica", "synchronized")   # GPipe(batchnorm_stats=...), with replicas
 
@@ -395,6 +396,38 @@ def check_sample_target(sample: Any, sample_target: Any, loss_fn: Any,
         raise ValueError(f"sample_target has {target_rows} rows but sample has {rows}: give the "
                          "targets of the same rows (e.g. sample=x[:n], sample_target=y[:n])")
     return loss_fn, sample_target
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def loss_signature(loss_fn: Any) -> Any:
+    """What identifies `loss_fn` across processes: its type (a function's qualified name) and its
+    plain settings (``ignore_index``, ``label_smoothing``, ``reduction``, ...), for
+    :meth:`~gpipe_repro.engine.placement.Placement.check_same_on_every_rank`."""
+    if loss_fn is None:
+        return None
+    kind = loss_fn if inspect.isroutine(loss_fn) else type(loss_fn)
+    name = f"{getattr(kind, '__module__', '')}.{getattr(kind, '__qualname__', repr(kind))}"
+    settings = {} if inspect.isroutine(loss_fn) else {
+        k: v for k, v in sorted(getattr(loss_fn, "__dict__", {}).items())
+        if not k.startswith("_") and isinstance(v, _PLAIN)}
+    return [name, settings]
+
+
+def optimizer_signature(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """What identifies an optimizer's rule across processes: its type and its constructor's
+    settings (``defaults``: lr, momentum, betas, weight decay, ...), not its parameter groups (a
+    factory may group each cell's parameters otherwise)."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            return float(v)
+        if isinstance(v, (tuple, list)):
+            return [plain(x) for x in v]
+        return v if isinstance(v, _PLAIN) else type(v).__name__
+    kind = type(optimizer)
+    return [f"{kind.__module__}.{kind.__qualname__}",
+            {k: plain(v) for k, v in sorted(getattr(optimizer, "defaults", {}).items())}]
 
 
 def build_optimizer(factory: Any, cell: nn.Module, stage: int,

@@ -43,6 +43,8 @@ from gpipe_repro.engine.arguments import (
     compile_options,
     declared_reduction,
     layer_shapes,
+    loss_signature,
+    optimizer_signature,
     same_everywhere,
 )
 from gpipe_repro.engine.batchnorm import (
@@ -246,7 +248,7 @@ class GPipe(nn.Module):
             "schedule": schedule, "recompute_ahead": recompute_ahead,
             "split_backwards": split_backwards, "balance": None if balance is None else list(balance),
             "seed": seed, "precision": precision, "clip_grad_norm": clip_grad_norm,
-            "loss_reduction": loss_reduction, "objective": objective,
+            "loss_reduction": loss_reduction, "loss_fn": loss_signature(loss_fn), "objective": objective,
             "cost": cost if cost is None or isinstance(cost, str) else "given per layer",
             "replicas": replicas,
             "batchnorm_stats": batchnorm_stats, "bucket_cap_mb": bucket_cap_mb,
@@ -340,6 +342,7 @@ class GPipe(nn.Module):
         self.optimizers: list[torch.optim.Optimizer | None] = [
             build_optimizer(factory, c, s, tied_originals) if factory and any(True for _ in c.parameters())
             else None for s, c in enumerate(self.cells)]
+        placement.check_same_optimizers([optimizer_signature(o) for o in self.optimizers if o is not None])
         self._stand_ins.updated()     # the cells were moved where they run: their values are the given
         self.seed, self.step = int(seed), 0
         self._forward_calls = 0

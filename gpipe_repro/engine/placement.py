@@ -93,6 +93,34 @@ class Placement:
         raise ValueError(f"the ranks were given different {what}: rank 0 {short(first)}, rank "
                          f"{differ} {short(other)}. Every rank must build the same pipeline: {fix}")
 
+    def check_same_optimizers(self, signatures: Sequence[Any]) -> None:
+        """Raise ValueError on every rank (a collective with the distributed runtime) unless every
+        process built its cells' optimizers by the same rule (:func:`~gpipe_repro.engine.arguments.
+        optimizer_signature`; a process whose cells have no parameters builds none): a cell given
+        another learning rate or optimizer on one rank trained under another rule, and a replica or
+        a tied copy drifted from its twins, silently."""
+        if self.plugin is None:
+            return
+        mine = sorted({repr(s): s for s in signatures}.values(), key=repr)
+        values = self.plugin.gather_object(mine)
+        built = [(r, v) for r, v in enumerate(values) if v]
+        if not built:        # optimizer=None everywhere: gradients only
+            return
+        (first, ours), differ = built[0], next(((r, v) for r, v in built[1:] if v != built[0][1]), None)
+        if differ is None:
+            return
+        r, theirs = differ
+        a, b = ours[0], theirs[0]          # the first rule of each (one, unless cells differ)
+        if a[0] != b[0]:
+            shown = f"rank {first} {a[0]}, rank {r} {b[0]}"
+        else:
+            keys = [k for k in sorted(set(a[1]) | set(b[1])) if a[1].get(k) != b[1].get(k)]
+            shown = ", ".join(f"{k} {a[1].get(k)!r} on rank {first}, {b[1].get(k)!r} on rank {r}"
+                              for k in keys) or f"rank {first} {ours!r}, rank {r} {theirs!r}"
+        raise ValueError(f"the ranks built different optimizers ({shown}). Every rank must pass the "
+                         "same optimizer factory (the same class and settings): each cell, replica "
+                         "and tied copy is updated by its own process")
+
     def check_same_weights(self, cells: Sequence[nn.Module], ties: Sequence[Any]) -> None:
         """Raise ValueError on every rank (a collective with the distributed runtime) unless the
         processes that hold the same weights built them alike: the replicas of a stage (its cell's

@@ -127,3 +127,61 @@ def test_every_rank_builds_the_same_tie_groups() -> None:
     layout = Layout(2, 2)
     assert [tie_ranks(tie, layout, [0, 1], r) for r in range(2)] == [[0, 1], [2, 3]]
     assert tie_ranks(tie, layout, [0, 0], 1) == [2]   # both cells on one process: no collective
+
+
+def check_copies_changed_between_steps(replicas: int) -> list[str]:
+    """Runs in every process: a tied copy (K=2) or a replica's parameters (K=1 x R=2) changed in place
+    between steps on rank 1 only, then alike on every rank; and the ranks given different learning
+    rates. Returns what each case raised ("" where it trained)."""
+    import torch.distributed as dist
+    data = batches(steps=3)
+    seen = []
+
+    def pipe_with(lr: float) -> GPipe:
+        return GPipe(tied_model(), partitions=2 // replicas, micro_batches=2, loss_fn=lm_loss,
+                     optimizer=lambda ps: torch.optim.SGD(ps, lr=lr), runtime="distributed",
+                     replicas=replicas, cost="params")
+
+    for change in ("one rank", "every rank"):
+        pipe = pipe_with(0.1)
+        pipe.train_step(*data[0])
+        rank = dist.get_rank()
+        if change == "every rank" or rank == 1:
+            with torch.no_grad():   # the tie's copy here (K=2), a replicated parameter (K=1 x R=2)
+                (tied_copies(pipe)[0][0] if replicas == 1 else next(pipe.parameters())).mul_(1.5)
+        before = [p.detach().clone() for p in pipe.parameters()]
+        try:
+            pipe.train_step(*data[1])
+            seen.append("")
+        except ValueError as e:
+            seen.append(str(e))
+            assert all(torch.equal(p, q) for p, q in zip(pipe.parameters(), before)), "refused, updated"
+    try:
+        pipe_with(0.1 * (1 + rank))
+        seen.append("")
+    except ValueError as e:
+        seen.append(str(e))
+    try:
+        GPipe(tied_model(), partitions=2 // replicas, loss_fn=nn.CrossEntropyLoss(label_smoothing=0.1 * rank),
+              optimizer=None, runtime="distributed", replicas=replicas, cost="params")
+        seen.append("")
+    except ValueError as e:
+        seen.append(str(e))
+    return seen
+
+
+def test_silent_drift_a_copy_changed_on_one_rank_between_steps_trained_on() -> None:
+    """A tied copy or a replica's parameter changed in place on one rank between steps (or loaded by
+    load_state_dict there) trained on, the copies 1.7 apart after two steps, silently: the local
+    runtime refused such a step, the distributed one compared weights only when built. Each
+    all-reduce now carries a flag for a copy changed in place since the last update, and where one
+    was, the copies are compared and the step refused before any update, on every rank holding one;
+    a change made alike everywhere trains. Ranks given different learning rates (a replica drifting
+    with each update) and different losses are refused when built."""
+    for replicas in (1, 2):
+        for seen in launch_local(check_copies_changed_between_steps, 2, replicas, timeout=60):
+            one, every, rates, losses = seen
+            assert "differ" in one and "refused before any update" in one, one
+            assert every == "", every
+            assert "different optimizers (lr 0.1 on rank 0, 0.2 on rank 1)" in rates, rates
+            assert "different loss_fn" in losses and "label_smoothing': 0.1" in losses, losses
