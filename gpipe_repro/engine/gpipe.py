@@ -238,6 +238,13 @@ class GPipe(nn.Module):
         check_running_statistics(layer_list, micro_batches, checkpoint)
         check_batch_first(layer_list, micro_batches * replicas)
         compiled = compile_options(compile, training_schedule)
+        norms = (isinstance(m, nn.modules.batchnorm._BatchNorm)
+                 for layer in layer_list for m in layer.modules())
+        if compiled is not None and compiled.get("fullgraph") and deferred_batchnorm and any(norms):
+            raise ValueError(f"compile={compile!r} asks for one graph per layer (fullgraph=True), and a "
+                             "BatchNorm's statistics are recorded outside the compiled graph (GPipe "
+                             "commits them once per step: DeferredBatchNorm): drop fullgraph, or pass "
+                             "deferred_batchnorm=False (running statistics then update per micro-batch)")
         self._compile = compile if compiled is not None else None
         placement = place_stages(runtime=runtime, schedule=schedule, partitions=partitions,
                                  checkpoint=checkpoint, replicas=replicas)

@@ -138,7 +138,7 @@ def split_minibatch(inputs: Any, targets: Any, micro_batches: int,
     """A training mini-batch as R x M micro-batches of inputs and of targets (None for each when
     `targets` is None: a loss that reads only the output), and their sizes. Raises ValueError,
     saying what to change, when the batch is smaller than R x M or the targets' batch differs."""
-    n = batch_size(inputs, "the inputs")
+    n = batch_size(inputs, "the input")
     parts = micro_batches * replicas
     if parts > n:
         if replicas > 1:
@@ -147,7 +147,7 @@ def split_minibatch(inputs: Any, targets: Any, micro_batches: int,
                              f"batch of at least {parts}, or fewer micro-batches")
         raise ValueError(f"micro_batches={micro_batches} is larger than the batch size {n}: "
                          f"use micro_batches <= {n} or a larger batch")
-    if targets is not None and (t := batch_size(targets, "the targets")) != n:
+    if targets is not None and (t := batch_size(targets, "the target batch")) != n:
         raise ValueError(f"targets have batch size {t} but inputs {n}")
     return (_split(inputs, parts), [None] * parts if targets is None else _split(targets, parts),
             split_sizes(n, parts))

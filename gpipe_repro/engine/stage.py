@@ -98,9 +98,8 @@ class StageExecutor:
         self.tied = frozenset(tied)
         self.tied_versions: dict[str, int] = {}    # the tied copies' version counters as a step began
         # what runs each layer: the layer, or its compiled runner (engine.compiled)
-        self.runners: list[Callable[[Any], Any]] = (
-            list(cell) if compile_options is None else [compiled_runner(layer, compile_options)
-                                                        for layer in cell])
+        self.compile_options = compile_options
+        self.runners: list[Callable[[Any], Any]] = self._runners()
         # Replicas: this replica's micro-batch m is micro-batch m + offset of the global mini-batch
         # (its dropout masks are that micro-batch's); given per step by the distributed runtime.
         self.microbatch_offset = 0
@@ -152,6 +151,24 @@ class StageExecutor:
         self.seed = seed
 
     # -- step lifecycle ---------------------------------------------------------------------------
+    def _runners(self) -> list[Callable[[Any], Any]]:
+        options = self.compile_options
+        if options is None:
+            return list(self.cell)
+        return [compiled_runner(layer, options) for layer in self.cell]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy(pipe)``, ``torch.save(pipe)``) compiles its own cell's layers: a
+        compiled runner closes over the layer it was made for, and a deep copy of the pipeline that
+        kept it ran, and trained, the original's layers (silently: the copy's weights never moved)."""
+        state = dict(self.__dict__)
+        state.pop("runners", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.runners = self._runners()
+
     def _reset(self) -> None:
         self.inputs: dict[int, Any] = {}
         self.graphs: dict[int, Any] = {}

@@ -131,3 +131,39 @@ def test_a_compiled_layer_that_starts_working_in_place_is_caught_then_copied(che
     pipe.train_step(x, y)
     for (name, got), want in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(got, want, msg=name)
+
+
+def test_silent_frozen_copy_a_deep_copy_of_a_compiled_pipeline_ran_the_originals_layers() -> None:
+    """``best = copy.deepcopy(pipe)`` with compile: each compiled runner closed over the original's
+    layer, so the copy's output followed the original's later training, and training the copy moved
+    none of its own weights (and left gradients on the original's), silently. A copy, and a pipeline
+    loaded by ``torch.load``, compile their own layers; the reference is the plain copy."""
+    import io
+    x, y = batch()
+    pipe = GPipe(layers(), partitions=2, micro_batches=2, loss_fn=nn.CrossEntropyLoss(), compile=AOT,
+                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+    pipe.train_step(x, y)
+    best = copy.deepcopy(pipe)
+    plain = nn.Sequential(*copy.deepcopy(pipe.unpartitioned())).eval()
+    pipe.train_step(x, y)
+    best.eval()
+    torch.testing.assert_close(best(x), plain(x))
+    before = [p.detach().clone() for p in best.parameters()]
+    best.train()
+    best.train_step(x, y)
+    assert all(not torch.equal(p, q) for p, q in zip(best.parameters(), before) if p.dim() > 1)
+    buffer = io.BytesIO()
+    torch.save(pipe, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False).eval()
+    pipe.eval()
+    torch.testing.assert_close(loaded(x), pipe(x))
+
+
+def test_fullgraph_with_batchnorm_is_refused_before_any_work() -> None:
+    """compile={"fullgraph": True} with a BatchNorm failed inside Dynamo at the first step (the
+    statistics are recorded outside the graph): refused when built, saying what to pass."""
+    with pytest.raises(ValueError, match="drop fullgraph, or pass deferred_batchnorm=False"):
+        GPipe(layers(), partitions=2, micro_batches=2, optimizer=None, compile={**AOT, "fullgraph": True})
+    GPipe(layers(), partitions=2, micro_batches=2, optimizer=None, compile={**AOT, "fullgraph": True},
+          deferred_batchnorm=False)

@@ -137,13 +137,13 @@ def test_numpy_integers_are_whole_numbers() -> None:
 
 
 @pytest.mark.parametrize("inputs,what", [
-    ({"x": torch.randn(4, 4)}, "the inputs holds a dict"),
-    ((torch.randn(4, 4), {"w": torch.randn(4)}), "the inputs holds a dict"),
+    ({"x": torch.randn(4, 4)}, "the input holds a dict"),
+    ((torch.randn(4, 4), {"w": torch.randn(4)}), "the input holds a dict"),
 ])
 def test_a_dict_in_the_batch_is_refused_saying_what_to_pass(inputs: object, what: str) -> None:
     with pytest.raises(TypeError, match=f"{what}.*pass a tuple of its values"):
         make(partitions=2).train_step(inputs, torch.randn(4, 4))
-    with pytest.raises(TypeError, match="the targets holds a dict"):
+    with pytest.raises(TypeError, match="the target batch holds a dict"):
         make(partitions=2).train_step(torch.randn(4, 4), {"y": torch.randn(4, 4)})
 
 
