@@ -60,7 +60,7 @@ def _fail(message: str) -> NoReturn:
 
 def _check_build(name: str, data_dir: Path | None, corpus_dir: Path, *, temperature: float,
                  vocab_size: int, min_pairs: int, max_chars: int, locale_dir: list[Path] | None,
-                 overwrite: bool) -> None:
+                 overwrite: bool, languages: tuple[str, ...] | None = None) -> None:
     """`corpus build`'s options, before any catalog is read: ValueError naming the one to change.
     A corpus built earlier under the same name is replaced only with --overwrite."""
     from gpipe_repro.train.run_dir import is_plain_folder_name
@@ -74,6 +74,12 @@ def _check_build(name: str, data_dir: Path | None, corpus_dir: Path, *, temperat
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    from gpipe_repro.data.tokenizer import SPECIAL_PIECES
+    reserved = len(SPECIAL_PIECES) + 256 + max(1, len(languages or []))   # specials, bytes, tags
+    if 0 < vocab_size <= reserved:
+        raise ValueError(f"--vocab-size {vocab_size} is too small: {len(SPECIAL_PIECES)} special pieces, "
+                         "256 byte-fallback pieces and one tag per language are reserved, so it must be "
+                         f"above {reserved} (more with more languages); 0 builds no tokenizer")
     if data_dir is not None and data_dir.exists() and not data_dir.is_dir():
         raise ValueError(f"--data-dir {data_dir} is a file: give a directory (it is made if missing)")
     for folder in locale_dir or []:
@@ -124,7 +130,7 @@ def register(app: typer.Typer) -> None:
             corpus_dir = corpus_manifest.corpus_dir_for(name or source, data_dir)
             _check_build(name or source, data_dir, corpus_dir, temperature=temperature,
                          vocab_size=vocab_size, min_pairs=min_pairs, max_chars=max_chars,
-                         locale_dir=locale_dir, overwrite=overwrite)
+                         locale_dir=locale_dir, overwrite=overwrite, languages=config.languages)
         except ValueError as error:
             _fail(str(error))
         try:

@@ -269,8 +269,10 @@ def register(app: typer.Typer) -> None:
 
     @group.command("transfer")
     def transfer(
-        source: str = typer.Option("results/training/amoebanet-cpu", "--from",
-                                   help="the pretraining run directory (or a checkpoint file)"),
+        source: Optional[str] = typer.Option(None, "--from", show_default=False,
+                                   help="the pretraining run directory (or a checkpoint file); default "
+                                        "results/training/amoebanet-cpu, under $GPIPE_REPRO_RESULTS "
+                                        "when set"),
         dataset: str = typer.Option("digits", help="the dataset to fine-tune on"),
         seeds: int = typer.Option(3, help="fine-tuning runs (seeds 0..N-1); the paper averages 5"),
         steps: int = typer.Option(120, help="fine-tuning steps per run"),
@@ -307,6 +309,9 @@ def register(app: typer.Typer) -> None:
         if existing and not (overwrite or record):
             fail(f"{out} holds an earlier transfer's results; nothing was changed: pass --overwrite to "
                  "replace them (only its own files), or give another --out")
+        if source is None:
+            from gpipe_repro.train.run_dir import record_dir
+            source = str(record_dir() / "amoebanet-cpu")
         print(f"writing to {out}; pretrained weights from {source}; fine-tuning data: {dataset}")
         config = TransferConfig(source=source, dataset=dataset, seeds=tuple(range(seeds)), steps=steps,
                                 batch_size=batch_size, partitions=k, micro_batches=m, lr_per_32=lr_per_32,

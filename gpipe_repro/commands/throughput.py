@@ -306,11 +306,14 @@ def register(app: typer.Typer) -> None:
         except ValueError as e:    # the API's argument names, as this command's options
             text = str(e).replace("validate=False", "--no-validate").replace("use k <=", "use --k <=")
             raise typer.BadParameter(text) from None
+        from gpipe_repro.distributed.launcher import JobFailed
         try:
             simulate_model.main(workload, out=out, recompute_ahead=recompute_ahead, method=method,
                                 repeats=repeats, rounds=rounds, steps=steps, **options)
         except ValueError as e:
             raise typer.Exit(_error(str(e))) from None
+        except JobFailed as e:     # a stage process of the measured run failed, or was stopped
+            raise typer.Exit(_error(f"the measured run on stage processes failed: {e}")) from None
 
 
 

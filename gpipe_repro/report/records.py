@@ -158,7 +158,7 @@ def write_markdown(path: str | os.PathLike[str], text: str) -> Path:
     return Path(path)
 
 
-RESULTS_ENV = "GPIPE_REPRO_RESULTS"
+RESULTS_ENV = "GPIPE_REPRO_RESULTS"   # also read by train.run_dir.record_dir (an earlier layer)
 
 
 def results_root() -> Path:

@@ -28,8 +28,8 @@ def simulate_job(*, model: str, k: int, replicas: int, m: int, microbatch: int, 
     """One simulated step of K x R devices: the numbers :func:`format_job` prints."""
     from gpipe_repro.repro.throughput import PAPER_WORKLOADS
 
-    require_one_of("model", model, MODELS)
-    require_one_of("device", device, DEVICES)
+    require_one_of("--model", model, MODELS)      # this command's options (throughput --replicas)
+    require_one_of("--device", device, [d for d in DEVICES if d != "nominal"])
     if min(k, replicas, m, microbatch, devices_per_host) < 1:
         raise ValueError("--k, --replicas, --m, --microbatch and --devices-per-host must be >= 1")
     workload = PAPER_WORKLOADS[model]

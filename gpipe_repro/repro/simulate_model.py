@@ -184,7 +184,11 @@ def main(workload: Workload, *, out: Path | None = None, **kw: Any) -> None:
     Raises:
         ValueError: the model and the options do not go together (the message says what to change).
     """
-    result = simulate_model(workload, **kw)
+    import sys
+
+    from gpipe_repro.report.measurement import Progress
+    with Progress(COMMAND, stream=sys.stderr) as shown:   # a plain line every 30 s off a terminal
+        result = simulate_model(workload, progress=shown.update, **kw)
     cut_line, cuts = compare_cuts(workload, result, kw)
     print(result.describe())
     print(f"  {cut_line}")

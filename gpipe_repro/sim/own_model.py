@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -173,7 +173,8 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
                    link: str = "gloo-loopback", device: str = "cpu", threads: int | None = 1,
                    repeats: int = 20, method: str = "time", validate: bool | None = None,
                    steps: int = 4, in_situ: bool = False, in_situ_steps: int = 3,
-                   in_situ_microbatches: int = 1, rounds: int = 1) -> OwnModelResult:
+                   in_situ_microbatches: int = 1, rounds: int = 1,
+                   progress: Callable[[str], None] | None = None) -> OwnModelResult:
     """Calibrate `workload`, partition it into `k` cells and simulate one GPipe step of `m`
     micro-batches of `microbatch` examples (see the module docstring).
 
@@ -189,7 +190,8 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
     the stage costs from a short run of the chosen partition at `in_situ_microbatches` micro-batches
     per step (`in_situ_steps` steps) on the real stage processes (:mod:`gpipe_repro.sim.in_situ`; a
     CPU host with `k` cores), a run of its own, before and apart from the validation's. All options
-    are checked before any work starts."""
+    are checked before any work starts. `progress`: told what runs now (a line per phase and per
+    calibrated layer)."""
     check_options(workload, k=k, m=m, microbatch=microbatch, checkpoint=checkpoint, schedule=schedule,
                   objective=objective, link=link, device=device, validate=validate,
                   in_situ=in_situ, in_situ_steps=in_situ_steps,
@@ -199,15 +201,22 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
     n = m * microbatch
     neighbours = calibration_neighbours(k, device, method)
     said: list[str] = []
+    tell = progress or (lambda line: None)
+
+    def heard(line: str) -> None:
+        said.append(line)
+        tell(f"calibrating: {line}")
     timed_on_cpu = method == "time" and device == "cpu"
     before = fast_share() if timed_on_cpu else None
     calib = calibrate(workload, sorted({microbatch, n}), method=method, device=device,
-                      threads=threads, repeats=repeats, neighbours=neighbours, progress=said.append)
+                      threads=threads, repeats=repeats, neighbours=neighbours, progress=heard)
     calibrated: dict[str, Any] = (
         {"cached": True} if said and all(line.endswith("cached)") for line in said) else
         {"cached": False, "host_fast": None if before is None else (before + fast_share()) / 2})
     balance = choose_partition(calib.partition_costs(microbatch, checkpoint), k, objective,
                                calib.uncertainty_at(microbatch))
+    if in_situ:
+        tell(f"in-situ run of the cut {balance} on {k} stage processes ({in_situ_steps} steps)")
     timelines = (in_situ_run(workload, balance, microbatch=microbatch, checkpoint=checkpoint,
                              schedule=schedule, threads=threads, steps=in_situ_steps,
                              micro_batches=in_situ_microbatches) if in_situ else None)
@@ -222,11 +231,14 @@ def simulate_model(workload: Workload, *, k: int, m: int, microbatch: int,
         # in rounds, each round's steps against the costs calibrated right before them (the first
         # calibration may be the cache's, from another hour): a paired ratio per round
         calibrations, steps_s, hosts = [], [], []
-        for _ in range(rounds):
+        for r in range(rounds):
             if rounds > 1:
+                tell(f"round {r + 1} of {rounds}: calibrating the layers again")
                 calibrations.append(calibrate(workload, [microbatch], method=method, device=device,
                                               threads=threads, repeats=repeats, use_cache=False,
                                               neighbours=neighbours))
+            tell(f"round {r + 1} of {rounds}: {steps} measured steps of the cut {balance} on {k} "
+                 f"stage processes, M={m}")
             got, host = measure_steps(workload, balance, m=m, microbatch=microbatch,
                                       checkpoint=checkpoint, recompute_ahead=recompute_ahead,
                                       schedule=schedule, threads=threads, steps=steps)

@@ -4,7 +4,8 @@ Three ways to choose the directory (`resolve_run_dir`, used by `gpipe-repro run`
 
 - by default a **fresh** directory `runs/<name>`, or `runs/<name>-2`, `-3`, ... if that one exists,
   so a run never touches an earlier one nor the repository's published results;
-- `--record`: the result of record, `results/training/<name>` (what `make train-amoebanet` does);
+- `--record`: the result of record, `results/training/<name>` (what `make train-amoebanet` does;
+  under ``$GPIPE_REPRO_RESULTS`` instead of ``./results`` when set, as every results writer);
 - `--out DIR`: exactly DIR, which must be empty, absent, or (with `--overwrite`) a finished previous
   run of the same task.
 
@@ -34,7 +35,12 @@ from typing import Any
 
 MANIFEST = "gpipe-run.json"
 RUNS_DIR = Path("runs")
-RECORD_DIR = Path("results") / "training"
+RESULTS_ENV = "GPIPE_REPRO_RESULTS"     # where results go instead of ./results (report.records')
+
+
+def record_dir() -> Path:
+    """`results/training`, the runs of record: under $GPIPE_REPRO_RESULTS when set."""
+    return Path(os.environ.get(RESULTS_ENV) or "results") / "training"
 LEGACY_FILES = ("metrics.jsonl", "run.json", "summary.json", "summary.md", "curves.png")
 # W&B's own files: its logs and the folder of each run (offline-run-<time>-<id>, run-<time>-<id>)
 _WANDB = re.compile(r"^wandb/((offline-)?run-[^/]+/.+|debug\.log|debug-internal\.log|latest-run)$")
@@ -350,7 +356,7 @@ def resolve_run_dir(name: str, *, out: str | None, record: bool, resume: bool) -
                              "(new, or one of this run's)")
         return path
     if record:
-        return RECORD_DIR / name
+        return record_dir() / name
     if resume:
         candidates = [p for p in numbered(RUNS_DIR, name) if _has_checkpoints(p)]
         if not candidates:

@@ -331,6 +331,7 @@ def test_corpus_command_build_info_and_offline_error(tmp_path: Path,
     (["--valid-fraction", "-0.1"], "valid_fraction"),
     (["--valid-fraction", "0.6", "--test-fraction", "0.6"], "must be in [0, 1)"),
     (["--vocab-size", "-1"], "--vocab-size must be >= 0"),
+    (["--vocab-size", "200"], "--vocab-size 200 is too small"),     # was refused after building
     (["--min-pairs", "-1"], "--min-pairs must be >= 1"),
     (["--max-chars", "0"], "--max-chars must be >= 1"),
     (["--name", "../x"], "not a plain folder name"),

@@ -141,3 +141,23 @@ def test_the_simulated_step_says_where_its_costs_came_from(monkeypatch: pytest.M
     else:
         assert result.calibrated == {"cached": False, "host_fast": 0.25}
         assert "costs timed now, the host fast 25% of the time around it" in text
+
+
+def test_a_long_validation_says_what_runs_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`throughput --model ... --validate` printed one line, then nothing for minutes while it
+    calibrated and ran stage processes (killed at 150 s by a reviewer, its output piped): each phase
+    now tells its progress line (the command prints it every 30 s off a terminal)."""
+    work = Workload.create("tiny residual MLP", "gpipe_repro.repro.validate_unseen:residual_mlp",
+                           "features", (16,), 10, width=16, blocks=2)
+    base = calibrate(work, [4, 8], method="flops")
+    monkeypatch.setattr(own_model, "calibrate",
+                        lambda workload, sizes, **kw: (kw["progress"]("layer 1 of 4") if "progress" in kw
+                                                       else None) or base)
+    monkeypatch.setattr(own_model, "measure_steps", lambda *a, **kw: ([0.5] * kw["steps"], {}))
+    monkeypatch.setattr(own_model, "usable_cores", lambda: 2)
+    lines: list[str] = []
+    own_model.simulate_model(work, k=2, m=2, microbatch=4, link="ideal", validate=True, steps=2,
+                             rounds=2, progress=lines.append)
+    assert lines[0] == "calibrating: layer 1 of 4"
+    assert "round 1 of 2: calibrating the layers again" in lines
+    assert any(line.startswith("round 2 of 2: 2 measured steps of the cut") for line in lines)

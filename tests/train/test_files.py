@@ -111,6 +111,11 @@ def test_runs_go_to_a_fresh_directory_and_record_only_when_asked(tmp_path: Path,
     assert resumed == Path("runs/amoebanet-cpu-2")
     with pytest.raises(ValueError, match="give one of them"):
         resolve_run_dir("x", out="elsewhere", record=True, resume=False)
+    # the results of record follow $GPIPE_REPRO_RESULTS, as every results writer does (--record
+    # wrote to ./results/training with the variable set, where a user kept the checkout's safe)
+    monkeypatch.setenv("GPIPE_REPRO_RESULTS", str(tmp_path / "elsewhere"))
+    assert resolve_run_dir("amoebanet-cpu", out=None, record=True, resume=False) == \
+        tmp_path / "elsewhere" / "training" / "amoebanet-cpu"
 
 
 def test_resume_without_a_checkpoint_names_the_directory(tmp_path: Path) -> None:

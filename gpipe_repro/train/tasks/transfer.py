@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from gpipe_repro.train.checkpoints import latest_checkpoint, load_checkpoint
+from gpipe_repro.train.run_dir import record_dir
 
 # The classifier layers a transfer run re-initializes: every fully connected layer of AmoebaNet is one
 # (the main head's and the auxiliary head's); everything else is transferred.
@@ -101,7 +102,8 @@ def pretraining_config(source: str | os.PathLike[str]) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class TransferConfig:
-    source: str = "results/training/amoebanet-cpu"   # the pretraining run
+    # the pretraining run: results/training/amoebanet-cpu (under $GPIPE_REPRO_RESULTS when set)
+    source: str = dataclasses.field(default_factory=lambda: str(record_dir() / "amoebanet-cpu"))
     dataset: str = "digits"
     seeds: tuple[int, ...] = (0, 1, 2)
     steps: int = 120
