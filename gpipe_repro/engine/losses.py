@@ -346,10 +346,11 @@ class CountedCheck:
     checked during its first calls to be ``(sum, count)``: the engine divides the step's summed
     losses by its summed counts, so both must add up over rows. A loss returning ``(mean, accuracy)``
     to log a metric would otherwise train on the loss divided by the accuracy, silently (at any K and
-    M, one micro-batch included). Three rows of the micro-batch (:meth:`ReductionCheck._probe_rows`'s
-    rows) alone and together: the pair of the rows together must be the sum of their pairs, in both
+    M, one micro-batch included). Two rows of the micro-batch (its first and last; one row: twice)
+    alone and together: the pair of the rows together must be the sum of their pairs, in both
     entries. Each check reads the device, during the first `calls` calls only; a loss whose rows
-    cannot be cut (see :class:`ReductionCheck`) is not checked."""
+    cannot be cut (see :class:`ReductionCheck`) is not checked, nor this project's own losses
+    (``CausalLMLoss``), which GPipe does not wrap."""
 
     def __init__(self, loss_fn: Callable[..., Any], calls: int = 2) -> None:
         self.loss_fn = loss_fn
@@ -384,7 +385,7 @@ class CountedCheck:
         n = batched[0].shape[0]
         if not any(t.dim() > 0 and t.shape[0] == n for t in tensors(output)):
             return
-        picked = [0, 0] if n == 1 else [0, n - 1] if n == 2 else [0, n // 2, n - 1]
+        picked = [0, 0] if n == 1 else [0, n - 1]     # two rows: the probe's memory is theirs
         with torch.no_grad():
             try:
                 parts = [self.loss_fn(_rows(output, [i], n), _rows(target, [i], n)) for i in picked]
