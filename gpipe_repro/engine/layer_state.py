@@ -26,6 +26,19 @@ __all__ = ["BatchDependentFrequencies", "BufferWatch", "batch_dependent_rope"]
 Snapshot = dict[str, torch.Tensor]
 
 
+def put_back(cell: nn.Module, snapshot: Snapshot | None) -> None:
+    """`cell`'s buffers as `snapshot` holds them (by name; in place where shape and dtype match)."""
+    for name, value in (snapshot or {}).items():
+        owner, _, leaf = name.rpartition(".")
+        module = cell.get_submodule(owner)
+        current = module._buffers.get(leaf)
+        if current is not None and current.shape == value.shape and current.dtype == value.dtype:
+            with torch.no_grad():
+                current.copy_(value)
+        else:
+            module._buffers[leaf] = value
+
+
 class BufferWatch:
     """The checks of one stage's cell (see the module docstring).
 
@@ -87,17 +100,7 @@ class BufferWatch:
 
     def _restore(self) -> None:
         """The buffers as the step began (:meth:`begin_step`), before a refusal."""
-        if self.origin is None:
-            return
-        for name, value in self.origin.items():
-            owner, _, leaf = name.rpartition(".")
-            module = self.cell.get_submodule(owner)
-            current = module._buffers.get(leaf)
-            if current is not None and current.shape == value.shape and current.dtype == value.dtype:
-                with torch.no_grad():
-                    current.copy_(value)
-            else:
-                module._buffers[leaf] = value
+        put_back(self.cell, self.origin)
         self.origin = None
 
     def _buffers(self) -> Snapshot:
@@ -174,15 +177,5 @@ class BatchDependentFrequencies:
                 for b, t in mod.named_buffers(recurse=False) if has_values(t)}
 
     def _restore(self) -> None:
-        if self.origin is None:
-            return
-        for key, value in self.origin.items():
-            owner, _, leaf = key.rpartition(".")
-            module = self.cell.get_submodule(owner)
-            current = module._buffers.get(leaf)
-            if current is not None and current.shape == value.shape and current.dtype == value.dtype:
-                with torch.no_grad():
-                    current.copy_(value)
-            else:
-                module._buffers[leaf] = value
+        put_back(self.cell, self.origin)
         self.origin = None
