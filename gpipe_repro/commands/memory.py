@@ -47,8 +47,9 @@ MODEL_HELP = ("the model: a family of the paper's (transformer-lm, amoebanet-d, 
               "model_type the engine pipelines: llama, mistral, qwen2, qwen3, gemma, gemma2, granite, phi3, "
               "gpt2, gpt_neox, ...) with --layers --hidden --heads --kv-heads --intermediate "
               "--vocab, or a Hugging Face config.json; size options follow it, each with a default (a "
-              "language model's batch: --batch-size 32 sequences of --seq-len 2048 tokens unless given; "
-              "the plan's header says what it planned)")
+              "Hugging Face family's batch: --batch-size 32 sequences of --seq-len 2048 tokens, at "
+              "most its positions, unless given; the paper's models keep their own sizes; the "
+              "plan's header says what it planned)")
 
 
 OPTIMIZER_HELP = ("the optimizer the training runs, for its state: sgd, momentum, rmsprop, adam, adamw "

@@ -163,3 +163,20 @@ def test_fit_plans_the_schedule_asked_for(tmp_path: Path) -> None:
     expected = MemoryPlanner(*work.planner_inputs()).plan(4, 4, "except_last", schedule="zb-v",
                                                            split_backwards=1)
     assert plan["device_peaks_bytes"] == expected.device_peaks and len(expected.device_peaks) == 2
+
+
+def test_silent_nothing_fits_plan_judged_each_configuration_by_its_fastest_cut_only() -> None:
+    """`plan hf:llama ... --devices 4 --memory 0.3` answered "nothing fits" (exit 1), judging K=4 M=8
+    gpipe by the cut it chose for speed (0.338 GiB), where `fit` with the same K, M and schedule
+    plans the cut with the smallest largest peak, 0.279 GiB, and says it fits. A configuration whose
+    time-capped cuts do not fit is judged by that cut too; plan and fit then agree."""
+    model = ["hf:llama", "--layers", "8", "--hidden", "512", "--heads", "8", "--seq-len", "256",
+             "--batch-size", "8"]
+    planned = CliRunner().invoke(app, ["plan", *model, "--devices", "4", "--memory", "0.3",
+                                       "--schedules", "gpipe"], terminal_width=200)
+    assert planned.exit_code == 0, planned.output
+    assert "choose K=4, M=8, schedule=gpipe" in planned.output and "0.279 GiB" in planned.output
+    fitted = CliRunner().invoke(app, ["fit", *model, "--k", "4", "--m", "8", "--schedule", "gpipe",
+                                      "--checkpoint", "except_last", "--memory", "0.3"],
+                                terminal_width=200)
+    assert fitted.exit_code == 0 and "largest device peak 0.279 GiB" in fitted.output, fitted.output
