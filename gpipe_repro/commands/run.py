@@ -183,13 +183,26 @@ def interrupted_by(failure: Any) -> None:
              code=128 + signum)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM outside the training loop (which saves and exits on it): the run stops as on Ctrl-C,
+    its claimed directory released, exit code 143 (a stub directory holding only the manifest was
+    left otherwise, refused by --resume and by --out)."""
+
+
 def run_task(build: Callable[[], tuple[Callable[[], Any], Any]]) -> Any:
     """Build (task factory, RunConfig) and train, turning the errors a user can fix into a one-line
     message and exit code 2 (a failed distributed job: 1, the launcher has named the failing rank)."""
+    import signal
+    import threading
+
     from gpipe_repro.data.images import DatasetUnavailableError
     from gpipe_repro.train.ranks import launch
     from gpipe_repro.train.run_dir import release_unused_claims
 
+    def terminated(signum: int, frame: Any) -> None:   # before the loop's own handler, and after it
+        raise Terminated("SIGTERM before training began or after it ended: nothing was saved")
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminated) if main else None
     try:
         task_factory, run_config = build()
         summary = launch(task_factory, run_config)
@@ -204,8 +217,11 @@ def run_task(build: Callable[[], tuple[Callable[[], Any], Any]]) -> Any:
     except FloatingPointError as e:    # the run diverged: not a usage error, exit code 1
         fail(str(e), code=1)
     except KeyboardInterrupt as e:     # a second Ctrl-C: say that nothing was saved (typer would not)
-        fail(f"interrupted: {e}" if str(e) else "interrupted", code=130)
+        fail(f"interrupted: {e}" if str(e) else "interrupted",
+             code=128 + signal.SIGTERM if isinstance(e, Terminated) else 130)
     finally:   # a run refused or failed before writing anything leaves no empty runs/<name>-N
+        if main:
+            signal.signal(signal.SIGTERM, previous)
         release_unused_claims()
     code = exit_code_of(summary)
     if code:

@@ -363,3 +363,23 @@ def test_a_k_an_optimizer_or_a_genotype_the_model_cannot_take_is_refused_before_
     result = CliRunner().invoke(app, ["run", *argv, "--wandb", "disabled"])
     assert result.exit_code == 2 and says in " ".join(result.output.split()), result.output
     assert not launched
+
+
+def test_sigterm_while_a_run_sets_up_leaves_no_stub_directory(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM after a run claimed its directory and before its first step killed the process with
+    the default handler (no exit code 143), leaving runs/<name> holding only its manifest, which
+    --resume and --out then refused. It now stops as Ctrl-C does there: one line, exit code 143,
+    the claimed directory released; the caller's handler is put back."""
+    import os
+    monkeypatch.chdir(tmp_path)
+
+    def terminated_while_loading(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the signal did not stop the run")
+    monkeypatch.setattr(ranks, "launch", terminated_while_loading)
+    before = signal.getsignal(signal.SIGTERM)
+    result = CliRunner().invoke(app, ["run", "amoebanet", "--preset", "smoke", "--wandb", "disabled"])
+    assert result.exit_code == 143 and "SIGTERM before training began" in result.output, result.output
+    assert not (tmp_path / "runs").exists()
+    assert signal.getsignal(signal.SIGTERM) is before
