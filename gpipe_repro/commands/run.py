@@ -313,6 +313,9 @@ def register(app: typer.Typer) -> None:
         from gpipe_repro.train.run_dir import release_unused_claims, resolve_run_dir
         from gpipe_repro.train.tasks.transfer import TransferConfig, transfer_runs, write_transfer_report
 
+        for flag, value in (("--seeds", seeds), ("--steps", steps), ("--batch-size", batch_size)):
+            if value < 1:
+                fail(f"{flag} must be >= 1, got {value}")
         try:
             out = str(resolve_run_dir("transfer", out=out, record=record, resume=False))
         except ValueError as e:

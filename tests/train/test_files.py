@@ -420,3 +420,22 @@ def test_a_transfer_without_a_pretraining_run_left_an_empty_runs_transfer(
                                       "--wandb", "disabled"])
     assert result.exit_code == 2 and "make train-amoebanet" in " ".join(result.output.split())
     assert not (tmp_path / "runs" / "transfer").exists()
+
+
+def test_transfer_from_another_tasks_run_is_refused_naming_it(tmp_path: Path) -> None:
+    """`run transfer --from <a Transformer run>` ended in a traceback (KeyError: 'input_shape') and
+    left an empty runs/transfer/; --seeds 0 in "fmean requires at least one data point". Both are
+    one line, exit 2, before any work, and no directory is left."""
+    from gpipe_repro.train.tasks.transfer import pretraining_config
+    state = fake_state(2)
+    state["extra"]["task"] = {"L": 2, "A": 4, "corpus": "gettext"}
+    save_checkpoint(checkpoint_path(tmp_path / "trun" / "checkpoints", 2), state)
+    with pytest.raises(ValueError, match="is not an AmoebaNet run's checkpoint.*run amoebanet"):
+        pretraining_config(tmp_path / "trun")
+    runner = CliRunner()
+    for args, says in (([], "is not an AmoebaNet run's checkpoint"),
+                       (["--seeds", "0"], "--seeds must be >= 1")):
+        result = runner.invoke(app, ["run", "transfer", "--from", str(tmp_path / "trun"),
+                                     "--wandb", "disabled", "--out", str(tmp_path / "t"), *args])
+        assert result.exit_code == 2 and says in result.output, result.output
+        assert not (tmp_path / "t").exists()

@@ -94,8 +94,15 @@ def load_pretrained(layers: nn.Sequential, source: str | os.PathLike[str]) -> li
 
 
 def pretraining_config(source: str | os.PathLike[str]) -> dict[str, Any]:
-    """The task settings the checkpoint was trained with (L, F, genotype, image size, ...)."""
-    return dict(load_checkpoint(pretrained_checkpoint(source))["extra"]["task"])
+    """The task settings the checkpoint was trained with (L, F, genotype, image size, ...); ValueError
+    for a checkpoint of another task's run (a Transformer's: the transfer fine-tunes AmoebaNet)."""
+    found = pretrained_checkpoint(source)
+    task = dict(load_checkpoint(found)["extra"].get("task") or {})
+    if "input_shape" not in task or "genotype" not in task:
+        raise ValueError(f"{found} is not an AmoebaNet run's checkpoint (its settings: "
+                         f"{', '.join(sorted(task)[:6]) or 'none'}): give --from a run of "
+                         "`gpipe-repro run amoebanet`")
+    return task
 
 
 # ----------------------------------------------------------------------------- the protocol
