@@ -48,6 +48,11 @@ def register(app: typer.Typer) -> None:
         # exit code 1 means "nothing fits").
         positive("--devices", devices, "devices of the job")
         positive("--devices-per-host", devices_per_host)
+        if devices > devices_per_host and devices % devices_per_host:
+            raise typer.BadParameter(
+                f"--devices {devices} at --devices-per-host {devices_per_host} is not a whole number "
+                f"of hosts: give --devices a multiple of {devices_per_host}, or --devices-per-host "
+                f"a divisor of {devices}")
         positive("--batch-size", batch)
         positive("--top", top)
         positive_number("--memory", memory, "GiB")

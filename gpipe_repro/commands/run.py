@@ -313,9 +313,12 @@ def register(app: typer.Typer) -> None:
         from gpipe_repro.train.run_dir import release_unused_claims, resolve_run_dir
         from gpipe_repro.train.tasks.transfer import TransferConfig, transfer_runs, write_transfer_report
 
-        for flag, value in (("--seeds", seeds), ("--steps", steps), ("--batch-size", batch_size)):
+        for flag, value in (("--seeds", seeds), ("--steps", steps), ("--batch-size", batch_size),
+                            ("--k", k), ("--m", m)):
             if value < 1:
                 fail(f"{flag} must be >= 1, got {value}")
+        if not 0 < lr_per_32 < float("inf"):
+            fail(f"--lr-per-32 must be a number > 0, got {lr_per_32}")
         try:
             out = str(resolve_run_dir("transfer", out=out, record=record, resume=False))
         except ValueError as e:

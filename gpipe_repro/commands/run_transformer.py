@@ -24,11 +24,16 @@ from gpipe_repro.commands.run import apply_pipeline_options, check_pipeline_fits
 
 
 def _languages(value: str | None) -> tuple[str, ...] | None:
-    if value is None or not value.strip():
+    """--languages: None where not given (the preset's), () for 'all', else the codes given."""
+    if value is None:
         return None
     if value.strip() == "all":
         return ()
-    return tuple(sorted({item.strip() for item in value.split(",") if item.strip()}))
+    codes = tuple(sorted({item.strip() for item in value.split(",") if item.strip()}))
+    if not codes:
+        raise typer.BadParameter(f"--languages {value!r} names no language: give comma-separated "
+                                 "codes (fr,de,cy), or 'all', or leave it out for the preset's")
+    return codes
 
 
 def corpus_vocabulary(corpus: str, data_dir: str | None) -> int | None:

@@ -44,10 +44,13 @@ class BuildConfig:
     languages: tuple[str, ...] | None = None   # None = every language found
 
     def __post_init__(self) -> None:
-        if not (0 <= self.valid_fraction and 0 <= self.test_fraction
-                and self.valid_fraction + self.test_fraction < 1):
-            raise ValueError(f"valid_fraction + test_fraction must be in [0, 1), got "
-                             f"{self.valid_fraction} + {self.test_fraction}")
+        for option, value in (("--valid-fraction", self.valid_fraction),
+                              ("--test-fraction", self.test_fraction)):
+            if not 0 <= value < 1:
+                raise ValueError(f"{option} (held out) must be in [0, 1), got {value}")
+        if not self.valid_fraction + self.test_fraction < 1:
+            raise ValueError(f"--valid-fraction + --test-fraction must be below 1 (something left to "
+                             f"train on), got {self.valid_fraction} + {self.test_fraction}")
 
 
 @dataclass

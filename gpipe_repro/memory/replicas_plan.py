@@ -73,6 +73,10 @@ def plan_replicas(planner: MemoryPlanner, devices: int, budget: float, link: Lin
     candidates: :func:`~gpipe_repro.memory.autoplan.micro_batch_candidates`)."""
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
+    if devices > devices_per_host and devices % devices_per_host:
+        raise ValueError(f"{devices} devices at {devices_per_host} per host is not a whole number of "
+                         f"hosts: give a multiple of {devices_per_host} devices, or devices_per_host "
+                         f"a divisor of {devices}")
     # every K that divides the devices and lays pipelines on hosts whole (K divides a host's
     # devices, or is a multiple of them: sim.data_parallel.group_placement), not powers of two only
     devices_per_host = min(devices_per_host, devices)    # fewer devices than a host holds: one host

@@ -103,7 +103,7 @@ class RunConfig:
             (self.lr is None or (math.isfinite(self.lr) and self.lr > 0),
              f"--lr must be a finite number > 0, got {self.lr!r}"),
             (isinstance(self.replicas, int) and self.replicas >= 1,
-             f"replicas (R) must be an integer >= 1, got {self.replicas!r}"),
+             f"--replicas (R) must be an integer >= 1, got {self.replicas!r}"),
             (self.replicas == 1 or self.runtime == "distributed",
              f"--replicas {self.replicas} needs --runtime distributed (K x R = {self.partitions} x "
              f"{self.replicas} processes, one per stage of each replica); the local runtime runs one "

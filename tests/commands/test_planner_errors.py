@@ -60,6 +60,8 @@ def test_planner_mistakes_are_usage_errors_before_any_work(no_planning: None, ar
     (["plan-replicas", "transformer-lm", "--tflops", "0"], "--tflops must be a number > 0"),
     (["plan-replicas", "transformer-lm", "--link", "x"], "--link must be one of"),
     (["plan-replicas", "transformer-lm", "--m", "4,x"], "--m takes integers"),
+    (["plan-replicas", "transformer-lm", "--devices", "8", "--devices-per-host", "3"],
+     "--devices 8 at --devices-per-host 3 is not a whole number of hosts"),
     (["plan-replicas", "transformer-lm", "--L", "0"], "--L takes an integer >= 1 for transformer-lm"),
     (["fit", "transformer-lm", "--L", "0"], "--L takes an integer >= 1 for transformer-lm"),
     (["fit", "transformer-lm", "--seq-len", "0"], "--seq-len takes an integer >= 1"),

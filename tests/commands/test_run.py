@@ -350,6 +350,9 @@ def test_split_backwards_reaches_the_run_or_is_refused_with_what_to_change(launc
     (["causal-lm", "--preset", "smoke", "--k", "50"], "it has 4 layers: use --k 4 or less"),
     (["transformer", "--preset", "smoke", "--k", "50"], "give the model more layers (--layers)"),
     (["transformer", "--preset", "smoke", "--temperature", "0"], "--temperature must be > 0"),
+    (["transformer", "--preset", "smoke", "--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
+    (["transformer", "--preset", "smoke", "--languages", ""], "--languages '' names no language"),
+    (["transformer", "--preset", "smoke", "--languages", " , "], "names no language"),
     (["transformer", "--preset", "smoke", "--data-dir", "/proc/version"], "is a file: give a directory"),
 ])
 def test_a_k_an_optimizer_or_a_genotype_the_model_cannot_take_is_refused_before_the_data(

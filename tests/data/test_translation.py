@@ -328,8 +328,9 @@ def test_corpus_command_build_info_and_offline_error(tmp_path: Path,
 
 @pytest.mark.parametrize("option, says", [
     (["--temperature", "0"], "--temperature must be > 0"),
-    (["--valid-fraction", "-0.1"], "valid_fraction"),
-    (["--valid-fraction", "0.6", "--test-fraction", "0.6"], "must be in [0, 1)"),
+    (["--valid-fraction", "-0.1"], "--valid-fraction (held out) must be in [0, 1)"),
+    (["--valid-fraction", "0.6", "--test-fraction", "0.6"],
+     "--valid-fraction + --test-fraction must be below 1"),
     (["--vocab-size", "-1"], "--vocab-size must be >= 0"),
     (["--vocab-size", "200"], "--vocab-size 200 is too small"),     # was refused after building
     (["--min-pairs", "-1"], "--min-pairs must be >= 1"),

@@ -99,18 +99,22 @@ class TranslationConfig:
             self.languages = tuple(sorted(set(self.languages)))
         checks = [
             (min(self.L, self.H, self.A, self.d_model, self.head_dim) >= 1,
-             f"T(L,H,A) needs positive sizes, got L={self.L} H={self.H} A={self.A} "
-             f"d_model={self.d_model} head_dim={self.head_dim}"),
-            (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
+             f"T(L,H,A) needs positive sizes (--layers --ffn --heads --d-model --head-dim), got "
+             f"L={self.L} H={self.H} A={self.A} d_model={self.d_model} head_dim={self.head_dim}"),
+            (0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}"),
             (0.0 <= self.label_smoothing < 1.0,
-             f"label_smoothing must be in [0, 1), got {self.label_smoothing}"),
+             f"--label-smoothing must be in [0, 1), got {self.label_smoothing}"),
             (self.logit_clip is None or self.logit_clip > 0,
-             f"logit_clip must be > 0, got {self.logit_clip}"),
-            (self.beam >= 1, f"beam must be >= 1, got {self.beam}"),
+             f"--logit-clip must be > 0, got {self.logit_clip}"),
+            (self.beam >= 1, f"--beam must be >= 1, got {self.beam}"),
+            (self.warmup_steps >= 0, f"--warmup-steps must be >= 0 (0: no warm-up), got "
+             f"{self.warmup_steps}"),
+            (self.lr > 0, f"--lr must be a number > 0, got {self.lr}"),
             (self.eval_split in ("valid", "test"),
              f"eval_split must be valid or test, got {self.eval_split!r}"),
-            (self.eval_sentences is None or self.eval_sentences >= 1, "eval_sentences must be >= 1 or None"),
-            (self.max_len >= 4, f"max_len must be >= 4, got {self.max_len}"),
+            (self.eval_sentences is None or self.eval_sentences >= 1,
+             f"--eval-sentences must be >= 1, got {self.eval_sentences}"),
+            (self.max_len >= 4, f"--max-len must be >= 4, got {self.max_len}"),
             (self.languages is None or len(self.languages) >= 1, "give at least one language"),
             (self.temperature > 0, f"--temperature must be > 0, got {self.temperature:g}"),
             (self.data_dir is None or not Path(self.data_dir).exists() or Path(self.data_dir).is_dir(),
@@ -119,6 +123,12 @@ class TranslationConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        from gpipe_repro.data.tokenizer import SPECIAL_PIECES
+        reserved = len(SPECIAL_PIECES) + 256 + max(1, len(self.languages or ()))  # specials, bytes, tags
+        if self.vocab_size <= reserved:
+            raise ValueError(f"--vocab-size {self.vocab_size} is too small: {len(SPECIAL_PIECES)} special "
+                             "pieces, 256 byte-fallback pieces and one tag per language are reserved, so "
+                             f"it must be above {reserved} (more with more languages)")
 
     def layer_count(self) -> int:
         """How many layers T(L, H, A) has, without the data (built on the meta device: no weights)."""
