@@ -439,3 +439,23 @@ def test_transfer_from_another_tasks_run_is_refused_naming_it(tmp_path: Path) ->
                                      "--wandb", "disabled", "--out", str(tmp_path / "t"), *args])
         assert result.exit_code == 2 and says in result.output, result.output
         assert not (tmp_path / "t").exists()
+
+
+def test_an_amoebanet_the_host_cannot_hold_is_refused_before_any_work(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run amoebanet --F 100000` (a 64,000 GiB peak) started building the model: only `run
+    causal-lm` planned its peak. The image task now gives the run its memory planner; a peak above
+    the host's available memory is refused before the model is built, naming the options that lower
+    it, and no run directory is left."""
+    from gpipe_repro.train import memory_check
+
+    out = tmp_path / "run"
+    args = ["run", "amoebanet", "--preset", "smoke", "--out", str(out), "--wandb", "disabled",
+            "--no-progress"]
+    refused = CliRunner().invoke(app, [*args, "--F", "100000"])
+    said = " ".join(refused.output.split())
+    assert refused.exit_code == 2, (refused.output, refused.exception)
+    assert "of host memory at its peak" in said and "lower --F, --image-size or --batch-size" in said
+    assert not out.exists()
+    monkeypatch.setattr(memory_check, "available_host_bytes", lambda: 2 ** 10)   # 1 KiB left
+    assert CliRunner().invoke(app, args).exit_code == 2 and not out.exists()

@@ -469,3 +469,25 @@ def test_run_start_counts_the_pairs_left_out(data_dir: Path, task: TranslationTa
     line = short.describe_data()
     assert f"{sum(short.too_long.values()):,} pairs" in line and "--max-len 14" in line
     assert "raise --max-len" in line
+
+
+def test_a_transformer_the_host_cannot_hold_is_refused_before_any_work(
+        data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run transformer --d-model 16384 --ffn 100000` (a 122 GiB peak) started building the model
+    on a host with 18 GiB: only `run causal-lm` planned its peak. The translation task now gives the
+    run its memory planner; a peak above the host's available memory is refused before the model is
+    built, naming the options that lower it, and nothing is written."""
+    from gpipe_repro.cli import app
+    from gpipe_repro.train import memory_check
+
+    monkeypatch.setattr(memory_check, "available_host_bytes", lambda: 2 ** 10)   # 1 KiB left
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, [
+        "run", "transformer", "--preset", "smoke", "--corpus", "toy", "--data-dir", str(data_dir),
+        "--languages", "all", "--vocab-size", str(VOCAB), "--layers", "1", "--ffn", "32", "--heads", "2",
+        "--d-model", "16", "--head-dim", "8", "--batch-size", "8", "--wandb", "disabled", "--no-progress",
+        "--runtime", "local", "--out", str(out)])     # the patched host in this process
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "of host memory at its peak" in said and "lower --d-model" in said, said
+    assert not out.exists()

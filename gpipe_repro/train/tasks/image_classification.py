@@ -154,6 +154,26 @@ class AmoebaNetTask(Task):
         self._drop_paths = [(m, m.drop_prob) for m in layers.modules() if isinstance(m, DropPath)]
         return layers
 
+    def memory_planner(self, batch_size: int) -> Any:
+        from gpipe_repro.memory.planner import MemoryPlanner
+        s = self.settings
+        channels, size, _ = self.train_set.shape
+        with torch.device("meta"):        # shapes only: the planner copies the layers as fakes
+            layers = amoebanet(s.L, s.F, s.genotype, self.train_set.num_classes, in_channels=channels,
+                               dropout=s.dropout, drop_path=s.drop_path, aux_head=s.aux_head,
+                               image_size=size, bn_momentum=s.bn_momentum, bn_eps=s.bn_eps)
+            images = torch.empty(batch_size, *self.train_set.shape)
+            labels = torch.zeros(batch_size, dtype=torch.long)
+        momentum = AMOEBANET_RECIPE["momentum"]
+
+        def rmsprop(params: Any) -> torch.optim.Optimizer:    # the recipe's state slots
+            return torch.optim.RMSprop(params, lr=1e-3, momentum=momentum)
+        return MemoryPlanner(list(layers), images, labels, self.loss_fn(), optimizer=rmsprop)
+
+    def memory_advice(self) -> str:
+        return ("lower --F, --image-size or --batch-size, raise --m, or give --checkpoint always; "
+                "`gpipe-repro fit amoebanet-d --F ... --image-size ...` shows what fits")
+
     def loss_fn(self) -> LossFn:
         smoothing, aux_weight = self.settings.label_smoothing, self.settings.aux_weight
 

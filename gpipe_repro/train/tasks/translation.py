@@ -254,6 +254,26 @@ class TranslationTask(Task):
             vocab_size=self.tokenizer.vocab_size, pad_id=self.tokenizer.pad_id, dropout=s.dropout,
             tie_embeddings=s.tie_embeddings, scale_ff_init=s.scale_ff_init, logit_clip=s.logit_clip)
 
+    def memory_planner(self, batch_size: int) -> Any:
+        from gpipe_repro.memory.planner import MemoryPlanner
+        from gpipe_repro.memory.profile import adam_foreach
+        s = self.settings
+        with torch.device("meta"):        # shapes only: the planner copies the layers as fakes
+            layers = translation_transformer(
+                s.L, s.H, s.A, d_model=s.d_model, head_dim=s.head_dim,
+                vocab_size=self.tokenizer.vocab_size, pad_id=self.tokenizer.pad_id, dropout=s.dropout,
+                tie_embeddings=s.tie_embeddings, scale_ff_init=s.scale_ff_init, logit_clip=s.logit_clip)
+        inputs, (targets, _) = self.sample_batch(batch_size)   # the token count rides unused
+        loss = self.loss_fn()
+
+        def token_loss(logits: torch.Tensor, target: torch.Tensor) -> Any:   # the planner's one tensor
+            return loss(logits, (target, torch.ones((), device=target.device)))
+        return MemoryPlanner(list(layers), inputs, targets, token_loss, optimizer=adam_foreach)
+
+    def memory_advice(self) -> str:
+        return ("lower --d-model, --ffn, --layers, --max-len or --batch-size, raise --m, or give "
+                "--checkpoint always")
+
     def loss_fn(self) -> LossFn:
         return TokenNormalizedLoss(self.tokenizer.pad_id, self.settings.label_smoothing)
 
