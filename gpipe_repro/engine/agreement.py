@@ -275,13 +275,14 @@ class Agreement:
         if config.needs_norm:
             assert sq_norm is not None
             scale = 1.0 if factor is None else factor
-            norm = torch.where(torch.isfinite(sq_norm), sq_norm.sqrt() * scale, math.inf)
+            norm = sq_norm.sqrt() * scale          # nan or inf where a gradient is, as torch's
         if config.clip_grad_norm is not None:
             assert norm is not None
-            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1
-            # (not applied to a skipped step: its factor is never used).
+            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1,
+            # NaN kept (a NaN norm makes every gradient NaN; not applied to a skipped step: its
+            # factor is never used).
             coef = config.clip_grad_norm / (norm + 1e-6)
-            clip = coef < 1.0
+            clip = (coef < 1.0) | coef.isnan()
             if skip is not None:
                 clip = clip & (skip == 0)
             base = torch.ones_like(loss) if factor is None else factor

@@ -54,11 +54,17 @@ class LossScaler:
 
 
 def saved_scaler(scaler: LossScaler) -> dict[str, Any]:
-    """The scaler's state under ``GPipe.training_state``'s keys."""
+    """The scaler's state under ``GPipe.training_state``'s keys; none without fp16 (there is no loss
+    scale to resume: an fp32 or bf16 state loaded into an fp16 pipeline keeps that pipeline's)."""
+    if not scaler.enabled:
+        return {}
     return {"loss_scale": scaler.scale, "growth_tracker": scaler.growth_tracker}
 
 
 def restore_scaler(scaler: LossScaler, state: dict[str, Any]) -> None:
-    """Restore :func:`saved_scaler`'s keys of `state` (a state saved without them keeps the scale)."""
+    """Restore :func:`saved_scaler`'s keys of `state` into an fp16 pipeline's scaler (a state saved
+    without them keeps the scale); a scaler that is off stays at 1."""
+    if not scaler.enabled:
+        return
     scaler.load_state_dict({"scale": state.get("loss_scale", scaler.scale),
                             "growth_tracker": state.get("growth_tracker", 0)})

@@ -142,6 +142,32 @@ def test_clip_grad_norm_reports_the_norm_torch_reports() -> None:
     assert pipe.last_grad_norm == pytest.approx(float(expected), rel=1e-6)
 
 
+@pytest.mark.parametrize("where", ["nan", "inf"])
+def test_silent_clipping_a_nonfinite_gradient_left_the_other_weights_as_they_were(where: str) -> None:
+    """One NaN in one weight's gradient, `clip_grad_norm=1.0`: `clip_grad_norm_` on the plain model
+    returns a NaN norm and multiplies every gradient by NaN, so every weight it updates is NaN; the
+    pipeline turned the norm into inf, clipped by 0, and left every weight but that one unchanged
+    (9 of 484 weights NaN), reporting inf. It now keeps torch's NaN (and its inf: coefficient 0,
+    the infinite gradient NaN) for the norm and the update, at any K."""
+    def poisoned() -> list[nn.Module]:
+        torch.manual_seed(0)
+        layers = [nn.Linear(20, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3)]
+        layers[2].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float(where)))
+        return layers
+    x, y = torch.randn(8, 20), torch.randint(0, 3, (8,))
+    plain = nn.Sequential(*poisoned())
+    nn.CrossEntropyLoss()(plain(x), y).backward()
+    norm = nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    pipe = GPipe(nn.Sequential(*poisoned()), partitions=2, micro_batches=1, loss_fn=nn.CrossEntropyLoss(),
+                 clip_grad_norm=1.0, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    pipe.train_step(x, y)
+    got = dict(pipe.unpartitioned().named_parameters())
+    assert str(pipe.last_grad_norm) == str(float(norm))
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(got[name], p, equal_nan=True, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_bad_clip_grad_norm() -> None:
     with pytest.raises(ValueError, match="clip_grad_norm must be a number > 0"):
         GPipe(model(), clip_grad_norm=0)
@@ -257,6 +283,27 @@ def test_fp16_overflow_in_one_cell_skips_every_cell_and_halves_the_scale() -> No
     assert scales == expected_scales == [65536.0, 32768.0, 32768.0, 32768.0]
     for p, q in zip(pipe.unpartitioned().parameters(), nn.Sequential(*plain).parameters()):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
+
+
+def test_silent_scale_an_fp32_state_loaded_into_fp16_set_the_loss_scale_to_1() -> None:
+    """`fp16.load_training_state(fp32.training_state())` set the fp16 pipeline's loss scale from
+    65536 (GradScaler's start) to the fp32 pipeline's 1.0, without a word: its small gradients then
+    underflow in fp16, and the scale grows back only after 2000 clean steps. A pipeline without fp16
+    has no loss scale to resume: it saves none, and a pipeline without fp16 keeps its scale of 1
+    when given an fp16 state; fp16 to fp16 still resumes the scale and its growth tracker."""
+    def pipe(precision: str) -> GPipe:
+        return GPipe(model(), partitions=2, micro_batches=2, loss_fn=nn.CrossEntropyLoss(),
+                     precision=precision, optimizer=sgd_momentum)
+    fp32, fp16 = pipe("fp32"), pipe("fp16")
+    fp32.train_step(*batch(0))
+    fp16.load_training_state(fp32.training_state())
+    assert fp16.loss_scale == 65536.0
+    fp16.loss_scaler.scale, fp16.loss_scaler.growth_tracker = 512.0, 7
+    again = pipe("fp16")
+    again.load_training_state(fp16.training_state())
+    assert (again.loss_scale, again.loss_scaler.growth_tracker) == (512.0, 7)
+    fp32.load_training_state(fp16.training_state())
+    assert fp32.loss_scale == 1.0
 
 
 def test_bad_precision() -> None:
