@@ -442,6 +442,8 @@ class GPipe(nn.Module):
                              "torch.optim.SGD(params, lr=0.1)); pass optimizer=None to compute "
                              "gradients without updating")
         refuse_hooked_copies(self.ties, {s: c for s, c in enumerate(self.cells) if s in self.stages_here})
+        if self.rank is None:        # the distributed runtime compares the copies at its all-reduce
+            self._stand_ins.refuse_changed_copies()
         self._stand_ins.follow()     # what the caller changed in its own modules since
         # before any work: every rank of a distributed pipeline has the same mini-batch
         self.runtime.check_same_batch((batch_key(inputs, targets), self.micro_batches, self.training))
@@ -489,6 +491,8 @@ class GPipe(nn.Module):
         output depends on M (BatchNorm normalizes per micro-batch), so, as for ``train_step``, a batch
         smaller than M is an error; each call draws fresh dropout masks."""
         n = microbatch.batch_size(inputs)
+        if self.rank is None:
+            self._stand_ins.refuse_changed_copies()
         self._stand_ins.follow()     # what the caller changed in its own modules since
         # before any work: every rank of a distributed pipeline has the same batch
         self.runtime.check_same_batch((batch_key(inputs, None), self.micro_batches, self.training),

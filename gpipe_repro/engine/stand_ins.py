@@ -24,7 +24,9 @@ forward and in ``state_dict()`` (:meth:`StandIns.follow`), brings each up to dat
   it was changed since the pipeline last updated it: its version counter moved (a
   ``load_state_dict``, an edit under no_grad) or its storage was replaced (``.data = ...``);
   :meth:`StandIns.updated` records the pipeline's own updates after each step. An in-place edit
-  through ``.data`` moves neither and is not seen;
+  through ``.data`` moves neither and is not seen. The copy itself changed (and not alike with the
+  original) is refused at the next step or forward (:meth:`StandIns.refuse_changed_copies`; the
+  distributed runtime compares the copies at its gradient all-reduce instead);
 - a replacement is refused (:class:`ReplacedAfterWrapping`): a layer of the container the caller
   gave, a child or parameter the stand-in keeps in a dictionary of its own, a tied parameter's
   shape. The stand-ins and the optimizers hold the objects they were built with.
@@ -69,6 +71,11 @@ class _ParameterPair:
     seen_version: int
     seen_requires_grad: bool
     seen_storage: tuple[int, tuple[int, ...]]   # (data pointer, shape): `.data = ...` replaces them
+    where: str                                  # the original's name in the caller's layers
+    seen_copy: tuple[int, tuple[int, tuple[int, ...]]]   # the copy's (version, storage) as last set
+
+    def copy_state(self) -> tuple[int, tuple[int, tuple[int, ...]]]:
+        return self.copy._version, _storage(self.copy)
 
 
 def _attributes(module: nn.Module) -> dict[str, Any]:
@@ -138,7 +145,8 @@ class StandIns:
             q = stand_in._parameters.get(key)
             if p is not None and q is not None and q is not p:
                 self.parameters.append(_ParameterPair(weakref.ref(p), q, p._version, p.requires_grad,
-                                                      _storage(p)))
+                                                      _storage(p), f"{name}.{key}",
+                                                      (q._version, _storage(q))))
         for key, child in original._modules.items():
             other = stand_in._modules.get(key)
             if child is not None and other is not None:
@@ -226,6 +234,26 @@ class StandIns:
                 with torch.no_grad():
                     p.copy.copy_(value)
                 p.seen_version, p.seen_storage = value._version, storage
+                p.seen_copy = p.copy_state()
+
+    def refuse_changed_copies(self) -> None:
+        """Raise ValueError where a tied parameter's copy (a later cell's) was changed in place since
+        the pipeline last set it (an edit under no_grad, ``.data = ...``) and no longer equals the
+        parameter itself: the copies would train apart, where plain PyTorch has one parameter (a
+        change of the parameter itself, the caller's, is followed into every copy)."""
+        for p in self.parameters:
+            value = p.original()
+            if value is None or p.copy_state() == p.seen_copy:
+                continue
+            if value.shape == p.copy.shape and torch.equal(value.detach(), p.copy.detach().to(value.device)):
+                p.seen_copy = p.copy_state()      # changed alike: still one parameter
+                continue
+            raise ValueError(
+                f"a later cell's copy of {p.where!r}, a weight tied across cells, was changed in place "
+                "since the last step, and the weight itself was not: the copies would train apart "
+                "(plain PyTorch has one parameter). Change the tied weight through the model given "
+                f"to GPipe ({p.where!r} there: every copy follows it), or with pipe.load_state_dict, "
+                "which sets every copy")
 
     def updated(self) -> None:
         """The pipeline updated its parameters (a step): the originals' values now are its own."""
@@ -233,6 +261,7 @@ class StandIns:
             original = p.original()
             if original is not None:
                 p.seen_version, p.seen_storage = original._version, _storage(original)
+            p.seen_copy = p.copy_state()
 
 
 def _follow_buffers(original: nn.Module, stand_in: nn.Module) -> None:

@@ -272,3 +272,44 @@ def test_silent_a_weight_clamped_in_its_forward_left_its_tied_copy_behind() -> N
     pipe = GPipe(shared(), partitions=2, balance=[2, 3], micro_batches=1, checkpoint="never",
                  loss_fn=nn.CrossEntropyLoss(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     assert pipe.train_step(x, y) == pytest.approx(float(nn.CrossEntropyLoss()(shared()(x), y)), rel=1e-6)
+
+
+def test_silent_drift_a_later_cells_copy_changed_between_steps_trained_apart() -> None:
+    """Between two steps, `pipe.cells[-1]`'s copy of the tied head weight changed in place (under
+    no_grad; or `.data = ...`): the local runtime trained on with the copies 1.0 apart, 1.0 off
+    plain PyTorch's one parameter, and the next change of the weight itself overwrote it. A later
+    cell's copy changed since the pipeline last set it is now refused before the step, naming the
+    weight, in training and in inference; the weight itself (the caller's) changed is still followed
+    into every copy, and a copy changed alike with it passes."""
+    def build() -> tuple[GPipe, list[nn.Module]]:
+        layers = tied_model(dropout=0.0)
+        return GPipe(layers, partitions=2, micro_batches=2, balance=[4, 3], loss_fn=lm_loss,
+                     optimizer=sgd_momentum), layers
+    x, y = batches(steps=1)[0]
+    pipe, layers = build()
+    pipe.train_step(x, y)
+    copy_ = pipe.cells[1][-1].weight
+    assert copy_ is not layers[0].weight
+    with torch.no_grad():
+        copy_.add_(1.0)
+    with pytest.raises(ValueError, match="copy of 'layer 6.weight', a weight tied across cells, was "
+                                         "changed in place"):
+        pipe.train_step(x, y)
+    with pytest.raises(ValueError, match="was changed in place"):
+        pipe.eval()(x)
+    pipe, layers = build()
+    pipe.train_step(x, y)
+    copy_ = pipe.cells[1][-1].weight
+    copy_.data = copy_.data + 1.0
+    with pytest.raises(ValueError, match="was changed in place"):
+        pipe.train_step(x, y)
+    pipe, layers = build()                   # the weight itself, and both alike: followed
+    pipe.train_step(x, y)
+    with torch.no_grad():
+        layers[0].weight.mul_(0.5)
+    pipe.train_step(x, y)
+    with torch.no_grad():
+        layers[0].weight.add_(1.0)
+        pipe.cells[1][-1].weight.add_(1.0)
+    pipe.train_step(x, y)
+    assert_copies_identical(pipe)
