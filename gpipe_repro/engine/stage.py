@@ -35,6 +35,7 @@ from torch import nn
 
 from gpipe_repro.engine import boundary
 from gpipe_repro.engine.agreement import Agreement, Contribution, StepConfig, stage_contribution
+from gpipe_repro.engine.aliasing import AliasingError
 from gpipe_repro.engine.backward_split import DeferredWeights, WeightWork, full_backward, splits_input
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_many, is_one_value_per_channel
 from gpipe_repro.engine.compiled import compiled_runner
@@ -290,8 +291,15 @@ class StageExecutor:
                 with self._autocast():
                     self._loss(out, m)
         else:
+            try:
+                sent = boundary.detach(out)
+            except AliasingError as e:
+                named = list(self.cell.named_children())
+                last = f" (its last layer {named[-1][0]!r}, {type(named[-1][1]).__name__})" if named else ""
+                raise AliasingError(f"the output of cell {self.stage}{last}, sent to cell "
+                                    f"{self.stage + 1}: {e}") from None
             self.outbox[(ActionKind.SEND_ACT, m)] = cast_boundary(
-                boundary.detach(out), self.config.precision, self.config.low_precision_boundaries)
+                sent, self.config.precision, self.config.low_precision_boundaries)
 
     def _send_act(self, m: int | None) -> None:
         assert m is not None

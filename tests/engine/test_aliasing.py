@@ -139,6 +139,9 @@ def test_aliased_items_that_cannot_be_rebuilt_are_refused_before_any_update() ->
         with pytest.raises(aliasing.AliasingError, match=fix) as caught:
             pipe.train_step(x, y[:, :1])
         assert ".clone()" in str(caught.value)
+        if isinstance(middle, PartlyOverlapping):       # where: the cut and the layer
+            assert "the output of cell 0 (its last layer" in str(caught.value)
+            assert "PartlyOverlapping), sent to cell 1" in str(caught.value)
         for name, value in pipe.cells[0][0].state_dict().items():
             assert torch.equal(value, before[name]), name
 
