@@ -57,7 +57,8 @@ PARTS: tuple[Part, ...] = (
          "interleaved rounds (fewer where they would not fit --budget), calibrated in each; "
          "re-renders throughput_table.md"),
     Part("validate-unseen", _python("experiments.validate_unseen", "--ms", "2,8", "--steps", "2",
-                                    "--rounds", "3", "--repeats", "8", "--budget", "390"), 420,
+                                    "--rounds", "3", "--repeats", "8", "--in-situ-m", "4",
+                                    "--budget", "390"), 420,
          ("throughput",), "three models the simulator was never tuned on, K=2, M = 2 and 8, each "
          "also corrected in situ, in 3 interleaved rounds (fewer where they would not fit --budget), "
          "calibrated in each"),

@@ -191,6 +191,8 @@ def _readme_results_rows() -> list[str]:
             if r["M"] == 32 and r["K"] in ks:
                 fig = (r.get("measured") or {}).get("normalized_figure")
                 measured = f"{fig['value']:.2f} [{fig['low']:.2f}, {fig['high']:.2f}]" if fig else ""
+                if fig and fig.get("coverage") is not None and fig["coverage"] < 0.95:
+                    measured += f" {fig['coverage']:.0%}"      # a range of rounds, and its coverage
                 rows.append(f"| {names[model][0]} | {r['K']} | 32 | {r['simulated']['normalized']:.2f} | "
                             f"{measured} | {r['flop_model']['normalized']:.2f} | {r['paper']:.2f} |"
                             .replace("|  |", "| |"))

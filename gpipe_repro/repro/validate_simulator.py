@@ -150,16 +150,20 @@ def main(*, models: Sequence[str] = MODELS, ms: Sequence[int] = VALIDATION_MS,
     from gpipe_repro.engine.timeline import Timeline
     from gpipe_repro.report.measurement import Progress
     from gpipe_repro.report.records import write_json
+    from gpipe_repro.repro.throughput.validation import in_situ_level, validation_ks
+    from gpipe_repro.sim.platform import platform_for
 
     settings = replace(DEFAULTS, measure_steps=steps)
     measure = distributed_measure(settings)
     console = Console(stderr=True)
+    level_k = min(ks) if ks else min(validation_ks(cores), default=2)
+    level = in_situ_level(level_k, platform_for(settings.link).link, settings.objective)
     with Progress(COMMAND) as shown:
         result = validate_simulator(
             settings, measure, models=list(models), ks=list(ks) if ks else None, ms=list(ms),
             schedules=list(schedules),
             measure_schedule=distributed_measure,
-            progress=shown.update, rounds=rounds, budget_s=budget)
+            progress=shown.update, rounds=rounds, budget_s=budget, level=level)
     timelines = result.pop("timelines")
     if timelines:
         key = next((k for k in timelines if "_M4_always" in k), next(iter(timelines)))

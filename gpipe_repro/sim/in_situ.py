@@ -86,6 +86,35 @@ def factors(measured: Sequence[Timeline], simulated: Timeline) -> list[dict[str,
     return out
 
 
+def level_factors(measured: Sequence[Timeline], simulated: Timeline) -> dict[str, float]:
+    """The whole pipeline's :func:`factors`: per action kind of :data:`SCALED`, the measured seconds
+    over the simulated seconds, each summed over every stage (median over the measured steps); 1.0
+    where either side has none. One factor per kind for every layer of the model, where
+    :func:`factors` gives one per stage for one cut."""
+    stages = range(simulated.num_stages)
+    model = action_seconds(simulated)
+    runs = [action_seconds(t) for t in measured]
+    out: dict[str, float] = {}
+    for kind in SCALED:
+        sim_s = sum(_kind_seconds(model, s, kind) or 0.0 for s in stages)
+        real = [x for x in (sum(_kind_seconds(r, s, kind) or 0.0 for s in stages) for r in runs) if x > 0]
+        out[kind] = statistics.median(real) / sim_s if sim_s > 0 and real else 1.0
+    return out
+
+
+def leveled(calibration: Calibration, size: int, per_kind: Mapping[str, float]) -> Calibration:
+    """`calibration` with its timed costs at micro-batch `size` (and its optimizer call) multiplied
+    by `per_kind` (:func:`level_factors`), kind by kind as :data:`SCALED` maps them: the layers'
+    costs at the level the stage processes ran them."""
+    costs = dict(calibration.costs)
+    costs[size] = [dataclasses.replace(c, **{name: getattr(c, name) * per_kind[kind]
+                                             for kind, names in SCALED.items() for name in names
+                                             if getattr(c, name) is not None})
+                   for c in calibration.at(size)]
+    return dataclasses.replace(calibration, costs=costs,
+                               optimizer_call=calibration.optimizer_call * per_kind["optimizer_step"])
+
+
 def run_checkpoint(checkpoint: str, micro_batches: int = 1) -> str:
     """The re-materialization mode of an in-situ run of `micro_batches` for a pipeline run with
     `checkpoint` (at M = 1, except_last would re-materialize nothing)."""

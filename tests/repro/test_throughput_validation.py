@@ -99,6 +99,13 @@ def test_a_wide_interval_makes_the_verdict_inconclusive_not_a_left_out_row() -> 
     assert s["verdict"] == "inconclusive" and s["configurations"] == 3
     off = [error_figure([1.3] * 8, 1.0).to_json()] * 3
     assert summarize_errors(off)["verdict"] == "not met"
+    # ranges of 4 steps cover the median 88% of the time: they judge nothing, and so their summary
+    short = [error_figure([1.3, 1.31, 1.32, 1.33], 1.0).to_json()] * 3
+    s = summarize_errors(short)
+    assert (s["verdict"], s["bounds_say"], s["coverage"]) == ("inconclusive", "not met", 0.875)
+    from gpipe_repro.repro.throughput.simulator_error import describe
+    assert "cover the median 88% of the time, below 95%: they judge nothing; their bounds alone " \
+           "say not met" in describe(s)
 
 
 def test_each_configuration_is_measured_once_per_round_in_alternating_order(

@@ -150,3 +150,26 @@ def test_the_corrected_figure_is_the_simulation_of_the_scaled_costs(
     # applied to the other stage, the same factors give another figure
     swapped = simulate(sched, scaled(raw, used[::-1]), link.link, m * b).step_time
     assert abs(swapped / expected - 1) > 1e-3
+
+
+def test_level_factors_sum_every_stage_and_leveled_scales_every_layer_alike() -> None:
+    from gpipe_repro.sim.calibration.costs import Calibration, LayerCost
+    from gpipe_repro.sim.in_situ import level_factors, leveled
+
+    measured = [_timeline(2.0, 3.0), _timeline(2.2, 3.0), _timeline(1.8, 3.0)]
+    # forward: (2 + 2) over (1 + 1); backward: (3 + 6) over (1 + 2)
+    assert level_factors(measured, _timeline(1.0, 1.0)) == pytest.approx(
+        {"forward": 2.0, "recompute": 1.0, "backward": 3.0, "optimizer_step": 1.0})
+    layer = LayerCost(forward=1.0, forward_nograd=0.5, recompute=0.8, backward=2.0, optimizer=0.1,
+                      forward_flops=7.0, flops=21.0, params=3, output_bytes=8, grad_bytes=8, accumulate=0.2,
+                      backward_input=None, backward_weight=1.5)
+    calib = Calibration("w", "time", "cpu", [0, 1], {4: [layer, layer], 8: [layer, layer]},
+                        optimizer_call=0.4)
+    out = leveled(calib, 4, {"forward": 2.0, "recompute": 1.5, "backward": 3.0, "optimizer_step": 0.5})
+    got = out.at(4)[1]
+    assert (got.forward, got.forward_nograd, got.recompute) == pytest.approx((2.0, 1.0, 1.2))
+    assert (got.backward, got.accumulate, got.backward_weight) == pytest.approx((6.0, 0.6, 4.5))
+    assert got.backward_input is None and got.optimizer == pytest.approx(0.05)
+    assert (got.flops, got.params, got.output_bytes) == (21.0, 3, 8)       # counted, not timed
+    assert out.optimizer_call == pytest.approx(0.2) and out.at(8) == calib.at(8)
+    assert calib.at(4)[0].forward == 1.0                                   # the original unchanged

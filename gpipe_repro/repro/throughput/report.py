@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpipe_repro.report.host import BUSY_MARK, IDLE_CLEAN, OTHERS_CLEAN, busy_note
+from gpipe_repro.report.measurement import CONFIDENCE
 from gpipe_repro.report.records import markdown_table
 from gpipe_repro.repro.throughput.schedules import render_schedule_ablation
 from gpipe_repro.sim.partition_choice import KEEP_BAND, TIE_FLOOR
@@ -34,7 +35,9 @@ def measured_note(meas: dict[str, Any], normalized: bool = False) -> str:
         low, high = figure.get("low"), figure.get("high")
         if not normalized and low is not None and high is not None:   # per-sample time -> samples/s
             low, high = 1.0 / high, 1.0 / low
-        return f" [{_num(low, 2 if normalized else 1)}, {_num(high, 2 if normalized else 1)}]"
+        coverage = figure.get("coverage")      # a range of 3 to 5 rounds: how often it covers
+        note = f" {coverage:.0%}" if coverage is not None and coverage < CONFIDENCE else ""
+        return f" [{_num(low, 2 if normalized else 1)}, {_num(high, 2 if normalized else 1)}]{note}"
     if normalized and "normalized_clean" in meas:
         if meas["normalized_clean"]:
             return ""
@@ -162,7 +165,9 @@ def render_markdown(payload: dict[str, Any], validation: dict[str, Any] | None =
         "this device at the micro-batch size used), *measured* = real stage processes of the "
         "distributed runtime (only where K <= usable cores). `paper` is Table 2/3 of Huang et al. "
         "(TPUs / P100s), `torchgpipe` is Kim et al.'s reproduction (8x P40). "
-        "Normalized to K=2, M=1 like the paper. A measured number's [low, high] is its 95% interval: "
+        "Normalized to K=2, M=1 like the paper. A measured number's [low, high] is its 95% "
+        "interval (from fewer than 6 rounds: their range, followed by how often it covers the "
+        "median): "
         "the measured cells run in alternating rounds, and a normalized one is the median of per-round "
         "ratios to the K=2, M=1 cell of the same round (a busy host widens the interval).",
         "",
@@ -391,6 +396,24 @@ def render_validation_summary(validation: dict[str, Any]) -> str:
     if rounds > 1 and unpaired and unpaired.get("configurations"):
         head += (" Unpaired (all the steps against the simulation from the median of the rounds' "
                  f"costs; the samples/s columns): {describe(unpaired)}.")
+    leveled = summary.get("leveled")
+    if leveled and leveled.get("configurations"):
+        factors = summary.get("level_factors") or {}
+        shown = "; ".join(
+            f"{model} " + ", ".join("/".join(f"{f[kind]:.2f}" for kind in ("forward", "backward"))
+                                    for f in per_round)
+            for model, per_round in factors.items() if per_round)
+        head += (" Leveled in situ (each calibration scaled, per action kind, by a short run of the "
+                 "model on the real stage processes right after it: its gpipe cut, 3 steps of 4 "
+                 "micro-batches, re-materialized; `sim/in_situ.py`, `level_factors`; paired per round "
+                 "as the first line): it models what a stage process pays that the calibrating "
+                 "process does not (the host's speed at run time, the stage's caches and allocator, "
+                 "the executor's own work), for every layer alike, and leaves the schedule's "
+                 f"bubbles, transfers and accumulation to the simulator: {describe(leveled)}; it "
+                 f"moved the median |error| from {summary['median_abs_error']:.1%} to "
+                 f"{leveled['median_abs_error']:.1%} and the worst from {summary['max_abs_error']:.1%} "
+                 f"to {leveled['max_abs_error']:.1%}"
+                 + (f"; factors forward/backward per round: {shown}" if shown else "") + ".")
     state = summary.get("by_host_fast")
     if state:
         head += (" The errors go with the host's state during the runs (the speed probe's share of "

@@ -113,6 +113,36 @@ def zero_bubble_against_1f1b(rows: Sequence[dict[str, Any]]) -> list[dict[str, A
     return out
 
 
+#: Levels a model's fresh calibration to its stage processes: (model, workload, calibration,
+#: micro-batch) -> the leveled calibration and its factor per action kind.
+LevelFn = Callable[[str, Workload, Calibration, int], tuple[Calibration, dict[str, float]]]
+
+
+def in_situ_level(k: int, link: Any, objective: str, micro_batches: int = 4) -> LevelFn:
+    """A :data:`LevelFn` from a short run of the model itself on `k` real stage processes: its
+    balanced gpipe cut, 3 steps of `micro_batches` micro-batches each (re-materialized, so every
+    action kind runs; several, so the stages compute at the same time as in the validated runs)
+    right after the calibration; the calibration's costs are scaled, per action kind, by the run's
+    seconds over the calibration's for the same step (:func:`gpipe_repro.sim.in_situ.level_factors`).
+    It models what a stage process pays that the calibrating process did not (its host's speed at
+    run time, its caches and allocator, the executor's own work), for every layer alike; not the
+    schedule's bubbles, transfers or accumulation, which stay the simulator's."""
+    from gpipe_repro.sim.in_situ import level_factors, leveled
+    from gpipe_repro.sim.own_model import in_situ_run
+    from gpipe_repro.sim.simulator import simulate_config
+
+    def level(model: str, workload: Workload, calib: Calibration, b: int
+              ) -> tuple[Calibration, dict[str, float]]:
+        balance = choose_cut(calib, b, "always", make_schedule("gpipe", k, k, "always"), objective)
+        timelines = in_situ_run(workload, balance, microbatch=b, checkpoint="always", schedule="gpipe",
+                                threads=1, steps=3, micro_batches=micro_batches)
+        one = simulate_config(calib, balance, micro_batches, micro_batches * b, link,
+                              checkpoint="always", schedule="gpipe")
+        factors = level_factors(timelines, one.timeline)
+        return leveled(calib, b, factors), factors
+    return level
+
+
 @dataclass
 class _Config:
     """One validated configuration: what is measured, and its simulation."""
@@ -170,7 +200,7 @@ def _runs_as_one(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _row(c: _Config, calibs: Sequence[Calibration], runs: Sequence[dict[str, Any]],
-         timelines: dict[str, Any]) -> dict[str, Any]:
+         timelines: dict[str, Any], leveled: Sequence[Calibration] = ()) -> dict[str, Any]:
     """`c`'s row from its measured `runs` (one per round) and its model's calibrations `calibs`
     (one per round, or one for them all): the error pairs each round's measured steps with the
     simulation from that round's calibration; the samples/s columns, the timeline and the replay
@@ -186,6 +216,9 @@ def _row(c: _Config, calibs: Sequence[Calibration], runs: Sequence[dict[str, Any
     error = paired_error_figure([(ts, s.step_time) for ts, s in zip(steps, per_round)],
                                 measured["host_fast"])
     unpaired = error_figure(measured["step_times"], sim.step_time, measured["host_fast"])
+    leveled_error = (paired_error_figure(
+        [(ts, simulated(leveled[min(r, len(leveled) - 1)]).step_time) for r, ts in enumerate(steps)],
+        measured["host_fast"]) if leveled else None)
     exact = (paired_error_figure([(ts, s.exact_step_time) for ts, s in zip(steps, per_round)])
              if all(s.exact_step_time for s in per_round) else None)
     k = num_processes(settings.schedule, cells)
@@ -219,6 +252,7 @@ def _row(c: _Config, calibs: Sequence[Calibration], runs: Sequence[dict[str, Any
             "exact_step_s": sim.exact_step_time,
             "exact_error": exact.value if exact else None,
             "error": error.to_json(), "unpaired_error": unpaired.to_json(),
+            "leveled_error": leveled_error.to_json() if leveled_error else None,
             "host_fast": measured["host_fast"],
             "others_cpu_per_round": measured.get("others_cpu"),
             "replay_step_s": replay.step_time if replay else None,
@@ -238,7 +272,8 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
                        choose_splits: bool = True,
                        progress: Callable[[str], None] | None = None,
                        rounds: int = 1, budget_s: float | None = None,
-                       clock: Callable[[], float] | None = None) -> dict[str, Any]:
+                       clock: Callable[[], float] | None = None,
+                       level: LevelFn | None = None) -> dict[str, Any]:
     """Simulate and measure the same configurations; relative error of simulated throughput.
 
     Each schedule of `schedules` (default: ``settings.schedule`` only) is simulated and measured on
@@ -264,7 +299,11 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     ``unpaired_error``). With `budget_s`, a round after the second starts only where one more round
     of the mean length so far fits in it (:func:`another_round`), counted from the call, and a round
     after the first ends at the first configuration that would not end within it
-    (:func:`item_fits`: its last run, and its model's calibration where it comes first)."""
+    (:func:`item_fits`: its last run, and its model's calibration where it comes first).
+
+    `level` (:func:`in_situ_level`): each calibration is also leveled to the stage processes right
+    after it is made, and every row gets a ``leveled_error`` beside its error (paired per round in
+    the same way); the summary's ``leveled`` gives their figure and ``level_factors`` the factors."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     names = list(schedules) if schedules else [settings.schedule]
@@ -301,15 +340,23 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     workloads = PAPER_WORKLOADS if settings.paper_size else SCALED_WORKLOADS
     timelines: dict[str, Any] = {}
     calibration_fast: list[float] = []   # the host's fast share around each calibration
+    leveled: dict[str, list[Calibration]] = {m: [] for m in models}
+    level_factors: dict[str, list[dict[str, float]]] = {m: [] for m in models}
 
     def calibrated(model: str) -> Calibration:
         before = fast_share()
-        calib = calibrate(workloads[model], [dict(settings.microbatch)[model]], method="time",
+        b = dict(settings.microbatch)[model]
+        calib = calibrate(workloads[model], [b], method="time",
                           device=settings.device, threads=settings.threads, repeats=settings.repeats,
                           progress=say, use_cache=not fresh_calibration,
                           neighbours=settings.busy_neighbours(), rounds=settings.calibration_rounds,
                           max_rounds=settings.calibration_max_rounds)
         calibration_fast.append((before + fast_share()) / 2)
+        if level is not None:
+            say(f"leveling {model}'s calibration on the stage processes")
+            scaled, factors = level(model, workloads[model], calib, b)
+            leveled[model].append(scaled)
+            level_factors[model].append(factors)
         return calib
 
     calibrations: dict[str, list[Calibration]] = {}
@@ -373,11 +420,15 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
             took[i] = clock() - began
         r += 1
     # The cuts stay those of the first calibration (the runs measured them).
-    rows = [_row(c, calibrations[c.model], done, timelines) for c, done in zip(configs, runs)]
+    rows = [_row(c, calibrations[c.model], done, timelines, leveled[c.model])
+            for c, done in zip(configs, runs)]
     replays = [abs(r["replay_error"]) for r in rows if r["replay_error"] is not None]
     exact = [abs(r["exact_error"]) for r in rows if r["exact_error"] is not None]
     summary = {**summarize_errors([r["error"] for r in rows]),
                "unpaired": summarize_errors([r["unpaired_error"] for r in rows]),
+               "leveled": (summarize_errors([r["leveled_error"] for r in rows])
+                           if level is not None and rows else None),
+               "level_factors": level_factors if level is not None else None,
                "by_host_fast": error_by_host_state([r["error"]["value"] for r in rows],
                                                    [r["host_fast"] for r in rows]),
                "exact_median_abs_error": statistics.median(exact) if exact else None,
