@@ -196,9 +196,11 @@ def main(*, width: int = 768, blocks: int = 8, batch: int = 2048, warmup: int = 
             "## Speedup over K=1 and throughput against torch.distributed.pipelining\n\n"
             + markdown_table(["checkpoint", "M", "rows/mb", "K=1 ms", "ours ms", "speedup",
                               "ideal 2M/(M+1)", "speedup/ideal", "ideal from costs*",
-                              "speedup/ideal from costs", "same-M speedup/ideal", "ours/torch"], rows)
+                              "makespan from costs / ours**", "same-M speedup/ideal", "ours/torch"], rows)
             + "\n\n* simulated from measured costs: K=1 time / the makespan of the same schedule with "
-            "every action's cost measured alone at that micro-batch size, communication free.\n\n"
+            "every action's cost measured alone at that micro-batch size, communication free.\n"
+            "** that makespan over our step, per round (the K=1 time cancels): not the speedup "
+            "column over the ideal one, which divide medians.\n\n"
             "## Recompute-ahead (checkpoint always): idle = bubble + load imbalance, from timelines\n\n"
             + markdown_table(["M", "step ratio, ahead / plain", "idle s", "idle s, ahead",
                               "idle reduction"], ahead_rows)

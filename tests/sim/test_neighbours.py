@@ -54,3 +54,49 @@ def test_a_killed_calibration_takes_its_busy_neighbours_with_it(tmp_path: Path) 
     for p in left:
         os.kill(p, 9)
     assert not left, f"busy neighbours {left} outlived their calibration"
+
+
+DIES_STARTING = textwrap.dedent("""
+    import multiprocessing as mp
+    import os
+    import threading
+    import time
+    from gpipe_repro.models.workload import Workload
+    from gpipe_repro.sim.calibration.neighbours import busy_neighbours
+
+    def die_soon():
+        while not mp.active_children():
+            time.sleep(0.01)
+        time.sleep(0.3)            # the neighbour still imports torch and builds its model
+        print(" ".join(str(p.pid) for p in mp.active_children()), flush=True)
+        os._exit(0)
+
+    if __name__ == "__main__":
+        w = Workload.create("m", "gpipe_repro.repro.validate_unseen:residual_mlp", "features", (16,),
+                            10, width=16, blocks=1)
+        threading.Thread(target=die_soon, daemon=True).start()
+        with busy_neighbours(w, 4, 1):
+            time.sleep(600)
+""")
+
+
+def test_a_calibration_killed_while_its_neighbour_started_takes_it_along(tmp_path: Path) -> None:
+    """A neighbour read its parent's pid after its imports and its model build: where the
+    calibrating process was killed meanwhile, it read its new parent's (init's) and trained on
+    forever (one was found at 92% of a core an hour later, slowing every measurement). The parent's
+    pid now comes from the parent."""
+    script = tmp_path / "dies_starting.py"
+    script.write_text(DIES_STARTING)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout is not None
+    pids = [int(p) for p in proc.stdout.readline().split()]   # (a neighbour holds the pipe open)
+    proc.wait(timeout=60)
+    assert pids
+    guard = time.monotonic() + 120
+    while any(_running(p) for p in pids) and time.monotonic() < guard:
+        time.sleep(0.1)
+    left = [p for p in pids if _running(p)]
+    for p in left:
+        os.kill(p, 9)
+    assert not left, f"busy neighbours {left} outlived a calibration killed while they started"

@@ -14,17 +14,23 @@ from gpipe_repro.engine.batchnorm import DeferredBatchNorm
 from gpipe_repro.models.workload import Workload
 
 
-def _busy_loop(workload: Workload, size: int, stop: Any, ready: Any) -> None:
-    """Train `workload` on micro-batches of `size` until `stop` is set (a pipeline's other stage)."""
+def _busy_loop(workload: Workload, size: int, stop: Any, ready: Any, parent: int) -> None:
+    """Train `workload` on micro-batches of `size` until `stop` is set or process `parent` (the
+    calibrating one) is gone (a pipeline's other stage)."""
+    import signal
+    # an ignored SIGTERM survives the exec of a spawned process (a caller started inside a fork
+    # server, or one that ignores it): the calibration must be able to end its neighbour
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     torch.set_num_threads(1)
     cpu_allocator.keep_freed_memory()     # a stage process runs with it (engine/cpu_allocator.py)
     model = nn.Sequential(*[DeferredBatchNorm.convert(layer) for layer in workload.build("cpu")])
     x, y = workload.sample(size)
     loss_fn = workload.loss_fn()
     first = True
-    parent = os.getppid()
     # Ends with its calibration: when `stop` is set, or when the calibrating process is gone (killed
-    # before it could set it: the neighbour is re-parented and must not train on forever).
+    # before it could set it: the neighbour is re-parented and must not train on forever). The
+    # parent's pid comes from the parent: read here, after the imports and the model build, it
+    # would be the new parent's where the calibration was killed meanwhile, and never change.
     while not stop.is_set() and os.getppid() == parent:
         loss_fn(model(x), y).backward()
         model.zero_grad(set_to_none=True)
@@ -49,7 +55,7 @@ def busy_neighbours(workload: Workload, size: int, count: int) -> Iterator[None]
 
     ctx = mp.get_context("spawn")
     stop, ready = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_busy_loop, args=(workload, size, stop, ready), daemon=True)
+    procs = [ctx.Process(target=_busy_loop, args=(workload, size, stop, ready, os.getpid()), daemon=True)
              for _ in range(count)]
     for p in procs:
         p.start()
@@ -62,6 +68,10 @@ def busy_neighbours(workload: Workload, size: int, count: int) -> Iterator[None]
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():        # a neighbour must never outlive its calibration
+                p.kill()
+                p.join(timeout=5)
 
 
 
