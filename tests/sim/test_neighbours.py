@@ -46,14 +46,19 @@ def test_a_killed_calibration_takes_its_busy_neighbours_with_it(tmp_path: Path) 
     finally:
         proc.kill()
         proc.wait()
-    # Each neighbour checks its parent every training step; the guard only catches one that never stops.
+    _assert_gone(pids, "their calibration")
+
+
+def _assert_gone(pids: list[int], what: str) -> None:
+    """Every process of `pids` ends within 2 minutes (each neighbour checks its parent every training
+    step; the guard only catches one that never stops, and kills it)."""
     guard = time.monotonic() + 120
     while any(_running(p) for p in pids) and time.monotonic() < guard:
         time.sleep(0.1)
     left = [p for p in pids if _running(p)]
     for p in left:
         os.kill(p, 9)
-    assert not left, f"busy neighbours {left} outlived their calibration"
+    assert not left, f"busy neighbours {left} outlived {what}"
 
 
 DIES_STARTING = textwrap.dedent("""
@@ -93,10 +98,4 @@ def test_a_calibration_killed_while_its_neighbour_started_takes_it_along(tmp_pat
     pids = [int(p) for p in proc.stdout.readline().split()]   # (a neighbour holds the pipe open)
     proc.wait(timeout=60)
     assert pids
-    guard = time.monotonic() + 120
-    while any(_running(p) for p in pids) and time.monotonic() < guard:
-        time.sleep(0.1)
-    left = [p for p in pids if _running(p)]
-    for p in left:
-        os.kill(p, 9)
-    assert not left, f"busy neighbours {left} outlived a calibration killed while they started"
+    _assert_gone(pids, "a calibration killed while they started")
