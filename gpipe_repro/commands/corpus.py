@@ -74,12 +74,10 @@ def _check_build(name: str, data_dir: Path | None, corpus_dir: Path, *, temperat
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
-    from gpipe_repro.data.tokenizer import SPECIAL_PIECES
-    reserved = len(SPECIAL_PIECES) + 256 + max(1, len(languages or []))   # specials, bytes, tags
-    if 0 < vocab_size <= reserved:
-        raise ValueError(f"--vocab-size {vocab_size} is too small: {len(SPECIAL_PIECES)} special pieces, "
-                         "256 byte-fallback pieces and one tag per language are reserved, so it must be "
-                         f"above {reserved} (more with more languages); 0 builds no tokenizer")
+    from gpipe_repro.data.tokenizer import too_small_vocabulary
+    small = too_small_vocabulary(vocab_size, languages) if vocab_size > 0 else None
+    if small:
+        raise ValueError(f"{small}; 0 builds no tokenizer")
     if data_dir is not None and data_dir.exists() and not data_dir.is_dir():
         raise ValueError(f"--data-dir {data_dir} is a file: give a directory (it is made if missing)")
     for folder in locale_dir or []:

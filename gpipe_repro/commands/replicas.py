@@ -40,7 +40,7 @@ def register(app: typer.Typer) -> None:
         from gpipe_repro.commands.options import int_list, one_of, positive, positive_number
         from gpipe_repro.memory.planner import GiB, MemoryPlanner
         from gpipe_repro.memory.profile import OPTIMIZERS
-        from gpipe_repro.memory.replicas_plan import plan_replicas
+        from gpipe_repro.memory.replicas_plan import check_whole_hosts, plan_replicas
         from gpipe_repro.memory.workloads import workload
         from gpipe_repro.sim.links import LINK_NAMES, get_link
 
@@ -48,11 +48,10 @@ def register(app: typer.Typer) -> None:
         # exit code 1 means "nothing fits").
         positive("--devices", devices, "devices of the job")
         positive("--devices-per-host", devices_per_host)
-        if devices > devices_per_host and devices % devices_per_host:
-            raise typer.BadParameter(
-                f"--devices {devices} at --devices-per-host {devices_per_host} is not a whole number "
-                f"of hosts: give --devices a multiple of {devices_per_host}, or --devices-per-host "
-                f"a divisor of {devices}")
+        try:
+            check_whole_hosts(devices, devices_per_host, ("--devices", "--devices-per-host"))
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
         positive("--batch-size", batch)
         positive("--top", top)
         positive_number("--memory", memory, "GiB")

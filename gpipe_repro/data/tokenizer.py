@@ -51,6 +51,17 @@ TRAINING_THREADS = 2      # fixed, not os.cpu_count(), so no result can depend o
 TRAINING_SEED = 0
 
 
+def too_small_vocabulary(vocab_size: int, languages: Sequence[str] | None) -> str | None:
+    """What is wrong with `vocab_size` pieces for `languages` (None: one at least), or None: the
+    special pieces, 256 byte-fallback pieces and a tag per language are reserved."""
+    reserved = len(SPECIAL_PIECES) + 256 + max(1, len(languages or ()))
+    if vocab_size > reserved:
+        return None
+    return (f"--vocab-size {vocab_size} is too small: {len(SPECIAL_PIECES)} special pieces, 256 "
+            "byte-fallback pieces and one tag per language are reserved, so it must be above "
+            f"{reserved} (more with more languages)")
+
+
 def manifest_digest(corpus_dir: str | os.PathLike[str]) -> str:
     """sha256 of a corpus's manifest.json: tells whether a tokenizer was trained on this build."""
     return hashlib.sha256((Path(corpus_dir) / "manifest.json").read_bytes()).hexdigest()

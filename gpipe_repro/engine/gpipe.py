@@ -442,9 +442,7 @@ class GPipe(nn.Module):
                              "torch.optim.SGD(params, lr=0.1)); pass optimizer=None to compute "
                              "gradients without updating")
         refuse_hooked_copies(self.ties, {s: c for s, c in enumerate(self.cells) if s in self.stages_here})
-        if self.rank is None:        # the distributed runtime compares the copies at its all-reduce
-            self._stand_ins.refuse_changed_copies()
-        self._stand_ins.follow()     # what the caller changed in its own modules since
+        self._follow_caller()
         # before any work: every rank of a distributed pipeline has the same mini-batch
         self.runtime.check_same_batch((batch_key(inputs, targets), self.micro_batches, self.training))
         mbs, tgts, sizes = microbatch.split_minibatch(inputs, targets, self.micro_batches, self.replicas)
@@ -466,6 +464,14 @@ class GPipe(nn.Module):
         self._last_agreement = agreement
         self.loss_scaler.update(agreement.skipped)   # read only under fp16
         return host_value(agreement.loss) if sync else agreement.loss
+
+    def _follow_caller(self) -> None:
+        """Before a step or a forward: the stand-ins take what the caller changed in its own modules
+        since; a tied weight's later copy changed on its own is refused (the local runtime: the
+        distributed one compares the copies at its gradient all-reduce)."""
+        if self.rank is None:
+            self._stand_ins.refuse_changed_copies()
+        self._stand_ins.follow()
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -491,9 +497,7 @@ class GPipe(nn.Module):
         output depends on M (BatchNorm normalizes per micro-batch), so, as for ``train_step``, a batch
         smaller than M is an error; each call draws fresh dropout masks."""
         n = microbatch.batch_size(inputs)
-        if self.rank is None:
-            self._stand_ins.refuse_changed_copies()
-        self._stand_ins.follow()     # what the caller changed in its own modules since
+        self._follow_caller()
         # before any work: every rank of a distributed pipeline has the same batch
         self.runtime.check_same_batch((batch_key(inputs, None), self.micro_batches, self.training),
                                       call="forward")

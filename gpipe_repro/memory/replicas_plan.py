@@ -64,6 +64,16 @@ class ReplicaCandidate:
                 "why": self.why()}
 
 
+def check_whole_hosts(devices: int, devices_per_host: int,
+                      names: tuple[str, str] = ("devices", "devices_per_host")) -> None:
+    """Raise ValueError unless `devices` fill whole hosts of `devices_per_host` (or fit in one),
+    naming the two as `names` say (a command's options)."""
+    if devices > devices_per_host and devices % devices_per_host:
+        d, h = names
+        raise ValueError(f"{d} {devices} at {h} {devices_per_host} is not a whole number of hosts: "
+                         f"give {d} a multiple of {devices_per_host}, or {h} a divisor of {devices}")
+
+
 def plan_replicas(planner: MemoryPlanner, devices: int, budget: float, link: LinkModel,
                   flops_per_second: float, *, micro_batches: Sequence[int] | None = None,
                   checkpoints: Sequence[str] = ("except_last", "never"), devices_per_host: int = 8,
@@ -73,10 +83,7 @@ def plan_replicas(planner: MemoryPlanner, devices: int, budget: float, link: Lin
     candidates: :func:`~gpipe_repro.memory.autoplan.micro_batch_candidates`)."""
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
-    if devices > devices_per_host and devices % devices_per_host:
-        raise ValueError(f"{devices} devices at {devices_per_host} per host is not a whole number of "
-                         f"hosts: give a multiple of {devices_per_host} devices, or devices_per_host "
-                         f"a divisor of {devices}")
+    check_whole_hosts(devices, devices_per_host)
     # every K that divides the devices and lays pipelines on hosts whole (K divides a host's
     # devices, or is a multiple of them: sim.data_parallel.group_placement), not powers of two only
     devices_per_host = min(devices_per_host, devices)    # fewer devices than a host holds: one host

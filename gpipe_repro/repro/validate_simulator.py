@@ -23,6 +23,7 @@ line is `gpipe-repro validate-sim` (gpipe_repro/commands/throughput.py).
 """
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -150,14 +151,12 @@ def main(*, models: Sequence[str] = MODELS, ms: Sequence[int] = VALIDATION_MS,
     from gpipe_repro.engine.timeline import Timeline
     from gpipe_repro.report.measurement import Progress
     from gpipe_repro.report.records import write_json
-    from gpipe_repro.repro.throughput.validation import in_situ_level, validation_ks
-    from gpipe_repro.sim.platform import platform_for
+    from gpipe_repro.sim import in_situ
 
     settings = replace(DEFAULTS, measure_steps=steps)
     measure = distributed_measure(settings)
     console = Console(stderr=True)
-    level_k = min(ks) if ks else min(validation_ks(cores), default=2)
-    level = in_situ_level(level_k, platform_for(settings.link).link, settings.objective)
+    level = functools.partial(in_situ.level, objective=settings.objective)
     with Progress(COMMAND) as shown:
         result = validate_simulator(
             settings, measure, models=list(models), ks=list(ks) if ks else None, ms=list(ms),

@@ -115,6 +115,28 @@ def leveled(calibration: Calibration, size: int, per_kind: Mapping[str, float]) 
                                optimizer_call=calibration.optimizer_call * per_kind["optimizer_step"])
 
 
+def level(workload: Any, calibration: Calibration, size: int, k: int, link: LinkModel, *,
+          objective: str = "bottleneck", micro_batches: int = 4) -> tuple[Calibration, dict[str, float]]:
+    """`calibration` leveled (:func:`leveled`) by a short run of `workload` itself on `k` real stage
+    processes right after it: its balanced gpipe cut, 3 steps of `micro_batches` micro-batches of
+    `size` (re-materialized, so every action kind runs; several, so the stages compute at the same
+    time as in a measured run); and the factors. It models what a stage process pays that the
+    calibrating process did not (the host's speed at run time, its caches and allocator, the
+    executor's own work), for every layer alike; not the schedule's bubbles, transfers or
+    accumulation, which stay the simulator's."""
+    from gpipe_repro.engine.schedule import make_schedule
+    from gpipe_repro.sim.own_model import in_situ_run
+    from gpipe_repro.sim.partition_choice import choose_cut
+
+    balance = choose_cut(calibration, size, "always", make_schedule("gpipe", k, k, "always"), objective)
+    timelines = in_situ_run(workload, balance, microbatch=size, checkpoint="always", schedule="gpipe",
+                            threads=1, steps=3, micro_batches=micro_batches)
+    one = simulate_config(calibration, balance, micro_batches, micro_batches * size, link,
+                          checkpoint="always", schedule="gpipe")
+    factors = level_factors(timelines, one.timeline)
+    return leveled(calibration, size, factors), factors
+
+
 def run_checkpoint(checkpoint: str, micro_batches: int = 1) -> str:
     """The re-materialization mode of an in-situ run of `micro_batches` for a pipeline run with
     `checkpoint` (at M = 1, except_last would re-materialize nothing)."""

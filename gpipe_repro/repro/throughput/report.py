@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpipe_repro.report.host import BUSY_MARK, IDLE_CLEAN, OTHERS_CLEAN, busy_note
-from gpipe_repro.report.measurement import CONFIDENCE
+from gpipe_repro.report.measurement import Figure
 from gpipe_repro.report.records import markdown_table
 from gpipe_repro.repro.throughput.schedules import render_schedule_ablation
 from gpipe_repro.sim.partition_choice import KEEP_BAND, TIE_FLOOR
@@ -35,8 +35,7 @@ def measured_note(meas: dict[str, Any], normalized: bool = False) -> str:
         low, high = figure.get("low"), figure.get("high")
         if not normalized and low is not None and high is not None:   # per-sample time -> samples/s
             low, high = 1.0 / high, 1.0 / low
-        coverage = figure.get("coverage")      # a range of 3 to 5 rounds: how often it covers
-        note = f" {coverage:.0%}" if coverage is not None and coverage < CONFIDENCE else ""
+        note = Figure.from_json(figure).coverage_note     # a range of 3 to 5 rounds: its coverage
         return f" [{_num(low, 2 if normalized else 1)}, {_num(high, 2 if normalized else 1)}]{note}"
     if normalized and "normalized_clean" in meas:
         if meas["normalized_clean"]:
@@ -348,7 +347,6 @@ def differences(payload: dict[str, Any]) -> list[str]:
 
 def render_validation_summary(validation: dict[str, Any]) -> str:
     """The validation's verdict, per schedule, and a row per configuration with its error interval."""
-    from gpipe_repro.report.measurement import Figure
     from gpipe_repro.repro.throughput.simulator_error import describe
 
     rows = validation["rows"]

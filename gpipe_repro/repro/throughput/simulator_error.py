@@ -16,7 +16,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpipe_repro.report.measurement import CONFIDENCE
+from gpipe_repro.report.measurement import CONFIDENCE, Figure
 from gpipe_repro.sim.error import error_figure, paired_error_figure
 
 __all__ = ["TARGETS", "abs_bounds", "describe", "error_by_host_state", "error_figure",
@@ -72,9 +72,9 @@ def summarize_errors(errors: Sequence[Mapping[str, Any]],
         bounds_say = "inconclusive"
     # an interval covering the median less than 95% of the time (a range of 3 to 5 steps) judges
     # nothing (Figure.judge); the summary made of such intervals neither
-    covered = [e["coverage"] for e in errors if e.get("coverage") is not None]
-    coverage = min(covered) if covered else None
-    short = coverage is not None and coverage < CONFIDENCE
+    figures = [Figure.from_json(e) for e in errors]
+    short = any(f.short_of_confidence for f in figures)
+    coverage = min((f.coverage for f in figures if f.coverage is not None), default=None)
     verdict = "inconclusive" if short else bounds_say
     return {"configurations": len(errors), "median_abs_error": statistics.median(values),
             "median_abs_error_bounds": list(med), "max_abs_error": max(values),

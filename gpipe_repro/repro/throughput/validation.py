@@ -113,34 +113,9 @@ def zero_bubble_against_1f1b(rows: Sequence[dict[str, Any]]) -> list[dict[str, A
     return out
 
 
-#: Levels a model's fresh calibration to its stage processes: (model, workload, calibration,
-#: micro-batch) -> the leveled calibration and its factor per action kind.
-LevelFn = Callable[[str, Workload, Calibration, int], tuple[Calibration, dict[str, float]]]
-
-
-def in_situ_level(k: int, link: Any, objective: str, micro_batches: int = 4) -> LevelFn:
-    """A :data:`LevelFn` from a short run of the model itself on `k` real stage processes: its
-    balanced gpipe cut, 3 steps of `micro_batches` micro-batches each (re-materialized, so every
-    action kind runs; several, so the stages compute at the same time as in the validated runs)
-    right after the calibration; the calibration's costs are scaled, per action kind, by the run's
-    seconds over the calibration's for the same step (:func:`gpipe_repro.sim.in_situ.level_factors`).
-    It models what a stage process pays that the calibrating process did not (its host's speed at
-    run time, its caches and allocator, the executor's own work), for every layer alike; not the
-    schedule's bubbles, transfers or accumulation, which stay the simulator's."""
-    from gpipe_repro.sim.in_situ import level_factors, leveled
-    from gpipe_repro.sim.own_model import in_situ_run
-    from gpipe_repro.sim.simulator import simulate_config
-
-    def level(model: str, workload: Workload, calib: Calibration, b: int
-              ) -> tuple[Calibration, dict[str, float]]:
-        balance = choose_cut(calib, b, "always", make_schedule("gpipe", k, k, "always"), objective)
-        timelines = in_situ_run(workload, balance, microbatch=b, checkpoint="always", schedule="gpipe",
-                                threads=1, steps=3, micro_batches=micro_batches)
-        one = simulate_config(calib, balance, micro_batches, micro_batches * b, link,
-                              checkpoint="always", schedule="gpipe")
-        factors = level_factors(timelines, one.timeline)
-        return leveled(calib, b, factors), factors
-    return level
+#: Levels a fresh calibration to the stage processes: (workload, calibration, micro-batch, K, link)
+#: -> the leveled calibration and its factor per action kind (:func:`gpipe_repro.sim.in_situ.level`).
+LevelFn = Callable[[Workload, Calibration, int, int, Any], tuple[Calibration, dict[str, float]]]
 
 
 @dataclass
@@ -301,9 +276,10 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
     after the first ends at the first configuration that would not end within it
     (:func:`item_fits`: its last run, and its model's calibration where it comes first).
 
-    `level` (:func:`in_situ_level`): each calibration is also leveled to the stage processes right
-    after it is made, and every row gets a ``leveled_error`` beside its error (paired per round in
-    the same way); the summary's ``leveled`` gives their figure and ``level_factors`` the factors."""
+    `level` (:func:`gpipe_repro.sim.in_situ.level`): each calibration is also leveled to the stage
+    processes right after it is made (on the smallest K validated), and every row gets a
+    ``leveled_error`` beside its error (paired per round in the same way); the summary's
+    ``leveled`` gives their figure and ``level_factors`` the factors."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     names = list(schedules) if schedules else [settings.schedule]
@@ -354,7 +330,7 @@ def validate_simulator(settings: SweepSettings, measure: MeasureFn, *,
         calibration_fast.append((before + fast_share()) / 2)
         if level is not None:
             say(f"leveling {model}'s calibration on the stage processes")
-            scaled, factors = level(model, workloads[model], calib, b)
+            scaled, factors = level(workloads[model], calib, b, min(ks), platform.link)
             leveled[model].append(scaled)
             level_factors[model].append(factors)
         return calib

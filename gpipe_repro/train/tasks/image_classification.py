@@ -142,12 +142,17 @@ class AmoebaNetTask(Task):
         return (f"{self.settings.dataset}: {len(self.train_set):,} training / {len(self.test_set):,} test "
                 f"images, {c}x{h}x{w}, {self.train_set.num_classes} classes")
 
-    def build_layers(self) -> nn.Sequential:
+    def _model(self) -> nn.Sequential:
+        """The AmoebaNet these settings describe, for this dataset's images (freshly initialized)."""
         s = self.settings
         channels, size, _ = self.train_set.shape
-        layers = amoebanet(s.L, s.F, s.genotype, self.train_set.num_classes, in_channels=channels,
-                           dropout=s.dropout, drop_path=s.drop_path, aux_head=s.aux_head,
-                           image_size=size, bn_momentum=s.bn_momentum, bn_eps=s.bn_eps)
+        return amoebanet(s.L, s.F, s.genotype, self.train_set.num_classes, in_channels=channels,
+                         dropout=s.dropout, drop_path=s.drop_path, aux_head=s.aux_head,
+                         image_size=size, bn_momentum=s.bn_momentum, bn_eps=s.bn_eps)
+
+    def build_layers(self) -> nn.Sequential:
+        s = self.settings
+        layers = self._model()
         if s.init_from:
             from gpipe_repro.train.tasks.transfer import load_pretrained
             load_pretrained(layers, s.init_from)
@@ -156,12 +161,8 @@ class AmoebaNetTask(Task):
 
     def memory_planner(self, batch_size: int) -> Any:
         from gpipe_repro.memory.planner import MemoryPlanner
-        s = self.settings
-        channels, size, _ = self.train_set.shape
         with torch.device("meta"):        # shapes only: the planner copies the layers as fakes
-            layers = amoebanet(s.L, s.F, s.genotype, self.train_set.num_classes, in_channels=channels,
-                               dropout=s.dropout, drop_path=s.drop_path, aux_head=s.aux_head,
-                               image_size=size, bn_momentum=s.bn_momentum, bn_eps=s.bn_eps)
+            layers = self._model()
             images = torch.empty(batch_size, *self.train_set.shape)
             labels = torch.zeros(batch_size, dtype=torch.long)
         momentum = AMOEBANET_RECIPE["momentum"]

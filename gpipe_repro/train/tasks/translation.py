@@ -123,12 +123,10 @@ class TranslationConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        from gpipe_repro.data.tokenizer import SPECIAL_PIECES
-        reserved = len(SPECIAL_PIECES) + 256 + max(1, len(self.languages or ()))  # specials, bytes, tags
-        if self.vocab_size <= reserved:
-            raise ValueError(f"--vocab-size {self.vocab_size} is too small: {len(SPECIAL_PIECES)} special "
-                             "pieces, 256 byte-fallback pieces and one tag per language are reserved, so "
-                             f"it must be above {reserved} (more with more languages)")
+        from gpipe_repro.data.tokenizer import too_small_vocabulary
+        small = too_small_vocabulary(self.vocab_size, self.languages)
+        if small:
+            raise ValueError(small)
 
     def layer_count(self) -> int:
         """How many layers T(L, H, A) has, without the data (built on the meta device: no weights)."""
@@ -257,12 +255,8 @@ class TranslationTask(Task):
     def memory_planner(self, batch_size: int) -> Any:
         from gpipe_repro.memory.planner import MemoryPlanner
         from gpipe_repro.memory.profile import adam_foreach
-        s = self.settings
         with torch.device("meta"):        # shapes only: the planner copies the layers as fakes
-            layers = translation_transformer(
-                s.L, s.H, s.A, d_model=s.d_model, head_dim=s.head_dim,
-                vocab_size=self.tokenizer.vocab_size, pad_id=self.tokenizer.pad_id, dropout=s.dropout,
-                tie_embeddings=s.tie_embeddings, scale_ff_init=s.scale_ff_init, logit_clip=s.logit_clip)
+            layers = self.build_layers()
         inputs, (targets, _) = self.sample_batch(batch_size)   # the token count rides unused
         loss = self.loss_fn()
 
