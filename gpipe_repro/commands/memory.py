@@ -219,12 +219,12 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(as_flags(str(e))) from e
         _check_json_out(json_out, "fit", overwrite)
         work, planner = _planner(family, batch, list(ctx.args), attention, optimizer=optimizer)
+        budget = memory * GiB
         try:
             plan = planner.plan(partitions, micro_batches, checkpoint, balance=cuts, schedule=schedule,
-                                split_backwards=split_backwards)
+                                split_backwards=split_backwards, budget=budget)
         except ValueError as e:
             raise typer.BadParameter(as_flags(str(e))) from e
-        budget = memory * GiB
         console = table_console()
         console.print(f"{work.describe()}: {planner.parameters:,} parameters, "
                       f"{planner.num_layers} layers; {optimizer_state(optimizer)}", soft_wrap=True)

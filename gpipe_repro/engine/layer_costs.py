@@ -41,11 +41,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_repro.engine import boundary
 from gpipe_repro.engine.backward_split import DeferredWeights, WeightWork
-from gpipe_repro.engine.partition import partition
+from gpipe_repro.engine.microbatch import batch_size
+from gpipe_repro.engine.partition import finite_non_negative, partition
 
 __all__ = ["METHODS", "layer_inputs", "measure_layer", "measure_layers", "likeness", "layer_flops",
-           "layer_flop_counts", "param_bytes", "activation_bytes", "layer_costs", "split_layer_costs",
-           "cut_layers"]
+           "counting_flops", "layer_flop_counts", "param_bytes", "activation_bytes", "layer_costs",
+           "split_layer_costs", "cut_layers"]
 
 METHODS = ("time", "flops", "params", "activations")
 
@@ -197,13 +198,25 @@ def likeness(layer: nn.Module, x: Any) -> tuple[Any, ...]:
             shapes(b for _, b in layer.named_buffers()), shapes(boundary.tensors(x)))
 
 
+@contextlib.contextmanager
+def counting_flops() -> Any:
+    """torch's FLOP counter, with attention by its math backend: on CPU tensors the fused kernel
+    ``scaled_dot_product_attention`` picks is not counted at all (0 FLOPs for a Transformer's
+    attention, which then weighed nothing in a cut by ``cost="flops"``); the math backend does the
+    same products, each counted."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]), FlopCounterMode(display=False) as counter:
+        yield counter
+
+
 def layer_flops(layer: nn.Module, x: Any, loss: Loss | None = None) -> int:
     """Forward + backward FLOPs of `layer` on `x` (torch.utils.flop_counter); with `loss`, its too."""
     layer = copy.deepcopy(layer)
     tensors = boundary.tensors(x)
     leaves = boundary.attach(x, tensors[0].device if tensors else torch.device("cpu"))
     inp = _copy(leaves)
-    with FlopCounterMode(display=False) as counter:
+    with counting_flops() as counter:
         _backward(_with_loss(layer(inp), loss), layer, leaves, loss)
     return counter.get_total_flops()
 
@@ -216,7 +229,7 @@ def layer_flop_counts(layer: nn.Module, x: Any) -> tuple[int, int]:
     layer = copy.deepcopy(layer)
     inp = _copy(boundary.attach(x, torch.device("cpu") if not boundary.tensors(x)
                                 else boundary.tensors(x)[0].device))
-    with FlopCounterMode(display=False) as counter:
+    with counting_flops() as counter:
         out = layer(inp)
         forward = counter.get_total_flops()
         s = _floating_sum(out)
@@ -243,7 +256,7 @@ def layer_costs(layers: Sequence[nn.Module], method: str | Sequence[float] | Non
     `sample`), measured with the last layer by "time" and "flops"."""
     method = default_method(method, sample)
     if not isinstance(method, str):
-        costs = [float(c) for c in method]
+        costs = finite_non_negative("cost", method)
         if len(costs) != len(layers):
             raise ValueError(f"{len(costs)} costs given for {len(layers)} layers: give one per layer")
         return costs
@@ -253,6 +266,9 @@ def layer_costs(layers: Sequence[nn.Module], method: str | Sequence[float] | Non
         return [float(param_bytes(layer)) for layer in layers]
     if sample is None:
         raise ValueError(f"cost={method!r} needs a sample input batch (sample=...); or use cost='params'")
+    if batch_size(sample, "sample") == 0:
+        raise ValueError(f"sample has no rows: cost={method!r} measures the layers on it; give a batch "
+                         "of at least one row (a micro-batch's rows measure what a step runs)")
     inputs = layer_inputs(layers, sample)
     if method == "activations":
         with torch.no_grad():

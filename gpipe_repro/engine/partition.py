@@ -21,12 +21,14 @@ biggest layer or the whole model needs.
 from __future__ import annotations
 
 import bisect
+import math
 import numbers
 from collections.abc import Sequence
+from typing import Any
 
 from gpipe_repro.engine.choices import require_one_of
 
-__all__ = ["OBJECTIVES", "cell_costs", "check_balance", "partition"]
+__all__ = ["OBJECTIVES", "cell_costs", "check_balance", "finite_non_negative", "partition"]
 
 OBJECTIVES = ("bottleneck", "variance", "greedy", "equal")
 _DP_LIMIT = 4_000_000  # K * L^2 above which the exact DP tie-breaker is skipped
@@ -49,11 +51,29 @@ def check_balance(balance: Sequence[int], num_layers: int, partitions: int | Non
     if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) for n in balance):
         raise ValueError(f"balance {list(balance)} holds a value that is not a whole number of layers "
                          "(a float or a bool): give integers, e.g. balance=[3, 2]")
+    if any(n < 0 for n in balance):
+        raise ValueError(f"balance {list(balance)} holds a negative count of layers: every cell needs "
+                         ">= 1 layer")
     if any(n < 1 for n in balance):
         raise ValueError(f"balance {list(balance)} has an empty cell: every cell needs >= 1 layer")
     if sum(balance) != num_layers:
         raise ValueError(f"balance {list(balance)} sums to {sum(balance)} but the model has "
                          f"{num_layers} layers: the counts must add up to {num_layers}")
+
+
+def finite_non_negative(what: str, values: Sequence[Any]) -> list[float]:
+    """`values` as floats, each a finite number >= 0, or a ValueError naming `what` and the first
+    that is not (a NaN compares false with everything: a NaN cost cut a model silently)."""
+    out = []
+    for i, v in enumerate(values):
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{what}: entry {i} is {v!r}, not a number") from None
+        if not math.isfinite(f) or f < 0:
+            raise ValueError(f"{what} must be finite numbers >= 0; entry {i} is {v!r}")
+        out.append(f)
+    return out
 
 
 def partition(costs: Sequence[float], partitions: int, objective: str = "bottleneck",
@@ -66,33 +86,35 @@ def partition(costs: Sequence[float], partitions: int, objective: str = "bottlen
     others both halves of the split, where most backwards split: :attr:`Schedule.cut_by_split_costs`). The
     bottleneck objective
     only: the least bottleneck with the first cell counted by `first`, then the most even."""
+    if isinstance(partitions, bool) or not isinstance(partitions, numbers.Integral):
+        raise ValueError(f"partitions must be a whole number of cells, got {partitions!r}")
     n = len(costs)
     if partitions < 1:
         raise ValueError(f"partitions must be >= 1, got {partitions}")
     if partitions > n:
         raise ValueError(f"partitions={partitions} is larger than the number of layers ({n}): use "
                          f"partitions <= {n}, or split the model into more, smaller layers")
-    if any(c < 0 for c in costs):
-        raise ValueError("layer costs must be >= 0")
+    costs = finite_non_negative("layer costs", costs)
     require_one_of("objective", objective, OBJECTIVES)
     if (memory is None) != (memory_cap is None):
         raise ValueError("give both memory (per-layer bytes) and memory_cap, or neither")
     if memory is not None:
         if len(memory) != n:
             raise ValueError(f"{len(memory)} memory entries for {n} layers")
+        memory = finite_non_negative("memory", memory)
+        memory_cap = finite_non_negative("memory_cap", [memory_cap])[0]
         _check_memory_fits(memory, partitions, memory_cap)
         if objective in ("greedy", "equal"):
             raise ValueError(f"objective {objective!r} ignores costs and cannot honour a memory cap; "
                              "use 'bottleneck' or 'variance'")
-    costs = [float(c) for c in costs]
     if first is not None:
         if objective != "bottleneck" or memory is not None:
             raise ValueError("first-cell costs are balanced by the bottleneck objective, without a "
                              f"memory cap (got objective={objective!r}"
                              f"{', a memory cap' if memory is not None else ''})")
-        if len(first) != n or any(c < 0 for c in first):
+        if len(first) != n:
             raise ValueError(f"first needs one cost >= 0 per layer ({n}), got {len(first)}")
-        return _min_bottleneck_first(costs, [float(c) for c in first], partitions)
+        return _min_bottleneck_first(costs, finite_non_negative("first", first), partitions)
     if objective == "equal":
         return [n // partitions + (1 if i < n % partitions else 0) for i in range(partitions)]
     if objective == "greedy":

@@ -9,7 +9,7 @@ offers, each alone: re-materialization, more micro-batches (a smaller working se
 from __future__ import annotations
 
 from gpipe_repro.memory.compose import PERSISTENT
-from gpipe_repro.memory.planner import MemoryPlan, MemoryPlanner, gib
+from gpipe_repro.memory.planner import MemoryPlan, MemoryPlanner, gib, gib_apart
 
 #: Re-materialization from none to the most: each mode keeps less than the one before.
 REMATERIALIZATION = ("never", "except_last", "always")
@@ -30,12 +30,14 @@ def why(plan: MemoryPlan, budget: float) -> str:
     reason = (" Its parameters, gradients and optimizer state alone exceed the budget: only more "
               "devices (or smaller layers) can help." if state > budget else "")
     if len(cells) == 1:
-        return (f"device {device} ({plan.balance[s.stage]} layers) needs {_gib(s.peak)} of "
-                f"{_gib(budget)}, at its peak during {s.peak_at}: {parts}.{reason}")
+        need, have = gib_apart(s.peak, budget)
+        return (f"device {device} ({plan.balance[s.stage]} layers) needs {need} GiB of "
+                f"{have} GiB, at its peak during {s.peak_at}: {parts}.{reason}")
     held = ", ".join(str(c.stage) for c in cells)
     layers = sum(plan.balance[c.stage] for c in cells)
-    return (f"device {device} (cells {held}: {layers} layers) needs {_gib(peaks[device])} of "
-            f"{_gib(budget)}, its cells' actions walked together; its largest, cell "
+    need, have = gib_apart(peaks[device], budget)
+    return (f"device {device} (cells {held}: {layers} layers) needs {need} GiB of "
+            f"{have} GiB, its cells' actions walked together; its largest, cell "
             f"{s.stage}, peaks during {s.peak_at}: {parts}.{reason}")
 
 

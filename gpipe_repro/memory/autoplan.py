@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from gpipe_repro.engine.partition import partition
 from gpipe_repro.engine.schedule import SCHEDULES, Schedule, cells_per_process, make_schedule
 from gpipe_repro.memory.compose import boundary_bytes, boundary_grad_bytes
-from gpipe_repro.memory.planner import MemoryPlan, MemoryPlanner, gib
+from gpipe_repro.memory.planner import MemoryPlan, MemoryPlanner, gib_apart
 from gpipe_repro.sim.links import LinkModel
 from gpipe_repro.sim.simulator import PipelineCosts, Simulation, simulate
 from gpipe_repro.sim.tied import cell_ties, with_tied_allreduce
@@ -170,12 +170,13 @@ def evaluate(planner: MemoryPlanner, partitions: int, micro_batches: int, checkp
             break
         cap -= (cand.max_peak - budget) / per_device
         if cap <= 0:      # what stays on a device whatever its layers (weights, state) overflows
-            cand.note = f"does not fit: the largest device needs {gib(cand.max_peak)} GiB of {gib(budget)}"
+            need, have = gib_apart(cand.max_peak, budget)
+            cand.note = f"does not fit: the largest device needs {need} GiB of {have}"
             break
     if cells > 1 and (plan is None or cand.max_peak > budget):
         # the cut with the smallest largest peak (what `fit` plans without --balance): time-capped
         # cuts can miss one that fits (a LLaMA at K=4 M=8: 0.338 GiB where fit's cut took 0.279)
-        lowest = planner.plan(cells, micro_batches, checkpoint, schedule=schedule)
+        lowest = planner.plan(cells, micro_batches, checkpoint, schedule=schedule, budget=budget)
         if lowest.max_peak <= budget or plan is None or lowest.max_peak < cand.max_peak:
             cand.balance, cand.plan, cand.max_peak = list(lowest.balance), lowest, lowest.max_peak
             plan = lowest

@@ -21,6 +21,7 @@ device and the targets on the last (``data``); parameters are counted once per l
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,17 @@ def gib(nbytes: float) -> str:
     budget of 0.01 GiB and a peak of 0.0129 must not both print as 0.01)."""
     x = nbytes / GiB
     return f"{x:.2f}" if abs(x) >= 1 else f"{x:.3g}"
+
+
+def gib_apart(a: float, b: float) -> tuple[str, str]:
+    """`a` and `b` bytes as :func:`gib` writes them, with more digits where that would write two
+    different sizes alike (a peak over its budget must not read "0.0024 of 0.0024")."""
+    x, y = gib(a), gib(b)
+    digits = 4
+    while x == y and a != b and digits <= 12:
+        x, y = (f"{v / GiB:.{digits}g}" for v in (a, b))
+        digits += 1
+    return x, y
 
 
 def _data_bytes(value: Any) -> int:
@@ -289,9 +301,11 @@ class MemoryPlanner:
     def plan(self, partitions: int, micro_batches: int, checkpoint: str = "except_last",
              balance: Sequence[int] | None = None, schedule: str = "gpipe",
              timeline: bool = False, split_backwards: int | None = None,
-             transport: str = "in-process") -> MemoryPlan:
+             transport: str = "in-process", budget: float | None = None) -> MemoryPlan:
         """Each device's peak memory for one training step (see the module docstring). Without a
-        `balance`, the candidate cut with the smallest largest peak (then the most even peaks).
+        `balance`, the candidate cut with the smallest largest peak (then the most even peaks); with
+        a `budget` (bytes per device) that it exceeds, the search goes on from it (:meth:`_lower`)
+        until a cut fits or no cut one layer away lowers the largest peak.
         `split_backwards`: a zero-bubble schedule splitting only its last micro-batches' backwards
         (:func:`gpipe_repro.engine.schedule.split_last`; None: every one). `transport`: how values
         cross the cuts (:data:`TRANSPORTS`): "in-process" (the local runtime) and "nccl" hand each
@@ -305,10 +319,14 @@ class MemoryPlanner:
         if balance is not None:
             return self._plan(partitions, micro_batches, checkpoint, list(balance), schedule, timeline,
                               split_backwards, transport)
-        plans = [self._plan(partitions, micro_batches, checkpoint, cut, schedule, timeline, split_backwards,
-                            transport)
-                 for cut in self.candidate_balances(partitions, micro_batches, checkpoint)]
-        return min(plans, key=lambda p: (p.max_peak, sum(float(s.peak) ** 2 for s in p.stages)))
+        def planned(cut: list[int]) -> MemoryPlan:
+            return self._plan(partitions, micro_batches, checkpoint, cut, schedule, timeline,
+                              split_backwards, transport)
+        best = min((planned(cut) for cut in self.candidate_balances(partitions, micro_batches, checkpoint)),
+                   key=_lowest)
+        if budget is not None and best.max_peak > budget and partitions > 1:
+            best = _lower(best, planned, budget)
+        return best
 
     def _plan(self, partitions: int, micro_batches: int, checkpoint: str, balance: list[int],
               schedule: str, timeline: bool, split_backwards: int | None = None,
@@ -374,3 +392,38 @@ class MemoryPlanner:
 
 
 __all__ = ["MemoryPlanner", "MemoryPlan", "GiB", "PERSISTENT", "ACTIVATIONS"]
+
+
+def _lowest(plan: MemoryPlan) -> tuple[float, float]:
+    """A plan's order among cuts: the smallest largest peak, then the most even peaks."""
+    return (float(plan.max_peak), sum(float(s.peak) ** 2 for s in plan.stages))
+
+
+#: Plans the search from a cut that does not fit may make (each a few milliseconds).
+SEARCH_PLANS = 400
+
+
+def _lower(start: MemoryPlan, planned: Callable[[list[int]], MemoryPlan], budget: float) -> MemoryPlan:
+    """From `start`'s cut, take one layer from a cell and give one to another (the cuts between
+    them shift by one) to the neighbouring cut that lowers the largest peak most, until one fits
+    in `budget` or none lowers it (or :data:`SEARCH_PLANS` plans were made). The per-layer
+    estimate the first cuts come from is additive and position-free; the peaks are not: 1F1B
+    keeps more micro-batches on the first stages, and a device of interleaved or zb-v holds two
+    cells apart."""
+    best, seen = start, {tuple(start.balance)}
+    while best.max_peak > budget and len(seen) < SEARCH_PLANS:
+        cut = list(best.balance)
+        neighbours = []
+        for i, j in itertools.permutations(range(len(cut)), 2):
+            moved = list(cut)
+            moved[i] -= 1
+            moved[j] += 1
+            if moved[i] >= 1 and tuple(moved) not in seen:
+                seen.add(tuple(moved))
+                neighbours.append(planned(moved))
+        better = min(neighbours, key=_lowest, default=None)
+        if better is None or _lowest(better) >= _lowest(best):
+            break
+        best = better
+    return best
+

@@ -314,6 +314,8 @@ class _Profiler:
             result.update(bwd=((0, 0), (0, 0)), in_grads=tuple(None for _ in self.in_sig.group_bytes),
                           grad_bytes=0, bwd_flops=0)
             return result
+        # a counter of its own: FlopCounterMode clears its counts each time it is entered
+        flops = FlopCounterMode(display=False) if self.count_flops else None
         with ExitStack() as stack:
             stack.enter_context(self.mode)
             stack.enter_context(self._attention())
@@ -322,7 +324,7 @@ class _Profiler:
                 stack.enter_context(flops)
             torch.autograd.backward(z)
         del z
-        bwd_flops = flops.get_total_flops() - fwd_flops if flops is not None else 0
+        bwd_flops = flops.get_total_flops() if flops is not None else 0
         inject = set(sink["keys"])
         bwd = self._deltas(sink["start"])
         # Peaks for a layer inside a cell (everything freed as autograd frees it) and for a cell's
@@ -456,7 +458,8 @@ def profile_layer(layer: nn.Module, in_sig: ValueSig, optimizer: OptimizerFactor
     """Measure `layer` on an input of signature `in_sig` (see the module docstring). FLOPs are
     counted only with ``flops=True``, in a forward and backward of their own: under the FLOP
     counter a kernel may run another way (a LLaMA block's peak read 11% higher), and the memory
-    figures must not depend on whether FLOPs were asked for.
+    figures must not depend on whether FLOPs were asked for. That pass runs attention by its math
+    backend: the counter sees no FLOPs inside the fused CPU kernel, which does the same products.
 
     Raises :class:`LayerNotTraceable`, naming the layer and the cause, where its forward, backward or
     optimizer step fails on fake tensors (a kernel whose output shape depends on the values, or
@@ -475,7 +478,7 @@ def profile_layer(layer: nn.Module, in_sig: ValueSig, optimizer: OptimizerFactor
             kept, grads, most = p.deferred_kept()   # what the engine defers, measured
             if not any(t.requires_grad for t in p.leaves.values()):
                 kept = 0        # the layer's input takes no gradient: a cell of it defers nothing
-        counted = (_Profiler(layer, in_sig, optimizer, attention, True).forward_backward() if flops
+        counted = (_Profiler(layer, in_sig, optimizer, "math", True).forward_backward() if flops
                    else first)
     except Exception as e:  # noqa: BLE001 - any kernel's failure on fake tensors is the cause to name
         inner = getattr(layer, "block", None)

@@ -402,3 +402,32 @@ def test_silent_time_cut_timed_the_layers_on_the_cpu_for_a_model_on_another_devi
               schedule=schedule, split_backwards=split_backwards, sample=torch.randn(2, 4), cost="time",
               devices=["meta", "meta"])
     assert seen == [torch.device("meta")]
+
+
+def test_silent_cut_attention_weighed_nothing_in_a_cut_by_flops() -> None:
+    """`GPipe(cost="flops")` counts each layer's FLOPs with torch's counter, which sees none inside
+    the fused attention kernel `scaled_dot_product_attention` runs on CPU tensors: attention
+    layers weighed 0 and a Transformer was cut as if it were its projections alone. Reference: the
+    products by hand (four attention layers against four Linear layers of equal FLOPs)."""
+    import torch
+    from torch import nn
+
+    from gpipe_repro import GPipe
+
+    n, t, heads, dh = 4, 32, 2, 8
+    d = heads * dh
+
+    class Attention(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = x.view(n, t, heads, dh).transpose(1, 2)
+            return nn.functional.scaled_dot_product_attention(q, q, q).transpose(1, 2).reshape(n, t, d)
+
+    # forward FLOPs of one attention layer: 2 products of 2 n heads t t dh; of a Linear(d, w) on n t
+    # rows: 2 n t d w; equal at w = 2 t (bias-free)
+    layers: list[nn.Module] = [Attention() for _ in range(4)]
+    layers += [nn.Sequential(nn.Linear(d, 2 * t, bias=False), nn.Linear(2 * t, d, bias=False))
+               for _ in range(2)]
+    x = torch.randn(n, t, d)
+    pipe = GPipe(layers, partitions=2, cost="flops", sample=x, loss_fn=lambda out, _: out.sum(),
+                 optimizer=None, checkpoint="never")
+    assert pipe.balance == [4, 2]

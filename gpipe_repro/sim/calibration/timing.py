@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_repro.engine import boundary
 from gpipe_repro.engine.backward_split import DeferredWeights, WeightWork, takes_gradient
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_all
 from gpipe_repro.engine.feeding import guard_input
+from gpipe_repro.engine.layer_costs import counting_flops
 from gpipe_repro.engine.recompute import recomputing
 from gpipe_repro.engine.rng import seed_layer
 
@@ -297,7 +297,7 @@ def optimizer_call_overhead(device: torch.device | str = "cpu", repeats: int = 5
 def forward_flops(layer: nn.Module, x: Any) -> int:
     """Forward FLOPs of `layer` on `x` (meta tensors are fine)."""
     layer = copy.deepcopy(layer)
-    with FlopCounterMode(display=False) as counter, torch.no_grad():
+    with counting_flops() as counter, torch.no_grad():
         layer(x)
     return counter.get_total_flops()
 
