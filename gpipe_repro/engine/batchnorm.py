@@ -232,29 +232,41 @@ def _record_eagerly(pending: list[tuple[int, torch.Tensor, torch.Tensor]], rows:
 
 
 class BatchStatisticsInEval:
-    """Inference with a BatchNorm that has no running statistics: it normalizes by its batch even in
-    eval mode, so per micro-batch the output would depend on M; such a batch goes through whole, as
-    plain eval would (one warning).
+    """Inference with a BatchNorm that normalizes by its batch: one without running statistics (it
+    does so in eval mode too), or one left in training mode (adapting at test time) in a pipeline
+    that infers. Per micro-batch the output would depend on M; such a batch goes through whole, as
+    plain eval would (one warning), and the training one's running statistics take the batch once.
+    Whether one has running statistics is read from every layer once (every process of a
+    distributed pipeline knows it alike); the modes at each call, from the cells this process runs
+    (``model.eval()``, ``pipe.eval()`` or one layer's ``train()``: set alike on every process).
 
     Args:
         layers: the model's layers.
     """
 
     def __init__(self, layers: Sequence[nn.Module]) -> None:
-        self.culprit = next((f"layer {i} ({type(mod).__name__})" for i, layer in enumerate(layers)
-                             for mod in layer.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)
+        self.culprit = next((f"layer {i} ({type(mod).__name__}) has no running statistics"
+                             for i, layer in enumerate(layers) for mod in layer.modules()
+                             if isinstance(mod, nn.modules.batchnorm._BatchNorm)
                              and not mod.track_running_stats), None)
         self.warned = False
 
-    def microbatches(self, m: int) -> int:
-        """How many micro-batches an eval batch asked to run as `m` runs as."""
-        if m == 1 or self.culprit is None:
+    def microbatches(self, m: int, cells: Sequence[nn.Module] = ()) -> int:
+        """How many micro-batches an inference batch asked to run as `m` runs as (`cells`: the
+        cells this process runs, whose BatchNorms' modes are read now)."""
+        if m == 1:
+            return m
+        culprit = self.culprit or next(
+            (f"a {type(mod).__name__} of cell {s} ({name}) is in training mode"
+             for s, cell in enumerate(cells) for name, mod in cell.named_modules()
+             if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training), None)
+        if culprit is None:
             return m
         if not self.warned:
             self.warned = True
-            warnings.warn(f"{self.culprit} has no running statistics, so it normalizes by the batch in "
-                          "eval mode too: pipe(x) runs the batch as one micro-batch, as plain eval "
-                          "would (track_running_stats=True pipelines inference)", stacklevel=4)
+            warnings.warn(f"{culprit}, so it normalizes by the batch in inference: pipe(x) runs the "
+                          "batch as one micro-batch, as plain eval would (a BatchNorm in eval mode "
+                          "with running statistics pipelines inference)", stacklevel=4)
         return 1
 
 

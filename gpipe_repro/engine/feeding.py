@@ -36,10 +36,13 @@ class GuardedInput:
     layer: int
     copy: bool | None
     watched: list[torch.Tensor]
-    versions: list[int]
+    versions: list[int | None]
 
-    def modified(self) -> bool:
-        """Whether the layer modified (in place) what it was fed."""
+    def modified(self) -> bool | None:
+        """Whether the layer modified (in place) what it was fed; None where that cannot be known
+        (tensors made under ``torch.inference_mode`` keep no version counter)."""
+        if any(v is None for v in self.versions):
+            return None
         return any(t._version != v for t, v in zip(self.watched, self.versions))
 
 
@@ -50,7 +53,8 @@ def guard_input(value: Any, copy: bool | None, layer: int = 0) -> GuardedInput:
     writing into one item sees the write in the other, as in plain PyTorch."""
     fed = aliasing.map_tensors(value, alias if copy is False else fresh_copy)
     watched = boundary.tensors(fed)
-    return GuardedInput(fed, layer, copy, watched, [t._version for t in watched])
+    return GuardedInput(fed, layer, copy, watched,
+                        [None if t.is_inference() else t._version for t in watched])
 
 
 
@@ -99,6 +103,8 @@ class InputGuard:
         """After `fed` was used: learn whether its layer modifies its input in place (first run), or
         fail the step if one fed without a copy just did."""
         modified = fed.modified()
+        if modified is None:        # inference tensors: nothing learned, the layer stays copied
+            return
         if fed.copy is None:
             self.learned[(training, fed.layer)] = modified
         elif fed.copy is False and modified:

@@ -54,7 +54,7 @@ from gpipe_repro.engine.batchnorm import (
     commit_all,
 )
 from gpipe_repro.engine.foreign import ForeignState, foreign_tensors
-from gpipe_repro.engine.layer_costs import cut_layers
+from gpipe_repro.engine.layer_costs import cut_layers, layer_costs
 from gpipe_repro.engine.loss_scaler import LossScaler, restore_scaler, saved_scaler
 from gpipe_repro.engine.losses import CountedCheck, ReductionCheck, exact_mean, loss_weights, own_forward
 from gpipe_repro.engine.partition import check_balance
@@ -270,6 +270,8 @@ class GPipe(nn.Module):
         # layers are timed ("time", "auto") where the first cell will run
         where = (devices[0] if devices else placement.context.device if placement.context is not None
                  else next((p.device for layer in layer_list for p in layer.parameters()), "cpu"))
+        if cost is not None and not isinstance(cost, str):   # a list is checked, cut given or not
+            layer_costs(layer_list, cost)
         if auto:   # rank 0's timings choose, as they choose a cut
             if balance is not None:    # a cut given is checked before the timing, as without "auto"
                 check_balance(balance, len(layer_list), partitions)
@@ -492,11 +494,15 @@ class GPipe(nn.Module):
         """Pipelined inference: the whole batch's output (on the last cell's device; with
         runtime="distributed", on every rank), no gradient. Use :meth:`train_step` to train.
 
-        In eval mode the output does not depend on M, so a batch smaller than M (the last batch of
-        an epoch, one sentence to decode) runs as min(M, N) micro-batches. In training mode the
+        In eval mode (the pipeline's, or every layer's: ``model.eval()`` reaches them) the output
+        does not depend on M, so a batch smaller than M (the last batch of an epoch, one sentence
+        to decode) runs as min(M, N) micro-batches; a BatchNorm that normalizes by its batch there
+        (no running statistics, or left in training mode) makes it one. In training mode the
         output depends on M (BatchNorm normalizes per micro-batch), so, as for ``train_step``, a batch
         smaller than M is an error; each call draws fresh dropout masks."""
         n = microbatch.batch_size(inputs)
+        if n == 0:
+            raise ValueError("the batch is empty (dim 0 has size 0): pipe(x) needs at least one example")
         self._follow_caller()
         # before any work: every rank of a distributed pipeline has the same batch
         self.runtime.check_same_batch((batch_key(inputs, None), self.micro_batches, self.training),
@@ -507,21 +513,26 @@ class GPipe(nn.Module):
                                  f"at least {self.replicas} examples")
             inputs = microbatch.split(inputs, self.replicas)[self.replica]
             n = microbatch.batch_size(inputs)
-        m = (self.micro_batches if self.training else
-             self._eval_batch_statistics.microbatches(min(self.micro_batches, n)))
+        # the layers' own modes decide (model.eval() reaches them without pipe.eval())
+        drawing = any(mod.training for cell in self.cells for layer in cell.children()
+                      for mod in layer.modules())
+        training = self.training and drawing
+        m = (self.micro_batches if training else
+             self._eval_batch_statistics.microbatches(min(self.micro_batches, n), list(self.cells)))
         if m > n:
             raise ValueError(f"micro_batches={m} is larger than the batch size {n} in training mode: "
                              f"use micro_batches <= {n}, a larger batch, or pipe.eval()")
         mbs = microbatch.split(inputs, m)
         schedule = gpipe_schedule(self.partitions, m, training=False)
         # Masks of a forward() call must differ between calls and from every training step's:
-        # negative step numbers are never used by train_step.
+        # negative step numbers are never used by train_step. A call with every layer in eval mode
+        # draws none, and takes no number (the next call's masks are as without it).
         step = -1 - self._forward_calls
-        self._forward_calls += 1
+        self._forward_calls += int(drawing)
         out = self.runtime.forward(schedule, step, mbs, StepConfig(
             self.precision, low_precision_boundaries=self.low_precision_boundaries))
         self.last_timeline = self.runtime.last_timeline
-        if self.training:
+        if drawing:     # BatchNorms in training mode took this batch's statistics: one update
             for cell in self.cells:
                 commit_all(cell)
         return out
@@ -569,8 +580,10 @@ class GPipe(nn.Module):
     def load_training_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`training_state` saved (the cut must be the same)."""
         if list(state["balance"]) != self.balance:
-            raise ValueError(f"the saved state was cut as {state['balance']} but this pipeline is "
-                             f"{self.balance}: build GPipe with balance={state['balance']}")
+            saved = list(state["balance"])
+            raise ValueError(f"the saved state was cut as {saved} but this pipeline is "
+                             f"{self.balance}: build GPipe with partitions={len(saved)}, "
+                             f"balance={saved}")
         self.load_state_dict(state["model"])
         for o, s in zip(self.optimizers, state["optimizers"]):
             if o is not None:

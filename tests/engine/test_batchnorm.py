@@ -87,7 +87,7 @@ def test_eval_with_batch_statistics_runs_the_batch_whole_as_plain_eval_does() ->
             warnings.simplefilter("always")
             out = pipe(x)
         torch.testing.assert_close(out, plain)
-        assert any("normalizes by the batch in eval mode" in str(w.message) for w in caught)
+        assert any("normalizes by the batch in inference" in str(w.message) for w in caught)
 
 
 def test_a_stage_commits_all_its_batchnorms_at_once_as_plain_batchnorms_would() -> None:
@@ -246,3 +246,85 @@ def test_one_row_micro_batches_under_batchnorm_name_the_layer_and_the_fix() -> N
                                          r"row.*fewer micro-batches"):
         pipe.train_step(x, y)
     assert pipe.step == 0
+
+
+def _bn_model(track: bool) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, track_running_stats=track), nn.ReLU(),
+                         nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+
+
+def test_silent_eval_model_eval_without_pipe_eval_normalized_each_micro_batch() -> None:
+    """`model.eval()` on the caller's model (not `pipe.eval()`) reaches the layers, but pipe(x)
+    read the pipeline's own flag: it ran M micro-batches, and a BatchNorm without running statistics
+    normalized each (0.59 off plain eval), and a batch smaller than M was refused as in training.
+    Reference: the same model, evaluated plainly."""
+    import copy
+
+    from gpipe_repro import GPipe
+
+    model = _bn_model(track=False)
+    reference = copy.deepcopy(model).eval()
+    pipe = GPipe(model, partitions=2, micro_batches=4)
+    model.eval()
+    x = torch.randn(8, 6)
+    with pytest.warns(UserWarning, match="has no running statistics"):
+        torch.testing.assert_close(pipe(x), reference(x))
+    torch.testing.assert_close(pipe(x[:2]), reference(x[:2]))
+
+
+def test_silent_eval_a_batchnorm_left_training_was_split_and_its_statistics_never_taken() -> None:
+    """`pipe.eval()`, then one BatchNorm put back in training mode (adapting at test time): plain
+    eval normalizes by the whole batch and moves that BatchNorm's running statistics once; the
+    pipeline normalized each micro-batch (0.59 off) and never moved them."""
+    import copy
+
+    from gpipe_repro import GPipe
+
+    model = _bn_model(track=True)
+    reference = copy.deepcopy(model).eval()
+    reference[1].train()
+    pipe = GPipe(model, partitions=2, micro_batches=4).eval()
+    model[1].train()
+    x = torch.randn(8, 6) * 3 + 1
+    with pytest.warns(UserWarning, match="of cell 0 .* is in training mode"):
+        out = pipe(x)
+    torch.testing.assert_close(out, reference(x))
+    pipe.state_dict()          # the caller's modules up to date
+    assert int(model[1].num_batches_tracked) == int(reference[1].num_batches_tracked) == 1
+    torch.testing.assert_close(model[1].running_mean, reference[1].running_mean)
+    torch.testing.assert_close(model[1].running_var, reference[1].running_var)
+
+
+def test_inference_mode_infers_as_plain_eval() -> None:
+    """pipe(x) under `torch.inference_mode()` failed on every configuration ("Inference tensors do
+    not track version counter": the in-place guard reads them); it infers as plain eval does."""
+    import copy
+
+    from gpipe_repro import GPipe
+
+    model = _bn_model(track=True)
+    reference = copy.deepcopy(model).eval()
+    x = torch.randn(7, 6)
+    for k, m in ((1, 1), (2, 3)):
+        pipe = GPipe(copy.deepcopy(model), partitions=k, micro_batches=m).eval()
+        with torch.inference_mode():
+            out = pipe(x)
+        torch.testing.assert_close(out, reference(x))
+
+
+def test_an_eval_call_leaves_the_next_training_forwards_masks_as_they_were() -> None:
+    """A pipe(x) with every layer in eval mode draws no dropout mask, so it must not move the
+    masks later training-mode calls draw (it took a call number all the same)."""
+    import copy
+
+    from gpipe_repro import GPipe
+
+    model = _bn_model(track=True)
+    x = torch.randn(8, 6)
+    plain, interrupted = (GPipe(copy.deepcopy(model), partitions=2, micro_batches=2) for _ in range(2))
+    expected = plain(x)
+    interrupted.eval()
+    interrupted(x)
+    interrupted.train()
+    torch.testing.assert_close(interrupted(x), expected)

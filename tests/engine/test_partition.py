@@ -431,3 +431,26 @@ def test_silent_cut_attention_weighed_nothing_in_a_cut_by_flops() -> None:
     pipe = GPipe(layers, partitions=2, cost="flops", sample=x, loss_fn=lambda out, _: out.sum(),
                  optimizer=None, checkpoint="never")
     assert pipe.balance == [4, 2]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"cost": [1, float("nan"), 1, 1]}, r"cost must be finite numbers >= 0; entry 1 is nan"),
+    ({"cost": [1, float("inf"), 1, 1]}, r"entry 1 is inf"),
+    ({"cost": [1, "a", 1, 1]}, r"cost: entry 1 is 'a', not a number"),
+    ({"cost": [1, 2, 3], "balance": [2, 2]}, r"3 costs given for 4 layers"),
+    ({"balance": [5, -1]}, r"holds a negative count of layers"),
+    ({"cost": "time", "sample": "empty"}, r"sample has no rows"),
+])
+def test_silent_cut_a_nan_cost_or_an_empty_sample_cut_a_model_without_a_word(
+        kwargs: dict[str, object], match: str) -> None:
+    """A NaN cost compares false with everything: GPipe(cost=[1, nan, 1, 1]) cut [3, 1] silently;
+    a cost list of the wrong length was ignored beside balance=, and layers were timed on a sample
+    of no rows. Each is refused before any work, naming what to change."""
+    import torch
+    from torch import nn
+
+    from gpipe_repro import GPipe
+
+    args = {k: torch.randn(0, 4) if v == "empty" else v for k, v in kwargs.items()}
+    with pytest.raises(ValueError, match=match):
+        GPipe([nn.Linear(4, 4) for _ in range(4)], partitions=2, optimizer=None, **args)
