@@ -322,8 +322,8 @@ def render(device: torch.device, backend: str, steps: dict[str, int],
             w = warm[group.name][name]
             rows.append([group.labels[name], figure.markdown(),
                          f"{w['seconds']:.1f} ({w['steps']} steps{', limit' if w['limit_reached'] else ''})"])
-        per = f"median s per {steps[group.name]} step(s) [95% interval]"
-        lines.append(markdown_table(["configuration", per, "warm-up s (compilation included)"], rows))
+        per = f"median time per {steps[group.name]} step(s) [95% interval]"
+        lines.append(markdown_table(["configuration", per, "warm-up seconds (compilation included)"], rows))
     return "\n".join(lines)
 
 

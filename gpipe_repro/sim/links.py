@@ -161,9 +161,9 @@ def _ping_pong_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int
 
 def ping_pong(sizes: tuple[int, ...] = PING_SIZES, repeats: int = 20) -> dict[int, float]:
     """One-way seconds per message size between two fresh gloo processes on this host."""
-    import torch.multiprocessing as mp
+    from gpipe_repro.distributed.launcher import preloaded_forkserver
 
-    ctx = mp.get_context("spawn")
+    ctx = preloaded_forkserver()
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_ping_pong_worker, args=(r, port, sizes, repeats, queue))

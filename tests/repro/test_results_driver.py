@@ -143,6 +143,17 @@ def test_a_failing_or_slow_part_is_recorded_and_the_run_goes_on(checkout: Path) 
     assert "slow: running" in out.getvalue()          # a progress line while the part was silent
 
 
+def test_a_file_written_before_its_part_timed_out_says_so_in_its_stamp(checkout: Path) -> None:
+    results = checkout / "results"
+    late = _writer("late", "alpha", "import time; time.sleep(60)")
+    late = Part(late.name, late.argv, 4.0, late.outputs)
+    driver.regenerate([late, _writer("fine", "beta")], repo=checkout, results=results, out=io.StringIO())
+    assert "late, the part timed out after writing this file)" in (results / "alpha" / "late.md").read_text()
+    stamp = read_stamp(results / "alpha" / "late.json")
+    assert stamp is not None and stamp["part_status"] == "timed out"
+    assert "(fine)" in (results / "beta" / "fine.md").read_text().splitlines()[-1]
+
+
 def test_only_some_parts_replace_their_entries_in_the_manifest(checkout: Path) -> None:
     """`make results ONLY=...` reruns a part that ran out of time: the other parts' entries and
     files stay, each part names the commit it ran at."""

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,12 +13,13 @@ from gpipe_repro.engine.batchnorm import DeferredBatchNorm
 from gpipe_repro.models.workload import Workload
 
 
-def _busy_loop(workload: Workload, size: int, stop: Any, ready: Any, parent: int) -> None:
-    """Train `workload` on micro-batches of `size` until `stop` is set or process `parent` (the
-    calibrating one) is gone (a pipeline's other stage)."""
+def _busy_loop(workload: Workload, size: int, stop: Any, ready: Any, lifeline: Any) -> None:
+    """Train `workload` on micro-batches of `size` (a pipeline's other stage) until `stop` is set or
+    the calibrating process is gone (`lifeline`, the read end of a pipe whose only write end it
+    holds, reads end-of-file)."""
     import signal
-    # an ignored SIGTERM survives the exec of a spawned process (a caller started inside a fork
-    # server, or one that ignores it): the calibration must be able to end its neighbour
+    # the fork server it comes from ignores SIGTERM (so may a caller): the calibration must be able
+    # to end its neighbour
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     torch.set_num_threads(1)
     cpu_allocator.keep_freed_memory()     # a stage process runs with it (engine/cpu_allocator.py)
@@ -28,10 +28,8 @@ def _busy_loop(workload: Workload, size: int, stop: Any, ready: Any, parent: int
     loss_fn = workload.loss_fn()
     first = True
     # Ends with its calibration: when `stop` is set, or when the calibrating process is gone (killed
-    # before it could set it: the neighbour is re-parented and must not train on forever). The
-    # parent's pid comes from the parent: read here, after the imports and the model build, it
-    # would be the new parent's where the calibration was killed meanwhile, and never change.
-    while not stop.is_set() and os.getppid() == parent:
+    # before it could set it, also while this one started: the pipe's end-of-file stays).
+    while not stop.is_set() and not lifeline.poll():
         loss_fn(model(x), y).backward()
         model.zero_grad(set_to_none=True)
         if first:
@@ -51,14 +49,16 @@ def busy_neighbours(workload: Workload, size: int, count: int) -> Iterator[None]
     if count <= 0:
         yield
         return
-    import multiprocessing as mp
+    from gpipe_repro.distributed.launcher import preloaded_forkserver
 
-    ctx = mp.get_context("spawn")
+    ctx = preloaded_forkserver()
     stop, ready = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_busy_loop, args=(workload, size, stop, ready, os.getpid()), daemon=True)
+    lifeline, alive = ctx.Pipe(duplex=False)     # this process holds the only write end
+    procs = [ctx.Process(target=_busy_loop, args=(workload, size, stop, ready, lifeline), daemon=True)
              for _ in range(count)]
     for p in procs:
         p.start()
+    lifeline.close()
     try:
         _wait_ready(procs, ready)
         yield
@@ -72,6 +72,7 @@ def busy_neighbours(workload: Workload, size: int, count: int) -> Iterator[None]
             if p.is_alive():        # a neighbour must never outlive its calibration
                 p.kill()
                 p.join(timeout=5)
+        alive.close()
 
 
 
@@ -94,7 +95,7 @@ def _wait_ready(procs: list[Any], ready: Any, timeout_s: float = 300.0) -> None:
         if dead:
             raise RuntimeError(
                 f"a busy-neighbour process of the calibration exited with code {dead[0]} before "
-                "training (its error is printed above). It is started with multiprocessing's spawn: "
+                "training (its error is printed above). It is started from multiprocessing's fork server: "
                 "the calling script must be importable (not stdin) and guard its entry point with "
                 "`if __name__ == '__main__':`; or calibrate with neighbours=0")
         if time.monotonic() > deadline:
