@@ -22,6 +22,7 @@ schedule, and returns the same loss. See :mod:`gpipe_repro.distributed.runtime`.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, overload
 
@@ -574,11 +575,19 @@ class GPipe(nn.Module):
         return {"model": self.state_dict(),
                 "optimizers": [None if o is None else o.state_dict() for o in self.optimizers],
                 "step": self.step, "seed": self.seed, "balance": self.balance,
-                "split_backwards": self.split_backwards,
+                "micro_batches": self.micro_batches, "split_backwards": self.split_backwards,
                 "forward_calls": self._forward_calls, **saved_scaler(self.loss_scaler)}
 
     def load_training_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`training_state` saved (the cut must be the same)."""
+        """Restore what :meth:`training_state` saved (the cut must be the same). A state saved at
+        another M loads with a warning: the run goes on correctly, but its dropout masks and
+        BatchNorm micro-batches are this M's, so it is not the saved run continued."""
+        saved_m = state.get("micro_batches")
+        if saved_m is not None and int(saved_m) != self.micro_batches:
+            warnings.warn(f"the saved state was trained with micro_batches={saved_m}, this pipeline "
+                          f"runs {self.micro_batches}: training goes on, but its dropout masks and "
+                          "BatchNorm micro-batches differ from the saved run's (build GPipe with "
+                          f"micro_batches={saved_m} to continue it exactly)", stacklevel=2)
         if list(state["balance"]) != self.balance:
             saved = list(state["balance"])
             raise ValueError(f"the saved state was cut as {saved} but this pipeline is "

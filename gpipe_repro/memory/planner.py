@@ -304,7 +304,7 @@ class MemoryPlanner:
              transport: str = "in-process", budget: float | None = None) -> MemoryPlan:
         """Each device's peak memory for one training step (see the module docstring). Without a
         `balance`, the candidate cut with the smallest largest peak (then the most even peaks); with
-        a `budget` (bytes per device) that it exceeds, the search goes on from it (:meth:`_lower`)
+        a `budget` (bytes per device) that it exceeds, the search goes on from it (:func:`_lower`)
         until a cut fits or no cut one layer away lowers the largest peak.
         `split_backwards`: a zero-bubble schedule splitting only its last micro-batches' backwards
         (:func:`gpipe_repro.engine.schedule.split_last`; None: every one). `transport`: how values

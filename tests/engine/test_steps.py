@@ -306,6 +306,25 @@ def test_silent_scale_an_fp32_state_loaded_into_fp16_set_the_loss_scale_to_1() -
     assert fp32.loss_scale == 1.0
 
 
+def test_silent_resume_a_state_of_another_m_loaded_without_a_word() -> None:
+    """A state saved at M=2 loaded into a pipeline at M=4 without a word: the steps that follow
+    draw other dropout masks and BatchNorm micro-batches than the saved run's (the command line
+    refuses a changed --m on resume; the Python API said nothing). It loads, with a warning that
+    says how to continue the run exactly; the same M loads silently."""
+    def pipe(m: int) -> GPipe:
+        return GPipe(model(), partitions=2, micro_batches=m, loss_fn=nn.CrossEntropyLoss(),
+                     optimizer=sgd_momentum)
+    saved = pipe(2)
+    saved.train_step(*batch(0))
+    with pytest.warns(UserWarning, match=r"micro_batches=2, this pipeline runs 4.*micro_batches=2 to "
+                                         "continue it exactly"):
+        pipe(4).load_training_state(saved.training_state())
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe(2).load_training_state(saved.training_state())
+
+
 def test_bad_precision() -> None:
     with pytest.raises(ValueError, match="precision must be one of"):
         GPipe(model(), precision="fp8")
