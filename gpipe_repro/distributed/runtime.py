@@ -216,6 +216,15 @@ class DistributedRuntime:
                 + ("; each replica takes its slice of it" if global_ else "")
                 + f". Rank {me} has {str(key)[:300]}")
 
+    def any_process(self, flags: Sequence[bool]) -> list[bool]:
+        """Each of `flags` true where it is true on any rank of the job: one all-reduce (maximum) of
+        a few integers over the control group, right after the batch check found every rank there."""
+        if self.layout.world_size == 1:
+            return list(flags)
+        t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return [bool(v) for v in t.tolist()]
+
     # -- steps --------------------------------------------------------------------------------------
     def train_step(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any],
                    weights: list[float | torch.Tensor], config: StepConfig | None = None) -> Agreement:

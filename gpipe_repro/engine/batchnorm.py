@@ -237,8 +237,9 @@ class BatchStatisticsInEval:
     that infers. Per micro-batch the output would depend on M; such a batch goes through whole, as
     plain eval would (one warning), and the training one's running statistics take the batch once.
     Whether one has running statistics is read from every layer once (every process of a
-    distributed pipeline knows it alike); the modes at each call, from the cells this process runs
-    (``model.eval()``, ``pipe.eval()`` or one layer's ``train()``: set alike on every process).
+    distributed pipeline knows it alike); whether one is in training mode, at each call, by the
+    caller (``model.eval()``, ``pipe.eval()`` or one layer's ``train()``; a distributed pipeline's
+    processes agree on it first).
 
     Args:
         layers: the model's layers.
@@ -251,15 +252,12 @@ class BatchStatisticsInEval:
                              and not mod.track_running_stats), None)
         self.warned = False
 
-    def microbatches(self, m: int, cells: Sequence[nn.Module] = ()) -> int:
-        """How many micro-batches an inference batch asked to run as `m` runs as (`cells`: the
-        cells this process runs, whose BatchNorms' modes are read now)."""
+    def microbatches(self, m: int, adapting: bool = False) -> int:
+        """How many micro-batches an inference batch asked to run as `m` runs as (`adapting`: a
+        BatchNorm of the model is in training mode now)."""
         if m == 1:
             return m
-        culprit = self.culprit or next(
-            (f"a {type(mod).__name__} of cell {s} ({name}) is in training mode"
-             for s, cell in enumerate(cells) for name, mod in cell.named_modules()
-             if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training), None)
+        culprit = self.culprit or ("a BatchNorm is in training mode" if adapting else None)
         if culprit is None:
             return m
         if not self.warned:

@@ -514,12 +514,15 @@ class GPipe(nn.Module):
                                  f"at least {self.replicas} examples")
             inputs = microbatch.split(inputs, self.replicas)[self.replica]
             n = microbatch.batch_size(inputs)
-        # the layers' own modes decide (model.eval() reaches them without pipe.eval())
-        drawing = any(mod.training for cell in self.cells for layer in cell.children()
-                      for mod in layer.modules())
+        # the layers' own modes decide (model.eval() reaches them without pipe.eval()); each process
+        # reads its own cells', and the processes of a distributed pipeline take one answer
+        here = [mod for cell in self.cells for layer in cell.children() for mod in layer.modules()]
+        drawing, adapting = self.runtime.any_process([
+            any(mod.training for mod in here),
+            any(isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training for mod in here)])
         training = self.training and drawing
         m = (self.micro_batches if training else
-             self._eval_batch_statistics.microbatches(min(self.micro_batches, n), list(self.cells)))
+             self._eval_batch_statistics.microbatches(min(self.micro_batches, n), adapting))
         if m > n:
             raise ValueError(f"micro_batches={m} is larger than the batch size {n} in training mode: "
                              f"use micro_batches <= {n}, a larger batch, or pipe.eval()")

@@ -119,6 +119,10 @@ class LocalRuntime:
     def check_same_batch(self, key: Any, call: str = "train_step") -> None:
         """One process: every stage has the batch."""
 
+    def any_process(self, flags: Sequence[bool]) -> list[bool]:
+        """One process: its own flags."""
+        return list(flags)
+
     def train_step(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any],
                    weights: list[float | torch.Tensor], config: StepConfig) -> Agreement:
         self._run(schedule, step, microbatches, targets, weights, config)

@@ -47,6 +47,11 @@ class Runtime(Protocol):
         CALLS) and was given the same batch (`key` describes it); nothing to check in one process."""
         ...
 
+    def any_process(self, flags: Sequence[bool]) -> list[bool]:
+        """Each of `flags` true where it is true in any process of the job (what each process reads
+        off the cells it runs, such as their modes, made one answer for all)."""
+        ...
+
     def train_step(self, schedule: Schedule, step: int, microbatches: list[Any], targets: list[Any],
                    weights: list[float | torch.Tensor], config: StepConfig) -> Agreement:
         """Run one training step of `schedule` (this process's share of it); return what the stages

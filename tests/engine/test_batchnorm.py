@@ -3,6 +3,7 @@ the whole mini-batch (the reference is torch's own nn.BatchNorm2d), on both of i
 taken from the normalization itself in float32/float64; a separate float32 pass in other dtypes)."""
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -287,7 +288,7 @@ def test_silent_eval_a_batchnorm_left_training_was_split_and_its_statistics_neve
     pipe = GPipe(model, partitions=2, micro_batches=4).eval()
     model[1].train()
     x = torch.randn(8, 6) * 3 + 1
-    with pytest.warns(UserWarning, match="of cell 0 .* is in training mode"):
+    with pytest.warns(UserWarning, match="a BatchNorm is in training mode"):
         out = pipe(x)
     torch.testing.assert_close(out, reference(x))
     pipe.state_dict()          # the caller's modules up to date
@@ -328,3 +329,48 @@ def test_an_eval_call_leaves_the_next_training_forwards_masks_as_they_were() -> 
     interrupted(x)
     interrupted.train()
     torch.testing.assert_close(interrupted(x), expected)
+
+
+def _modes_across_processes(runtime: str) -> dict[str, torch.Tensor]:
+    """pipe(x) with a mode set on one layer of the second cell alone: a BatchNorm left training in
+    an eval pipeline, then a Dropout left training among eval layers, then every layer training."""
+    from gpipe_repro import GPipe
+
+    torch.set_num_threads(1)
+    model = _bn_model(track=True)
+    pipe = GPipe(model, partitions=2, balance=[1, 5], micro_batches=3, checkpoint="never",
+                 runtime=runtime)
+    x = torch.randn(12, 6, generator=torch.Generator().manual_seed(1))
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe.eval()
+        model[1].train()
+        out["adapting"] = pipe(x)
+        pipe.train()
+        model.eval()
+        model[4].train()
+        out["one dropout"] = pipe(x)
+        model.train()
+        out["training"] = pipe(x)
+    return {k: v.clone() for k, v in out.items()}
+
+
+def test_silent_eval_processes_read_only_their_own_cells_modes() -> None:
+    """A distributed pipeline's processes read the modes of the cells they run: with a BatchNorm
+    left training in the second cell alone, one process split the batch and the other did not (the
+    job failed); with a Dropout training there alone, only its process counted the call, and the
+    first process's masks moved from then on (2.27 off). They now take one answer for the job:
+    each result equals the local runtime's, on both processes."""
+    import copy
+
+    from gpipe_repro.distributed.launcher import launch_local
+
+    local = _modes_across_processes("local")
+    reference = copy.deepcopy(_bn_model(track=True)).eval()
+    reference[1].train()
+    torch.testing.assert_close(local["adapting"],
+                               reference(torch.randn(12, 6, generator=torch.Generator().manual_seed(1))))
+    for ranks in launch_local(_modes_across_processes, 2, "distributed", job_timeout=120):
+        for key, value in ranks.items():
+            torch.testing.assert_close(value, local[key], msg=key)
