@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -251,6 +251,11 @@ class BatchStatisticsInEval:
                              if isinstance(mod, nn.modules.batchnorm._BatchNorm)
                              and not mod.track_running_stats), None)
         self.warned = False
+
+    @staticmethod
+    def adapting(modules: Iterable[nn.Module]) -> bool:
+        """Whether a BatchNorm among `modules` is in training mode now (normalizing by its batch)."""
+        return any(isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training for mod in modules)
 
     def microbatches(self, m: int, adapting: bool = False) -> int:
         """How many micro-batches an inference batch asked to run as `m` runs as (`adapting`: a

@@ -518,8 +518,7 @@ class GPipe(nn.Module):
         # reads its own cells', and the processes of a distributed pipeline take one answer
         here = [mod for cell in self.cells for layer in cell.children() for mod in layer.modules()]
         drawing, adapting = self.runtime.any_process([
-            any(mod.training for mod in here),
-            any(isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training for mod in here)])
+            any(mod.training for mod in here), BatchStatisticsInEval.adapting(here)])
         training = self.training and drawing
         m = (self.micro_batches if training else
              self._eval_batch_statistics.microbatches(min(self.micro_batches, n), adapting))

@@ -39,11 +39,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_repro.engine.backward_split import DeferredWeights, deferrable
 from gpipe_repro.engine.batchnorm import DeferredBatchNorm, commit_many, is_one_value_per_channel
 from gpipe_repro.engine.choices import require_one_of
+from gpipe_repro.engine.layer_costs import counting_flops
 from gpipe_repro.memory.fake import fake_module
 from gpipe_repro.memory.tracker import MemoryTracker, storage_of
 from gpipe_repro.models.signature import TensorSig, ValueSig, layer_key, make_value, value_sig
@@ -274,13 +274,11 @@ class _Profiler:
             saved.add(self.tracker.key_of(t))
             return t
 
-        flops = FlopCounterMode(display=False) if self.count_flops else None
         with ExitStack() as stack:
             stack.enter_context(self.mode)
             stack.enter_context(self._attention())
             stack.enter_context(self.tracker)
-            if flops is not None:
-                stack.enter_context(flops)
+            flops = stack.enter_context(counting_flops()) if self.count_flops else None
             start = self._window()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = self.layer(x)
@@ -314,14 +312,12 @@ class _Profiler:
             result.update(bwd=((0, 0), (0, 0)), in_grads=tuple(None for _ in self.in_sig.group_bytes),
                           grad_bytes=0, bwd_flops=0)
             return result
-        # a counter of its own: FlopCounterMode clears its counts each time it is entered
-        flops = FlopCounterMode(display=False) if self.count_flops else None
         with ExitStack() as stack:
             stack.enter_context(self.mode)
             stack.enter_context(self._attention())
             stack.enter_context(self.tracker)
-            if flops is not None:
-                stack.enter_context(flops)
+            # a counter of its own: FlopCounterMode clears its counts each time it is entered
+            flops = stack.enter_context(counting_flops()) if self.count_flops else None
             torch.autograd.backward(z)
         del z
         bwd_flops = flops.get_total_flops() if flops is not None else 0
@@ -458,8 +454,8 @@ def profile_layer(layer: nn.Module, in_sig: ValueSig, optimizer: OptimizerFactor
     """Measure `layer` on an input of signature `in_sig` (see the module docstring). FLOPs are
     counted only with ``flops=True``, in a forward and backward of their own: under the FLOP
     counter a kernel may run another way (a LLaMA block's peak read 11% higher), and the memory
-    figures must not depend on whether FLOPs were asked for. That pass runs attention by its math
-    backend: the counter sees no FLOPs inside the fused CPU kernel, which does the same products.
+    figures must not depend on whether FLOPs were asked for. That pass counts as the engine does
+    (:func:`gpipe_repro.engine.layer_costs.counting_flops`: attention by its math backend).
 
     Raises :class:`LayerNotTraceable`, naming the layer and the cause, where its forward, backward or
     optimizer step fails on fake tensors (a kernel whose output shape depends on the values, or
@@ -478,7 +474,7 @@ def profile_layer(layer: nn.Module, in_sig: ValueSig, optimizer: OptimizerFactor
             kept, grads, most = p.deferred_kept()   # what the engine defers, measured
             if not any(t.requires_grad for t in p.leaves.values()):
                 kept = 0        # the layer's input takes no gradient: a cell of it defers nothing
-        counted = (_Profiler(layer, in_sig, optimizer, "math", True).forward_backward() if flops
+        counted = (_Profiler(layer, in_sig, optimizer, attention, True).forward_backward() if flops
                    else first)
     except Exception as e:  # noqa: BLE001 - any kernel's failure on fake tensors is the cause to name
         inner = getattr(layer, "block", None)
